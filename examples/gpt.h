@@ -1,0 +1,117 @@
+// A small GPT (nanoGPT's layout): token and position embeddings, N transformer blocks, a final
+// LayerNorm and an untied head. GPT<true> marks each block as an fsdp::Sharded unit; GPT<false> is
+// the same model in plain LibTorch (the reference the tests compare against). Parameter names are
+// the same in both: wte.weight, h.0.attn.c_attn.weight, ..., lm_head.weight.
+#pragma once
+
+#include "fsdp/sharded.h"
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+
+#include <cmath>
+#include <type_traits>
+#include <vector>
+
+namespace gpt {
+
+struct Config {
+  int64_t vocab_size = 256;  // bytes
+  int64_t block_size = 64;
+  int64_t n_layer = 4;
+  int64_t n_head = 4;
+  int64_t n_embd = 128;
+  bool bias = true;  // biases in the blocks' Linear layers (nanoGPT's `bias`)
+};
+
+struct CausalSelfAttentionImpl : torch::nn::Module {
+  explicit CausalSelfAttentionImpl(const Config& c)
+      : n_head(c.n_head),
+        c_attn(register_module("c_attn", torch::nn::Linear(torch::nn::LinearOptions(c.n_embd, 3 * c.n_embd).bias(c.bias)))),
+        c_proj(register_module("c_proj", torch::nn::Linear(torch::nn::LinearOptions(c.n_embd, c.n_embd).bias(c.bias)))) {}
+
+  torch::Tensor forward(const torch::Tensor& x) {
+    const int64_t B = x.size(0), T = x.size(1), C = x.size(2), hs = C / n_head;
+    auto qkv = c_attn(x).split(C, 2);
+    auto heads = [&](const torch::Tensor& t) { return t.view({B, T, n_head, hs}).transpose(1, 2); };
+    auto q = heads(qkv[0]), k = heads(qkv[1]), v = heads(qkv[2]);
+    auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hs)));
+    auto mask = torch::ones({T, T}, torch::kBool).tril();
+    att = att.masked_fill(mask.logical_not(), -std::numeric_limits<float>::infinity()).softmax(-1);
+    auto y = torch::matmul(att, v).transpose(1, 2).contiguous().view({B, T, C});
+    return c_proj(y);
+  }
+
+  int64_t n_head;
+  torch::nn::Linear c_attn, c_proj;
+};
+TORCH_MODULE(CausalSelfAttention);
+
+struct MLPImpl : torch::nn::Module {
+  explicit MLPImpl(const Config& c)
+      : c_fc(register_module("c_fc", torch::nn::Linear(torch::nn::LinearOptions(c.n_embd, 4 * c.n_embd).bias(c.bias)))),
+        c_proj(register_module("c_proj", torch::nn::Linear(torch::nn::LinearOptions(4 * c.n_embd, c.n_embd).bias(c.bias)))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return c_proj(torch::gelu(c_fc(x), "tanh")); }
+  torch::nn::Linear c_fc, c_proj;
+};
+TORCH_MODULE(MLP);
+
+struct BlockImpl : torch::nn::Module {
+  explicit BlockImpl(const Config& c)
+      : ln_1(register_module("ln_1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd})))),
+        attn(register_module("attn", CausalSelfAttention(c))),
+        ln_2(register_module("ln_2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd})))),
+        mlp(register_module("mlp", MLP(c))) {}
+  torch::Tensor forward(torch::Tensor x) {
+    x = x + attn(ln_1(x));
+    return x + mlp(ln_2(x));
+  }
+  torch::nn::LayerNorm ln_1;
+  CausalSelfAttention attn;
+  torch::nn::LayerNorm ln_2;
+  MLP mlp;
+};
+TORCH_MODULE(Block);
+
+template <bool kSharded>
+struct GPTImpl : torch::nn::Module {
+  using BlockHolder = std::conditional_t<kSharded, fsdp::Sharded<BlockImpl>, Block>;
+
+  explicit GPTImpl(const Config& c)
+      : config(c),
+        wte(register_module("wte", torch::nn::Embedding(c.vocab_size, c.n_embd))),
+        wpe(register_module("wpe", torch::nn::Embedding(c.block_size, c.n_embd))),
+        h(register_module("h", torch::nn::ModuleList())),
+        ln_f(register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd})))),
+        lm_head(register_module("lm_head", torch::nn::Linear(torch::nn::LinearOptions(c.n_embd, c.vocab_size).bias(false)))) {
+    for (int64_t i = 0; i < c.n_layer; ++i) {
+      blocks.emplace_back(c);
+      h->push_back(blocks.back().ptr());  // registered as h.<i>; called through `blocks`
+    }
+  }
+
+  /// idx: [B, T] token ids -> logits [B, T, vocab]
+  torch::Tensor forward(const torch::Tensor& idx) {
+    const int64_t T = idx.size(1);
+    auto x = wte(idx) + wpe(torch::arange(T, idx.options()));
+    for (auto& b : blocks) x = b(x);
+    return lm_head(ln_f(x));
+  }
+
+  Config config;
+  torch::nn::Embedding wte, wpe;
+  torch::nn::ModuleList h;
+  std::vector<BlockHolder> blocks;
+  torch::nn::LayerNorm ln_f;
+  torch::nn::Linear lm_head;
+};
+
+template <bool kSharded>
+std::shared_ptr<GPTImpl<kSharded>> make_gpt(const Config& c) {
+  return std::make_shared<GPTImpl<kSharded>>(c);
+}
+
+}  // namespace gpt

@@ -1,0 +1,73 @@
+#include "fsdp/collectives.h"
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+namespace fsdp::detail {
+
+Comm::Comm(c10::intrusive_ptr<c10d::ProcessGroup> pg, std::chrono::milliseconds timeout)
+    : pg_(std::move(pg)), timeout_(timeout), rank_(pg_->getRank()), world_size_(pg_->getSize()) {}
+
+c10::intrusive_ptr<c10d::Backend> Comm::backend(const at::Tensor& t) const {
+  try {
+    return pg_->getBackend(t.device().type());
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "fsdp: rank ", rank_, " has no communication backend for ", t.device(),
+                " tensors (Gloo serves CPU, NCCL serves CUDA when a GPU is present): ", e.what());
+  }
+}
+
+void Comm::wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what) const {
+  try {
+    work->wait(timeout_);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "fsdp: ", what, " failed on rank ", rank_, " of ", world_size_, " (timeout ",
+                timeout_.count(), " ms): ", e.what(),
+                "\nA peer rank may have exited, crashed, or taken a different path through the model; "
+                "check every rank's output.");
+  }
+}
+
+void Comm::all_gather(at::Tensor& out, at::Tensor& in, const std::string& what) {
+  TORCH_INTERNAL_ASSERT(out.numel() == in.numel() * world_size_);
+  ++stats.all_gathers;
+  stats.elements += out.numel();
+  if (world_size_ == 1) {
+    out.copy_(in);
+    return;
+  }
+  wait(backend(in)->_allgather_base(out, in), what);
+}
+
+void Comm::reduce_scatter_sum(at::Tensor& out, at::Tensor& in, const std::string& what) {
+  TORCH_INTERNAL_ASSERT(in.numel() == out.numel() * world_size_);
+  ++stats.reduce_scatters;
+  stats.elements += in.numel();
+  if (world_size_ == 1) {
+    out.copy_(in);
+    return;
+  }
+  c10d::ReduceScatterOptions opts;
+  opts.reduceOp = c10d::ReduceOp::SUM;
+  wait(backend(in)->_reduce_scatter_base(out, in, opts), what);
+}
+
+void Comm::all_reduce_sum(at::Tensor& t, const std::string& what) {
+  ++stats.all_reduces;
+  stats.elements += 2 * t.numel();
+  if (world_size_ == 1) return;
+  std::vector<at::Tensor> ts{t};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = c10d::ReduceOp::SUM;
+  wait(backend(t)->allreduce(ts, opts), what);
+}
+
+void Comm::broadcast(at::Tensor& t, int root, const std::string& what) {
+  ++stats.broadcasts;
+  if (world_size_ == 1) return;
+  std::vector<at::Tensor> ts{t};
+  c10d::BroadcastOptions opts;
+  opts.rootRank = root;
+  wait(backend(t)->broadcast(ts, opts), what);
+}
+
+}  // namespace fsdp::detail

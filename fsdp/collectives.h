@@ -1,0 +1,55 @@
+// The collectives the sharding core issues, with their counts, a timeout on every wait, and errors
+// that say which operation failed on which rank. Internal to the library.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+
+namespace fsdp {
+
+/// What the library sent through the process group since the last reset. `elements` is the ZeRO
+/// paper's communication volume: all-gather output + reduce-scatter input + 2 x all-reduce elements.
+struct CommStats {
+  int64_t all_gathers = 0;
+  int64_t reduce_scatters = 0;
+  int64_t all_reduces = 0;
+  int64_t broadcasts = 0;
+  int64_t elements = 0;
+};
+
+namespace detail {
+
+class Comm {
+ public:
+  Comm(c10::intrusive_ptr<c10d::ProcessGroup> pg, std::chrono::milliseconds timeout);
+
+  int rank() const { return rank_; }
+  int world_size() const { return world_size_; }
+  const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const { return pg_; }
+
+  /// out[r * in.numel() + i] = in_r[i] for every rank r (rank-major).
+  void all_gather(at::Tensor& out, at::Tensor& in, const std::string& what);
+  /// out = (sum over ranks of in)[rank * out.numel(), (rank + 1) * out.numel()).
+  /// Gloo may implement this as an all-reduce; SUM is used because some versions turn AVG into SUM.
+  void reduce_scatter_sum(at::Tensor& out, at::Tensor& in, const std::string& what);
+  void all_reduce_sum(at::Tensor& t, const std::string& what);
+  void broadcast(at::Tensor& t, int root, const std::string& what);
+
+  CommStats stats;
+
+ private:
+  c10::intrusive_ptr<c10d::Backend> backend(const at::Tensor& t) const;
+  void wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what) const;
+
+  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  std::chrono::milliseconds timeout_;
+  int rank_;
+  int world_size_;
+};
+
+}  // namespace detail
+}  // namespace fsdp

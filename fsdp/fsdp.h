@@ -1,0 +1,9 @@
+// libtorch-fsdp: fully sharded data parallel training for LibTorch. The one header to include.
+#pragma once
+
+#include "fsdp/fully_shard.h"
+#include "fsdp/memory.h"
+#include "fsdp/options.h"
+#include "fsdp/process_group.h"
+#include "fsdp/sharded.h"
+#include "optim/state_bytes.h"

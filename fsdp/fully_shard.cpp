@@ -1,0 +1,55 @@
+#include "fsdp/fully_shard.h"
+
+#include <c10/core/GradMode.h>
+
+#include <unordered_map>
+
+namespace fsdp::detail {
+
+RootHandle::RootHandle(std::shared_ptr<torch::nn::Module> module, const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
+                       const FullyShardOptions& options)
+    : module_(std::move(module)), root_(shard_model(module_, pg, options)) {}
+
+void RootHandle::root_pre_forward() { root_->pre_forward(); }
+
+void RootHandle::root_post_forward(const std::vector<at::Tensor>& outputs) { root_->post_forward(outputs); }
+
+torch::OrderedDict<std::string, at::Tensor> RootHandle::named_sharded_parameters() const {
+  std::unordered_map<const c10::TensorImpl*, at::Tensor> sharded;
+  for (auto& w : root_->state().groups) {
+    if (auto g = w.lock()) {
+      for (const auto& s : g->slots()) sharded.emplace(s.param.unsafeGetTensorImpl(), s.sharded);
+    }
+  }
+  torch::OrderedDict<std::string, at::Tensor> out;
+  for (const auto& kv : module_->named_parameters()) {
+    auto it = sharded.find(kv.value().unsafeGetTensorImpl());
+    TORCH_INTERNAL_ASSERT(it != sharded.end(), "parameter ", kv.key(), " has no shard");
+    out.insert(kv.key(), it->second);
+  }
+  return out;
+}
+
+std::vector<at::Tensor> RootHandle::sharded_parameters() const { return named_sharded_parameters().values(); }
+
+std::vector<UnitInfo> RootHandle::units() const {
+  std::vector<UnitInfo> out;
+  for (auto& w : root_->state().groups) {
+    if (auto g = w.lock()) {
+      UnitInfo u;
+      u.name = g->name();
+      u.shard_numel = g->shard_numel();
+      u.unsharded = g->is_unsharded();
+      for (const auto& s : g->slots()) u.params.push_back(s.name);
+      out.push_back(std::move(u));
+    }
+  }
+  return out;
+}
+
+const CommStats& RootHandle::comm_stats() const { return root_->state().comm.stats; }
+void RootHandle::reset_comm_stats() { root_->state().comm.stats = CommStats{}; }
+int RootHandle::rank() const { return root_->state().comm.rank(); }
+int RootHandle::world_size() const { return root_->state().comm.world_size(); }
+
+}  // namespace fsdp::detail

@@ -1,0 +1,103 @@
+// fsdp::fully_shard: wraps a model for fully sharded (ZeRO-3) data-parallel training.
+//
+//   auto pg = fsdp::init_process_group();
+//   auto model = fsdp::fully_shard(GPT(cfg), pg);
+//   torch::optim::AdamW opt(model.sharded_parameters(), torch::optim::AdamWOptions(3e-4));
+//   auto loss = torch::nn::functional::cross_entropy(model(x), y);
+//   loss.backward();   // gradients are reduce-scattered inside backward
+//   opt.step();
+//
+// The returned handle is the root: call the model through it (its forward gathers the root's own
+// parameters). Parameter names are those of the unwrapped model.
+#pragma once
+
+#include "fsdp/options.h"
+#include "fsdp/param_group.h"
+#include "fsdp/sharded.h"
+#include "fsdp/state.h"
+
+#include <torch/nn/pimpl.h>
+#include <torch/ordered_dict.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace fsdp {
+
+/// A unit's layout on this rank, for inspection and tests.
+struct UnitInfo {
+  std::string name;  ///< module path of the unit ("" for the root unit)
+  int64_t shard_numel = 0;
+  bool unsharded = false;
+  std::vector<std::string> params;
+};
+
+namespace detail {
+/// The non-template part of FullyShardedModule.
+class RootHandle {
+ public:
+  RootHandle(std::shared_ptr<torch::nn::Module> module, const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
+             const FullyShardOptions& options);
+
+  std::vector<at::Tensor> sharded_parameters() const;
+  torch::OrderedDict<std::string, at::Tensor> named_sharded_parameters() const;
+  std::vector<UnitInfo> units() const;
+  const CommStats& comm_stats() const;
+  void reset_comm_stats();
+  int rank() const;
+  int world_size() const;
+
+ protected:
+  void root_pre_forward();
+  void root_post_forward(const std::vector<at::Tensor>& outputs);
+
+  std::shared_ptr<torch::nn::Module> module_;
+  std::shared_ptr<ParamGroup> root_;
+};
+}  // namespace detail
+
+template <typename Impl>
+class FullyShardedModule : public detail::RootHandle {
+ public:
+  FullyShardedModule(std::shared_ptr<Impl> module, const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
+                     const FullyShardOptions& options)
+      : RootHandle(module, pg, options), impl_(std::move(module)) {}
+
+  template <typename... Args>
+  decltype(auto) forward(Args&&... args) {
+    root_pre_forward();
+    auto out = impl_->forward(std::forward<Args>(args)...);
+    std::vector<at::Tensor> tensors;
+    detail::collect_tensors(out, tensors);
+    root_post_forward(tensors);
+    return out;
+  }
+  template <typename... Args>
+  decltype(auto) operator()(Args&&... args) {
+    return forward(std::forward<Args>(args)...);
+  }
+
+  Impl* operator->() const { return impl_.get(); }
+  Impl& operator*() const { return *impl_; }
+  const std::shared_ptr<Impl>& module() const { return impl_; }
+
+ private:
+  std::shared_ptr<Impl> impl_;
+};
+
+/// Shards `model` over `pg`. Every rank must build the same model; rank 0's initial weights are
+/// broadcast (see FullyShardOptions::sync_module_states).
+template <typename Impl>
+FullyShardedModule<Impl> fully_shard(const torch::nn::ModuleHolder<Impl>& model,
+                                     const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
+                                     const FullyShardOptions& options = {}) {
+  return FullyShardedModule<Impl>(model.ptr(), pg, options);
+}
+template <typename Impl>
+FullyShardedModule<Impl> fully_shard(std::shared_ptr<Impl> model, const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
+                                     const FullyShardOptions& options = {}) {
+  return FullyShardedModule<Impl>(std::move(model), pg, options);
+}
+
+}  // namespace fsdp

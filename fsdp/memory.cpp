@@ -1,0 +1,97 @@
+#include "fsdp/memory.h"
+
+#include "fsdp/cuda_backend.h"
+
+#include <c10/core/Allocator.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/util/Exception.h>
+
+#include <atomic>
+#include <mutex>
+
+namespace fsdp::memory {
+namespace {
+
+// Wraps the CPU allocator that was installed before it. Each allocation carries a small context
+// that owns the inner DataPtr and remembers its size, so frees are counted exactly, whichever
+// thread or tensor releases the memory.
+class CountingAllocator final : public c10::Allocator {
+ public:
+  explicit CountingAllocator(c10::Allocator* inner) : inner_(inner) {}
+
+  c10::DataPtr allocate(size_t n) override {
+    c10::DataPtr inner = inner_->allocate(n);
+    void* data = inner.get();
+    auto* ctx = new Context{std::move(inner), static_cast<int64_t>(n), this};
+    add(ctx->bytes);
+    return {data, ctx, &CountingAllocator::release, c10::Device(c10::kCPU)};
+  }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+
+  Stats stats() const { return {current_.load(), peak_.load()}; }
+  void reset_peak() { peak_.store(current_.load()); }
+
+ private:
+  struct Context {
+    c10::DataPtr inner;
+    int64_t bytes;
+    CountingAllocator* owner;
+  };
+
+  static void release(void* p) {
+    auto* ctx = static_cast<Context*>(p);
+    ctx->owner->current_.fetch_sub(ctx->bytes);
+    delete ctx;  // frees the inner allocation
+  }
+
+  void add(int64_t n) {
+    int64_t now = current_.fetch_add(n) + n;
+    int64_t peak = peak_.load();
+    while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
+    }
+  }
+
+  c10::Allocator* inner_;
+  std::atomic<int64_t> current_{0};
+  std::atomic<int64_t> peak_{0};
+};
+
+CountingAllocator* g_counting = nullptr;
+std::once_flag g_once;
+
+}  // namespace
+
+void enable_cpu_counting() {
+  std::call_once(g_once, [] {
+    // Never freed: tensors allocated through it may outlive main().
+    g_counting = new CountingAllocator(c10::GetCPUAllocator());
+    c10::SetCPUAllocator(g_counting, /*priority=*/100);
+  });
+}
+
+bool cpu_counting_enabled() { return g_counting != nullptr; }
+
+Stats stats(c10::Device device) {
+  if (device.is_cuda()) {
+    auto m = detail::cuda_memory(device.has_index() ? device.index() : 0);
+    return {m.current, m.peak};
+  }
+  TORCH_CHECK(device.is_cpu(), "fsdp::memory::stats: unsupported device ", device);
+  TORCH_CHECK(g_counting != nullptr,
+              "fsdp::memory::stats: CPU memory is not being counted; call fsdp::memory::enable_cpu_counting() "
+              "at the start of main(), before any tensor is created.");
+  return g_counting->stats();
+}
+
+void reset_peak(c10::Device device) {
+  if (device.is_cuda()) {
+    detail::cuda_reset_peak(device.has_index() ? device.index() : 0);
+    return;
+  }
+  if (g_counting != nullptr) g_counting->reset_peak();
+}
+
+}  // namespace fsdp::memory

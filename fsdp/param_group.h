@@ -1,0 +1,92 @@
+// One sharding unit: the parameters of a module marked fsdp::Sharded (or of the root, minus its
+// units), their dim-0 shards in one flat buffer, and the unshard / reshard / reduce-scatter steps.
+// Internal to the library; see docs/design.md for the reasons behind the layout.
+#pragma once
+
+#include "fsdp/collectives.h"
+#include "fsdp/options.h"
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/autograd/function.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace fsdp::detail {
+
+class FSDPState;
+
+/// Where one parameter lives in its unit. With W ranks and c = ceil(rows / W), rank r owns rows
+/// [r*c, min((r+1)*c, rows)), possibly none; its shard is padded to c rows in the flat buffer.
+struct ParamSlot {
+  std::string name;       ///< fully qualified name in the root module
+  at::Tensor param;       ///< the user's parameter: a view into the unsharded buffer, or empty
+  at::Tensor sharded;     ///< this rank's rows: a leaf that optimizers update in place
+  at::Tensor unsharded;   ///< the view `param` points at while unsharded
+  std::vector<int64_t> shape;
+  int64_t rows = 0;       ///< dim 0 (1 for a scalar)
+  int64_t row_numel = 0;  ///< elements per row
+  int64_t chunk_rows = 0; ///< c
+  int64_t local_rows = 0; ///< rows this rank owns
+  int64_t offset = 0;     ///< start of this parameter's shard in the flat shard buffer
+  int64_t padded_numel() const { return chunk_rows * row_numel; }
+  bool requires_grad = false;
+  bool grad_ready = false;
+  /// Kept alive on purpose: autograd holds a parameter's AccumulateGrad node only weakly, and a
+  /// re-created node would have neither our hook nor the full shape it must validate against.
+  std::shared_ptr<torch::autograd::Node> grad_accumulator;
+};
+
+class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
+ public:
+  ParamGroup(std::string name, std::vector<std::pair<std::string, at::Tensor>> params,
+             std::shared_ptr<FSDPState> state, bool is_root);
+
+  /// Shards the parameters (after rank 0's values were broadcast), installs the hooks, frees the
+  /// unsharded storage. Called once by fully_shard.
+  void init();
+
+  const std::string& name() const { return name_; }
+  bool is_root() const { return is_root_; }
+  bool is_unsharded() const { return unsharded_now_; }
+  const std::vector<ParamSlot>& slots() const { return slots_; }
+  int64_t shard_numel() const { return shard_numel_; }
+
+  /// All-gathers the parameters and points every user parameter at its full view.
+  void unshard();
+  /// Frees the unsharded storage (0 bytes) and points every user parameter at an empty tensor.
+  void reshard();
+
+  // Forward: unshard before, reshard after (unless told otherwise) and hook the outputs so the
+  // unit is gathered again when its backward begins.
+  void pre_forward();
+  void post_forward(const std::vector<at::Tensor>& outputs);
+  FSDPState& state() const { return *state_; }
+
+  // Backward.
+  void pre_backward();
+  void on_grad_ready(size_t slot);
+  /// At the end of backward: reduce what a partly used unit has, reshard, clear the flags.
+  void finalize_backward();
+
+ private:
+  std::string describe(const char* op) const;
+  void reduce_grads();
+
+  std::string name_;
+  std::vector<ParamSlot> slots_;
+  std::shared_ptr<FSDPState> state_;
+  bool is_root_;
+  int64_t shard_numel_ = 0;
+  at::Tensor flat_shard_;   // [shard_numel]: this rank's rows of every parameter, padded
+  at::Tensor unsharded_;    // [W * shard_numel], parameter-major; storage resized to 0 when resharded
+  at::Tensor placeholder_;  // what parameters point at while resharded
+  bool unsharded_now_ = true;
+  bool awaiting_backward_ = false;  // outputs hooked, backward not yet begun
+  bool in_backward_ = false;
+  size_t grads_expected_ = 0;
+  size_t grads_ready_ = 0;
+};
+
+}  // namespace fsdp::detail

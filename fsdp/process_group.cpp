@@ -1,0 +1,178 @@
+#include "fsdp/process_group.h"
+
+#include "fsdp/cuda_backend.h"
+
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <cstdlib>
+#include <limits>
+
+namespace fsdp {
+namespace {
+
+const char* getenv_or_null(const char* name) {
+  const char* v = std::getenv(name);
+  return (v != nullptr && *v != '\0') ? v : nullptr;
+}
+
+int parse_int(const char* name, const char* value, int lo, int hi) {
+  char* end = nullptr;
+  errno = 0;
+  long v = std::strtol(value, &end, 10);
+  TORCH_CHECK(errno == 0 && end != value && *end == '\0' && v >= lo && v <= hi,
+              "fsdp::init_process_group: environment variable ", name, "='", value,
+              "' is not an integer in [", lo, ", ", hi, "]. Launch with torchrun or srun, or fix the variable.");
+  return static_cast<int>(v);
+}
+
+int require_int(const char* name, const char* launcher, int lo, int hi) {
+  const char* v = getenv_or_null(name);
+  TORCH_CHECK(v != nullptr, "fsdp::init_process_group: environment variable ", name,
+              " is not set, but the ", launcher,
+              " environment is partly there. Launch with `torchrun --no-python --nproc-per-node N ./program` "
+              "(or srun under Slurm), or unset the launcher variables to run a single process.");
+  return parse_int(name, v, lo, hi);
+}
+
+LaunchEnv& current_env() {
+  static LaunchEnv env;
+  return env;
+}
+
+void read_master(LaunchEnv& env) {
+  if (env.world_size == 1) return;
+  const char* addr = getenv_or_null("MASTER_ADDR");
+  TORCH_CHECK(addr != nullptr, "fsdp::init_process_group: environment variable MASTER_ADDR is not set (rank ",
+              env.rank, " of ", env.world_size, ", launcher ", env.launcher, "). ",
+              env.launcher == "slurm"
+                  ? "Under Slurm, export MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1)."
+                  : "torchrun sets it; set it to rank 0's host when launching by hand.");
+  env.master_addr = addr;
+  const char* port = getenv_or_null("MASTER_PORT");
+  if (port == nullptr) {
+    TORCH_CHECK(env.launcher == "slurm", "fsdp::init_process_group: environment variable MASTER_PORT is not set (rank ",
+                env.rank, " of ", env.world_size, "). torchrun sets it; set it to a free port when launching by hand.");
+    env.master_port = 29500;
+  } else {
+    env.master_port = parse_int("MASTER_PORT", port, 1, 65535);
+  }
+}
+
+}  // namespace
+
+LaunchEnv read_launch_env() {
+  constexpr int kMax = std::numeric_limits<int>::max();
+  LaunchEnv env;
+  const bool torchrun = getenv_or_null("RANK") || getenv_or_null("WORLD_SIZE") || getenv_or_null("LOCAL_RANK");
+  if (torchrun) {
+    env.launcher = "torchrun";
+    env.world_size = require_int("WORLD_SIZE", "torchrun", 1, kMax);
+    env.rank = require_int("RANK", "torchrun", 0, kMax);
+    const char* lr = getenv_or_null("LOCAL_RANK");
+    env.local_rank = lr ? parse_int("LOCAL_RANK", lr, 0, kMax) : env.rank;
+    const char* agent = getenv_or_null("TORCHELASTIC_USE_AGENT_STORE");
+    env.agent_store = agent != nullptr && std::string(agent) == "True";
+  } else if (getenv_or_null("SLURM_PROCID")) {
+    env.launcher = "slurm";
+    env.world_size = require_int("SLURM_NTASKS", "Slurm", 1, kMax);
+    env.rank = require_int("SLURM_PROCID", "Slurm", 0, kMax);
+    const char* lr = getenv_or_null("SLURM_LOCALID");
+    env.local_rank = lr ? parse_int("SLURM_LOCALID", lr, 0, kMax) : 0;
+  } else {
+    env.launcher = "none";
+    return env;
+  }
+  TORCH_CHECK(env.rank < env.world_size, "fsdp::init_process_group: inconsistent ", env.launcher,
+              " environment: rank ", env.rank, " is not below the world size ", env.world_size, " (",
+              env.launcher == "slurm" ? "SLURM_PROCID / SLURM_NTASKS" : "RANK / WORLD_SIZE", ").");
+  read_master(env);
+  return env;
+}
+
+LaunchEnv make_launch_env(int rank, int world_size, bool need_master) {
+  TORCH_CHECK(world_size >= 1 && rank >= 0 && rank < world_size, "fsdp::init_process_group: rank ", rank,
+              " and world size ", world_size, " given in InitOptions are inconsistent: need 0 <= rank < world_size.");
+  LaunchEnv env;
+  env.launcher = "explicit";
+  env.rank = rank;
+  env.world_size = world_size;
+  env.local_rank = rank;
+  if (need_master) read_master(env);
+  return env;
+}
+
+const LaunchEnv& launch_env() { return current_env(); }
+
+c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const InitOptions& options) {
+  const std::string& method = options.init_method();
+  const bool file_store = method.rfind("file://", 0) == 0;
+  TORCH_CHECK((options.rank() < 0) == (options.world_size() < 0),
+              "fsdp::init_process_group: give both InitOptions::rank and InitOptions::world_size, or neither.");
+  LaunchEnv env = options.rank() >= 0 ? make_launch_env(options.rank(), options.world_size(), !file_store)
+                                      : read_launch_env();
+  c10::intrusive_ptr<c10d::Store> store;
+  if (file_store) {
+    store = c10::make_intrusive<c10d::FileStore>(method.substr(7), env.world_size);
+  } else {
+    TORCH_CHECK(method == "env://", "fsdp::init_process_group: unknown init_method '", method,
+                "'; use \"env://\" or \"file:///path\".");
+    if (env.world_size == 1) {
+      store = c10::make_intrusive<c10d::HashStore>();
+    } else {
+      c10d::TCPStoreOptions so;
+      so.port = static_cast<std::uint16_t>(env.master_port);
+      so.isServer = env.rank == 0 && !env.agent_store;
+      so.numWorkers = env.world_size;
+      so.waitWorkers = false;
+      so.timeout = options.timeout();
+      so.multiTenant = true;
+      try {
+        store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
+      } catch (const std::exception& e) {
+        TORCH_CHECK(false, "fsdp::init_process_group: rank ", env.rank, " of ", env.world_size,
+                    " could not reach the TCPStore at ", env.master_addr, ":", env.master_port, " (",
+                    so.isServer ? "as its host" : "as a client", "): ", e.what());
+      }
+    }
+  }
+  store->setTimeout(options.timeout());
+
+  auto gloo_opts = c10d::ProcessGroupGloo::Options::create(options.timeout());
+  std::string iface = options.gloo_interface();
+  if (iface.empty()) {
+    if (const char* e = getenv_or_null("GLOO_SOCKET_IFNAME")) iface = e;
+  }
+  if (!iface.empty()) {
+    gloo_opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(iface));
+  } else if (env.world_size == 1) {
+    gloo_opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+  } else {
+    gloo_opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+  }
+  // Gloo's own worker threads; one is plenty for the CPU path and keeps 4 ranks on 2 cores calm.
+  gloo_opts->threads = 2;
+
+  auto pg = c10::make_intrusive<c10d::ProcessGroup>(store, env.rank, env.world_size);
+  c10::intrusive_ptr<c10d::Backend> gloo;
+  try {
+    gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(c10::make_intrusive<c10d::PrefixStore>("gloo", store),
+                                                       env.rank, env.world_size, gloo_opts);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "fsdp::init_process_group: rank ", env.rank, " of ", env.world_size,
+                " could not connect Gloo to its peers within ", options.timeout().count(), " ms: ", e.what(),
+                " Check that every rank was started and that MASTER_ADDR/MASTER_PORT agree.");
+  }
+  pg->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, gloo);
+  pg->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
+  if (options.nccl()) {
+    detail::maybe_add_nccl_backend(*pg, store, env, options.timeout());
+  }
+  current_env() = env;
+  return pg;
+}
+
+}  // namespace fsdp

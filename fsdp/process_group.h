@@ -1,0 +1,55 @@
+// Process groups from a launcher's environment: torchrun, Slurm, or none (one process).
+#pragma once
+
+#include <torch/arg.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <chrono>
+#include <string>
+
+namespace fsdp {
+
+/// Where this process sits in the job, as its launcher described it.
+struct LaunchEnv {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  std::string master_addr;  ///< empty for a single process
+  int master_port = 0;
+  std::string launcher;     ///< "torchrun", "slurm" or "none"
+  bool agent_store = false; ///< torchrun's agent already hosts the TCPStore: every rank joins as a client
+};
+
+/// Reads the launcher's environment. torchrun: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+/// MASTER_PORT. Slurm (when RANK is unset): SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, plus
+/// MASTER_ADDR (MASTER_PORT defaults to 29500). Neither: a single process. Missing or inconsistent
+/// variables throw a c10::Error naming the variable.
+LaunchEnv read_launch_env();
+/// The same with the rank and world size given, reading only MASTER_ADDR / MASTER_PORT (when
+/// `need_master` and world_size > 1).
+LaunchEnv make_launch_env(int rank, int world_size, bool need_master);
+
+struct InitOptions {
+  /// Bound on the rendezvous and on every collective of the group.
+  TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(10);
+  /// "env://" (torchrun, Slurm or a single process) or "file:///path" (a FileStore; the rank and
+  /// world size then come from the environment as well).
+  TORCH_ARG(std::string, init_method) = "env://";
+  /// Network interface for Gloo ("lo", "eth0"); empty: $GLOO_SOCKET_IFNAME, else this host's address.
+  TORCH_ARG(std::string, gloo_interface) = "";
+  /// Explicit rank and world size (both, or neither): then the launcher's variables are not read
+  /// for them (with "env://", MASTER_ADDR and MASTER_PORT still are).
+  TORCH_ARG(int, rank) = -1;
+  TORCH_ARG(int, world_size) = -1;
+  /// Also create an NCCL backend for CUDA tensors when this LibTorch has CUDA and a GPU is present.
+  TORCH_ARG(bool, nccl) = true;
+};
+
+/// Creates the process group of this job: Gloo for CPU tensors and (where available) NCCL for CUDA
+/// tensors, after a TCPStore rendezvous. World size 1 needs no launcher and no environment.
+c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const InitOptions& options = {});
+
+/// The LaunchEnv the last init_process_group() used (single process before any call).
+const LaunchEnv& launch_env();
+
+}  // namespace fsdp

@@ -1,0 +1,115 @@
+// fsdp::Sharded<Impl>: marks a module (typically a transformer block) as one sharding unit.
+//
+//   struct GPTImpl : torch::nn::Module {
+//     GPTImpl() { for (...) blocks.push_back(register_module("h" + i, fsdp::Sharded<BlockImpl>(cfg))); }
+//     std::vector<fsdp::Sharded<BlockImpl>> blocks;
+//   };
+//
+// ShardedImpl<Impl> derives from the user's Impl, so every parameter keeps its exact name, and its
+// forward() hides Impl::forward: gather the unit's parameters, run Impl::forward, free them again
+// and hook the outputs so that backward gathers them once more. LibTorch modules have no forward
+// hooks and forward() is not virtual, so interception by type is the one way in.
+// Before fsdp::fully_shard has seen the model, a ShardedImpl behaves exactly like Impl.
+#pragma once
+
+#include "fsdp/param_group.h"
+
+#include <torch/nn/pimpl.h>
+
+#include <memory>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace fsdp {
+
+namespace detail {
+
+// Collects the tensors of a forward's output, to hook the ones that need gradients.
+inline void collect_tensors(const at::Tensor& t, std::vector<at::Tensor>& out) { out.push_back(t); }
+inline void collect_tensors(const std::vector<at::Tensor>& ts, std::vector<at::Tensor>& out) {
+  out.insert(out.end(), ts.begin(), ts.end());
+}
+template <typename A, typename B>
+void collect_tensors(const std::pair<A, B>& p, std::vector<at::Tensor>& out);
+template <typename... Ts>
+void collect_tensors(const std::tuple<Ts...>& t, std::vector<at::Tensor>& out) {
+  std::apply([&](const auto&... e) { (collect_tensors(e, out), ...); }, t);
+}
+template <typename A, typename B>
+void collect_tensors(const std::pair<A, B>& p, std::vector<at::Tensor>& out) {
+  collect_tensors(p.first, out);
+  collect_tensors(p.second, out);
+}
+template <typename T, typename = std::enable_if_t<std::is_arithmetic_v<T>>>
+void collect_tensors(const T&, std::vector<at::Tensor>&) {}
+
+}  // namespace detail
+
+/// The non-template part of every sharded module: the unit it belongs to once fully_shard ran.
+class ShardedUnit {
+ public:
+  virtual ~ShardedUnit() = default;
+  /// The unit's state; null before fsdp::fully_shard.
+  const std::shared_ptr<detail::ParamGroup>& fsdp_unit() const { return fsdp_unit_; }
+  void fsdp_attach(std::shared_ptr<detail::ParamGroup> unit) { fsdp_unit_ = std::move(unit); }
+
+ protected:
+  /// Runs `forward` between the unit's pre- and post-forward steps.
+  template <typename Fn>
+  auto run_unit(Fn&& forward) {
+    if (!fsdp_unit_) return forward();
+    fsdp_unit_->pre_forward();
+    auto out = forward();
+    std::vector<at::Tensor> tensors;
+    detail::collect_tensors(out, tensors);
+    fsdp_unit_->post_forward(tensors);
+    return out;
+  }
+
+  std::shared_ptr<detail::ParamGroup> fsdp_unit_;
+};
+
+namespace detail {
+// &Impl::forward when it names one function, else void.
+template <typename T, typename = void>
+struct forward_ptr {
+  using type = void;
+};
+template <typename T>
+struct forward_ptr<T, std::void_t<decltype(&T::forward)>> {
+  using type = decltype(&T::forward);
+};
+}  // namespace detail
+
+/// Impl with its forward intercepted. When Impl has a single forward(), the wrapper's forward has
+/// exactly its signature (so ModuleList, Sequential and AnyModule can hold it); otherwise forward is
+/// a template that accepts whatever Impl::forward does.
+template <typename Impl, typename F = typename detail::forward_ptr<Impl>::type>
+class ShardedImpl : public Impl, public ShardedUnit {
+ public:
+  using Impl::Impl;
+  template <typename... Args>
+  auto forward(Args&&... args) {
+    return run_unit([&] { return Impl::forward(std::forward<Args>(args)...); });
+  }
+};
+
+template <typename Impl, typename C, typename R, typename... A>
+class ShardedImpl<Impl, R (C::*)(A...)> : public Impl, public ShardedUnit {
+ public:
+  using Impl::Impl;
+  R forward(A... args) {
+    return run_unit([&]() -> R { return Impl::forward(std::forward<A>(args)...); });
+  }
+};
+
+/// Module holder for a sharded Impl, used like any LibTorch holder: Sharded<BlockImpl>(args...).
+template <typename Impl>
+class Sharded : public torch::nn::ModuleHolder<ShardedImpl<Impl>> {
+ public:
+  using torch::nn::ModuleHolder<ShardedImpl<Impl>>::ModuleHolder;
+};
+
+}  // namespace fsdp

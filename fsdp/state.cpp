@@ -1,0 +1,173 @@
+#include "fsdp/state.h"
+
+#include "fsdp/param_group.h"
+#include "fsdp/sharded.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/autograd/engine.h>
+
+#include <cstring>
+#include <sstream>
+#include <unordered_map>
+
+namespace fsdp::detail {
+
+FSDPState::FSDPState(c10::intrusive_ptr<c10d::ProcessGroup> pg, FullyShardOptions options)
+    : comm(std::move(pg), options.timeout()), options(options) {}
+
+void FSDPState::on_backward_begin() {
+  if (callback_queued_) return;
+  callback_queued_ = true;
+  std::weak_ptr<FSDPState> self = weak_from_this();
+  torch::autograd::Engine::get_default_engine().queue_callback([self] {
+    if (auto s = self.lock()) s->finalize_backward();
+  });
+}
+
+void FSDPState::finalize_backward() {
+  callback_queued_ = false;
+  for (auto& w : groups) {
+    if (auto g = w.lock()) g->finalize_backward();
+  }
+}
+
+namespace {
+
+std::vector<std::string> split_lines(const char* data, size_t n) {
+  std::vector<std::string> lines;
+  std::string cur;
+  for (size_t i = 0; i < n; ++i) {
+    if (data[i] == '\n') {
+      lines.push_back(cur);
+      cur.clear();
+    } else {
+      cur += data[i];
+    }
+  }
+  if (!cur.empty()) lines.push_back(cur);
+  return lines;
+}
+
+std::string first_word(const std::string& line) { return line.substr(0, line.find(' ')); }
+
+// Names the first difference between rank 0's description and rank q's, or returns "".
+std::string first_difference(const std::vector<std::string>& ref, const std::vector<std::string>& other, int q) {
+  const size_t n = std::min(ref.size(), other.size());
+  std::ostringstream os;
+  for (size_t i = 0; i < n; ++i) {
+    if (ref[i] == other[i]) continue;
+    if (first_word(ref[i]) == first_word(other[i])) {
+      os << "parameter '" << first_word(ref[i]) << "' is " << ref[i].substr(ref[i].find(' ') + 1) << " on rank 0 but "
+         << other[i].substr(other[i].find(' ') + 1) << " on rank " << q;
+    } else {
+      os << "parameter #" << i << " is '" << first_word(ref[i]) << "' on rank 0 but '" << first_word(other[i])
+         << "' on rank " << q;
+    }
+    return os.str();
+  }
+  if (ref.size() != other.size()) {
+    os << "rank 0 has " << ref.size() << " parameters but rank " << q << " has " << other.size() << " (first extra: '"
+       << first_word(ref.size() > n ? ref[n] : other[n]) << "' on rank " << (ref.size() > n ? 0 : q) << ")";
+  }
+  return os.str();
+}
+
+}  // namespace
+
+void check_same_model_on_all_ranks(Comm& comm, const std::string& description) {
+  const int W = comm.world_size();
+  if (W == 1) return;
+  const std::string what = "the model check of fsdp::fully_shard";
+  at::Tensor len = at::empty({1}, at::kLong);
+  len.fill_(static_cast<int64_t>(description.size()));
+  at::Tensor lens = at::empty({W}, at::kLong);
+  comm.all_gather(lens, len, what);
+  const int64_t max_len = std::max<int64_t>(1, lens.max().item<int64_t>());
+  at::Tensor mine = at::zeros({max_len}, at::kByte);
+  std::memcpy(mine.data_ptr(), description.data(), description.size());
+  at::Tensor all = at::empty({W * max_len}, at::kByte);
+  comm.all_gather(all, mine, what);
+  const char* base = static_cast<const char*>(all.data_ptr());
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  auto ref = split_lines(base, static_cast<size_t>(lp[0]));
+  for (int q = 1; q < W; ++q) {
+    auto other = split_lines(base + q * max_len, static_cast<size_t>(lp[q]));
+    std::string diff = first_difference(ref, other, q);
+    TORCH_CHECK(diff.empty(), "fsdp::fully_shard (rank ", comm.rank(), " of ", W,
+                "): the model differs between ranks: ", diff,
+                ". Every rank must build the same model (same code, same configuration) before fully_shard.");
+  }
+  // Every rank reaches the same verdict from the same gathered bytes, so none is left waiting.
+}
+
+std::shared_ptr<ParamGroup> shard_model(const std::shared_ptr<torch::nn::Module>& root,
+                                        const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
+                                        const FullyShardOptions& options) {
+  TORCH_CHECK(root != nullptr, "fsdp::fully_shard: the model is null");
+  TORCH_CHECK(pg, "fsdp::fully_shard: the process group is null; create one with fsdp::init_process_group()");
+  TORCH_CHECK(dynamic_cast<ShardedUnit*>(root.get()) == nullptr,
+              "fsdp::fully_shard: the root module is itself an fsdp::Sharded unit. Pass the plain root module: "
+              "fully_shard makes it the root unit and returns its handle.");
+  auto state = std::make_shared<FSDPState>(pg, options);
+
+  std::ostringstream desc;
+  for (const auto& kv : root->named_parameters()) {
+    desc << kv.key() << ' ' << kv.value().dtype() << ' ' << kv.value().sizes() << '\n';
+  }
+  check_same_model_on_all_ranks(state->comm, desc.str());
+
+  struct Found {
+    std::string name;
+    ShardedUnit* unit;
+    std::vector<std::pair<std::string, at::Tensor>> params;
+  };
+  std::vector<std::unique_ptr<Found>> found;
+  found.push_back(std::make_unique<Found>(Found{"", nullptr, {}}));
+  std::unordered_map<const c10::TensorImpl*, std::pair<std::string, size_t>> owner;  // -> name, unit
+
+  std::function<void(torch::nn::Module&, const std::string&, size_t)> visit = [&](torch::nn::Module& m,
+                                                                                  const std::string& prefix,
+                                                                                  size_t unit) {
+    for (const auto& kv : m.named_parameters(/*recurse=*/false)) {
+      const std::string name = prefix.empty() ? kv.key() : prefix + "." + kv.key();
+      auto [it, inserted] = owner.emplace(kv.value().unsafeGetTensorImpl(), std::make_pair(name, unit));
+      if (!inserted) {
+        TORCH_CHECK(it->second.second == unit, "fsdp::fully_shard (rank ", state->comm.rank(), "): parameter '",
+                    it->second.first, "' is shared with '", name, "', which is in another unit ('",
+                    found[it->second.second]->name, "' vs '", found[unit]->name,
+                    "'). A shared parameter must live in one unit: move both modules into one fsdp::Sharded unit "
+                    "or leave them in the root.");
+        continue;  // shared inside one unit: sharded once
+      }
+      found[unit]->params.emplace_back(name, kv.value());
+    }
+    for (const auto& kv : m.named_children()) {
+      const std::string name = prefix.empty() ? kv.key() : prefix + "." + kv.key();
+      size_t child_unit = unit;
+      if (auto* u = dynamic_cast<ShardedUnit*>(kv.value().get())) {
+        TORCH_CHECK(u->fsdp_unit() == nullptr, "fsdp::fully_shard: module '", name,
+                    "' is already part of a sharded model; wrap a model once.");
+        found.push_back(std::make_unique<Found>(Found{name, u, {}}));
+        child_unit = found.size() - 1;
+      }
+      visit(*kv.value(), name, child_unit);
+    }
+  };
+  visit(*root, "", 0);
+
+  std::shared_ptr<ParamGroup> root_group;
+  for (auto& f : found) {
+    auto g = std::make_shared<ParamGroup>(f->name, std::move(f->params), state, f->unit == nullptr);
+    g->init();
+    state->groups.push_back(g);
+    if (f->unit != nullptr) {
+      f->unit->fsdp_attach(g);
+    } else {
+      root_group = g;
+    }
+  }
+  return root_group;
+}
+
+}  // namespace fsdp::detail

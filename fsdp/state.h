@@ -1,0 +1,49 @@
+// What all units of one wrapped model share: the process group, the options, the collective
+// counts, and the end-of-backward callback. Internal to the library.
+#pragma once
+
+#include "fsdp/collectives.h"
+#include "fsdp/options.h"
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+
+#include <memory>
+#include <vector>
+
+namespace fsdp::detail {
+
+class ParamGroup;
+
+class FSDPState : public std::enable_shared_from_this<FSDPState> {
+ public:
+  FSDPState(c10::intrusive_ptr<c10d::ProcessGroup> pg, FullyShardOptions options);
+
+  Comm comm;
+  const FullyShardOptions options;
+
+  /// Every unit, root first then in module order. Units are owned by their modules (and the root
+  /// unit by the FullyShardedModule handle); the state only observes them.
+  std::vector<std::weak_ptr<ParamGroup>> groups;
+
+  /// Called by the first pre-backward hook of a backward pass: queues finalize_backward() on the
+  /// autograd engine, so that backward() returns with every sharded gradient final.
+  void on_backward_begin();
+  void finalize_backward();
+
+ private:
+  bool callback_queued_ = false;
+};
+
+/// Marks `root` sharded: one unit per module deriving from fsdp::ShardedUnit, one root unit for
+/// the remaining parameters. Checks that every rank has the same model, broadcasts rank 0's
+/// weights, shards, and returns the root unit (which also holds the shared state).
+std::shared_ptr<ParamGroup> shard_model(const std::shared_ptr<torch::nn::Module>& root,
+                                        const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
+                                        const FullyShardOptions& options);
+
+/// Throws on every rank, naming the first parameter whose name, shape or dtype differs between
+/// ranks. `description` lists this rank's parameters, one "name dtype shape" line each.
+void check_same_model_on_all_ranks(Comm& comm, const std::string& description);
+
+}  // namespace fsdp::detail

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Installs everything libtorch-fsdp needs on a fresh Debian machine; safe to run again.
+#
+#   - Debian packages: a compiler, CMake, Ninja, ccache, GoogleTest, fmt, Gloo's headers.
+#   - LibTorch: the PyPI torch==2.11.0 wheel in a virtualenv kept in a per-user cache keyed by
+#     the torch version, so fresh clones reuse it instead of downloading gigabytes again.
+#
+# Prints the virtualenv's path on its last line. Environment:
+#   FSDP_VENV       where the virtualenv lives (default: ~/.cache/libtorch-fsdp/venv-torch-2.11.0)
+#   FSDP_SKIP_APT=1 do not touch Debian packages (e.g. without root)
+set -euo pipefail
+
+TORCH_VERSION=2.11.0
+cache_root="${XDG_CACHE_HOME:-$HOME/.cache}/libtorch-fsdp"
+venv="${FSDP_VENV:-$cache_root/venv-torch-$TORCH_VERSION}"
+log() { echo "[setup] $*" >&2; }
+
+# --- Debian packages -------------------------------------------------------------------------
+debs=(g++ cmake ninja-build ccache libgtest-dev libfmt-dev libgloo-dev python3-venv)
+missing=()
+for p in "${debs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})) && [[ "${FSDP_SKIP_APT:-0}" != 1 ]]; then
+  log "installing Debian packages: ${missing[*]}"
+  sudo=""; [[ $(id -u) -ne 0 ]] && sudo="sudo"
+  $sudo apt-get update -qq >&2
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >&2
+elif ((${#missing[@]})); then
+  log "warning: missing Debian packages (FSDP_SKIP_APT=1): ${missing[*]}"
+fi
+
+# --- LibTorch from the torch wheel -----------------------------------------------------------
+have_torch() {
+  [[ -x "$venv/bin/python" ]] &&
+    "$venv/bin/python" -c "import torch,sys; sys.exit(0 if torch.__version__.split('+')[0]=='$TORCH_VERSION' else 1)" 2>/dev/null
+}
+if ! have_torch; then
+  log "creating $venv with torch==$TORCH_VERSION (several GB on first use; cached afterwards)"
+  mkdir -p "$(dirname "$venv")"
+  # A lock so that two clones setting up at once do not both install into one virtualenv.
+  exec 9>"$(dirname "$venv")/.setup.lock"
+  flock 9
+  if ! have_torch; then
+    [[ -x "$venv/bin/python" ]] || python3 -m venv "$venv"
+    "$venv/bin/python" -m pip install -q --upgrade pip >&2
+    "$venv/bin/python" -m pip install -q "torch==$TORCH_VERSION" numpy >&2
+  fi
+  flock -u 9
+fi
+log "torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)' 2>/dev/null) in $venv"
+echo "$venv"

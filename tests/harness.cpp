@@ -1,0 +1,220 @@
+#include "tests/harness.h"
+
+#include "fsdp/process_group.h"
+
+#include <ATen/Parallel.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <dirent.h>
+#include <fstream>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+extern char** environ;
+
+namespace fsdp::testing {
+namespace {
+
+const char* env_or_null(const char* n) {
+  const char* v = std::getenv(n);
+  return (v && *v) ? v : nullptr;
+}
+
+std::string current_test_name() {
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  return std::string(info->test_suite_name()) + "." + info->name();
+}
+
+int free_port() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  socklen_t len = sizeof(addr);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  int port = ntohs(addr.sin_port);
+  close(fd);
+  return port;
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream f(path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+// Not std::filesystem: libtorch.so exports a copy of its symbols that crashes when called.
+void remove_dir(const std::string& dir) {
+  if (DIR* d = opendir(dir.c_str())) {
+    while (dirent* e = readdir(d)) {
+      std::string n = e->d_name;
+      if (n != "." && n != "..") unlink((dir + "/" + n).c_str());
+    }
+    closedir(d);
+  }
+  rmdir(dir.c_str());
+}
+
+int g_calls_in_this_process = 0;
+
+void run_as_rank(const std::function<void(Rank&)>& body, const RunOptions& options) {
+  at::set_num_threads(1);  // 4 ranks share 2 cores
+  Rank r;
+  r.rank = std::atoi(std::getenv("FSDP_TEST_RANK"));
+  r.world_size = std::atoi(std::getenv("FSDP_TEST_WORLD_SIZE"));
+  if (options.init_process_group) {
+    auto init = InitOptions().timeout(collective_timeout()).gloo_interface("lo").nccl(false);
+    if (options.rendezvous != "env") init.rank(r.rank).world_size(r.world_size);
+    if (const char* store = env_or_null("FSDP_TEST_STORE")) init.init_method(std::string("file://") + store);
+    r.pg = init_process_group(init);
+    ASSERT_EQ(r.pg->getRank(), r.rank);
+    ASSERT_EQ(r.pg->getSize(), r.world_size);
+  }
+  body(r);
+}
+
+}  // namespace
+
+bool in_rank_process() { return env_or_null("FSDP_TEST_RANK") != nullptr; }
+
+std::chrono::milliseconds collective_timeout() {
+  const char* v = env_or_null("FSDP_TEST_COLLECTIVE_TIMEOUT_MS");
+  return std::chrono::milliseconds(v ? std::atol(v) : 30000);
+}
+
+void all_reduce_sum(Rank& r, at::Tensor& t) {
+  std::vector<at::Tensor> ts{t};
+  r.pg->getBackend(c10::DeviceType::CPU)->allreduce(ts)->wait(collective_timeout());
+}
+
+void run_ranks(int world_size, const std::function<void(Rank&)>& body, const RunOptions& options) {
+  if (in_rank_process()) {
+    ASSERT_EQ(++g_calls_in_this_process, 1) << "run_ranks may be called once per test";
+    run_as_rank(body, options);
+    return;
+  }
+  char tmpl[] = "/tmp/fsdp-test-XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  const std::string dir = tmpl;
+  const std::string filter = "--gtest_filter=" + current_test_name();
+  const int port = options.rendezvous == "env" ? free_port() : 0;
+
+  std::vector<pid_t> pids(world_size, -1);
+  std::vector<std::string> logs(world_size);
+  for (int rank = 0; rank < world_size; ++rank) {
+    std::map<std::string, std::string> env;
+    for (char** e = environ; *e; ++e) {
+      std::string kv = *e;
+      auto eq = kv.find('=');
+      if (eq != std::string::npos) env[kv.substr(0, eq)] = kv.substr(eq + 1);
+    }
+    env["FSDP_TEST_RANK"] = std::to_string(rank);
+    env["FSDP_TEST_WORLD_SIZE"] = std::to_string(world_size);
+    env["FSDP_TEST_COLLECTIVE_TIMEOUT_MS"] =
+        std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(options.collective_timeout).count());
+    env["OMP_NUM_THREADS"] = "1";
+    if (options.rendezvous == "env") {
+      env["RANK"] = std::to_string(rank);
+      env["WORLD_SIZE"] = std::to_string(world_size);
+      env["LOCAL_RANK"] = std::to_string(rank);
+      env["MASTER_ADDR"] = "127.0.0.1";
+      env["MASTER_PORT"] = std::to_string(port);
+    } else {
+      env["FSDP_TEST_STORE"] = dir + "/store";
+    }
+    for (const auto& kv : options.env) env[kv.first] = kv.second;
+    std::vector<std::string> env_strings;
+    for (const auto& kv : env) env_strings.push_back(kv.first + "=" + kv.second);
+    std::vector<char*> envp;
+    for (auto& s : env_strings) envp.push_back(s.data());
+    envp.push_back(nullptr);
+
+    logs[rank] = dir + "/rank" + std::to_string(rank) + ".log";
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_addopen(&actions, 1, logs[rank].c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_adddup2(&actions, 1, 2);
+    posix_spawn_file_actions_addopen(&actions, 0, "/dev/null", O_RDONLY, 0);
+    posix_spawnattr_t attr;
+    posix_spawnattr_init(&attr);
+    posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP);
+    posix_spawnattr_setpgroup(&attr, 0);  // its own process group: killed as a whole
+    std::string exe = "/proc/self/exe";
+    std::vector<char*> argv{exe.data(), const_cast<char*>(filter.c_str()), nullptr};
+    int rc = posix_spawn(&pids[rank], exe.c_str(), &actions, &attr, argv.data(), envp.data());
+    posix_spawn_file_actions_destroy(&actions);
+    posix_spawnattr_destroy(&attr);
+    ASSERT_EQ(rc, 0) << "posix_spawn failed for rank " << rank;
+  }
+
+  // Wait for every rank; once one fails, the others get a short grace period (they should fail
+  // on their collective timeout or finish), then everything left is killed.
+  using clock = std::chrono::steady_clock;
+  const auto start = clock::now();
+  auto deadline = start + options.timeout;
+  std::vector<int> status(world_size, 0);
+  std::vector<bool> done(world_size, false);
+  std::vector<std::string> verdict(world_size);
+  int remaining = world_size;
+  bool any_failed = false;
+  while (remaining > 0) {
+    for (int r = 0; r < world_size; ++r) {
+      if (done[r]) continue;
+      if (waitpid(pids[r], &status[r], WNOHANG) == pids[r]) {
+        done[r] = true;
+        --remaining;
+        if (WIFEXITED(status[r]) && WEXITSTATUS(status[r]) == 0) continue;
+        verdict[r] = WIFSIGNALED(status[r]) ? "killed by signal " + std::to_string(WTERMSIG(status[r]))
+                                            : "exited with status " + std::to_string(WEXITSTATUS(status[r]));
+        if (!any_failed) {
+          any_failed = true;
+          deadline = std::min(deadline, clock::now() + options.collective_timeout + std::chrono::seconds(5));
+        }
+      }
+    }
+    if (remaining == 0) break;
+    if (clock::now() > deadline) {
+      for (int r = 0; r < world_size; ++r) {
+        if (done[r]) continue;
+        kill(-pids[r], SIGKILL);
+        waitpid(pids[r], &status[r], 0);
+        done[r] = true;
+        verdict[r] = "did not finish in time (killed)";
+      }
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+
+  std::ostringstream report;
+  bool ok = true;
+  for (int r = 0; r < world_size; ++r) ok = ok && verdict[r].empty();
+  if (!ok) {
+    for (int r = 0; r < world_size; ++r) {
+      report << "===== rank " << r << " of " << world_size << ": " << (verdict[r].empty() ? "ok" : verdict[r])
+             << " =====\n"
+             << read_file(logs[r]) << "\n";
+    }
+  }
+  remove_dir(dir);
+  ASSERT_TRUE(ok) << "ranks of " << current_test_name() << " failed after "
+                  << std::chrono::duration_cast<std::chrono::milliseconds>(clock::now() - start).count() << " ms:\n"
+                  << report.str();
+}
+
+}  // namespace fsdp::testing

@@ -1,0 +1,54 @@
+// Multi-process test harness: a test body runs in N real processes over Gloo on loopback.
+//
+//   TEST(Suite, Name) {
+//     fsdp::testing::run_ranks(3, [](fsdp::testing::Rank& r) { ... r.pg ... });
+//   }
+//
+// The test process re-executes its own binary once per rank (never fork: torch has threads),
+// filtered to the same test, with the rank in the environment. Each rank is its own process group
+// (killed as a whole on timeout); rendezvous goes through a FileStore in a fresh temporary
+// directory, so tests run in parallel without port clashes. A rank that fails, crashes or hangs
+// fails the test within the time limit, and every rank's output is printed.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <chrono>
+#include <functional>
+#include <map>
+#include <string>
+
+namespace fsdp::testing {
+
+struct Rank {
+  int rank = 0;
+  int world_size = 1;
+  c10::intrusive_ptr<c10d::ProcessGroup> pg;
+};
+
+struct RunOptions {
+  /// Whole-test limit; the ranks are killed after it.
+  std::chrono::seconds timeout{120};
+  /// Limit for each collective inside the ranks (process group and fully_shard).
+  std::chrono::seconds collective_timeout{30};
+  /// "file" (FileStore rendezvous) or "env" (torchrun-style variables and a TCPStore on a free port).
+  std::string rendezvous = "file";
+  /// Extra environment for the ranks.
+  std::map<std::string, std::string> env;
+  /// Create the process group before calling the body (false: the body does it itself).
+  bool init_process_group = true;
+};
+
+/// Runs `body` once in each of `world_size` processes. Call it at most once per test.
+void run_ranks(int world_size, const std::function<void(Rank&)>& body, const RunOptions& options = {});
+
+/// True inside a rank process.
+bool in_rank_process();
+
+/// The per-collective timeout of this rank process (RunOptions::collective_timeout).
+std::chrono::milliseconds collective_timeout();
+
+/// Sum of `t` over ranks, in place (for losses in tests).
+void all_reduce_sum(Rank& r, at::Tensor& t);
+
+}  // namespace fsdp::testing

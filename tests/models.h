@@ -1,0 +1,67 @@
+// Models and helpers shared by the tests.
+#pragma once
+
+#include "examples/gpt.h"
+#include "fsdp/fsdp.h"
+#include "tests/harness.h"
+
+#include <gtest/gtest.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+
+namespace fsdp::testing {
+
+/// An MLP with uneven shapes, so that at 2-4 ranks some ranks own fewer rows (or none) of a
+/// parameter: 13 and 5 rows are not divisible by 2, 3 or 4; the head has 3 rows; a scalar too.
+template <bool kSharded>
+struct UnevenMLPImpl : torch::nn::Module {
+  template <typename M>
+  using Unit = std::conditional_t<kSharded, fsdp::Sharded<typename M::Impl>, M>;
+
+  UnevenMLPImpl()
+      : fc1(register_module("fc1", Unit<torch::nn::Linear>(7, 13))),
+        fc2(register_module("fc2", Unit<torch::nn::Linear>(13, 5))),
+        head(register_module("head", torch::nn::Linear(5, 3))),
+        scale(register_parameter("scale", torch::ones({}))) {}
+
+  torch::Tensor forward(const torch::Tensor& x) { return head(torch::tanh(fc2(torch::tanh(fc1(x))))) * scale; }
+
+  Unit<torch::nn::Linear> fc1, fc2;
+  torch::nn::Linear head;
+  torch::Tensor scale;
+};
+
+constexpr int64_t kGlobalBatch = 12;  // divisible by 1, 2, 3 and 4
+
+/// Rows [rank * B/W, (rank + 1) * B/W) of a global batch: this rank's share.
+inline torch::Tensor local_rows(const torch::Tensor& global, int rank, int world_size) {
+  const int64_t n = global.size(0) / world_size;
+  return global.narrow(0, rank * n, n);
+}
+
+/// max|a - b| <= rtol * max|b| (the parity tolerance of DESIGN.md section 8).
+inline ::testing::AssertionResult close(const torch::Tensor& a, const torch::Tensor& b, double rtol = 1e-5) {
+  if (a.sizes() != b.sizes()) {
+    return ::testing::AssertionFailure() << "shape " << a.sizes() << " vs reference " << b.sizes();
+  }
+  if (a.numel() == 0) return ::testing::AssertionSuccess();
+  const double diff = (a - b).abs().max().item<double>();
+  const double ref = b.abs().max().item<double>();
+  if (diff <= rtol * ref) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "max|diff| " << diff << " > " << rtol << " * max|ref| " << ref;
+}
+
+/// The reference rows this rank owns of a full parameter (dim-0 sharding, c = ceil(rows / W)).
+inline torch::Tensor owned_rows(const torch::Tensor& full, int rank, int world_size) {
+  if (full.dim() == 0) return rank == 0 ? full : full.view({1}).narrow(0, 0, 0);
+  const int64_t rows = full.size(0);
+  const int64_t c = (rows + world_size - 1) / world_size;
+  const int64_t start = std::min(rows, rank * c);
+  const int64_t n = std::max<int64_t>(0, std::min(c, rows - start));
+  return full.narrow(0, start, n);
+}
+
+inline FullyShardOptions test_options() { return FullyShardOptions().timeout(collective_timeout()); }
+
+}  // namespace fsdp::testing
