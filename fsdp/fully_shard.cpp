@@ -47,6 +47,16 @@ std::vector<UnitInfo> RootHandle::units() const {
   return out;
 }
 
+int64_t RootHandle::num_parameters() const {
+  int64_t n = 0;
+  for (auto& w : root_->state().groups) {
+    if (auto g = w.lock()) {
+      for (const auto& s : g->slots()) n += s.rows * s.row_numel;
+    }
+  }
+  return n;
+}
+
 const CommStats& RootHandle::comm_stats() const { return root_->state().comm.stats; }
 void RootHandle::reset_comm_stats() { root_->state().comm.stats = CommStats{}; }
 int RootHandle::rank() const { return root_->state().comm.rank(); }

@@ -43,6 +43,8 @@ class RootHandle {
   std::vector<at::Tensor> sharded_parameters() const;
   torch::OrderedDict<std::string, at::Tensor> named_sharded_parameters() const;
   std::vector<UnitInfo> units() const;
+  /// Elements of all parameters of the full (unsharded) model.
+  int64_t num_parameters() const;
   const CommStats& comm_stats() const;
   void reset_comm_stats();
   int rank() const;

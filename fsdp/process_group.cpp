@@ -43,6 +43,8 @@ LaunchEnv& current_env() {
   return env;
 }
 
+std::chrono::milliseconds g_timeout = std::chrono::minutes(10);
+
 void read_master(LaunchEnv& env) {
   if (env.world_size == 1) return;
   const char* addr = getenv_or_null("MASTER_ADDR");
@@ -172,7 +174,20 @@ c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const InitOptions& opt
     detail::maybe_add_nccl_backend(*pg, store, env, options.timeout());
   }
   current_env() = env;
+  g_timeout = options.timeout();
   return pg;
+}
+
+void all_reduce(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, at::Tensor& tensor, c10d::ReduceOp op) {
+  if (pg->getSize() == 1) return;
+  std::vector<at::Tensor> ts{tensor};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = op;
+  try {
+    pg->getBackend(tensor.device().type())->allreduce(ts, opts)->wait(g_timeout);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "fsdp::all_reduce failed on rank ", pg->getRank(), " of ", pg->getSize(), ": ", e.what());
+  }
 }
 
 }  // namespace fsdp

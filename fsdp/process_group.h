@@ -52,4 +52,9 @@ c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const InitOptions& opt
 /// The LaunchEnv the last init_process_group() used (single process before any call).
 const LaunchEnv& launch_env();
 
+/// Reduces `tensor` in place over all ranks of `pg` (like torch.distributed.all_reduce), waiting at
+/// most the timeout init_process_group was given. For metrics in training loops (losses, bytes).
+void all_reduce(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, at::Tensor& tensor,
+                c10d::ReduceOp op = c10d::ReduceOp::SUM);
+
 }  // namespace fsdp

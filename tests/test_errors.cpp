@@ -1,0 +1,202 @@
+// Errors: a model that differs between ranks, bad launcher environments, misuse at wrap time.
+// Each says what, where and on which rank, and none hangs.
+#include "tests/models.h"
+
+#include <cstdlib>
+
+namespace fsdp::testing {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+/// Runs `fn` and returns the message of the c10::Error it throws ("" if none).
+template <typename Fn>
+std::string error_of(Fn&& fn) {
+  try {
+    fn();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "";
+}
+
+struct DifferentMLPImpl : torch::nn::Module {
+  explicit DifferentMLPImpl(int64_t hidden, const std::string& second = "fc2")
+      : fc1(register_module("fc1", fsdp::Sharded<torch::nn::LinearImpl>(7, hidden))),
+        fc2(register_module(second, fsdp::Sharded<torch::nn::LinearImpl>(hidden, 5))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return fc2(fc1(x)); }
+  fsdp::Sharded<torch::nn::LinearImpl> fc1, fc2;
+};
+
+TEST(Errors, ModelWithOtherShapeOnOneRank) {
+  run_ranks(3, [](Rank& r) {
+    const auto start = Clock::now();
+    auto msg = error_of([&] {
+      auto m = std::make_shared<DifferentMLPImpl>(r.rank == 1 ? 14 : 13);
+      fsdp::fully_shard(m, r.pg, test_options());
+    });
+    EXPECT_NE(msg.find("differs between ranks"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("'fc1.weight'"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("[13, 7] on rank 0"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("[14, 7] on rank 1"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("(rank " + std::to_string(r.rank) + " of 3)"), std::string::npos) << msg;
+    EXPECT_LT(Clock::now() - start, std::chrono::seconds(30));
+  });
+}
+
+TEST(Errors, ModelWithOtherNameOnOneRank) {
+  run_ranks(2, [](Rank& r) {
+    auto msg = error_of([&] {
+      auto m = std::make_shared<DifferentMLPImpl>(13, r.rank == 1 ? "out" : "fc2");
+      fsdp::fully_shard(m, r.pg, test_options());
+    });
+    EXPECT_NE(msg.find("is 'fc2.weight' on rank 0 but 'out.weight' on rank 1"), std::string::npos) << msg;
+  });
+}
+
+struct UsesWeightImpl : torch::nn::Module {
+  explicit UsesWeightImpl(const torch::Tensor& w) : weight(register_parameter("weight", w)) {}
+  torch::Tensor forward(const torch::Tensor& x) { return x.matmul(weight); }
+  torch::Tensor weight;
+};
+
+struct SharedAcrossUnitsImpl : torch::nn::Module {
+  explicit SharedAcrossUnitsImpl(const torch::Tensor& w = torch::randn({4, 4}))
+      : a(register_module("a", fsdp::Sharded<UsesWeightImpl>(w))),
+        b(register_module("b", fsdp::Sharded<UsesWeightImpl>(w))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return b(a(x)); }
+  fsdp::Sharded<UsesWeightImpl> a, b;
+};
+
+TEST(Errors, ParameterSharedAcrossUnits) {
+  run_ranks(1, [](Rank& r) {
+    auto msg = error_of([&] { fsdp::fully_shard(std::make_shared<SharedAcrossUnitsImpl>(), r.pg, test_options()); });
+    EXPECT_NE(msg.find("'a.weight' is shared with 'b.weight'"), std::string::npos) << msg;
+  });
+}
+
+TEST(Errors, RootMustNotBeAShardedUnit) {
+  run_ranks(1, [](Rank& r) {
+    auto msg = error_of([&] { fsdp::fully_shard(fsdp::Sharded<torch::nn::LinearImpl>(3, 3), r.pg, test_options()); });
+    EXPECT_NE(msg.find("root module is itself an fsdp::Sharded unit"), std::string::npos) << msg;
+  });
+}
+
+TEST(Errors, WrappingTwice) {
+  run_ranks(1, [](Rank& r) {
+    auto m = std::make_shared<UnevenMLPImpl<true>>();
+    fsdp::fully_shard(m, r.pg, test_options());
+    auto msg = error_of([&] { fsdp::fully_shard(m, r.pg, test_options()); });
+    EXPECT_NE(msg.find("already part of a sharded model"), std::string::npos) << msg;
+  });
+}
+
+// ---- Launcher environment (in-process: each ctest entry is its own process) --------------------
+
+class Env : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    for (const char* v : kVars) unsetenv(v);
+  }
+  void TearDown() override {
+    for (const char* v : kVars) unsetenv(v);
+  }
+  static constexpr const char* kVars[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                                          "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID",
+                                          "TORCHELASTIC_USE_AGENT_STORE"};
+};
+
+TEST_F(Env, NoLauncherIsOneProcess) {
+  auto env = read_launch_env();
+  EXPECT_EQ(env.world_size, 1);
+  EXPECT_EQ(env.rank, 0);
+  EXPECT_EQ(env.launcher, "none");
+  auto pg = init_process_group();
+  EXPECT_EQ(pg->getSize(), 1);
+  auto t = torch::ones({3});
+  fsdp::all_reduce(pg, t);
+  EXPECT_TRUE(t.equal(torch::ones({3})));
+}
+
+TEST_F(Env, MissingWorldSize) {
+  setenv("RANK", "0", 1);
+  auto msg = error_of([] { read_launch_env(); });
+  EXPECT_NE(msg.find("WORLD_SIZE is not set"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("torchrun"), std::string::npos) << msg;
+}
+
+TEST_F(Env, RankNotBelowWorldSize) {
+  setenv("RANK", "2", 1);
+  setenv("WORLD_SIZE", "2", 1);
+  auto msg = error_of([] { read_launch_env(); });
+  EXPECT_NE(msg.find("rank 2 is not below the world size 2 (RANK / WORLD_SIZE)"), std::string::npos) << msg;
+}
+
+TEST_F(Env, NotAnInteger) {
+  setenv("RANK", "0", 1);
+  setenv("WORLD_SIZE", "two", 1);
+  auto msg = error_of([] { read_launch_env(); });
+  EXPECT_NE(msg.find("WORLD_SIZE='two' is not an integer"), std::string::npos) << msg;
+}
+
+TEST_F(Env, MissingMasterAddrAndPort) {
+  setenv("RANK", "1", 1);
+  setenv("WORLD_SIZE", "2", 1);
+  auto msg = error_of([] { read_launch_env(); });
+  EXPECT_NE(msg.find("MASTER_ADDR is not set (rank 1 of 2"), std::string::npos) << msg;
+  setenv("MASTER_ADDR", "127.0.0.1", 1);
+  msg = error_of([] { read_launch_env(); });
+  EXPECT_NE(msg.find("MASTER_PORT is not set"), std::string::npos) << msg;
+  setenv("MASTER_PORT", "70000", 1);
+  msg = error_of([] { read_launch_env(); });
+  EXPECT_NE(msg.find("MASTER_PORT='70000' is not an integer in [1, 65535]"), std::string::npos) << msg;
+}
+
+TEST_F(Env, Slurm) {
+  setenv("SLURM_PROCID", "1", 1);
+  auto msg = error_of([] { read_launch_env(); });
+  EXPECT_NE(msg.find("SLURM_NTASKS is not set"), std::string::npos) << msg;
+  setenv("SLURM_NTASKS", "4", 1);
+  setenv("SLURM_LOCALID", "1", 1);
+  msg = error_of([] { read_launch_env(); });
+  EXPECT_NE(msg.find("scontrol show hostnames"), std::string::npos) << msg;
+  setenv("MASTER_ADDR", "node7", 1);
+  auto env = read_launch_env();
+  EXPECT_EQ(env.launcher, "slurm");
+  EXPECT_EQ(env.rank, 1);
+  EXPECT_EQ(env.world_size, 4);
+  EXPECT_EQ(env.local_rank, 1);
+  EXPECT_EQ(env.master_addr, "node7");
+  EXPECT_EQ(env.master_port, 29500);
+}
+
+TEST_F(Env, TorchrunAgentStore) {
+  setenv("RANK", "0", 1);
+  setenv("WORLD_SIZE", "2", 1);
+  setenv("MASTER_ADDR", "127.0.0.1", 1);
+  setenv("MASTER_PORT", "29400", 1);
+  setenv("TORCHELASTIC_USE_AGENT_STORE", "True", 1);
+  auto env = read_launch_env();
+  EXPECT_EQ(env.launcher, "torchrun");
+  EXPECT_TRUE(env.agent_store);  // rank 0 joins torchrun's store as a client
+  EXPECT_EQ(env.local_rank, 0);
+}
+
+// The torchrun path end to end: RANK/WORLD_SIZE/MASTER_* and a TCPStore hosted by rank 0.
+TEST(ProcessGroup, TcpStoreRendezvousFromEnvironment) {
+  RunOptions opts;
+  opts.rendezvous = "env";
+  opts.init_process_group = false;
+  run_ranks(3, [](Rank& r) {
+    auto pg = init_process_group(InitOptions().timeout(collective_timeout()).gloo_interface("lo"));
+    EXPECT_EQ(pg->getRank(), r.rank);
+    EXPECT_EQ(pg->getSize(), 3);
+    EXPECT_EQ(launch_env().launcher, "torchrun");
+    auto t = torch::full({2}, static_cast<float>(r.rank + 1));
+    fsdp::all_reduce(pg, t);
+    EXPECT_TRUE(t.equal(torch::full({2}, 6.0f)));
+  }, opts);
+}
+
+}  // namespace
+}  // namespace fsdp::testing

@@ -1,0 +1,152 @@
+// Sharding really happens: rows per rank per parameter, unsharded storage at 0 bytes between
+// units, and the number and size of the collectives per step. Expected values are computed here
+// from shapes, not read back from the library's bookkeeping.
+#include "tests/models.h"
+
+#include <torch/nn/functional/loss.h>
+
+namespace fsdp::testing {
+namespace {
+
+int64_t expected_rows(int64_t rows, int rank, int world) {
+  const int64_t c = (rows + world - 1) / world;
+  return std::max<int64_t>(0, std::min(c, rows - rank * c));
+}
+
+TEST(Sharding, RowsPerRankIncludingEmptyShards) {
+  run_ranks(4, [](Rank& r) {
+    torch::manual_seed(0);
+    auto full = std::make_shared<UnevenMLPImpl<false>>();
+    std::map<std::string, std::vector<int64_t>> shapes;
+    for (const auto& kv : full->named_parameters()) shapes[kv.key()] = kv.value().sizes().vec();
+
+    auto model = fsdp::fully_shard(std::make_shared<UnevenMLPImpl<true>>(), r.pg, test_options());
+    int64_t flat_bytes_expected = 0;
+    for (const auto& kv : model.named_sharded_parameters()) {
+      const auto& shape = shapes.at(kv.key());
+      const auto& sharded = kv.value();
+      if (shape.empty()) {  // the scalar: rank 0 owns it, the others hold 0 elements
+        EXPECT_EQ(sharded.numel(), r.rank == 0 ? 1 : 0) << kv.key();
+        flat_bytes_expected += 4;
+        continue;
+      }
+      std::vector<int64_t> want = shape;
+      want[0] = expected_rows(shape[0], r.rank, r.world_size);
+      EXPECT_EQ(sharded.sizes().vec(), want) << kv.key() << " on rank " << r.rank;
+      const int64_t c = (shape[0] + r.world_size - 1) / r.world_size;
+      flat_bytes_expected += c * (shape.size() > 1 ? shape[1] : 1) * 4;
+      EXPECT_TRUE(sharded.is_leaf());
+      EXPECT_TRUE(sharded.requires_grad());
+    }
+    // fc2.weight has 5 rows: rank 3 owns none (c = 2: 2, 2, 1, 0).
+    EXPECT_EQ(model.named_sharded_parameters()["fc2.weight"].size(0), expected_rows(5, r.rank, 4));
+    // Every unit's shards share one flat buffer, padded per parameter to c rows.
+    EXPECT_EQ(fsdp::optim::state_bytes(model.sharded_parameters()).params, flat_bytes_expected);
+    // Outside forward and backward no parameter holds memory.
+    for (const auto& p : model->parameters()) {
+      EXPECT_EQ(p.numel(), 0);
+    }
+  });
+}
+
+/// A Linear that calls `probe` at the start of its forward (inside the unit's gathered window).
+struct ProbeImpl : torch::nn::Module {
+  ProbeImpl(int64_t in, int64_t out) : fc(register_module("fc", torch::nn::Linear(in, out))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    if (probe) probe();
+    return torch::relu(fc(x));
+  }
+  torch::nn::Linear fc;
+  std::function<void()> probe;
+};
+
+struct ChainImpl : torch::nn::Module {
+  ChainImpl() : head(register_module("head", torch::nn::Linear(6, 2))) {
+    for (int i = 0; i < 3; ++i) units.push_back(register_module("u" + std::to_string(i), fsdp::Sharded<ProbeImpl>(i == 0 ? 4 : 6, 6)));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    for (auto& u : units) x = u(x);
+    return head(x);
+  }
+  std::vector<fsdp::Sharded<ProbeImpl>> units;
+  torch::nn::Linear head;
+};
+
+TEST(Sharding, UnshardedStorageIsFreedBetweenUnits) {
+  run_ranks(2, [](Rank& r) {
+    auto chain = std::make_shared<ChainImpl>();
+    auto model = fsdp::fully_shard(chain, r.pg, test_options());
+    std::vector<std::vector<std::pair<int, size_t>>> seen(3);  // per unit: (other unit, bytes)
+    for (int i = 0; i < 3; ++i) {
+      chain->units[i]->probe = [&, i] {
+        for (int j = 0; j < 3; ++j) {
+          seen[i].emplace_back(j, chain->units[j]->fc->weight.storage().nbytes());
+        }
+      };
+    }
+    auto x = torch::randn({4, 4});
+    auto loss = model(x).square().mean();
+    for (int i = 0; i < 3; ++i) {
+      ASSERT_EQ(seen[i].size(), 3u);
+      for (auto [j, bytes] : seen[i]) {
+        if (j == i) {
+          // Its own parameters are gathered: the unit's whole unsharded buffer (both parameters).
+          const int64_t in = i == 0 ? 4 : 6;
+          const int64_t c_w = 3, c_b = 3;  // 6 rows over 2 ranks
+          EXPECT_EQ(bytes, static_cast<size_t>(2 * (c_w * in + c_b) * 4)) << "unit " << i;
+        } else {
+          EXPECT_EQ(bytes, 0u) << "unit " << j << " seen from unit " << i;
+        }
+      }
+    }
+    // After forward only the root is gathered; after backward nothing is.
+    for (auto& u : chain->units) EXPECT_EQ(u->fc->weight.storage().nbytes(), 0u);
+    EXPECT_GT(chain->head->weight.storage().nbytes(), 0u);
+    loss.backward();
+    for (auto& u : chain->units) EXPECT_EQ(u->fc->weight.storage().nbytes(), 0u);
+    EXPECT_EQ(chain->head->weight.storage().nbytes(), 0u);
+    for (const auto& p : chain->parameters()) EXPECT_FALSE(p.grad().defined()) << "unsharded gradient kept";
+    for (const auto& p : model.sharded_parameters()) EXPECT_TRUE(p.grad().defined());
+  });
+}
+
+TEST(Sharding, CollectivesPerStep) {
+  run_ranks(3, [](Rank& r) {
+    gpt::Config cfg;
+    cfg.vocab_size = 29;
+    cfg.block_size = 8;
+    cfg.n_layer = 3;
+    cfg.n_head = 2;
+    cfg.n_embd = 10;
+    torch::manual_seed(0);
+    auto full = gpt::make_gpt<false>(cfg);
+    // Padded elements per rank of each unit, from shapes: sum over parameters of ceil(rows/W) * row.
+    const int W = r.world_size;
+    int64_t root = 0, blocks = 0;
+    for (const auto& kv : full->named_parameters()) {
+      const auto& p = kv.value();
+      const int64_t rows = p.dim() == 0 ? 1 : p.size(0);
+      const int64_t padded = (rows + W - 1) / W * (p.numel() / std::max<int64_t>(rows, 1));
+      (kv.key().rfind("h.", 0) == 0 ? blocks : root) += padded;
+    }
+    auto model = fsdp::fully_shard(gpt::make_gpt<true>(cfg), r.pg, test_options());
+    for (int step = 0; step < 2; ++step) {
+      model.reset_comm_stats();
+      auto tok = torch::randint(cfg.vocab_size, {4, cfg.block_size + 1}, torch::kLong);
+      auto logits = model(tok.narrow(1, 0, cfg.block_size));
+      auto loss = torch::nn::functional::cross_entropy(logits.flatten(0, 1), tok.narrow(1, 1, cfg.block_size).flatten());
+      loss.backward();
+      const auto& s = model.comm_stats();
+      // Root: gathered once (kept from forward into backward). Each block: forward + backward.
+      EXPECT_EQ(s.all_gathers, 1 + 2 * cfg.n_layer);
+      EXPECT_EQ(s.reduce_scatters, 1 + cfg.n_layer);
+      EXPECT_EQ(s.all_reduces, 0);
+      // ZeRO-3 volume: all-gather outputs + reduce-scatter inputs = 3 x padded model per step
+      // (2 x for the root, which is gathered once).
+      EXPECT_EQ(s.elements, W * (2 * root + 3 * blocks));
+    }
+  });
+}
+
+}  // namespace
+}  // namespace fsdp::testing
