@@ -30,8 +30,10 @@ struct Config {
 struct CausalSelfAttentionImpl : torch::nn::Module {
   explicit CausalSelfAttentionImpl(const Config& c)
       : n_head(c.n_head),
-        c_attn(register_module("c_attn", torch::nn::Linear(torch::nn::LinearOptions(c.n_embd, 3 * c.n_embd).bias(c.bias)))),
-        c_proj(register_module("c_proj", torch::nn::Linear(torch::nn::LinearOptions(c.n_embd, c.n_embd).bias(c.bias)))) {}
+        c_attn(register_module("c_attn",
+                               torch::nn::Linear(torch::nn::LinearOptions(c.n_embd, 3 * c.n_embd).bias(c.bias)))),
+        c_proj(
+            register_module("c_proj", torch::nn::Linear(torch::nn::LinearOptions(c.n_embd, c.n_embd).bias(c.bias)))) {}
 
   torch::Tensor forward(const torch::Tensor& x) {
     const int64_t B = x.size(0), T = x.size(1), C = x.size(2), hs = C / n_head;
@@ -53,7 +55,8 @@ TORCH_MODULE(CausalSelfAttention);
 struct MLPImpl : torch::nn::Module {
   explicit MLPImpl(const Config& c)
       : c_fc(register_module("c_fc", torch::nn::Linear(torch::nn::LinearOptions(c.n_embd, 4 * c.n_embd).bias(c.bias)))),
-        c_proj(register_module("c_proj", torch::nn::Linear(torch::nn::LinearOptions(4 * c.n_embd, c.n_embd).bias(c.bias)))) {}
+        c_proj(register_module("c_proj",
+                               torch::nn::Linear(torch::nn::LinearOptions(4 * c.n_embd, c.n_embd).bias(c.bias)))) {}
   torch::Tensor forward(const torch::Tensor& x) { return c_proj(torch::gelu(c_fc(x), "tanh")); }
   torch::nn::Linear c_fc, c_proj;
 };
@@ -86,7 +89,8 @@ struct GPTImpl : torch::nn::Module {
         wpe(register_module("wpe", torch::nn::Embedding(c.block_size, c.n_embd))),
         h(register_module("h", torch::nn::ModuleList())),
         ln_f(register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd})))),
-        lm_head(register_module("lm_head", torch::nn::Linear(torch::nn::LinearOptions(c.n_embd, c.vocab_size).bias(false)))) {
+        lm_head(register_module("lm_head",
+                                torch::nn::Linear(torch::nn::LinearOptions(c.n_embd, c.vocab_size).bias(false)))) {
     for (int64_t i = 0; i < c.n_layer; ++i) {
       blocks.emplace_back(c);
       h->push_back(blocks.back().ptr());  // registered as h.<i>; called through `blocks`

@@ -4,7 +4,8 @@
 //   torchrun --no-python --nproc-per-node 2 build/examples/train_gpt     # two ranks
 //
 // Every rank takes its share of each global batch, so the data seen (and the losses printed) do
-// not depend on the number of ranks. --json prints one JSON object per step on rank 0.
+// not depend on the number of ranks. --json prints one JSON object per step on rank 0, then one
+// summary object with every rank's memory and mean step time.
 #include "examples/gpt.h"
 #include "fsdp/fsdp.h"
 
@@ -60,18 +61,30 @@ Args parse(int argc, char** argv) {
     if (i + 1 >= argc) usage("missing value after " + k);
     std::string v = argv[++i];
     try {
-      if (k == "--steps") a.steps = std::stoll(v);
-      else if (k == "--batch-size") a.batch_size = std::stoll(v);
-      else if (k == "--seed") a.seed = std::stoull(v);
-      else if (k == "--lr") a.lr = std::stod(v);
-      else if (k == "--weight-decay") a.weight_decay = std::stod(v);
-      else if (k == "--optimizer") a.optimizer = v;
-      else if (k == "--n-layer") a.model.n_layer = std::stoll(v);
-      else if (k == "--n-head") a.model.n_head = std::stoll(v);
-      else if (k == "--n-embd") a.model.n_embd = std::stoll(v);
-      else if (k == "--block-size") a.model.block_size = std::stoll(v);
-      else if (k == "--data") a.data = v;
-      else usage("unknown flag " + k);
+      if (k == "--steps")
+        a.steps = std::stoll(v);
+      else if (k == "--batch-size")
+        a.batch_size = std::stoll(v);
+      else if (k == "--seed")
+        a.seed = std::stoull(v);
+      else if (k == "--lr")
+        a.lr = std::stod(v);
+      else if (k == "--weight-decay")
+        a.weight_decay = std::stod(v);
+      else if (k == "--optimizer")
+        a.optimizer = v;
+      else if (k == "--n-layer")
+        a.model.n_layer = std::stoll(v);
+      else if (k == "--n-head")
+        a.model.n_head = std::stoll(v);
+      else if (k == "--n-embd")
+        a.model.n_embd = std::stoll(v);
+      else if (k == "--block-size")
+        a.model.block_size = std::stoll(v);
+      else if (k == "--data")
+        a.data = v;
+      else
+        usage("unknown flag " + k);
     } catch (const std::logic_error&) {
       usage("bad value '" + v + "' for " + k);
     }
@@ -120,14 +133,14 @@ int main(int argc, char** argv) {
     opt = std::make_unique<torch::optim::AdamW>(model.sharded_parameters(),
                                                 torch::optim::AdamWOptions(args.lr).weight_decay(args.weight_decay));
   } else {
-    opt = std::make_unique<torch::optim::SGD>(model.sharded_parameters(),
-                                              torch::optim::SGDOptions(args.lr).momentum(0.9).weight_decay(args.weight_decay));
+    opt = std::make_unique<torch::optim::SGD>(
+        model.sharded_parameters(), torch::optim::SGDOptions(args.lr).momentum(0.9).weight_decay(args.weight_decay));
   }
 
   if (rank == 0 && !args.json) {
     std::cout << "train_gpt: " << world << " rank(s), " << n_params << " parameters, " << args.model.n_layer
-              << " sharded blocks, global batch " << args.batch_size << " x " << T << " tokens ("
-              << local_batch << " rows per rank), " << args.optimizer << " lr " << args.lr << "\n";
+              << " sharded blocks, global batch " << args.batch_size << " x " << T << " tokens (" << local_batch
+              << " rows per rank), " << args.optimizer << " lr " << args.lr << "\n";
   }
 
   int64_t last_peak = 0, last_state = 0;
@@ -164,10 +177,11 @@ int main(int argc, char** argv) {
     if (rank == 0) {
       const double l = global_loss.item<double>() / world;
       if (args.json) {
-        std::printf("{\"step\": %lld, \"loss\": %.9g, \"peak_bytes\": %lld, \"state_bytes\": %lld, "
-                    "\"step_ms\": %.3f, \"world_size\": %d, \"params\": %lld}\n",
-                    static_cast<long long>(step), l, static_cast<long long>(mem[0].item<int64_t>()),
-                    static_cast<long long>(mem[1].item<int64_t>()), ms, world, static_cast<long long>(n_params));
+        std::printf(
+            "{\"step\": %lld, \"loss\": %.9g, \"peak_bytes\": %lld, \"state_bytes\": %lld, "
+            "\"step_ms\": %.3f, \"world_size\": %d, \"params\": %lld}\n",
+            static_cast<long long>(step), l, static_cast<long long>(mem[0].item<int64_t>()),
+            static_cast<long long>(mem[1].item<int64_t>()), ms, world, static_cast<long long>(n_params));
       } else {
         std::printf("step %4lld | loss %.4f | %8.1f ms | peak %s | state %s (max over ranks)\n",
                     static_cast<long long>(step), l, ms, mib(mem[0].item<int64_t>()).c_str(),
@@ -182,14 +196,31 @@ int main(int argc, char** argv) {
   per_rank[rank][0] = last_peak;
   per_rank[rank][1] = last_state;
   fsdp::all_reduce(pg, per_rank);
-  if (rank == 0 && !args.json) {
+  const double mean_ms = args.steps > 1 ? total_ms / static_cast<double>(args.steps - 1) : 0.0;
+  auto step_ms = torch::zeros({world}, torch::kDouble);
+  step_ms[rank] = mean_ms;
+  fsdp::all_reduce(pg, step_ms);
+  if (rank == 0 && args.json) {
+    std::string peaks, states, times;
+    for (int r = 0; r < world; ++r) {
+      const char* sep = r ? ", " : "";
+      peaks += sep + std::to_string(per_rank[r][0].item<int64_t>());
+      states += sep + std::to_string(per_rank[r][1].item<int64_t>());
+      times += sep + std::to_string(step_ms[r].item<double>());
+    }
+    std::printf(
+        "{\"summary\": true, \"world_size\": %d, \"params\": %lld, \"per_rank_peak_bytes\": [%s], "
+        "\"per_rank_state_bytes\": [%s], \"per_rank_mean_step_ms\": [%s]}\n",
+        world, static_cast<long long>(n_params), peaks.c_str(), states.c_str(), times.c_str());
+  } else if (rank == 0) {
     std::printf("per-rank memory (last step): counting CPU allocator peak, model state at the optimizer step\n");
     for (int r = 0; r < world; ++r) {
       std::printf("  rank %d: peak %s, state %s\n", r, mib(per_rank[r][0].item<int64_t>()).c_str(),
                   mib(per_rank[r][1].item<int64_t>()).c_str());
     }
-    if (args.steps > 1) std::printf("mean step time (steps 1..%lld): %.1f ms\n", static_cast<long long>(args.steps - 1),
-                                    total_ms / static_cast<double>(args.steps - 1));
+    if (args.steps > 1) {
+      std::printf("mean step time (steps 1..%lld): %.1f ms\n", static_cast<long long>(args.steps - 1), mean_ms);
+    }
   }
   return 0;
 }

@@ -20,8 +20,8 @@ void Comm::wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& w
   try {
     work->wait(timeout_);
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "fsdp: ", what, " failed on rank ", rank_, " of ", world_size_, " (timeout ",
-                timeout_.count(), " ms): ", e.what(),
+    TORCH_CHECK(false, "fsdp: ", what, " failed on rank ", rank_, " of ", world_size_, " (timeout ", timeout_.count(),
+                " ms): ", e.what(),
                 "\nA peer rank may have exited, crashed, or taken a different path through the model; "
                 "check every rank's output.");
   }

@@ -12,8 +12,8 @@ namespace fsdp::detail {
 
 /// Adds an NCCL backend for CUDA tensors to `pg` if CUDA and a GPU are present; binds this process
 /// to GPU `env.local_rank`. Returns whether it did.
-bool maybe_add_nccl_backend(c10d::ProcessGroup& pg, const c10::intrusive_ptr<c10d::Store>& store,
-                            const LaunchEnv& env, std::chrono::milliseconds timeout);
+bool maybe_add_nccl_backend(c10d::ProcessGroup& pg, const c10::intrusive_ptr<c10d::Store>& store, const LaunchEnv& env,
+                            std::chrono::milliseconds timeout);
 
 struct CudaMemory {
   int64_t current = 0;

@@ -8,8 +8,8 @@
 
 namespace fsdp::detail {
 
-bool maybe_add_nccl_backend(c10d::ProcessGroup& pg, const c10::intrusive_ptr<c10d::Store>& store,
-                            const LaunchEnv& env, std::chrono::milliseconds timeout) {
+bool maybe_add_nccl_backend(c10d::ProcessGroup& pg, const c10::intrusive_ptr<c10d::Store>& store, const LaunchEnv& env,
+                            std::chrono::milliseconds timeout) {
   if (c10::cuda::device_count() == 0) return false;
   const int device = env.local_rank % c10::cuda::device_count();
   c10::cuda::set_device(static_cast<c10::DeviceIndex>(device));

@@ -7,7 +7,9 @@ bool maybe_add_nccl_backend(c10d::ProcessGroup&, const c10::intrusive_ptr<c10d::
                             std::chrono::milliseconds) {
   return false;
 }
-CudaMemory cuda_memory(int) { return {}; }
+CudaMemory cuda_memory(int) {
+  return {};
+}
 void cuda_reset_peak(int) {}
 
 }  // namespace fsdp::detail

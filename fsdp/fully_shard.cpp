@@ -10,9 +10,13 @@ RootHandle::RootHandle(std::shared_ptr<torch::nn::Module> module, const c10::int
                        const FullyShardOptions& options)
     : module_(std::move(module)), root_(shard_model(module_, pg, options)) {}
 
-void RootHandle::root_pre_forward() { root_->pre_forward(); }
+void RootHandle::root_pre_forward() {
+  root_->pre_forward();
+}
 
-void RootHandle::root_post_forward(const std::vector<at::Tensor>& outputs) { root_->post_forward(outputs); }
+void RootHandle::root_post_forward(const std::vector<at::Tensor>& outputs) {
+  root_->post_forward(outputs);
+}
 
 torch::OrderedDict<std::string, at::Tensor> RootHandle::named_sharded_parameters() const {
   std::unordered_map<const c10::TensorImpl*, at::Tensor> sharded;
@@ -30,7 +34,9 @@ torch::OrderedDict<std::string, at::Tensor> RootHandle::named_sharded_parameters
   return out;
 }
 
-std::vector<at::Tensor> RootHandle::sharded_parameters() const { return named_sharded_parameters().values(); }
+std::vector<at::Tensor> RootHandle::sharded_parameters() const {
+  return named_sharded_parameters().values();
+}
 
 std::vector<UnitInfo> RootHandle::units() const {
   std::vector<UnitInfo> out;
@@ -57,9 +63,17 @@ int64_t RootHandle::num_parameters() const {
   return n;
 }
 
-const CommStats& RootHandle::comm_stats() const { return root_->state().comm.stats; }
-void RootHandle::reset_comm_stats() { root_->state().comm.stats = CommStats{}; }
-int RootHandle::rank() const { return root_->state().comm.rank(); }
-int RootHandle::world_size() const { return root_->state().comm.world_size(); }
+const CommStats& RootHandle::comm_stats() const {
+  return root_->state().comm.stats;
+}
+void RootHandle::reset_comm_stats() {
+  root_->state().comm.stats = CommStats{};
+}
+int RootHandle::rank() const {
+  return root_->state().comm.rank();
+}
+int RootHandle::world_size() const {
+  return root_->state().comm.world_size();
+}
 
 }  // namespace fsdp::detail

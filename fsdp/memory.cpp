@@ -27,9 +27,7 @@ class CountingAllocator final : public c10::Allocator {
     return {data, ctx, &CountingAllocator::release, c10::Device(c10::kCPU)};
   }
 
-  void copy_data(void* dest, const void* src, std::size_t count) const override {
-    default_copy_data(dest, src, count);
-  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
 
   Stats stats() const { return {current_.load(), peak_.load()}; }
   void reset_peak() { peak_.store(current_.load()); }
@@ -72,7 +70,9 @@ void enable_cpu_counting() {
   });
 }
 
-bool cpu_counting_enabled() { return g_counting != nullptr; }
+bool cpu_counting_enabled() {
+  return g_counting != nullptr;
+}
 
 Stats stats(c10::Device device) {
   if (device.is_cuda()) {

@@ -77,8 +77,8 @@ ParamGroup::ParamGroup(std::string name, std::vector<std::pair<std::string, at::
 
 std::string ParamGroup::describe(const char* op) const {
   std::ostringstream os;
-  os << op << " of unit '" << (is_root_ ? "<root>" : name_) << "' (" << slots_.size() << " parameters, "
-     << shard_numel_ << " elements per rank)";
+  os << op << " of unit '" << (is_root_ ? "<root>" : name_) << "' (" << slots_.size() << " parameters, " << shard_numel_
+     << " elements per rank)";
   return os.str();
 }
 
@@ -179,7 +179,9 @@ void ParamGroup::reshard() {
   unsharded_now_ = false;
 }
 
-void ParamGroup::pre_forward() { unshard(); }
+void ParamGroup::pre_forward() {
+  unshard();
+}
 
 void ParamGroup::post_forward(const std::vector<at::Tensor>& outputs) {
   const bool grad = c10::GradMode::is_enabled();

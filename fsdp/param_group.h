@@ -20,16 +20,16 @@ class FSDPState;
 /// Where one parameter lives in its unit. With W ranks and c = ceil(rows / W), rank r owns rows
 /// [r*c, min((r+1)*c, rows)), possibly none; its shard is padded to c rows in the flat buffer.
 struct ParamSlot {
-  std::string name;       ///< fully qualified name in the root module
-  at::Tensor param;       ///< the user's parameter: a view into the unsharded buffer, or empty
-  at::Tensor sharded;     ///< this rank's rows: a leaf that optimizers update in place
-  at::Tensor unsharded;   ///< the view `param` points at while unsharded
+  std::string name;      ///< fully qualified name in the root module
+  at::Tensor param;      ///< the user's parameter: a view into the unsharded buffer, or empty
+  at::Tensor sharded;    ///< this rank's rows: a leaf that optimizers update in place
+  at::Tensor unsharded;  ///< the view `param` points at while unsharded
   std::vector<int64_t> shape;
-  int64_t rows = 0;       ///< dim 0 (1 for a scalar)
-  int64_t row_numel = 0;  ///< elements per row
-  int64_t chunk_rows = 0; ///< c
-  int64_t local_rows = 0; ///< rows this rank owns
-  int64_t offset = 0;     ///< start of this parameter's shard in the flat shard buffer
+  int64_t rows = 0;        ///< dim 0 (1 for a scalar)
+  int64_t row_numel = 0;   ///< elements per row
+  int64_t chunk_rows = 0;  ///< c
+  int64_t local_rows = 0;  ///< rows this rank owns
+  int64_t offset = 0;      ///< start of this parameter's shard in the flat shard buffer
   int64_t padded_numel() const { return chunk_rows * row_numel; }
   bool requires_grad = false;
   bool grad_ready = false;
@@ -40,8 +40,8 @@ struct ParamSlot {
 
 class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
  public:
-  ParamGroup(std::string name, std::vector<std::pair<std::string, at::Tensor>> params,
-             std::shared_ptr<FSDPState> state, bool is_root);
+  ParamGroup(std::string name, std::vector<std::pair<std::string, at::Tensor>> params, std::shared_ptr<FSDPState> state,
+             bool is_root);
 
   /// Shards the parameters (after rank 0's values were broadcast), installs the hooks, frees the
   /// unsharded storage. Called once by fully_shard.

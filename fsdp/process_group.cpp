@@ -24,15 +24,14 @@ int parse_int(const char* name, const char* value, int lo, int hi) {
   errno = 0;
   long v = std::strtol(value, &end, 10);
   TORCH_CHECK(errno == 0 && end != value && *end == '\0' && v >= lo && v <= hi,
-              "fsdp::init_process_group: environment variable ", name, "='", value,
-              "' is not an integer in [", lo, ", ", hi, "]. Launch with torchrun or srun, or fix the variable.");
+              "fsdp::init_process_group: environment variable ", name, "='", value, "' is not an integer in [", lo,
+              ", ", hi, "]. Launch with torchrun or srun, or fix the variable.");
   return static_cast<int>(v);
 }
 
 int require_int(const char* name, const char* launcher, int lo, int hi) {
   const char* v = getenv_or_null(name);
-  TORCH_CHECK(v != nullptr, "fsdp::init_process_group: environment variable ", name,
-              " is not set, but the ", launcher,
+  TORCH_CHECK(v != nullptr, "fsdp::init_process_group: environment variable ", name, " is not set, but the ", launcher,
               " environment is partly there. Launch with `torchrun --no-python --nproc-per-node N ./program` "
               "(or srun under Slurm), or unset the launcher variables to run a single process.");
   return parse_int(name, v, lo, hi);
@@ -48,8 +47,8 @@ std::chrono::milliseconds g_timeout = std::chrono::minutes(10);
 void read_master(LaunchEnv& env) {
   if (env.world_size == 1) return;
   const char* addr = getenv_or_null("MASTER_ADDR");
-  TORCH_CHECK(addr != nullptr, "fsdp::init_process_group: environment variable MASTER_ADDR is not set (rank ",
-              env.rank, " of ", env.world_size, ", launcher ", env.launcher, "). ",
+  TORCH_CHECK(addr != nullptr, "fsdp::init_process_group: environment variable MASTER_ADDR is not set (rank ", env.rank,
+              " of ", env.world_size, ", launcher ", env.launcher, "). ",
               env.launcher == "slurm"
                   ? "Under Slurm, export MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1)."
                   : "torchrun sets it; set it to rank 0's host when launching by hand.");
@@ -88,8 +87,8 @@ LaunchEnv read_launch_env() {
     env.launcher = "none";
     return env;
   }
-  TORCH_CHECK(env.rank < env.world_size, "fsdp::init_process_group: inconsistent ", env.launcher,
-              " environment: rank ", env.rank, " is not below the world size ", env.world_size, " (",
+  TORCH_CHECK(env.rank < env.world_size, "fsdp::init_process_group: inconsistent ", env.launcher, " environment: rank ",
+              env.rank, " is not below the world size ", env.world_size, " (",
               env.launcher == "slurm" ? "SLURM_PROCID / SLURM_NTASKS" : "RANK / WORLD_SIZE", ").");
   read_master(env);
   return env;
@@ -107,15 +106,17 @@ LaunchEnv make_launch_env(int rank, int world_size, bool need_master) {
   return env;
 }
 
-const LaunchEnv& launch_env() { return current_env(); }
+const LaunchEnv& launch_env() {
+  return current_env();
+}
 
 c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const InitOptions& options) {
   const std::string& method = options.init_method();
   const bool file_store = method.rfind("file://", 0) == 0;
   TORCH_CHECK((options.rank() < 0) == (options.world_size() < 0),
               "fsdp::init_process_group: give both InitOptions::rank and InitOptions::world_size, or neither.");
-  LaunchEnv env = options.rank() >= 0 ? make_launch_env(options.rank(), options.world_size(), !file_store)
-                                      : read_launch_env();
+  LaunchEnv env =
+      options.rank() >= 0 ? make_launch_env(options.rank(), options.world_size(), !file_store) : read_launch_env();
   c10::intrusive_ptr<c10d::Store> store;
   if (file_store) {
     store = c10::make_intrusive<c10d::FileStore>(method.substr(7), env.world_size);
@@ -161,8 +162,8 @@ c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const InitOptions& opt
   auto pg = c10::make_intrusive<c10d::ProcessGroup>(store, env.rank, env.world_size);
   c10::intrusive_ptr<c10d::Backend> gloo;
   try {
-    gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(c10::make_intrusive<c10d::PrefixStore>("gloo", store),
-                                                       env.rank, env.world_size, gloo_opts);
+    gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(c10::make_intrusive<c10d::PrefixStore>("gloo", store), env.rank,
+                                                       env.world_size, gloo_opts);
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "fsdp::init_process_group: rank ", env.rank, " of ", env.world_size,
                 " could not connect Gloo to its peers within ", options.timeout().count(), " ms: ", e.what(),

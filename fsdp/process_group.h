@@ -16,8 +16,8 @@ struct LaunchEnv {
   int local_rank = 0;
   std::string master_addr;  ///< empty for a single process
   int master_port = 0;
-  std::string launcher;     ///< "torchrun", "slurm" or "none"
-  bool agent_store = false; ///< torchrun's agent already hosts the TCPStore: every rank joins as a client
+  std::string launcher;      ///< "torchrun", "slurm" or "none"
+  bool agent_store = false;  ///< torchrun's agent already hosts the TCPStore: every rank joins as a client
 };
 
 /// Reads the launcher's environment. torchrun: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,

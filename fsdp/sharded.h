@@ -27,7 +27,9 @@ namespace fsdp {
 namespace detail {
 
 // Collects the tensors of a forward's output, to hook the ones that need gradients.
-inline void collect_tensors(const at::Tensor& t, std::vector<at::Tensor>& out) { out.push_back(t); }
+inline void collect_tensors(const at::Tensor& t, std::vector<at::Tensor>& out) {
+  out.push_back(t);
+}
 inline void collect_tensors(const std::vector<at::Tensor>& ts, std::vector<at::Tensor>& out) {
   out.insert(out.end(), ts.begin(), ts.end());
 }

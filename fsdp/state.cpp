@@ -49,7 +49,9 @@ std::vector<std::string> split_lines(const char* data, size_t n) {
   return lines;
 }
 
-std::string first_word(const std::string& line) { return line.substr(0, line.find(' ')); }
+std::string first_word(const std::string& line) {
+  return line.substr(0, line.find(' '));
+}
 
 // Names the first difference between rank 0's description and rank q's, or returns "".
 std::string first_difference(const std::vector<std::string>& ref, const std::vector<std::string>& other, int q) {
@@ -126,34 +128,33 @@ std::shared_ptr<ParamGroup> shard_model(const std::shared_ptr<torch::nn::Module>
   found.push_back(std::make_unique<Found>(Found{"", nullptr, {}}));
   std::unordered_map<const c10::TensorImpl*, std::pair<std::string, size_t>> owner;  // -> name, unit
 
-  std::function<void(torch::nn::Module&, const std::string&, size_t)> visit = [&](torch::nn::Module& m,
-                                                                                  const std::string& prefix,
-                                                                                  size_t unit) {
-    for (const auto& kv : m.named_parameters(/*recurse=*/false)) {
-      const std::string name = prefix.empty() ? kv.key() : prefix + "." + kv.key();
-      auto [it, inserted] = owner.emplace(kv.value().unsafeGetTensorImpl(), std::make_pair(name, unit));
-      if (!inserted) {
-        TORCH_CHECK(it->second.second == unit, "fsdp::fully_shard (rank ", state->comm.rank(), "): parameter '",
-                    it->second.first, "' is shared with '", name, "', which is in another unit ('",
-                    found[it->second.second]->name, "' vs '", found[unit]->name,
-                    "'). A shared parameter must live in one unit: move both modules into one fsdp::Sharded unit "
-                    "or leave them in the root.");
-        continue;  // shared inside one unit: sharded once
-      }
-      found[unit]->params.emplace_back(name, kv.value());
-    }
-    for (const auto& kv : m.named_children()) {
-      const std::string name = prefix.empty() ? kv.key() : prefix + "." + kv.key();
-      size_t child_unit = unit;
-      if (auto* u = dynamic_cast<ShardedUnit*>(kv.value().get())) {
-        TORCH_CHECK(u->fsdp_unit() == nullptr, "fsdp::fully_shard: module '", name,
-                    "' is already part of a sharded model; wrap a model once.");
-        found.push_back(std::make_unique<Found>(Found{name, u, {}}));
-        child_unit = found.size() - 1;
-      }
-      visit(*kv.value(), name, child_unit);
-    }
-  };
+  std::function<void(torch::nn::Module&, const std::string&, size_t)> visit =
+      [&](torch::nn::Module& m, const std::string& prefix, size_t unit) {
+        for (const auto& kv : m.named_parameters(/*recurse=*/false)) {
+          const std::string name = prefix.empty() ? kv.key() : prefix + "." + kv.key();
+          auto [it, inserted] = owner.emplace(kv.value().unsafeGetTensorImpl(), std::make_pair(name, unit));
+          if (!inserted) {
+            TORCH_CHECK(it->second.second == unit, "fsdp::fully_shard (rank ", state->comm.rank(), "): parameter '",
+                        it->second.first, "' is shared with '", name, "', which is in another unit ('",
+                        found[it->second.second]->name, "' vs '", found[unit]->name,
+                        "'). A shared parameter must live in one unit: move both modules into one fsdp::Sharded unit "
+                        "or leave them in the root.");
+            continue;  // shared inside one unit: sharded once
+          }
+          found[unit]->params.emplace_back(name, kv.value());
+        }
+        for (const auto& kv : m.named_children()) {
+          const std::string name = prefix.empty() ? kv.key() : prefix + "." + kv.key();
+          size_t child_unit = unit;
+          if (auto* u = dynamic_cast<ShardedUnit*>(kv.value().get())) {
+            TORCH_CHECK(u->fsdp_unit() == nullptr, "fsdp::fully_shard: module '", name,
+                        "' is already part of a sharded model; wrap a model once.");
+            found.push_back(std::make_unique<Found>(Found{name, u, {}}));
+            child_unit = found.size() - 1;
+          }
+          visit(*kv.value(), name, child_unit);
+        }
+      };
   visit(*root, "", 0);
 
   std::shared_ptr<ParamGroup> root_group;

@@ -30,7 +30,8 @@ std::vector<at::Tensor> state_tensors(const torch::optim::OptimizerParamState& s
   if (auto* a = dynamic_cast<const AdamParamState*>(&s)) return {a->exp_avg(), a->exp_avg_sq(), a->max_exp_avg_sq()};
   if (auto* g = dynamic_cast<const SGDParamState*>(&s)) return {g->momentum_buffer()};
   if (auto* g = dynamic_cast<const AdagradParamState*>(&s)) return {g->sum()};
-  if (auto* r = dynamic_cast<const RMSpropParamState*>(&s)) return {r->square_avg(), r->momentum_buffer(), r->grad_avg()};
+  if (auto* r = dynamic_cast<const RMSpropParamState*>(&s))
+    return {r->square_avg(), r->momentum_buffer(), r->grad_avg()};
   return {};
 }
 

@@ -18,6 +18,7 @@ def run(cmd, timeout):
     if p.returncode != 0:
         sys.exit(f"FAILED: {' '.join(cmd)} exited {p.returncode}\n{p.stdout}\n{p.stderr}")
     rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    rows = [r for r in rows if "step" in r]
     if not rows:
         sys.exit(f"FAILED: no JSON rows from {' '.join(cmd)}\n{p.stdout}\n{p.stderr}")
     return rows

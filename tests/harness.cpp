@@ -15,8 +15,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <cstdlib>
 #include <dirent.h>
+#include <cstdlib>
 #include <fstream>
 #include <sstream>
 #include <thread>
@@ -90,7 +90,9 @@ void run_as_rank(const std::function<void(Rank&)>& body, const RunOptions& optio
 
 }  // namespace
 
-bool in_rank_process() { return env_or_null("FSDP_TEST_RANK") != nullptr; }
+bool in_rank_process() {
+  return env_or_null("FSDP_TEST_RANK") != nullptr;
+}
 
 std::chrono::milliseconds collective_timeout() {
   const char* v = env_or_null("FSDP_TEST_COLLECTIVE_TIMEOUT_MS");

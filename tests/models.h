@@ -62,6 +62,8 @@ inline torch::Tensor owned_rows(const torch::Tensor& full, int rank, int world_s
   return full.narrow(0, start, n);
 }
 
-inline FullyShardOptions test_options() { return FullyShardOptions().timeout(collective_timeout()); }
+inline FullyShardOptions test_options() {
+  return FullyShardOptions().timeout(collective_timeout());
+}
 
 }  // namespace fsdp::testing

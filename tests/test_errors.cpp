@@ -101,9 +101,9 @@ class Env : public ::testing::Test {
   void TearDown() override {
     for (const char* v : kVars) unsetenv(v);
   }
-  static constexpr const char* kVars[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-                                          "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID",
-                                          "TORCHELASTIC_USE_AGENT_STORE"};
+  static constexpr const char* kVars[] = {"RANK",         "WORLD_SIZE",    "LOCAL_RANK",
+                                          "MASTER_ADDR",  "MASTER_PORT",   "SLURM_PROCID",
+                                          "SLURM_NTASKS", "SLURM_LOCALID", "TORCHELASTIC_USE_AGENT_STORE"};
 };
 
 TEST_F(Env, NoLauncherIsOneProcess) {
@@ -187,15 +187,18 @@ TEST(ProcessGroup, TcpStoreRendezvousFromEnvironment) {
   RunOptions opts;
   opts.rendezvous = "env";
   opts.init_process_group = false;
-  run_ranks(3, [](Rank& r) {
-    auto pg = init_process_group(InitOptions().timeout(collective_timeout()).gloo_interface("lo"));
-    EXPECT_EQ(pg->getRank(), r.rank);
-    EXPECT_EQ(pg->getSize(), 3);
-    EXPECT_EQ(launch_env().launcher, "torchrun");
-    auto t = torch::full({2}, static_cast<float>(r.rank + 1));
-    fsdp::all_reduce(pg, t);
-    EXPECT_TRUE(t.equal(torch::full({2}, 6.0f)));
-  }, opts);
+  run_ranks(
+      3,
+      [](Rank& r) {
+        auto pg = init_process_group(InitOptions().timeout(collective_timeout()).gloo_interface("lo"));
+        EXPECT_EQ(pg->getRank(), r.rank);
+        EXPECT_EQ(pg->getSize(), 3);
+        EXPECT_EQ(launch_env().launcher, "torchrun");
+        auto t = torch::full({2}, static_cast<float>(r.rank + 1));
+        fsdp::all_reduce(pg, t);
+        EXPECT_TRUE(t.equal(torch::full({2}, 6.0f)));
+      },
+      opts);
 }
 
 }  // namespace

@@ -60,9 +60,9 @@ struct Case {
 std::string case_name(const ::testing::TestParamInfo<Case>& i) {
   return std::string(i.param.opt == Opt::kSGD ? "SGD" : "AdamW") + "_W" + std::to_string(i.param.world_size);
 }
-const auto kCases = ::testing::Values(Case{1, Opt::kSGD}, Case{2, Opt::kSGD}, Case{3, Opt::kSGD}, Case{4, Opt::kSGD},
-                                      Case{1, Opt::kAdamW}, Case{2, Opt::kAdamW}, Case{3, Opt::kAdamW},
-                                      Case{4, Opt::kAdamW});
+const auto kCases =
+    ::testing::Values(Case{1, Opt::kSGD}, Case{2, Opt::kSGD}, Case{3, Opt::kSGD}, Case{4, Opt::kSGD},
+                      Case{1, Opt::kAdamW}, Case{2, Opt::kAdamW}, Case{3, Opt::kAdamW}, Case{4, Opt::kAdamW});
 
 class Parity : public ::testing::TestWithParam<Case> {};
 

@@ -62,7 +62,8 @@ struct ProbeImpl : torch::nn::Module {
 
 struct ChainImpl : torch::nn::Module {
   ChainImpl() : head(register_module("head", torch::nn::Linear(6, 2))) {
-    for (int i = 0; i < 3; ++i) units.push_back(register_module("u" + std::to_string(i), fsdp::Sharded<ProbeImpl>(i == 0 ? 4 : 6, 6)));
+    for (int i = 0; i < 3; ++i)
+      units.push_back(register_module("u" + std::to_string(i), fsdp::Sharded<ProbeImpl>(i == 0 ? 4 : 6, 6)));
   }
   torch::Tensor forward(torch::Tensor x) {
     for (auto& u : units) x = u(x);
@@ -134,7 +135,8 @@ TEST(Sharding, CollectivesPerStep) {
       model.reset_comm_stats();
       auto tok = torch::randint(cfg.vocab_size, {4, cfg.block_size + 1}, torch::kLong);
       auto logits = model(tok.narrow(1, 0, cfg.block_size));
-      auto loss = torch::nn::functional::cross_entropy(logits.flatten(0, 1), tok.narrow(1, 1, cfg.block_size).flatten());
+      auto loss =
+          torch::nn::functional::cross_entropy(logits.flatten(0, 1), tok.narrow(1, 1, cfg.block_size).flatten());
       loss.backward();
       const auto& s = model.comm_stats();
       // Root: gathered once (kept from forward into backward). Each block: forward + backward.
