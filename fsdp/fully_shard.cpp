@@ -3,6 +3,7 @@
 #include <c10/core/GradMode.h>
 
 #include <unordered_map>
+#include <unordered_set>
 
 namespace fsdp::detail {
 
@@ -11,6 +12,7 @@ RootHandle::RootHandle(std::shared_ptr<torch::nn::Module> module, const c10::int
     : module_(std::move(module)), root_(shard_model(module_, pg, options)) {}
 
 void RootHandle::root_pre_forward() {
+  root_->state().begin_forward();
   root_->pre_forward();
 }
 

@@ -134,6 +134,7 @@ void ParamGroup::init() {
   for (size_t i = 0; i < slots_.size(); ++i) {
     auto& s = slots_[i];
     s.param.set_data(s.unsharded);
+    s.param.mutable_grad() = at::Tensor();  // a gradient from before wrapping is not this model's
     if (s.requires_grad) {
       // Created now, while the parameter has its full shape, and kept (see ParamSlot).
       s.grad_accumulator = torch::autograd::impl::grad_accumulator(s.param);
@@ -148,6 +149,11 @@ void ParamGroup::init() {
 
 void ParamGroup::unshard() {
   if (unsharded_now_ || slots_.empty()) return;
+  if (shard_numel_ == 0) {  // only empty parameters: nothing to gather (same on every rank)
+    for (auto& s : slots_) s.param.set_data(s.unsharded);
+    unsharded_now_ = true;
+    return;
+  }
   Comm& comm = state_->comm;
   const int64_t W = comm.world_size();
   resize_storage(unsharded_, static_cast<size_t>(W * shard_numel_) * unsharded_.element_size());
@@ -222,12 +228,18 @@ void ParamGroup::on_grad_ready(size_t slot) {
   s.grad_ready = true;
   if (++grads_ready_ == grads_expected_) {
     reduce_grads();
-    reshard();
     in_backward_ = false;
+    // A frozen parameter's last reader may still be ahead in the graph (autograd runs gradient
+    // accumulation as soon as it can): such a unit stays gathered until the end of backward.
+    if (grads_expected_ == slots_.size()) reshard();
   }
 }
 
 void ParamGroup::reduce_grads() {
+  if (shard_numel_ == 0) {
+    for (auto& s : slots_) s.param.mutable_grad() = at::Tensor();
+    return;
+  }
   Comm& comm = state_->comm;
   const int64_t W = comm.world_size();
   const auto opts = flat_shard_.options();
@@ -238,6 +250,7 @@ void ParamGroup::reduce_grads() {
     std::vector<at::Tensor> grads;
     grads.reserve(slots_.size());
     for (auto& s : slots_) {
+      if (s.padded_numel() == 0) continue;  // no elements (e.g. a [0, k] parameter): nothing to send
       at::Tensor g = s.param.grad();
       if (!g.defined()) g = at::zeros(s.shape, opts);
       grads.push_back(s.shape.empty() ? g.view({1}) : g);
@@ -260,6 +273,17 @@ void ParamGroup::reduce_grads() {
     }
     s.param.mutable_grad() = at::Tensor();  // the unsharded gradient is freed here
   }
+}
+
+void ParamGroup::reset_after_failed_backward() {
+  if (!in_backward_) return;
+  in_backward_ = false;
+  grads_ready_ = 0;
+  for (auto& s : slots_) {
+    s.grad_ready = false;
+    s.param.mutable_grad() = at::Tensor();
+  }
+  if (!is_root_) reshard();
 }
 
 void ParamGroup::finalize_backward() {

@@ -69,6 +69,8 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   void on_grad_ready(size_t slot);
   /// At the end of backward: reduce what a partly used unit has, reshard, clear the flags.
   void finalize_backward();
+  /// A backward that threw never reached its end: drop its half-done state (next forward).
+  void reset_after_failed_backward();
 
  private:
   std::string describe(const char* op) const;

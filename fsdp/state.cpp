@@ -32,6 +32,14 @@ void FSDPState::finalize_backward() {
   }
 }
 
+void FSDPState::begin_forward() {
+  if (!callback_queued_) return;
+  callback_queued_ = false;
+  for (auto& w : groups) {
+    if (auto g = w.lock()) g->reset_after_failed_backward();
+  }
+}
+
 namespace {
 
 std::vector<std::string> split_lines(const char* data, size_t n) {
@@ -113,12 +121,6 @@ std::shared_ptr<ParamGroup> shard_model(const std::shared_ptr<torch::nn::Module>
               "fully_shard makes it the root unit and returns its handle.");
   auto state = std::make_shared<FSDPState>(pg, options);
 
-  std::ostringstream desc;
-  for (const auto& kv : root->named_parameters()) {
-    desc << kv.key() << ' ' << kv.value().dtype() << ' ' << kv.value().sizes() << '\n';
-  }
-  check_same_model_on_all_ranks(state->comm, desc.str());
-
   struct Found {
     std::string name;
     ShardedUnit* unit;
@@ -127,6 +129,7 @@ std::shared_ptr<ParamGroup> shard_model(const std::shared_ptr<torch::nn::Module>
   std::vector<std::unique_ptr<Found>> found;
   found.push_back(std::make_unique<Found>(Found{"", nullptr, {}}));
   std::unordered_map<const c10::TensorImpl*, std::pair<std::string, size_t>> owner;  // -> name, unit
+  std::string shared_error;  // thrown after the cross-rank check, so no rank leaves it early
 
   std::function<void(torch::nn::Module&, const std::string&, size_t)> visit =
       [&](torch::nn::Module& m, const std::string& prefix, size_t unit) {
@@ -156,6 +159,21 @@ std::shared_ptr<ParamGroup> shard_model(const std::shared_ptr<torch::nn::Module>
         }
       };
   visit(*root, "", 0);
+
+  // Everything that decides the collectives' sizes and order: names, shapes, dtypes, the unit
+  // each parameter is in, whether it trains, its device type.
+  std::unordered_map<const c10::TensorImpl*, std::string> unit_of;
+  for (const auto& f : found) {
+    for (const auto& np : f->params) unit_of[np.second.unsafeGetTensorImpl()] = f->unit ? f->name : "<root>";
+  }
+  std::ostringstream desc;
+  for (const auto& kv : root->named_parameters()) {  // module order: the same on every rank
+    const at::Tensor& p = kv.value();
+    desc << kv.key() << ' ' << p.dtype() << ' ' << p.sizes() << " in unit '" << unit_of[p.unsafeGetTensorImpl()] << "'"
+         << (p.requires_grad() ? "" : " frozen") << " (" << c10::DeviceTypeName(p.device().type(), true) << ")\n";
+  }
+  check_same_model_on_all_ranks(state->comm, desc.str());
+  TORCH_CHECK(shared_error.empty(), shared_error);
 
   std::shared_ptr<ParamGroup> root_group;
   for (auto& f : found) {

@@ -30,6 +30,9 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   /// autograd engine, so that backward() returns with every sharded gradient final.
   void on_backward_begin();
   void finalize_backward();
+  /// Called at the start of each root forward: if the last backward threw before its end (its
+  /// queued callback then never runs), clear what it left half done.
+  void begin_forward();
 
  private:
   bool callback_queued_ = false;

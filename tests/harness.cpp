@@ -17,6 +17,7 @@
 
 #include <dirent.h>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <thread>
@@ -37,16 +38,21 @@ std::string current_test_name() {
   return std::string(info->test_suite_name()) + "." + info->name();
 }
 
+// A port the kernel just handed out and released: another process could take it before rank 0's
+// TCPStore binds it, but the kernel cycles through the ephemeral range, so that is rare.
 int free_port() {
   int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return -1;
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   addr.sin_port = 0;
-  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
   socklen_t len = sizeof(addr);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  int port = ntohs(addr.sin_port);
+  int port = -1;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+    port = ntohs(addr.sin_port);
+  }
   close(fd);
   return port;
 }
@@ -86,6 +92,8 @@ void run_as_rank(const std::function<void(Rank&)>& body, const RunOptions& optio
     ASSERT_EQ(r.pg->getSize(), r.world_size);
   }
   body(r);
+  // Proof that the body ran to its end: a rank that exits 0 without it fails the test.
+  if (const char* done = env_or_null("FSDP_TEST_DONE_FILE")) std::ofstream(done) << "done\n";
 }
 
 }  // namespace
@@ -115,15 +123,32 @@ void run_ranks(int world_size, const std::function<void(Rank&)>& body, const Run
   const std::string dir = tmpl;
   const std::string filter = "--gtest_filter=" + current_test_name();
   const int port = options.rendezvous == "env" ? free_port() : 0;
+  ASSERT_GE(port, 0) << "no free loopback port";
 
+  // Whatever happens below, no rank outlives this function and the directory is removed.
   std::vector<pid_t> pids(world_size, -1);
-  std::vector<std::string> logs(world_size);
+  struct Cleanup {
+    std::vector<pid_t>& pids;
+    std::string dir;
+    ~Cleanup() {
+      for (pid_t& p : pids) {
+        if (p <= 0) continue;
+        kill(-p, SIGKILL);
+        waitpid(p, nullptr, 0);
+        p = -1;
+      }
+      remove_dir(dir);
+    }
+  } cleanup{pids, dir};
+
+  std::vector<std::string> logs(world_size), done_files(world_size);
   for (int rank = 0; rank < world_size; ++rank) {
     std::map<std::string, std::string> env;
     for (char** e = environ; *e; ++e) {
       std::string kv = *e;
       auto eq = kv.find('=');
-      if (eq != std::string::npos) env[kv.substr(0, eq)] = kv.substr(eq + 1);
+      // GTEST_* (sharding, output files, repeats) is for the parent run, never for a rank.
+      if (eq != std::string::npos && kv.rfind("GTEST_", 0) != 0) env[kv.substr(0, eq)] = kv.substr(eq + 1);
     }
     env["FSDP_TEST_RANK"] = std::to_string(rank);
     env["FSDP_TEST_WORLD_SIZE"] = std::to_string(world_size);
@@ -139,6 +164,8 @@ void run_ranks(int world_size, const std::function<void(Rank&)>& body, const Run
     } else {
       env["FSDP_TEST_STORE"] = dir + "/store";
     }
+    done_files[rank] = dir + "/rank" + std::to_string(rank) + ".done";
+    env["FSDP_TEST_DONE_FILE"] = done_files[rank];
     for (const auto& kv : options.env) env[kv.first] = kv.second;
     std::vector<std::string> env_strings;
     for (const auto& kv : env) env_strings.push_back(kv.first + "=" + kv.second);
@@ -161,7 +188,8 @@ void run_ranks(int world_size, const std::function<void(Rank&)>& body, const Run
     int rc = posix_spawn(&pids[rank], exe.c_str(), &actions, &attr, argv.data(), envp.data());
     posix_spawn_file_actions_destroy(&actions);
     posix_spawnattr_destroy(&attr);
-    ASSERT_EQ(rc, 0) << "posix_spawn failed for rank " << rank;
+    if (rc != 0) pids[rank] = -1;
+    ASSERT_EQ(rc, 0) << "posix_spawn failed for rank " << rank << ": " << strerror(rc);
   }
 
   // Wait for every rank; once one fails, the others get a short grace period (they should fail
@@ -178,11 +206,16 @@ void run_ranks(int world_size, const std::function<void(Rank&)>& body, const Run
     for (int r = 0; r < world_size; ++r) {
       if (done[r]) continue;
       if (waitpid(pids[r], &status[r], WNOHANG) == pids[r]) {
+        pids[r] = -1;  // reaped
         done[r] = true;
         --remaining;
-        if (WIFEXITED(status[r]) && WEXITSTATUS(status[r]) == 0) continue;
-        verdict[r] = WIFSIGNALED(status[r]) ? "killed by signal " + std::to_string(WTERMSIG(status[r]))
-                                            : "exited with status " + std::to_string(WEXITSTATUS(status[r]));
+        if (WIFEXITED(status[r]) && WEXITSTATUS(status[r]) == 0) {
+          if (access(done_files[r].c_str(), F_OK) == 0) continue;
+          verdict[r] = "exited 0 without running the test body";
+        } else {
+          verdict[r] = WIFSIGNALED(status[r]) ? "killed by signal " + std::to_string(WTERMSIG(status[r]))
+                                              : "exited with status " + std::to_string(WEXITSTATUS(status[r]));
+        }
         if (!any_failed) {
           any_failed = true;
           deadline = std::min(deadline, clock::now() + options.collective_timeout + std::chrono::seconds(5));
@@ -195,6 +228,7 @@ void run_ranks(int world_size, const std::function<void(Rank&)>& body, const Run
         if (done[r]) continue;
         kill(-pids[r], SIGKILL);
         waitpid(pids[r], &status[r], 0);
+        pids[r] = -1;
         done[r] = true;
         verdict[r] = "did not finish in time (killed)";
       }
@@ -213,7 +247,6 @@ void run_ranks(int world_size, const std::function<void(Rank&)>& body, const Run
              << read_file(logs[r]) << "\n";
     }
   }
-  remove_dir(dir);
   ASSERT_TRUE(ok) << "ranks of " << current_test_name() << " failed after "
                   << std::chrono::duration_cast<std::chrono::milliseconds>(clock::now() - start).count() << " ms:\n"
                   << report.str();

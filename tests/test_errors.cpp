@@ -37,8 +37,10 @@ TEST(Errors, ModelWithOtherShapeOnOneRank) {
     });
     EXPECT_NE(msg.find("differs between ranks"), std::string::npos) << msg;
     EXPECT_NE(msg.find("'fc1.weight'"), std::string::npos) << msg;
-    EXPECT_NE(msg.find("[13, 7] on rank 0"), std::string::npos) << msg;
-    EXPECT_NE(msg.find("[14, 7] on rank 1"), std::string::npos) << msg;
+    EXPECT_NE(
+        msg.find("is float [13, 7] in unit 'fc1' (cpu) on rank 0 but float [14, 7] in unit 'fc1' (cpu) on rank 1"),
+        std::string::npos)
+        << msg;
     EXPECT_NE(msg.find("(rank " + std::to_string(r.rank) + " of 3)"), std::string::npos) << msg;
     EXPECT_LT(Clock::now() - start, std::chrono::seconds(30));
   });
@@ -51,6 +53,30 @@ TEST(Errors, ModelWithOtherNameOnOneRank) {
       fsdp::fully_shard(m, r.pg, test_options());
     });
     EXPECT_NE(msg.find("is 'fc2.weight' on rank 0 but 'out.weight' on rank 1"), std::string::npos) << msg;
+  });
+}
+
+/// fc2 is a unit on rank 0 only: same names and shapes, different collectives.
+struct MaybeShardedImpl : torch::nn::Module {
+  explicit MaybeShardedImpl(bool shard_fc2) {
+    fc1 = register_module("fc1", fsdp::Sharded<torch::nn::LinearImpl>(7, 13));
+    if (shard_fc2) {
+      register_module("fc2", fsdp::Sharded<torch::nn::LinearImpl>(13, 5));
+    } else {
+      register_module("fc2", torch::nn::Linear(13, 5));
+    }
+  }
+  fsdp::Sharded<torch::nn::LinearImpl> fc1{nullptr};
+};
+
+TEST(Errors, UnitOnOneRankOnly) {
+  run_ranks(2, [](Rank& r) {
+    auto msg =
+        error_of([&] { fsdp::fully_shard(std::make_shared<MaybeShardedImpl>(r.rank == 0), r.pg, test_options()); });
+    EXPECT_NE(
+        msg.find("'fc2.weight' is float [5, 13] in unit 'fc2' (cpu) on rank 0 but float [5, 13] in unit '<root>'"),
+        std::string::npos)
+        << msg;
   });
 }
 

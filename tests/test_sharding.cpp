@@ -152,3 +152,105 @@ TEST(Sharding, CollectivesPerStep) {
 
 }  // namespace
 }  // namespace fsdp::testing
+
+namespace fsdp::testing {
+namespace {
+
+/// A unit with a frozen base weight and a trainable low-rank update (LoRA-style), plus a
+/// parameter with no elements: the frozen weight is still read by backward after the trainable
+/// ones have their gradients, and the empty one takes part in no collective.
+template <bool kSharded>
+struct LowRankImpl : torch::nn::Module {
+  LowRankImpl() {
+    base = register_parameter("base", torch::randn({6, 5}), /*requires_grad=*/false);
+    a = register_parameter("a", torch::randn({2, 5}) * 0.1);
+    b = register_parameter("b", torch::randn({6, 2}) * 0.1);
+    empty = register_parameter("empty", torch::empty({0, 3}));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return torch::tanh(x.matmul(base.t()) + x.matmul(a.t()).matmul(b.t())) + empty.sum();
+  }
+  torch::Tensor base, a, b, empty;
+};
+
+template <bool kSharded>
+struct LowRankNetImpl : torch::nn::Module {
+  using Unit = std::conditional_t<kSharded, fsdp::Sharded<LowRankImpl<kSharded>>,
+                                  torch::nn::ModuleHolder<LowRankImpl<kSharded>>>;
+  LowRankNetImpl() : in(register_module("in", torch::nn::Linear(4, 5))), lr(register_module("lr", Unit())) {}
+  torch::Tensor forward(const torch::Tensor& x) { return lr(in(x)); }
+  torch::nn::Linear in;
+  Unit lr;
+};
+
+TEST(Sharding, FrozenAndEmptyParametersInAUnit) {
+  run_ranks(2, [](Rank& r) {
+    torch::manual_seed(3);
+    auto ref = std::make_shared<LowRankNetImpl<false>>();
+    torch::manual_seed(3);
+    auto model = fsdp::fully_shard(std::make_shared<LowRankNetImpl<true>>(), r.pg, test_options());
+    std::vector<torch::Tensor> ref_trainable;
+    for (const auto& p : ref->parameters()) {
+      if (p.requires_grad()) ref_trainable.push_back(p);
+    }
+    std::vector<torch::Tensor> trainable;
+    for (const auto& p : model.sharded_parameters()) {
+      if (p.requires_grad()) trainable.push_back(p);
+    }
+    torch::optim::SGD ref_opt(ref_trainable, 0.1), opt(trainable, 0.1);
+    for (int step = 0; step < 3; ++step) {
+      torch::manual_seed(50 + step);
+      auto x = torch::randn({kGlobalBatch, 4});
+      ref_opt.zero_grad();
+      ref->forward(x).square().mean().backward();
+      ref_opt.step();
+      opt.zero_grad();
+      model(local_rows(x, r.rank, r.world_size)).square().mean().backward();
+      opt.step();
+    }
+    auto want = ref->named_parameters();
+    for (const auto& kv : model.named_sharded_parameters()) {
+      EXPECT_TRUE(close(kv.value().detach(), owned_rows(want[kv.key()].detach(), r.rank, r.world_size))) << kv.key();
+    }
+    EXPECT_FALSE(model.named_sharded_parameters()["lr.base"].grad().defined());
+    EXPECT_EQ(model->lr->base.numel(), 0);  // freed at the end of backward
+  });
+}
+
+}  // namespace
+}  // namespace fsdp::testing
+
+namespace fsdp::testing {
+namespace {
+
+// A backward that throws midway (here: a user hook) never reaches its end-of-backward callback;
+// the next step must still produce every sharded gradient, equal to plain LibTorch's, and free
+// everything at its end (the LowRank unit, with a frozen weight, is freed only by that callback).
+TEST(Sharding, StepAfterAFailedBackward) {
+  run_ranks(2, [](Rank& r) {
+    torch::manual_seed(5);
+    auto ref = std::make_shared<LowRankNetImpl<false>>();
+    torch::manual_seed(5);
+    auto model = fsdp::fully_shard(std::make_shared<LowRankNetImpl<true>>(), r.pg, test_options());
+    auto x = torch::randn({kGlobalBatch, 4});
+    auto mine = local_rows(x, r.rank, r.world_size);
+
+    auto out = model(mine);
+    out.register_hook([](const torch::Tensor&) -> torch::Tensor { throw std::runtime_error("user hook failed"); });
+    EXPECT_THROW(out.sum().backward(), std::exception);
+
+    for (const auto& p : model.sharded_parameters()) p.mutable_grad() = torch::Tensor();
+    model(mine).square().mean().backward();
+    ref->forward(x).square().mean().backward();
+    auto want = ref->named_parameters();
+    for (const auto& kv : model.named_sharded_parameters()) {
+      if (!kv.value().requires_grad()) continue;
+      ASSERT_TRUE(kv.value().grad().defined()) << kv.key();
+      EXPECT_TRUE(close(kv.value().grad(), owned_rows(want[kv.key()].grad(), r.rank, r.world_size))) << kv.key();
+    }
+    for (const auto& p : model->parameters()) EXPECT_EQ(p.numel(), 0);
+  });
+}
+
+}  // namespace
+}  // namespace fsdp::testing
