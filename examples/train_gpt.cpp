@@ -38,13 +38,14 @@ struct Args {
   std::string optimizer = "adamw";
   std::string data = FSDP_EXAMPLE_CORPUS;
   bool json = false;
+  int prefetch = 1;
 };
 
 [[noreturn]] void usage(const std::string& error) {
   std::cerr << "train_gpt: " << error << "\n"
             << "usage: train_gpt [--steps N] [--batch-size B] [--seed S] [--lr LR] [--weight-decay WD]\n"
             << "                 [--optimizer adamw|sgd] [--n-layer L] [--n-head H] [--n-embd C]\n"
-            << "                 [--block-size T] [--data FILE] [--json]\n"
+            << "                 [--block-size T] [--data FILE] [--prefetch K] [--json]\n"
             << "  --batch-size is the global batch: each of the N ranks takes B/N rows of it.\n";
   std::exit(2);
 }
@@ -83,6 +84,8 @@ Args parse(int argc, char** argv) {
         a.model.block_size = std::stoll(v);
       else if (k == "--data")
         a.data = v;
+      else if (k == "--prefetch")
+        a.prefetch = std::stoi(v);
       else
         usage("unknown flag " + k);
     } catch (const std::logic_error&) {
@@ -92,6 +95,7 @@ Args parse(int argc, char** argv) {
   if (a.optimizer != "adamw" && a.optimizer != "sgd") usage("--optimizer must be adamw or sgd");
   if (a.model.n_embd % a.model.n_head != 0) usage("--n-embd must be a multiple of --n-head");
   if (a.steps < 1 || a.batch_size < 1) usage("--steps and --batch-size must be positive");
+  if (a.prefetch < 0) usage("--prefetch must be 0 (off) or more");
   return a;
 }
 
@@ -125,7 +129,8 @@ int main(int argc, char** argv) {
   auto data = load_corpus(args.data, T);
 
   torch::manual_seed(args.seed);
-  auto model = fsdp::fully_shard(gpt::make_gpt<true>(args.model), pg);
+  auto model =
+      fsdp::fully_shard(gpt::make_gpt<true>(args.model), pg, fsdp::FullyShardOptions().prefetch(args.prefetch));
   const int64_t n_params = model.num_parameters();  // Ψ: elements of the full model
 
   std::unique_ptr<torch::optim::Optimizer> opt;

@@ -16,7 +16,10 @@ c10::intrusive_ptr<c10d::Backend> Comm::backend(const at::Tensor& t) const {
   }
 }
 
-void Comm::wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what) const {
+void Comm::wait(Pending& pending) const {
+  if (!pending.work) return;
+  auto work = std::move(pending.work);
+  const std::string& what = pending.what;
   try {
     work->wait(timeout_);
   } catch (const std::exception& e) {
@@ -27,38 +30,49 @@ void Comm::wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& w
   }
 }
 
-void Comm::all_gather(at::Tensor& out, at::Tensor& in, const std::string& what) {
+Pending Comm::all_gather_async(at::Tensor& out, at::Tensor& in, const std::string& what) {
   TORCH_INTERNAL_ASSERT(out.numel() == in.numel() * world_size_);
   ++stats.all_gathers;
   stats.elements += out.numel();
   if (world_size_ == 1) {
     out.copy_(in);
-    return;
+    return {nullptr, what};
   }
-  wait(backend(in)->_allgather_base(out, in), what);
+  return {backend(in)->_allgather_base(out, in), what};
 }
 
-void Comm::reduce_scatter_sum(at::Tensor& out, at::Tensor& in, const std::string& what) {
+void Comm::all_gather(at::Tensor& out, at::Tensor& in, const std::string& what) {
+  Pending p = all_gather_async(out, in, what);
+  wait(p);
+}
+
+Pending Comm::reduce_scatter_sum_async(at::Tensor& out, at::Tensor& in, const std::string& what) {
   TORCH_INTERNAL_ASSERT(in.numel() == out.numel() * world_size_);
   ++stats.reduce_scatters;
   stats.elements += in.numel();
   if (world_size_ == 1) {
     out.copy_(in);
-    return;
+    return {nullptr, what};
   }
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
-  wait(backend(in)->_reduce_scatter_base(out, in, opts), what);
+  return {backend(in)->_reduce_scatter_base(out, in, opts), what};
 }
 
-void Comm::all_reduce_sum(at::Tensor& t, const std::string& what) {
+void Comm::reduce_scatter_sum(at::Tensor& out, at::Tensor& in, const std::string& what) {
+  Pending p = reduce_scatter_sum_async(out, in, what);
+  wait(p);
+}
+
+void Comm::all_reduce(at::Tensor& t, c10d::ReduceOp op, const std::string& what) {
   ++stats.all_reduces;
   stats.elements += 2 * t.numel();
   if (world_size_ == 1) return;
   std::vector<at::Tensor> ts{t};
   c10d::AllreduceOptions opts;
-  opts.reduceOp = c10d::ReduceOp::SUM;
-  wait(backend(t)->allreduce(ts, opts), what);
+  opts.reduceOp = op;
+  Pending p{backend(t)->allreduce(ts, opts), what};
+  wait(p);
 }
 
 void Comm::broadcast(at::Tensor& t, int root, const std::string& what) {
@@ -67,7 +81,8 @@ void Comm::broadcast(at::Tensor& t, int root, const std::string& what) {
   std::vector<at::Tensor> ts{t};
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
-  wait(backend(t)->broadcast(ts, opts), what);
+  Pending p{backend(t)->broadcast(ts, opts), what};
+  wait(p);
 }
 
 }  // namespace fsdp::detail

@@ -23,6 +23,12 @@ struct CommStats {
 
 namespace detail {
 
+/// A collective in flight: wait() before touching its tensors.
+struct Pending {
+  c10::intrusive_ptr<c10d::Work> work;  // null when there was nothing to wait for (one rank)
+  std::string what;
+};
+
 class Comm {
  public:
   Comm(c10::intrusive_ptr<c10d::ProcessGroup> pg, std::chrono::milliseconds timeout);
@@ -33,17 +39,21 @@ class Comm {
 
   /// out[r * in.numel() + i] = in_r[i] for every rank r (rank-major).
   void all_gather(at::Tensor& out, at::Tensor& in, const std::string& what);
+  /// The same, returning at once; `out` and `in` must stay alive and untouched until wait().
+  Pending all_gather_async(at::Tensor& out, at::Tensor& in, const std::string& what);
   /// out = (sum over ranks of in)[rank * out.numel(), (rank + 1) * out.numel()).
   /// Gloo may implement this as an all-reduce; SUM is used because some versions turn AVG into SUM.
   void reduce_scatter_sum(at::Tensor& out, at::Tensor& in, const std::string& what);
-  void all_reduce_sum(at::Tensor& t, const std::string& what);
+  Pending reduce_scatter_sum_async(at::Tensor& out, at::Tensor& in, const std::string& what);
+  /// Waits for a pending collective (with the timeout); throws naming it on failure.
+  void wait(Pending& pending) const;
+  void all_reduce(at::Tensor& t, c10d::ReduceOp op, const std::string& what);
   void broadcast(at::Tensor& t, int root, const std::string& what);
 
   CommStats stats;
 
  private:
   c10::intrusive_ptr<c10d::Backend> backend(const at::Tensor& t) const;
-  void wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what) const;
 
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
   std::chrono::milliseconds timeout_;

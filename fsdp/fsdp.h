@@ -6,4 +6,5 @@
 #include "fsdp/options.h"
 #include "fsdp/process_group.h"
 #include "fsdp/sharded.h"
+#include "optim/clip_grad_norm.h"
 #include "optim/state_bytes.h"

@@ -18,6 +18,7 @@ void RootHandle::root_pre_forward() {
 
 void RootHandle::root_post_forward(const std::vector<at::Tensor>& outputs) {
   root_->post_forward(outputs);
+  root_->state().end_forward();
 }
 
 torch::OrderedDict<std::string, at::Tensor> RootHandle::named_sharded_parameters() const {

@@ -49,6 +49,8 @@ class RootHandle {
   void reset_comm_stats();
   int rank() const;
   int world_size() const;
+  /// The shared state of all units (the library's own use: clipping, optimizers).
+  FSDPState& state() const { return root_->state(); }
 
  protected:
   void root_pre_forward();

@@ -18,6 +18,10 @@ struct FullyShardOptions {
   /// Free each unit's gathered parameters after its forward (ZeRO-3) and gather them again for its
   /// backward. The root unit always stays gathered from its forward to its backward.
   TORCH_ARG(bool, reshard_after_forward) = true;
+  /// Units whose all-gather is issued ahead of use: the next units in forward order during
+  /// forward, the previous ones during backward. 0 gathers each unit only when it runs. Each unit
+  /// in flight costs its unsharded size in memory.
+  TORCH_ARG(int, prefetch) = 1;
 };
 
 }  // namespace fsdp

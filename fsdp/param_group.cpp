@@ -147,6 +147,15 @@ void ParamGroup::init() {
   reshard();
 }
 
+void ParamGroup::begin_unshard() {
+  if (unsharded_now_ || gathering_ || shard_numel_ == 0) return;
+  // Only the all-gather output is allocated now; the unsharded storage is allocated when the
+  // gather is waited for, so a unit in flight costs its size once, not twice.
+  gathered_ = at::empty({state_->comm.world_size() * shard_numel_}, flat_shard_.options());
+  gather_ = state_->comm.all_gather_async(gathered_, flat_shard_, describe("all-gather"));
+  gathering_ = true;
+}
+
 void ParamGroup::unshard() {
   if (unsharded_now_ || slots_.empty()) return;
   if (shard_numel_ == 0) {  // only empty parameters: nothing to gather (same on every rank)
@@ -154,14 +163,14 @@ void ParamGroup::unshard() {
     unsharded_now_ = true;
     return;
   }
-  Comm& comm = state_->comm;
-  const int64_t W = comm.world_size();
+  const int64_t W = state_->comm.world_size();
+  begin_unshard();
+  state_->comm.wait(gather_);
+  gathering_ = false;
   resize_storage(unsharded_, static_cast<size_t>(W * shard_numel_) * unsharded_.element_size());
   {
-    // All-gather output is rank-major [W, shard_numel]; one copy-out fills every parameter. It is
-    // freed as soon as the copy is done, so a unit costs 2x its size only for that moment.
-    at::Tensor gathered = at::empty({W * shard_numel_}, flat_shard_.options());
-    comm.all_gather(gathered, flat_shard_, describe("all-gather"));
+    // The all-gather output is rank-major [W, shard_numel]; one copy-out fills every parameter,
+    // and the output is freed right after, before any further prefetch is issued.
     std::vector<int64_t> sizes;
     std::vector<at::Tensor> outs;
     for (auto& s : slots_) {
@@ -170,13 +179,19 @@ void ParamGroup::unshard() {
     }
     // Below autograd: these copies must not bump version counters of tensors autograd saved.
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    at::split_with_sizes_copy_out(outs, gathered.view({W, shard_numel_}), sizes, 1);
+    at::split_with_sizes_copy_out(outs, gathered_.view({W, shard_numel_}), sizes, 1);
   }
+  gathered_ = at::Tensor();
   for (auto& s : slots_) s.param.set_data(s.unsharded);
   unsharded_now_ = true;
 }
 
 void ParamGroup::reshard() {
+  if (gathering_) {  // prefetched but not used: Gloo may still be writing into the buffer
+    state_->comm.wait(gather_);
+    gathered_ = at::Tensor();
+    gathering_ = false;
+  }
   if (!unsharded_now_) return;
   // The parameter itself points at an empty tensor, so code that reaches it around the wrapper
   // gets a shape error instead of reading freed memory.
@@ -187,6 +202,7 @@ void ParamGroup::reshard() {
 
 void ParamGroup::pre_forward() {
   unshard();
+  state_->after_unit_unsharded(*this, /*backward=*/false);
 }
 
 void ParamGroup::post_forward(const std::vector<at::Tensor>& outputs) {
@@ -213,6 +229,7 @@ void ParamGroup::pre_backward() {
   awaiting_backward_ = false;
   state_->on_backward_begin();
   unshard();
+  state_->after_unit_unsharded(*this, /*backward=*/true);
   in_backward_ = true;
   grads_ready_ = 0;
   for (auto& s : slots_) s.grad_ready = false;
@@ -240,30 +257,45 @@ void ParamGroup::reduce_grads() {
     for (auto& s : slots_) s.param.mutable_grad() = at::Tensor();
     return;
   }
+  finish_reduce();  // a unit reduced twice in one backward (partly used, then flushed)
   Comm& comm = state_->comm;
   const int64_t W = comm.world_size();
   const auto opts = flat_shard_.options();
-  at::Tensor flat_grad = at::empty({shard_numel_}, opts);
-  {
-    // One copy into rank-major [W, shard_numel] (chunk-cat pads each parameter's chunks), then the
-    // reduce-scatter writes this rank's summed rows straight into the flat gradient shard.
-    std::vector<at::Tensor> grads;
-    grads.reserve(slots_.size());
-    for (auto& s : slots_) {
-      if (s.padded_numel() == 0) continue;  // no elements (e.g. a [0, k] parameter): nothing to send
-      at::Tensor g = s.param.grad();
-      if (!g.defined()) g = at::zeros(s.shape, opts);
-      grads.push_back(s.shape.empty() ? g.view({1}) : g);
-    }
-    at::Tensor rs_in = at::empty({W, shard_numel_}, opts);
-    at::_chunk_cat_out(rs_in, grads, 0, W);
-    grads.clear();
-    at::Tensor rs_flat = rs_in.view({-1});
-    comm.reduce_scatter_sum(flat_grad, rs_flat, describe("reduce-scatter of gradients"));
+  // One copy into rank-major [W, shard_numel] (chunk-cat pads each parameter's chunks), then the
+  // reduce-scatter writes this rank's summed rows straight into the flat gradient shard.
+  std::vector<at::Tensor> grads;
+  grads.reserve(slots_.size());
+  reduce_has_grad_.assign(slots_.size(), false);
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    auto& s = slots_[i];
+    reduce_has_grad_[i] = s.param.grad().defined();
+    if (s.padded_numel() == 0) continue;  // no elements (e.g. a [0, k] parameter): nothing to send
+    at::Tensor g = s.param.grad();
+    if (!g.defined()) g = at::zeros(s.shape, opts);
+    grads.push_back(s.shape.empty() ? g.view({1}) : g);
   }
-  flat_grad.div_(static_cast<double>(W));
-  for (auto& s : slots_) {
-    if (!s.param.grad().defined()) continue;
+  reduce_in_ = at::empty({W, shard_numel_}, opts);
+  at::_chunk_cat_out(reduce_in_, grads, 0, W);
+  grads.clear();
+  for (auto& s : slots_) s.param.mutable_grad() = at::Tensor();  // unsharded gradients freed here
+  reduce_out_ = at::empty({shard_numel_}, opts);
+  at::Tensor flat_in = reduce_in_.view({-1});
+  reduce_ = comm.reduce_scatter_sum_async(reduce_out_, flat_in, describe("reduce-scatter of gradients"));
+  reducing_ = true;
+  // Runs while the rest of backward computes; the state bounds how many are in flight.
+  state_->after_reduce_issued(*this);
+}
+
+void ParamGroup::finish_reduce() {
+  if (!reducing_) return;
+  state_->comm.wait(reduce_);
+  reducing_ = false;
+  reduce_in_ = at::Tensor();
+  at::Tensor flat_grad = std::move(reduce_out_);
+  flat_grad.div_(static_cast<double>(state_->comm.world_size()));
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    if (!reduce_has_grad_[i]) continue;
+    auto& s = slots_[i];
     at::Tensor view = alias_rows(flat_grad, s.offset, s.sharded.sizes());
     at::Tensor& g = s.sharded.mutable_grad();
     if (g.defined()) {
@@ -271,11 +303,11 @@ void ParamGroup::reduce_grads() {
     } else {
       g = view;
     }
-    s.param.mutable_grad() = at::Tensor();  // the unsharded gradient is freed here
   }
 }
 
 void ParamGroup::reset_after_failed_backward() {
+  finish_reduce();
   if (!in_backward_) return;
   in_backward_ = false;
   grads_ready_ = 0;

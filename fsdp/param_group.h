@@ -53,7 +53,10 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   const std::vector<ParamSlot>& slots() const { return slots_; }
   int64_t shard_numel() const { return shard_numel_; }
 
-  /// All-gathers the parameters and points every user parameter at its full view.
+  /// Issues the all-gather without waiting (prefetch); unshard() completes it.
+  void begin_unshard();
+  /// All-gathers the parameters (or completes a prefetched gather) and points every user parameter
+  /// at its full view.
   void unshard();
   /// Frees the unsharded storage (0 bytes) and points every user parameter at an empty tensor.
   void reshard();
@@ -71,6 +74,8 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   void finalize_backward();
   /// A backward that threw never reached its end: drop its half-done state (next forward).
   void reset_after_failed_backward();
+  /// Waits for this unit's reduce-scatter in flight, if any, and sets the sharded gradients.
+  void finish_reduce();
 
  private:
   std::string describe(const char* op) const;
@@ -85,6 +90,15 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   at::Tensor unsharded_;    // [W * shard_numel], parameter-major; storage resized to 0 when resharded
   at::Tensor placeholder_;  // what parameters point at while resharded
   bool unsharded_now_ = true;
+  // An all-gather in flight (prefetch): its output buffer stays alive until unshard() waits.
+  Pending gather_;
+  at::Tensor gathered_;
+  bool gathering_ = false;
+  // A reduce-scatter in flight: its input, its output and which parameters had a gradient.
+  Pending reduce_;
+  at::Tensor reduce_in_, reduce_out_;
+  std::vector<bool> reduce_has_grad_;
+  bool reducing_ = false;
   bool awaiting_backward_ = false;  // outputs hooked, backward not yet begun
   bool in_backward_ = false;
   size_t grads_expected_ = 0;

@@ -30,9 +30,51 @@ void FSDPState::finalize_backward() {
   for (auto& w : groups) {
     if (auto g = w.lock()) g->finalize_backward();
   }
+  finish_reduces();
+}
+
+void FSDPState::end_forward() {
+  if (!recording_.empty()) order_ = std::move(recording_);
+  recording_.clear();
+}
+
+void FSDPState::after_unit_unsharded(ParamGroup& unit, bool backward) {
+  if (!backward && !unit.is_root()) recording_.push_back(unit.weak_from_this());
+  const int depth = options.prefetch();
+  if (depth <= 0) return;
+  // The root comes before the first unit in forward and after the last one in backward.
+  std::ptrdiff_t i = backward ? static_cast<std::ptrdiff_t>(order_.size()) : -1;
+  if (!unit.is_root()) {
+    auto it = std::find_if(order_.begin(), order_.end(), [&](const auto& w) { return w.lock().get() == &unit; });
+    if (it == order_.end()) return;  // not seen in the last forward: no order to follow yet
+    i = it - order_.begin();
+  }
+  for (int k = 1; k <= depth; ++k) {
+    const auto j = backward ? i - k : i + k;
+    if (j < 0 || j >= static_cast<std::ptrdiff_t>(order_.size())) break;
+    if (auto next = order_[j].lock()) next->begin_unshard();
+  }
+}
+
+void FSDPState::after_reduce_issued(ParamGroup& unit) {
+  while (!reducing_.empty()) {
+    auto oldest = reducing_.front().lock();
+    reducing_.erase(reducing_.begin());
+    if (oldest && oldest.get() != &unit) oldest->finish_reduce();
+  }
+  reducing_.push_back(unit.weak_from_this());
+}
+
+void FSDPState::finish_reduces() {
+  auto in_flight = std::move(reducing_);
+  reducing_.clear();
+  for (auto& w : in_flight) {
+    if (auto g = w.lock()) g->finish_reduce();
+  }
 }
 
 void FSDPState::begin_forward() {
+  recording_.clear();
   if (!callback_queued_) return;
   callback_queued_ = false;
   for (auto& w : groups) {

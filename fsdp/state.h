@@ -8,6 +8,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
 
+#include <algorithm>
 #include <memory>
 #include <vector>
 
@@ -33,9 +34,23 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   /// Called at the start of each root forward: if the last backward threw before its end (its
   /// queued callback then never runs), clear what it left half done.
   void begin_forward();
+  /// Called at the end of each root forward: the units' order of this forward is what prefetch
+  /// follows next time (and in this step's backward, reversed).
+  void end_forward();
+
+  /// Records the unit's place in the forward order and issues the prefetch of the next units
+  /// (forward order in forward, reverse order in backward), at most options.prefetch() of them.
+  void after_unit_unsharded(ParamGroup& unit, bool backward);
+  /// Bounds the reduce-scatters in flight to one besides `unit`'s: the oldest is completed.
+  void after_reduce_issued(ParamGroup& unit);
+  /// Completes every reduce-scatter still in flight.
+  void finish_reduces();
 
  private:
   bool callback_queued_ = false;
+  std::vector<std::weak_ptr<ParamGroup>> order_;      // units in the order of the last forward
+  std::vector<std::weak_ptr<ParamGroup>> recording_;  // ... and of the forward in progress
+  std::vector<std::weak_ptr<ParamGroup>> reducing_;   // reduce-scatters in flight, oldest first
 };
 
 /// Marks `root` sharded: one unit per module deriving from fsdp::ShardedUnit, one root unit for

@@ -3,6 +3,7 @@
 #include "tests/models.h"
 
 #include <torch/nn/functional/loss.h>
+#include <torch/nn/utils/clip_grad.h>
 
 namespace fsdp::testing {
 namespace {
@@ -18,11 +19,12 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(Opt o, const std::vector
 /// sharded on this rank's rows. `make_ref` / `make_sharded` build the same model from one seed;
 /// `batch(step)` returns {input, target} of the global batch; `loss_fn(model_output, target)`.
 template <typename Ref, typename Sharded, typename Batch, typename LossFn>
-void check_parity(Rank& r, Opt opt, int steps, Ref make_ref, Sharded make_sharded, Batch batch, LossFn loss_fn) {
+void check_parity(Rank& r, Opt opt, int steps, Ref make_ref, Sharded make_sharded, Batch batch, LossFn loss_fn,
+                  FullyShardOptions options = test_options(), double clip = 0, double norm_type = 2.0) {
   torch::manual_seed(0);
   auto ref = make_ref();
   torch::manual_seed(0);
-  auto model = fsdp::fully_shard(make_sharded(), r.pg, test_options());
+  auto model = fsdp::fully_shard(make_sharded(), r.pg, options);
   auto ref_opt = make_optimizer(opt, ref->parameters());
   auto opt_sharded = make_optimizer(opt, model.sharded_parameters());
 
@@ -31,11 +33,18 @@ void check_parity(Rank& r, Opt opt, int steps, Ref make_ref, Sharded make_sharde
     ref_opt->zero_grad();
     auto ref_loss = loss_fn(ref->forward(x), y);
     ref_loss.backward();
+    double ref_norm = 0;
+    if (clip > 0) ref_norm = torch::nn::utils::clip_grad_norm_(ref->parameters(), clip, norm_type);
     ref_opt->step();
 
     opt_sharded->zero_grad();
     auto loss = loss_fn(model(local_rows(x, r.rank, r.world_size)), local_rows(y, r.rank, r.world_size));
     loss.backward();
+    if (clip > 0) {
+      const double norm = fsdp::optim::clip_grad_norm(model, clip, norm_type);
+      EXPECT_NEAR(norm, ref_norm, 1e-5 * ref_norm) << "global gradient norm at step " << step;
+      EXPECT_GT(ref_norm, clip) << "the test should clip";
+    }
     opt_sharded->step();
 
     // The global loss is the mean of the ranks' local means (equal shares).
@@ -109,6 +118,49 @@ TEST_P(Parity, GPT) {
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, Parity, kCases, case_name);
+
+// Prefetch changes when gathers are issued, never the numbers: off, and two units deep.
+class PrefetchParity : public ::testing::TestWithParam<int> {};
+TEST_P(PrefetchParity, GPT) {
+  const int depth = GetParam();
+  gpt::Config cfg{37, 8, 3, 2, 18, true};
+  run_ranks(3, [&](Rank& r) {
+    auto batch = [&](int step) {
+      torch::manual_seed(3000 + step);
+      auto tok = torch::randint(cfg.vocab_size, {kGlobalBatch, cfg.block_size + 1}, torch::kLong);
+      return std::make_pair(tok.narrow(1, 0, cfg.block_size), tok.narrow(1, 1, cfg.block_size));
+    };
+    check_parity(
+        r, Opt::kSGD, 4, [&] { return gpt::make_gpt<false>(cfg); }, [&] { return gpt::make_gpt<true>(cfg); }, batch,
+        [](const torch::Tensor& logits, const torch::Tensor& y) {
+          return torch::nn::functional::cross_entropy(logits.flatten(0, 1), y.flatten());
+        },
+        test_options().prefetch(depth));
+  });
+}
+INSTANTIATE_TEST_SUITE_P(Depths, PrefetchParity, ::testing::Values(0, 2));
+
+// Clipping by the global norm over shards equals clip_grad_norm_ on the unsharded model: the
+// returned norm every step and the parameters after (which the clipped gradients produced).
+class ClipParity : public ::testing::TestWithParam<int> {};
+TEST_P(ClipParity, UnevenMLP) {
+  const int world = GetParam();
+  run_ranks(world, [&](Rank& r) {
+    for (double norm_type : {2.0, std::numeric_limits<double>::infinity()}) {
+      auto batch = [](int step) {
+        torch::manual_seed(4000 + step);
+        auto x = torch::randn({kGlobalBatch, 7});
+        return std::make_pair(x, torch::randn({kGlobalBatch, 3}));
+      };
+      check_parity(
+          r, Opt::kSGD, 4, [] { return std::make_shared<UnevenMLPImpl<false>>(); },
+          [] { return std::make_shared<UnevenMLPImpl<true>>(); }, batch,
+          [](const torch::Tensor& out, const torch::Tensor& y) { return torch::mse_loss(out, y); }, test_options(),
+          /*clip=*/0.02, norm_type);
+    }
+  });
+}
+INSTANTIATE_TEST_SUITE_P(WorldSizes, ClipParity, ::testing::Values(1, 2, 3, 4));
 
 }  // namespace
 }  // namespace fsdp::testing
