@@ -7,4 +7,5 @@
 #include "fsdp/process_group.h"
 #include "fsdp/sharded.h"
 #include "optim/clip_grad_norm.h"
+#include "optim/fused_adamw.h"
 #include "optim/state_bytes.h"

@@ -52,6 +52,8 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   bool is_unsharded() const { return unsharded_now_; }
   const std::vector<ParamSlot>& slots() const { return slots_; }
   int64_t shard_numel() const { return shard_numel_; }
+  /// This rank's rows of every parameter, padded: what the sharded parameters alias.
+  const at::Tensor& flat_shard() const { return flat_shard_; }
 
   /// Issues the all-gather without waiting (prefetch); unshard() completes it.
   void begin_unshard();

@@ -8,11 +8,19 @@
 namespace fsdp::testing {
 namespace {
 
-enum class Opt { kSGD, kAdamW };
+enum class Opt { kSGD, kAdamW, kFusedAdamW };
 
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(Opt o, const std::vector<torch::Tensor>& params) {
   if (o == Opt::kSGD) return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.1).momentum(0.9));
   return std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+}
+
+/// The sharded side's optimizer: FusedAdamW works on the model's units, the others on its shards.
+std::unique_ptr<torch::optim::Optimizer> make_sharded_optimizer(Opt o, const detail::RootHandle& model) {
+  if (o == Opt::kFusedAdamW) {
+    return std::make_unique<fsdp::optim::FusedAdamW>(model, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+  }
+  return make_optimizer(o, model.sharded_parameters());
 }
 
 /// Trains `steps` steps twice: plain LibTorch on the global batch (every rank computes it), and
@@ -25,8 +33,8 @@ void check_parity(Rank& r, Opt opt, int steps, Ref make_ref, Sharded make_sharde
   auto ref = make_ref();
   torch::manual_seed(0);
   auto model = fsdp::fully_shard(make_sharded(), r.pg, options);
-  auto ref_opt = make_optimizer(opt, ref->parameters());
-  auto opt_sharded = make_optimizer(opt, model.sharded_parameters());
+  auto ref_opt = make_optimizer(opt == Opt::kFusedAdamW ? Opt::kAdamW : opt, ref->parameters());
+  auto opt_sharded = make_sharded_optimizer(opt, model);
 
   for (int step = 0; step < steps; ++step) {
     auto [x, y] = batch(step);
@@ -46,6 +54,11 @@ void check_parity(Rank& r, Opt opt, int steps, Ref make_ref, Sharded make_sharde
       EXPECT_GT(ref_norm, clip) << "the test should clip";
     }
     opt_sharded->step();
+    if (auto* fused = dynamic_cast<fsdp::optim::FusedAdamW*>(opt_sharded.get())) {
+      size_t units = 0;
+      for (const auto& u : model.units()) units += u.shard_numel > 0;
+      EXPECT_EQ(fused->tensors_last_step(), units) << "every unit updated as one flat tensor";
+    }
 
     // The global loss is the mean of the ranks' local means (equal shares).
     auto global = loss.detach().clone();
@@ -67,11 +80,13 @@ struct Case {
   Opt opt;
 };
 std::string case_name(const ::testing::TestParamInfo<Case>& i) {
-  return std::string(i.param.opt == Opt::kSGD ? "SGD" : "AdamW") + "_W" + std::to_string(i.param.world_size);
+  const char* names[] = {"SGD", "AdamW", "FusedAdamW"};
+  return std::string(names[static_cast<int>(i.param.opt)]) + "_W" + std::to_string(i.param.world_size);
 }
-const auto kCases =
-    ::testing::Values(Case{1, Opt::kSGD}, Case{2, Opt::kSGD}, Case{3, Opt::kSGD}, Case{4, Opt::kSGD},
-                      Case{1, Opt::kAdamW}, Case{2, Opt::kAdamW}, Case{3, Opt::kAdamW}, Case{4, Opt::kAdamW});
+const auto kCases = ::testing::Values(Case{1, Opt::kSGD}, Case{2, Opt::kSGD}, Case{3, Opt::kSGD}, Case{4, Opt::kSGD},
+                                      Case{1, Opt::kAdamW}, Case{2, Opt::kAdamW}, Case{3, Opt::kAdamW},
+                                      Case{4, Opt::kAdamW}, Case{1, Opt::kFusedAdamW}, Case{2, Opt::kFusedAdamW},
+                                      Case{3, Opt::kFusedAdamW}, Case{4, Opt::kFusedAdamW});
 
 class Parity : public ::testing::TestWithParam<Case> {};
 

@@ -1,0 +1,110 @@
+#include "optim/fused_adamw.h"
+
+#include <ATen/ops/_fused_adamw.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/strides.h>
+
+namespace fsdp::optim {
+namespace {
+
+at::Tensor alias(const at::Tensor& base, int64_t offset, at::IntArrayRef shape) {
+  at::Tensor t = at::empty({0}, base.options());
+  t.set_(base.storage(), base.storage_offset() + offset, shape, c10::contiguous_strides(shape));
+  return t;
+}
+
+}  // namespace
+
+FusedAdamW::FusedAdamW(const detail::RootHandle& model, const torch::optim::AdamWOptions& options)
+    : Optimizer({torch::optim::OptimizerParamGroup(model.sharded_parameters())},
+                std::make_unique<torch::optim::AdamWOptions>(options)) {
+  TORCH_CHECK(!options.amsgrad(), "fsdp::optim::FusedAdamW: amsgrad is not supported; use torch::optim::AdamW");
+  for (auto& w : model.state().groups) {
+    if (auto g = w.lock()) units_.push_back(UnitState{g, {}, {}, {}});
+  }
+}
+
+at::Tensor FusedAdamW::step(LossClosure closure) {
+  at::NoGradGuard no_grad;
+  at::Tensor loss;
+  if (closure) {
+    at::AutoGradMode grad(true);
+    loss = closure();
+  }
+  const auto& o = static_cast<const torch::optim::AdamWOptions&>(param_groups()[0].options());
+  std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, steps;
+  for (auto& u : units_) {
+    auto g = u.group.lock();
+    if (!g || g->shard_numel() == 0) continue;
+    const auto& slots = g->slots();
+    const at::Tensor& flat = g->flat_shard();
+    if (!u.exp_avg.defined()) {
+      u.exp_avg = at::zeros({g->shard_numel()}, flat.options());
+      u.exp_avg_sq = at::zeros({g->shard_numel()}, flat.options());
+      for (size_t i = 0; i < slots.size(); ++i) u.steps.push_back(at::zeros({}, flat.options().dtype(at::kFloat)));
+    }
+    // One flat update when every parameter's gradient is where the reduce-scatter put it: one
+    // buffer, each at its parameter's offset, and every parameter has stepped equally so far.
+    bool whole = true;
+    const c10::StorageImpl* storage = nullptr;
+    for (size_t i = 0; i < slots.size() && whole; ++i) {
+      const auto& s = slots[i];
+      const at::Tensor& gr = s.sharded.grad();
+      if (!gr.defined()) {
+        whole = s.padded_numel() == 0;
+        continue;
+      }
+      if (storage == nullptr) storage = gr.storage().unsafeGetStorageImpl();
+      whole = gr.storage().unsafeGetStorageImpl() == storage && gr.storage_offset() == s.offset && gr.is_contiguous() &&
+              u.steps[i].item<float>() == u.steps[0].item<float>();
+    }
+    whole =
+        whole && storage != nullptr && storage->nbytes() == static_cast<size_t>(g->shard_numel()) * flat.element_size();
+    if (whole) {
+      for (auto& st : u.steps) st.add_(1);
+      params.push_back(alias(flat, 0, {g->shard_numel()}));
+      at::Tensor first_grad;
+      for (const auto& s : slots) {
+        if (s.sharded.grad().defined()) {
+          first_grad = s.sharded.grad();
+          break;
+        }
+      }
+      grads.push_back(alias(first_grad, -first_grad.storage_offset(), {g->shard_numel()}));
+      exp_avgs.push_back(u.exp_avg);
+      exp_avg_sqs.push_back(u.exp_avg_sq);
+      steps.push_back(u.steps[0]);
+      continue;
+    }
+    for (size_t i = 0; i < slots.size(); ++i) {
+      const auto& s = slots[i];
+      if (!s.sharded.grad().defined() || s.sharded.numel() == 0) continue;
+      u.steps[i].add_(1);
+      params.push_back(s.sharded);
+      grads.push_back(s.sharded.grad());
+      exp_avgs.push_back(alias(u.exp_avg, s.offset, s.sharded.sizes()));
+      exp_avg_sqs.push_back(alias(u.exp_avg_sq, s.offset, s.sharded.sizes()));
+      steps.push_back(u.steps[i]);
+    }
+  }
+  tensors_last_step_ = params.size();
+  if (!params.empty()) {
+    at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, /*max_exp_avg_sqs=*/{}, steps, o.lr(),
+                      std::get<0>(o.betas()), std::get<1>(o.betas()), o.weight_decay(), o.eps(),
+                      /*amsgrad=*/false, /*maximize=*/false);
+  }
+  return loss;
+}
+
+std::vector<at::Tensor> FusedAdamW::state_tensors() const {
+  std::vector<at::Tensor> out;
+  for (const auto& u : units_) {
+    if (!u.exp_avg.defined()) continue;
+    out.push_back(u.exp_avg);
+    out.push_back(u.exp_avg_sq);
+    out.insert(out.end(), u.steps.begin(), u.steps.end());
+  }
+  return out;
+}
+
+}  // namespace fsdp::optim
