@@ -39,14 +39,20 @@ struct Args {
   std::string data = FSDP_EXAMPLE_CORPUS;
   bool json = false;
   int prefetch = 1;
+  int64_t grad_accum = 1;  // micro-batches per step
+  bool no_sync = false;    // communicate only in the last micro-batch
+  double clip = 0;         // max global gradient norm (0: no clipping)
+  bool fused = false;      // fsdp::optim::FusedAdamW instead of torch::optim::AdamW
 };
 
 [[noreturn]] void usage(const std::string& error) {
   std::cerr << "train_gpt: " << error << "\n"
             << "usage: train_gpt [--steps N] [--batch-size B] [--seed S] [--lr LR] [--weight-decay WD]\n"
             << "                 [--optimizer adamw|sgd] [--n-layer L] [--n-head H] [--n-embd C]\n"
-            << "                 [--block-size T] [--data FILE] [--prefetch K] [--json]\n"
-            << "  --batch-size is the global batch: each of the N ranks takes B/N rows of it.\n";
+            << "                 [--block-size T] [--data FILE] [--prefetch K] [--grad-accum M] [--no-sync]\n"
+            << "                 [--clip MAX_NORM] [--fused] [--json]\n"
+            << "  --batch-size is the global batch: each of the N ranks takes B/N rows of it, in M micro-batches\n"
+            << "  with --grad-accum M (--no-sync: reduce gradients only after the last one).\n";
   std::exit(2);
 }
 
@@ -54,8 +60,8 @@ Args parse(int argc, char** argv) {
   Args a;
   for (int i = 1; i < argc; ++i) {
     std::string k = argv[i];
-    if (k == "--json") {
-      a.json = true;
+    if (k == "--json" || k == "--no-sync" || k == "--fused") {
+      (k == "--json" ? a.json : k == "--no-sync" ? a.no_sync : a.fused) = true;
       continue;
     }
     if (k == "--help" || k == "-h") usage("help");
@@ -86,6 +92,10 @@ Args parse(int argc, char** argv) {
         a.data = v;
       else if (k == "--prefetch")
         a.prefetch = std::stoi(v);
+      else if (k == "--grad-accum")
+        a.grad_accum = std::stoll(v);
+      else if (k == "--clip")
+        a.clip = std::stod(v);
       else
         usage("unknown flag " + k);
     } catch (const std::logic_error&) {
@@ -96,6 +106,8 @@ Args parse(int argc, char** argv) {
   if (a.model.n_embd % a.model.n_head != 0) usage("--n-embd must be a multiple of --n-head");
   if (a.steps < 1 || a.batch_size < 1) usage("--steps and --batch-size must be positive");
   if (a.prefetch < 0) usage("--prefetch must be 0 (off) or more");
+  if (a.grad_accum < 1) usage("--grad-accum must be at least 1");
+  if (a.fused && a.optimizer != "adamw") usage("--fused is an AdamW");
   return a;
 }
 
@@ -122,9 +134,12 @@ int main(int argc, char** argv) {
   const Args args = parse(argc, argv);
   auto pg = fsdp::init_process_group();
   const int rank = pg->getRank(), world = pg->getSize();
-  TORCH_CHECK(args.batch_size % world == 0, "train_gpt (rank ", rank, "): --batch-size ", args.batch_size,
-              " is not divisible by the ", world, " ranks; each rank takes an equal share of the global batch.");
-  const int64_t local_batch = args.batch_size / world;
+  const int64_t K = args.grad_accum;
+  TORCH_CHECK(args.batch_size % (world * K) == 0, "train_gpt (rank ", rank, "): --batch-size ", args.batch_size,
+              " is not divisible by the ", world, " ranks x ", K,
+              " micro-batches; each rank takes an equal share of every micro-batch.");
+  const int64_t micro = args.batch_size / K;  // rows per micro-batch (all ranks)
+  const int64_t local_batch = micro / world;  // rows per micro-batch on this rank
   const int64_t T = args.model.block_size;
   auto data = load_corpus(args.data, T);
 
@@ -134,7 +149,10 @@ int main(int argc, char** argv) {
   const int64_t n_params = model.num_parameters();  // Ψ: elements of the full model
 
   std::unique_ptr<torch::optim::Optimizer> opt;
-  if (args.optimizer == "adamw") {
+  if (args.fused) {
+    opt = std::make_unique<fsdp::optim::FusedAdamW>(
+        model, torch::optim::AdamWOptions(args.lr).weight_decay(args.weight_decay));
+  } else if (args.optimizer == "adamw") {
     opt = std::make_unique<torch::optim::AdamW>(model.sharded_parameters(),
                                                 torch::optim::AdamWOptions(args.lr).weight_decay(args.weight_decay));
   } else {
@@ -145,7 +163,9 @@ int main(int argc, char** argv) {
   if (rank == 0 && !args.json) {
     std::cout << "train_gpt: " << world << " rank(s), " << n_params << " parameters, " << args.model.n_layer
               << " sharded blocks, global batch " << args.batch_size << " x " << T << " tokens (" << local_batch
-              << " rows per rank), " << args.optimizer << " lr " << args.lr << "\n";
+              << " rows per rank per micro-batch, " << K << " micro-batch(es)" << (args.no_sync ? ", no sync" : "")
+              << "), " << (args.fused ? "fused " : "") << args.optimizer << " lr " << args.lr
+              << (args.clip > 0 ? ", clip " + std::to_string(args.clip) : "") << ", prefetch " << args.prefetch << "\n";
   }
 
   int64_t last_peak = 0, last_state = 0;
@@ -158,13 +178,19 @@ int main(int argc, char** argv) {
     // The global batch of this step, the same on every rank; this rank takes its rows.
     auto gen = at::make_generator<at::CPUGeneratorImpl>(args.seed * 1000003 + static_cast<uint64_t>(step));
     auto offsets = torch::randint(data.size(0) - T - 1, {args.batch_size}, gen, torch::kLong);
-    auto mine = offsets.narrow(0, rank * local_batch, local_batch);
-    auto idx = torch::arange(T, torch::kLong).unsqueeze(0) + mine.unsqueeze(1);
-    auto x = data.index({idx}), y = data.index({idx + 1});
-
-    auto logits = model(x);
-    auto loss = torch::nn::functional::cross_entropy(logits.flatten(0, 1), y.flatten());
-    loss.backward();
+    auto loss = torch::zeros({}, torch::kDouble);  // this rank's mean over its rows of the step
+    for (int64_t m = 0; m < K; ++m) {
+      auto mine = offsets.narrow(0, m * micro + rank * local_batch, local_batch);
+      auto idx = torch::arange(T, torch::kLong).unsqueeze(0) + mine.unsqueeze(1);
+      auto x = data.index({idx}), y = data.index({idx + 1});
+      model.set_requires_gradient_sync(!args.no_sync || m == K - 1);
+      auto logits = model(x);
+      auto l = torch::nn::functional::cross_entropy(logits.flatten(0, 1), y.flatten()) / static_cast<double>(K);
+      l.backward();
+      loss += l.detach().to(torch::kDouble);
+    }
+    double grad_norm = -1;
+    if (args.clip > 0) grad_norm = fsdp::optim::clip_grad_norm(model, args.clip);
     opt->step();
 
     // Model state at the optimizer step: sharded parameters, gradients, optimizer state.
@@ -184,9 +210,9 @@ int main(int argc, char** argv) {
       if (args.json) {
         std::printf(
             "{\"step\": %lld, \"loss\": %.9g, \"peak_bytes\": %lld, \"state_bytes\": %lld, "
-            "\"step_ms\": %.3f, \"world_size\": %d, \"params\": %lld}\n",
+            "\"step_ms\": %.3f, \"world_size\": %d, \"params\": %lld, \"grad_norm\": %.9g}\n",
             static_cast<long long>(step), l, static_cast<long long>(mem[0].item<int64_t>()),
-            static_cast<long long>(mem[1].item<int64_t>()), ms, world, static_cast<long long>(n_params));
+            static_cast<long long>(mem[1].item<int64_t>()), ms, world, static_cast<long long>(n_params), grad_norm);
       } else {
         std::printf("step %4lld | loss %.4f | %8.1f ms | peak %s | state %s (max over ranks)\n",
                     static_cast<long long>(step), l, ms, mib(mem[0].item<int64_t>()).c_str(),

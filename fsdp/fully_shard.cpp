@@ -56,6 +56,9 @@ std::vector<UnitInfo> RootHandle::units() const {
   return out;
 }
 
+void RootHandle::set_requires_gradient_sync(bool sync) { root_->state().sync_gradients = sync; }
+bool RootHandle::requires_gradient_sync() const { return root_->state().sync_gradients; }
+
 int64_t RootHandle::num_parameters() const {
   int64_t n = 0;
   for (auto& w : root_->state().groups) {

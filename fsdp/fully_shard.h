@@ -45,6 +45,14 @@ class RootHandle {
   std::vector<UnitInfo> units() const;
   /// Elements of all parameters of the full (unsharded) model.
   int64_t num_parameters() const;
+  /// Gradient accumulation without communication (FSDP2's set_requires_gradient_sync): while
+  /// false, backward leaves each unit's unsharded gradients on its parameters (full size: memory
+  /// grows by the model's size) and reduces nothing; the first backward with it true again
+  /// reduce-scatters everything accumulated. With it always true, every backward reduces and the
+  /// sharded gradients accumulate (less memory, more communication). Both equal plain LibTorch.
+  void set_requires_gradient_sync(bool sync);
+  bool requires_gradient_sync() const;
+
   const CommStats& comm_stats() const;
   void reset_comm_stats();
   int rank() const;

@@ -244,7 +244,9 @@ void ParamGroup::on_grad_ready(size_t slot) {
   if (s.grad_ready) return;
   s.grad_ready = true;
   if (++grads_ready_ == grads_expected_) {
-    reduce_grads();
+    // Without gradient sync (all but the last micro-batch of an accumulation) the unsharded
+    // gradients stay on the parameters and keep accumulating; nothing is communicated.
+    if (state_->sync_gradients) reduce_grads();
     in_backward_ = false;
     // A frozen parameter's last reader may still be ahead in the graph (autograd runs gradient
     // accumulation as soon as it can): such a unit stays gathered until the end of backward.
@@ -319,11 +321,14 @@ void ParamGroup::reset_after_failed_backward() {
 }
 
 void ParamGroup::finalize_backward() {
-  if (in_backward_) {
-    // Some parameters of this unit got no gradient in this backward: reduce the ones that did.
-    if (grads_ready_ > 0) reduce_grads();
-    in_backward_ = false;
+  // Gradients not reduced yet: a unit only partly used in this backward, or one that accumulated
+  // without sync in earlier micro-batches and was not used in this one.
+  if (state_->sync_gradients) {
+    bool pending = false;
+    for (const auto& s : slots_) pending = pending || s.param.grad().defined();
+    if (pending) reduce_grads();
   }
+  in_backward_ = false;
   awaiting_backward_ = false;
   reshard();
 }

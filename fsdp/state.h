@@ -22,6 +22,8 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
 
   Comm comm;
   const FullyShardOptions options;
+  /// False while accumulating gradients without communication (set_requires_gradient_sync).
+  bool sync_gradients = true;
 
   /// Every unit, root first then in module order. Units are owned by their modules (and the root
   /// unit by the FullyShardedModule handle); the state only observes them.

@@ -32,8 +32,9 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--timeout", type=int, default=240)
+    ap.add_argument("--extra", default="", help="more train_gpt flags, for both runs")
     a = ap.parse_args()
-    args = ["--steps", str(a.steps), "--seed", str(a.seed), "--json"]
+    args = ["--steps", str(a.steps), "--seed", str(a.seed), "--json"] + a.extra.split()
     one = run([a.train_gpt] + args, a.timeout)
     many = run([a.torchrun, "--no-python", "--nproc-per-node", str(a.ranks), a.train_gpt] + args, a.timeout)
     assert len(one) == len(many) == a.steps, (len(one), len(many))
@@ -44,7 +45,7 @@ def main():
         if rel > 1e-5:
             sys.exit(f"FAILED: step {r1['step']}: loss {rn['loss']} on {a.ranks} ranks vs {r1['loss']} on 1 (rel {rel:.2e})")
     ratio = many[-1]["state_bytes"] / (one[-1]["state_bytes"] / a.ranks)
-    print(f"losses match over {a.steps} steps (worst relative difference {worst:.2e}); "
+    print(f"[{a.extra or 'defaults'}] losses match over {a.steps} steps (worst relative difference {worst:.2e}); "
           f"state_bytes {many[-1]['state_bytes']} on {a.ranks} ranks vs {one[-1]['state_bytes']} on 1 "
           f"(ratio to 1/{a.ranks}: {ratio:.4f}); peak_bytes {many[-1]['peak_bytes']} vs {one[-1]['peak_bytes']}")
     if abs(ratio - 1) > 0.05:

@@ -179,3 +179,61 @@ INSTANTIATE_TEST_SUITE_P(WorldSizes, ClipParity, ::testing::Values(1, 2, 3, 4));
 
 }  // namespace
 }  // namespace fsdp::testing
+
+namespace fsdp::testing {
+namespace {
+
+// Gradient accumulation over 3 micro-batches equals plain LibTorch with the same total batch,
+// whether every micro-batch reduces (sharded gradients accumulate) or only the last one does
+// (unsharded gradients accumulate, nothing is communicated before).
+class AccumulationParity : public ::testing::TestWithParam<std::tuple<int, bool>> {};
+TEST_P(AccumulationParity, GPT) {
+  const auto [world, sync_every] = GetParam();
+  const gpt::Config cfg{29, 6, 2, 2, 12, true};
+  constexpr int kMicro = 3;
+  run_ranks(world, [&](Rank& r) {
+    torch::manual_seed(0);
+    auto ref = gpt::make_gpt<false>(cfg);
+    torch::manual_seed(0);
+    auto model = fsdp::fully_shard(gpt::make_gpt<true>(cfg), r.pg, test_options());
+    auto ref_opt = make_optimizer(Opt::kSGD, ref->parameters());
+    auto opt = make_optimizer(Opt::kSGD, model.sharded_parameters());
+    auto ce = [](const torch::Tensor& logits, const torch::Tensor& y) {
+      return torch::nn::functional::cross_entropy(logits.flatten(0, 1), y.flatten());
+    };
+    for (int step = 0; step < 3; ++step) {
+      ref_opt->zero_grad();
+      opt->zero_grad();
+      for (int m = 0; m < kMicro; ++m) {
+        torch::manual_seed(5000 + step * kMicro + m);
+        auto tok = torch::randint(cfg.vocab_size, {kGlobalBatch, cfg.block_size + 1}, torch::kLong);
+        auto x = tok.narrow(1, 0, cfg.block_size), y = tok.narrow(1, 1, cfg.block_size);
+        (ce(ref->forward(x), y) / kMicro).backward();
+
+        const bool last = m == kMicro - 1;
+        model.set_requires_gradient_sync(sync_every || last);
+        model.reset_comm_stats();
+        (ce(model(local_rows(x, r.rank, r.world_size)), local_rows(y, r.rank, r.world_size)) / kMicro).backward();
+        EXPECT_EQ(model.comm_stats().reduce_scatters, (sync_every || last) ? 1 + cfg.n_layer : 0)
+            << "micro-batch " << m;
+        if (!sync_every && !last) {
+          for (const auto& p : model.sharded_parameters()) EXPECT_FALSE(p.grad().defined());
+        }
+      }
+      ref_opt->step();
+      opt->step();
+    }
+    auto want = ref->named_parameters();
+    for (const auto& kv : model.named_sharded_parameters()) {
+      EXPECT_TRUE(close(kv.value().detach(), owned_rows(want[kv.key()].detach(), r.rank, r.world_size))) << kv.key();
+    }
+  });
+}
+INSTANTIATE_TEST_SUITE_P(WorldSizes, AccumulationParity,
+                         ::testing::Combine(::testing::Values(1, 2, 3, 4), ::testing::Bool()), [](const auto& i) {
+                           return "W" + std::to_string(std::get<0>(i.param)) +
+                                  (std::get<1>(i.param) ? "_ReduceEveryMicroBatch" : "_ReduceLastOnly");
+                         });
+
+}  // namespace
+}  // namespace fsdp::testing
