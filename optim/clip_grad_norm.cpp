@@ -21,10 +21,22 @@ double clip_grad_norm(const detail::RootHandle& model, double max_norm, double n
     const double n = g.norm(norm_type).item<double>();
     local = inf ? std::max(local, n) : local + std::pow(n, norm_type);
   }
-  at::Tensor t = at::empty({1}, at::kDouble);
-  t.fill_(local);
-  model.state().comm.all_reduce(t, inf ? c10d::ReduceOp::MAX : c10d::ReduceOp::SUM, "clip_grad_norm's all-reduce");
-  const double total = inf ? t.item<double>() : std::pow(t.item<double>(), 1.0 / norm_type);
+  // One all-reduce carries the norm part and how many gradients each rank has: a call before any
+  // backward (no gradient anywhere) is an error on every rank alike, never a silent no-op.
+  at::Tensor t = at::empty({2}, at::kDouble);
+  t[0] = local;
+  t[1] = static_cast<double>(grads.size());
+  auto& comm = model.state().comm;
+  if (inf) {
+    // MAX for the norm; counting with MAX still tells "none anywhere" from "some".
+    comm.all_reduce(t, c10d::ReduceOp::MAX, "clip_grad_norm's all-reduce");
+  } else {
+    comm.all_reduce(t, c10d::ReduceOp::SUM, "clip_grad_norm's all-reduce");
+  }
+  TORCH_CHECK(t[1].item<double>() > 0, "fsdp::optim::clip_grad_norm (rank ", comm.rank(), " of ", comm.world_size(),
+              "): no sharded parameter has a gradient on any rank. Call it after loss.backward() and before "
+              "the optimizer step.");
+  const double total = inf ? t[0].item<double>() : std::pow(t[0].item<double>(), 1.0 / norm_type);
   const double coef = max_norm / (total + 1e-6);
   if (coef < 1.0) {
     for (auto& g : grads) g.mul_(coef);

@@ -88,6 +88,9 @@ at::Tensor FusedAdamW::step(LossClosure closure) {
     }
   }
   tensors_last_step_ = params.size();
+  TORCH_CHECK(!params.empty() || units_.empty(),
+              "fsdp::optim::FusedAdamW::step: no sharded parameter has a gradient. Call step() after "
+              "loss.backward() (and zero_grad() after step()).");
   if (!params.empty()) {
     at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, /*max_exp_avg_sqs=*/{}, steps, o.lr(),
                       std::get<0>(o.betas()), std::get<1>(o.betas()), o.weight_decay(), o.eps(),

@@ -17,6 +17,7 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <vector>
 
 namespace fsdp::testing {
 
@@ -37,6 +38,8 @@ struct RunOptions {
   std::map<std::string, std::string> env;
   /// Create the process group before calling the body (false: the body does it itself).
   bool init_process_group = true;
+  /// Ranks whose death (a signal or a non-zero exit) is what the test is about, not a failure.
+  std::vector<int> may_die;
 };
 
 /// Runs `body` once in each of `world_size` processes. Call it at most once per test.

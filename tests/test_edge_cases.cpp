@@ -1,0 +1,202 @@
+// What real training code does around the plain loop: eval forwards, several forwards before one
+// backward, unused parameters, misuse (clipping or stepping before backward, calling a block
+// around its wrapper), and a peer that dies mid-step.
+#include "tests/models.h"
+
+#include <torch/nn/functional/loss.h>
+
+#include <csignal>
+
+namespace fsdp::testing {
+namespace {
+
+const gpt::Config kCfg{23, 6, 2, 2, 12, true};
+
+torch::Tensor ce(const torch::Tensor& logits, const torch::Tensor& y) {
+  return torch::nn::functional::cross_entropy(logits.flatten(0, 1), y.flatten());
+}
+
+std::pair<torch::Tensor, torch::Tensor> batch(int seed) {
+  torch::manual_seed(seed);
+  auto tok = torch::randint(kCfg.vocab_size, {kGlobalBatch, kCfg.block_size + 1}, torch::kLong);
+  return {tok.narrow(1, 0, kCfg.block_size), tok.narrow(1, 1, kCfg.block_size)};
+}
+
+void expect_params_match(Rank& r, FullyShardedModule<gpt::GPTImpl<true>>& model,
+                         const std::shared_ptr<gpt::GPTImpl<false>>& ref) {
+  auto want = ref->named_parameters();
+  for (const auto& kv : model.named_sharded_parameters()) {
+    EXPECT_TRUE(close(kv.value().detach(), owned_rows(want[kv.key()].detach(), r.rank, r.world_size))) << kv.key();
+  }
+}
+
+// Evaluation forwards (no grad, eval mode) between training steps leave nothing gathered and no
+// hooks behind, and change nothing in training.
+TEST(EdgeCases, EvalForwardsBetweenSteps) {
+  run_ranks(2, [](Rank& r) {
+    torch::manual_seed(0);
+    auto ref = gpt::make_gpt<false>(kCfg);
+    torch::manual_seed(0);
+    auto model = fsdp::fully_shard(gpt::make_gpt<true>(kCfg), r.pg, test_options());
+    torch::optim::SGD ref_opt(ref->parameters(), 0.1), opt(model.sharded_parameters(), 0.1);
+    for (int step = 0; step < 3; ++step) {
+      {
+        torch::NoGradGuard no_grad;
+        model->eval();
+        auto [vx, vy] = batch(900 + step);
+        auto eval_loss = ce(model(local_rows(vx, r.rank, r.world_size)), local_rows(vy, r.rank, r.world_size));
+        EXPECT_TRUE(std::isfinite(eval_loss.item<double>()));
+        for (const auto& p : model->parameters()) EXPECT_EQ(p.numel(), 0) << "freed after a no-grad forward";
+        model->train();
+      }
+      auto [x, y] = batch(100 + step);
+      ref_opt.zero_grad();
+      ce(ref->forward(x), y).backward();
+      ref_opt.step();
+      opt.zero_grad();
+      ce(model(local_rows(x, r.rank, r.world_size)), local_rows(y, r.rank, r.world_size)).backward();
+      opt.step();
+    }
+    expect_params_match(r, model, ref);
+  });
+}
+
+// Two forwards, one backward of the summed loss (e.g. two micro-batches, or a contrastive pair).
+TEST(EdgeCases, SeveralForwardsBeforeOneBackward) {
+  run_ranks(3, [](Rank& r) {
+    torch::manual_seed(0);
+    auto ref = gpt::make_gpt<false>(kCfg);
+    torch::manual_seed(0);
+    auto model = fsdp::fully_shard(gpt::make_gpt<true>(kCfg), r.pg, test_options());
+    torch::optim::SGD ref_opt(ref->parameters(), 0.1), opt(model.sharded_parameters(), 0.1);
+    for (int step = 0; step < 3; ++step) {
+      auto [x1, y1] = batch(200 + step);
+      auto [x2, y2] = batch(300 + step);
+      ref_opt.zero_grad();
+      (ce(ref->forward(x1), y1) + ce(ref->forward(x2), y2)).backward();
+      ref_opt.step();
+      opt.zero_grad();
+      auto l1 = ce(model(local_rows(x1, r.rank, r.world_size)), local_rows(y1, r.rank, r.world_size));
+      auto l2 = ce(model(local_rows(x2, r.rank, r.world_size)), local_rows(y2, r.rank, r.world_size));
+      (l1 + l2).backward();
+      for (const auto& p : model->parameters()) EXPECT_EQ(p.numel(), 0);
+      opt.step();
+    }
+    expect_params_match(r, model, ref);
+  });
+}
+
+/// A unit with a branch that this model never uses: its parameters get no gradient, as in plain
+/// LibTorch, and the rest trains normally.
+template <bool kSharded>
+struct WithUnusedImpl : torch::nn::Module {
+  struct UnitImpl : torch::nn::Module {
+    UnitImpl()
+        : used(register_module("used", torch::nn::Linear(4, 6))),
+          unused(register_module("unused", torch::nn::Linear(4, 6))) {}
+    torch::Tensor forward(const torch::Tensor& x) { return torch::tanh(used(x)); }
+    torch::nn::Linear used, unused;
+  };
+  using Unit = std::conditional_t<kSharded, fsdp::Sharded<UnitImpl>, torch::nn::ModuleHolder<UnitImpl>>;
+  WithUnusedImpl() : unit(register_module("unit", Unit())), head(register_module("head", torch::nn::Linear(6, 2))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return head(unit(x)); }
+  Unit unit;
+  torch::nn::Linear head;
+};
+
+TEST(EdgeCases, UnusedParameters) {
+  run_ranks(2, [](Rank& r) {
+    torch::manual_seed(1);
+    auto ref = std::make_shared<WithUnusedImpl<false>>();
+    torch::manual_seed(1);
+    auto model = fsdp::fully_shard(std::make_shared<WithUnusedImpl<true>>(), r.pg, test_options());
+    torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    torch::optim::SGD opt(model.sharded_parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    for (int step = 0; step < 3; ++step) {
+      torch::manual_seed(60 + step);
+      auto x = torch::randn({kGlobalBatch, 4});
+      ref_opt.zero_grad();
+      ref->forward(x).square().mean().backward();
+      ref_opt.step();
+      opt.zero_grad();
+      model(local_rows(x, r.rank, r.world_size)).square().mean().backward();
+      EXPECT_FALSE(model.named_sharded_parameters()["unit.unused.weight"].grad().defined());
+      EXPECT_TRUE(model.named_sharded_parameters()["unit.used.weight"].grad().defined());
+      for (const auto& p : model->parameters()) EXPECT_EQ(p.numel(), 0);
+      opt.step();
+    }
+    auto want = ref->named_parameters();
+    for (const auto& kv : model.named_sharded_parameters()) {
+      EXPECT_TRUE(close(kv.value().detach(), owned_rows(want[kv.key()].detach(), r.rank, r.world_size))) << kv.key();
+    }
+  });
+}
+
+template <typename Fn>
+std::string error_of(Fn&& fn) {
+  try {
+    fn();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "";
+}
+
+TEST(EdgeCases, ClippingOrFusedStepBeforeBackwardIsAnError) {
+  run_ranks(2, [](Rank& r) {
+    auto model = fsdp::fully_shard(gpt::make_gpt<true>(kCfg), r.pg, test_options());
+    auto msg = error_of([&] { fsdp::optim::clip_grad_norm(model, 1.0); });
+    EXPECT_NE(msg.find("no sharded parameter has a gradient on any rank"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("(rank " + std::to_string(r.rank) + " of 2)"), std::string::npos) << msg;
+    fsdp::optim::FusedAdamW opt(model);
+    msg = error_of([&] { opt.step(); });
+    EXPECT_NE(msg.find("FusedAdamW::step: no sharded parameter has a gradient"), std::string::npos) << msg;
+  });
+}
+
+// Calling a block directly (around its wrapper) between steps finds empty parameters: an error
+// from the first operation, never a read of freed memory.
+TEST(EdgeCases, BlockCalledAroundItsWrapper) {
+  run_ranks(2, [](Rank& r) {
+    auto model = fsdp::fully_shard(gpt::make_gpt<true>(kCfg), r.pg, test_options());
+    auto x = torch::randn({2, kCfg.block_size, kCfg.n_embd});
+    gpt::BlockImpl& plain = *model->blocks[0];  // the user's BlockImpl inside the wrapper
+    EXPECT_THROW(plain.forward(x), c10::Error);
+    auto msg = error_of([&] { model->lm_head->forward(x); });  // a root module outside the handle
+    EXPECT_FALSE(msg.empty());
+    // The wrapper itself still works.
+    EXPECT_EQ(model->blocks[0](x).sizes(), x.sizes());
+  });
+}
+
+// A rank killed mid-step: every other rank gets an error naming the collective, within the
+// collective timeout, instead of hanging.
+TEST(EdgeCases, PeerKilledMidStep) {
+  RunOptions opts;
+  opts.collective_timeout = std::chrono::seconds(10);
+  opts.may_die = {2};
+  run_ranks(
+      3,
+      [](Rank& r) {
+        auto model = fsdp::fully_shard(gpt::make_gpt<true>(kCfg), r.pg, test_options());
+        auto [x, y] = batch(7);
+        auto loss = ce(model(local_rows(x, r.rank, r.world_size)), local_rows(y, r.rank, r.world_size));
+        if (r.rank == 2) std::raise(SIGKILL);  // dies between forward and backward
+        const auto start = std::chrono::steady_clock::now();
+        std::string msg;
+        try {
+          loss.backward();
+          model(local_rows(x, r.rank, r.world_size)).sum().backward();
+        } catch (const std::exception& e) {
+          msg = e.what();
+        }
+        EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
+        EXPECT_NE(msg.find("failed on rank " + std::to_string(r.rank) + " of 3"), std::string::npos) << msg;
+        EXPECT_TRUE(msg.find("all-gather") != std::string::npos || msg.find("reduce-scatter") != std::string::npos)
+            << msg;
+      },
+      opts);
+}
+
+}  // namespace
+}  // namespace fsdp::testing
