@@ -38,7 +38,14 @@ torch::OrderedDict<std::string, at::Tensor> RootHandle::named_sharded_parameters
 }
 
 std::vector<at::Tensor> RootHandle::sharded_parameters() const {
-  return named_sharded_parameters().values();
+  // Once each: a weight tied inside a unit appears under two names but is one tensor, and an
+  // optimizer given it twice would step it twice.
+  std::vector<at::Tensor> out;
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (const auto& t : named_sharded_parameters().values()) {
+    if (seen.insert(t.unsafeGetTensorImpl()).second) out.push_back(t);
+  }
+  return out;
 }
 
 std::vector<UnitInfo> RootHandle::units() const {

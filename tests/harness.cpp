@@ -20,6 +20,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <iostream>
 #include <sstream>
 #include <thread>
 #include <vector>
@@ -243,13 +244,14 @@ void run_ranks(int world_size, const std::function<void(Rank&)>& body, const Run
   std::ostringstream report;
   bool ok = true;
   for (int r = 0; r < world_size; ++r) ok = ok && verdict[r].empty();
-  if (!ok) {
+  if (!ok || env_or_null("FSDP_TEST_SHOW_OUTPUT")) {
     for (int r = 0; r < world_size; ++r) {
       report << "===== rank " << r << " of " << world_size << ": " << (verdict[r].empty() ? "ok" : verdict[r])
              << " =====\n"
              << read_file(logs[r]) << "\n";
     }
   }
+  if (ok && !report.str().empty()) std::cout << report.str();
   ASSERT_TRUE(ok) << "ranks of " << current_test_name() << " failed after "
                   << std::chrono::duration_cast<std::chrono::milliseconds>(clock::now() - start).count() << " ms:\n"
                   << report.str();

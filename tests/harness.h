@@ -8,7 +8,8 @@
 // filtered to the same test, with the rank in the environment. Each rank is its own process group
 // (killed as a whole on timeout); rendezvous goes through a FileStore in a fresh temporary
 // directory, so tests run in parallel without port clashes. A rank that fails, crashes or hangs
-// fails the test within the time limit, and every rank's output is printed.
+// fails the test within the time limit, and every rank's output is printed (always, with
+// FSDP_TEST_SHOW_OUTPUT=1 in the environment).
 #pragma once
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>

@@ -200,3 +200,56 @@ TEST(EdgeCases, PeerKilledMidStep) {
 
 }  // namespace
 }  // namespace fsdp::testing
+
+namespace fsdp::testing {
+namespace {
+
+/// Two modules of one unit share a weight (tied projections): sharded once, in the optimizer
+/// once, equal to plain LibTorch.
+struct HalfImpl : torch::nn::Module {
+  explicit HalfImpl(const torch::Tensor& w) : weight(register_parameter("weight", w)) {}
+  torch::Tensor forward(const torch::Tensor& x) { return torch::tanh(x.matmul(weight)); }
+  torch::Tensor weight;
+};
+TORCH_MODULE(Half);
+
+struct TiedUnitImpl : torch::nn::Module {
+  explicit TiedUnitImpl(const torch::Tensor& w) : a(register_module("a", Half(w))), b(register_module("b", Half(w))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return b(a(x)); }
+  Half a, b;
+};
+
+template <bool kSharded>
+struct TiedNetImpl : torch::nn::Module {
+  using Unit = std::conditional_t<kSharded, fsdp::Sharded<TiedUnitImpl>, torch::nn::ModuleHolder<TiedUnitImpl>>;
+  TiedNetImpl() : unit(register_module("unit", Unit(torch::randn({5, 5}) * 0.3))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return unit(x).sum(1); }
+  Unit unit;
+};
+
+TEST(EdgeCases, WeightSharedInsideOneUnit) {
+  run_ranks(2, [](Rank& r) {
+    torch::manual_seed(2);
+    auto ref = std::make_shared<TiedNetImpl<false>>();
+    torch::manual_seed(2);
+    auto model = fsdp::fully_shard(std::make_shared<TiedNetImpl<true>>(), r.pg, test_options());
+    ASSERT_EQ(model.sharded_parameters().size(), 1u);  // one tensor, under two names
+    ASSERT_EQ(model.named_sharded_parameters().size(), 2u);
+    torch::optim::SGD ref_opt({ref->unit->a->weight}, 0.1), opt(model.sharded_parameters(), 0.1);
+    for (int step = 0; step < 3; ++step) {
+      torch::manual_seed(70 + step);
+      auto x = torch::randn({kGlobalBatch, 5});
+      ref_opt.zero_grad();
+      ref->forward(x).square().mean().backward();
+      ref_opt.step();
+      opt.zero_grad();
+      model(local_rows(x, r.rank, r.world_size)).square().mean().backward();
+      opt.step();
+    }
+    EXPECT_TRUE(close(model.named_sharded_parameters()["unit.b.weight"].detach(),
+                      owned_rows(ref->unit->a->weight.detach(), r.rank, r.world_size)));
+  });
+}
+
+}  // namespace
+}  // namespace fsdp::testing

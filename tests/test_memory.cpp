@@ -4,6 +4,7 @@
 
 #include <gtest/gtest-spi.h>
 
+#include <iostream>
 #include <thread>
 
 namespace fsdp::testing {
@@ -160,6 +161,10 @@ void check_forward_peak(Rank& r, int prefetch) {
   EXPECT_LE(peak, bound + gloo_staging + activations)
       << "prefetch " << prefetch << ": peak " << peak << ", bound " << bound << " + Gloo staging " << gloo_staging
       << " + activations " << activations;
+  std::cout << "rank " << r.rank << ", prefetch " << prefetch << ": forward peak above the shards " << peak
+            << " bytes; bound: root " << root << " + 2 x largest unit " << largest << " = " << bound
+            << ", + Gloo staging " << gloo_staging << " + activations (upper bound) " << activations << " = "
+            << bound + gloo_staging + activations << std::endl;
   // And the gathered memory is really there: at least the root and one unit.
   EXPECT_GE(peak, root + second);
   out.sum().backward();
