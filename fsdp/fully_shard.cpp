@@ -63,8 +63,25 @@ std::vector<UnitInfo> RootHandle::units() const {
   return out;
 }
 
-void RootHandle::set_requires_gradient_sync(bool sync) { root_->state().sync_gradients = sync; }
-bool RootHandle::requires_gradient_sync() const { return root_->state().sync_gradients; }
+void RootHandle::zero_grad(bool set_to_none) {
+  for (auto& p : sharded_parameters()) {
+    at::Tensor& g = p.mutable_grad();
+    if (!g.defined()) continue;
+    if (set_to_none) {
+      g = at::Tensor();
+    } else {
+      g.detach_();
+      g.zero_();
+    }
+  }
+}
+
+void RootHandle::set_requires_gradient_sync(bool sync) {
+  root_->state().sync_gradients = sync;
+}
+bool RootHandle::requires_gradient_sync() const {
+  return root_->state().sync_gradients;
+}
 
 int64_t RootHandle::num_parameters() const {
   int64_t n = 0;

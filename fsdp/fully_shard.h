@@ -45,6 +45,11 @@ class RootHandle {
   std::vector<UnitInfo> units() const;
   /// Elements of all parameters of the full (unsharded) model.
   int64_t num_parameters() const;
+  /// Drops (or zeroes) the sharded gradients, like an optimizer's zero_grad(). The model's own
+  /// `model->zero_grad()` reaches only the unsharded parameters, which hold no gradient between
+  /// steps.
+  void zero_grad(bool set_to_none = true);
+
   /// Gradient accumulation without communication (FSDP2's set_requires_gradient_sync): while
   /// false, backward leaves each unit's unsharded gradients on its parameters (full size: memory
   /// grows by the model's size) and reduces nothing; the first backward with it true again

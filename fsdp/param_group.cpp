@@ -165,8 +165,7 @@ void ParamGroup::unshard() {
   }
   const int64_t W = state_->comm.world_size();
   begin_unshard();
-  state_->comm.wait(gather_);
-  gathering_ = false;
+  wait_gather();
   resize_storage(unsharded_, static_cast<size_t>(W * shard_numel_) * unsharded_.element_size());
   {
     // The all-gather output is rank-major [W, shard_numel]; one copy-out fills every parameter,
@@ -188,9 +187,8 @@ void ParamGroup::unshard() {
 
 void ParamGroup::reshard() {
   if (gathering_) {  // prefetched but not used: Gloo may still be writing into the buffer
-    state_->comm.wait(gather_);
+    wait_gather();
     gathered_ = at::Tensor();
-    gathering_ = false;
   }
   if (!unsharded_now_) return;
   // The parameter itself points at an empty tensor, so code that reaches it around the wrapper
@@ -288,10 +286,36 @@ void ParamGroup::reduce_grads() {
   state_->after_reduce_issued(*this);
 }
 
+void ParamGroup::wait_gather() {
+  gathering_ = false;
+  try {
+    state_->comm.wait(gather_);
+  } catch (const std::exception& e) {
+    // The backend keeps its own reference to the buffer; ours is dropped so that nothing ever
+    // reads a gather that did not complete, and the state refuses further steps.
+    gathered_ = at::Tensor();
+    state_->mark_broken(e.what());
+    throw;
+  }
+}
+
+void ParamGroup::drop_prefetch() {
+  if (!gathering_) return;
+  wait_gather();
+  gathered_ = at::Tensor();
+}
+
 void ParamGroup::finish_reduce() {
   if (!reducing_) return;
-  state_->comm.wait(reduce_);
   reducing_ = false;
+  try {
+    state_->comm.wait(reduce_);
+  } catch (const std::exception& e) {
+    reduce_in_ = at::Tensor();
+    reduce_out_ = at::Tensor();
+    state_->mark_broken(e.what());
+    throw;
+  }
   reduce_in_ = at::Tensor();
   at::Tensor flat_grad = std::move(reduce_out_);
   flat_grad.div_(static_cast<double>(state_->comm.world_size()));

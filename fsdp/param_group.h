@@ -78,9 +78,12 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   void reset_after_failed_backward();
   /// Waits for this unit's reduce-scatter in flight, if any, and sets the sharded gradients.
   void finish_reduce();
+  /// Waits for and drops an all-gather prefetched but not used (the unit stays sharded).
+  void drop_prefetch();
 
  private:
   std::string describe(const char* op) const;
+  void wait_gather();
   void reduce_grads();
 
   std::string name_;

@@ -36,6 +36,23 @@ void FSDPState::finalize_backward() {
 void FSDPState::end_forward() {
   if (!recording_.empty()) order_ = std::move(recording_);
   recording_.clear();
+  // A unit prefetched but skipped by this forward must not keep reading its shard (which the
+  // optimizer may update next) nor hold its gathered buffer.
+  for (auto& w : groups) {
+    if (auto g = w.lock()) g->drop_prefetch();
+  }
+}
+
+void FSDPState::mark_broken(const std::string& why) {
+  if (broken_.empty()) broken_ = why;
+}
+
+void FSDPState::check_not_broken() const {
+  TORCH_CHECK(broken_.empty(), "fsdp (rank ", comm.rank(), " of ", comm.world_size(),
+              "): an earlier collective of this model failed, so the ranks no longer agree on which collective "
+              "comes next. Recreate the process group and the model (e.g. restart from a checkpoint). "
+              "The first failure was:\n",
+              broken_);
 }
 
 void FSDPState::after_unit_unsharded(ParamGroup& unit, bool backward) {
@@ -74,7 +91,11 @@ void FSDPState::finish_reduces() {
 }
 
 void FSDPState::begin_forward() {
+  check_not_broken();
   recording_.clear();
+  for (auto& w : groups) {
+    if (auto g = w.lock()) g->drop_prefetch();  // left by a forward that threw
+  }
   if (!callback_queued_) return;
   callback_queued_ = false;
   for (auto& w : groups) {

@@ -47,9 +47,14 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   void after_reduce_issued(ParamGroup& unit);
   /// Completes every reduce-scatter still in flight.
   void finish_reduces();
+  /// A collective failed: ranks no longer agree on the sequence of collectives, so every later
+  /// forward refuses to run (instead of pairing mismatched collectives).
+  void mark_broken(const std::string& why);
+  void check_not_broken() const;
 
  private:
   bool callback_queued_ = false;
+  std::string broken_;
   std::vector<std::weak_ptr<ParamGroup>> order_;      // units in the order of the last forward
   std::vector<std::weak_ptr<ParamGroup>> recording_;  // ... and of the forward in progress
   std::vector<std::weak_ptr<ParamGroup>> reducing_;   // reduce-scatters in flight, oldest first

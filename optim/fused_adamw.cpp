@@ -78,8 +78,9 @@ at::Tensor FusedAdamW::step(LossClosure closure) {
     }
     for (size_t i = 0; i < slots.size(); ++i) {
       const auto& s = slots[i];
-      if (!s.sharded.grad().defined() || s.sharded.numel() == 0) continue;
-      u.steps[i].add_(1);
+      if (!s.sharded.grad().defined()) continue;
+      u.steps[i].add_(1);  // also for a rank's empty shard, so step counts stay equal
+      if (s.sharded.numel() == 0) continue;
       params.push_back(s.sharded);
       grads.push_back(s.sharded.grad());
       exp_avgs.push_back(alias(u.exp_avg, s.offset, s.sharded.sizes()));

@@ -66,4 +66,25 @@ inline FullyShardOptions test_options() {
   return FullyShardOptions().timeout(collective_timeout());
 }
 
+/// Every sharded parameter of `model` equals this rank's rows of the same-named parameter of
+/// the plain reference model.
+inline void expect_shards_match(const Rank& r, const detail::RootHandle& model, torch::nn::Module& ref) {
+  auto want = ref.named_parameters();
+  for (const auto& kv : model.named_sharded_parameters()) {
+    EXPECT_TRUE(close(kv.value().detach(), owned_rows(want[kv.key()].detach(), r.rank, r.world_size)))
+        << "parameter " << kv.key() << " on rank " << r.rank;
+  }
+}
+
+/// Runs `fn` and returns the message of the c10::Error it throws ("" if none).
+template <typename Fn>
+std::string error_of(Fn&& fn) {
+  try {
+    fn();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "";
+}
+
 }  // namespace fsdp::testing

@@ -9,17 +9,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-/// Runs `fn` and returns the message of the c10::Error it throws ("" if none).
-template <typename Fn>
-std::string error_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "";
-}
-
 struct DifferentMLPImpl : torch::nn::Module {
   explicit DifferentMLPImpl(int64_t hidden, const std::string& second = "fc2")
       : fc1(register_module("fc1", fsdp::Sharded<torch::nn::LinearImpl>(7, hidden))),

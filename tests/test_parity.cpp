@@ -67,12 +67,7 @@ void check_parity(Rank& r, Opt opt, int steps, Ref make_ref, Sharded make_sharde
     EXPECT_TRUE(close(global, ref_loss.detach())) << "loss at step " << step;
   }
 
-  auto ref_params = ref->named_parameters();
-  for (const auto& kv : model.named_sharded_parameters()) {
-    const torch::Tensor& want = ref_params[kv.key()];
-    EXPECT_TRUE(close(kv.value().detach(), owned_rows(want.detach(), r.rank, r.world_size)))
-        << "parameter " << kv.key() << " on rank " << r.rank;
-  }
+  expect_shards_match(r, model, *ref);
 }
 
 struct Case {
@@ -223,10 +218,7 @@ TEST_P(AccumulationParity, GPT) {
       ref_opt->step();
       opt->step();
     }
-    auto want = ref->named_parameters();
-    for (const auto& kv : model.named_sharded_parameters()) {
-      EXPECT_TRUE(close(kv.value().detach(), owned_rows(want[kv.key()].detach(), r.rank, r.world_size))) << kv.key();
-    }
+    expect_shards_match(r, model, *ref);
   });
 }
 INSTANTIATE_TEST_SUITE_P(WorldSizes, AccumulationParity,
