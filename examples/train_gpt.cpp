@@ -39,10 +39,11 @@ struct Args {
   std::string data = FSDP_EXAMPLE_CORPUS;
   bool json = false;
   int prefetch = 1;
-  int64_t grad_accum = 1;  // micro-batches per step
-  bool no_sync = false;    // communicate only in the last micro-batch
-  double clip = 0;         // max global gradient norm (0: no clipping)
-  bool fused = false;      // fsdp::optim::FusedAdamW instead of torch::optim::AdamW
+  int64_t grad_accum = 1;         // micro-batches per step
+  bool no_sync = false;           // communicate only in the last micro-batch
+  double clip = 0;                // max global gradient norm (0: no clipping)
+  bool fused = false;             // fsdp::optim::FusedAdamW instead of torch::optim::AdamW
+  std::string strategy = "full";  // full (ZeRO-3) | grad-op (ZeRO-2)
 };
 
 [[noreturn]] void usage(const std::string& error) {
@@ -50,7 +51,7 @@ struct Args {
             << "usage: train_gpt [--steps N] [--batch-size B] [--seed S] [--lr LR] [--weight-decay WD]\n"
             << "                 [--optimizer adamw|sgd] [--n-layer L] [--n-head H] [--n-embd C]\n"
             << "                 [--block-size T] [--data FILE] [--prefetch K] [--grad-accum M] [--no-sync]\n"
-            << "                 [--clip MAX_NORM] [--fused] [--json]\n"
+            << "                 [--clip MAX_NORM] [--fused] [--strategy full|grad-op] [--json]\n"
             << "  --batch-size is the global batch: each of the N ranks takes B/N rows of it, in M micro-batches\n"
             << "  with --grad-accum M (--no-sync: reduce gradients only after the last one).\n";
   std::exit(2);
@@ -96,6 +97,8 @@ Args parse(int argc, char** argv) {
         a.grad_accum = std::stoll(v);
       else if (k == "--clip")
         a.clip = std::stod(v);
+      else if (k == "--strategy")
+        a.strategy = v;
       else
         usage("unknown flag " + k);
     } catch (const std::logic_error&) {
@@ -107,6 +110,7 @@ Args parse(int argc, char** argv) {
   if (a.steps < 1 || a.batch_size < 1) usage("--steps and --batch-size must be positive");
   if (a.prefetch < 0) usage("--prefetch must be 0 (off) or more");
   if (a.grad_accum < 1) usage("--grad-accum must be at least 1");
+  if (a.strategy != "full" && a.strategy != "grad-op") usage("--strategy must be full or grad-op");
   if (a.fused && a.optimizer != "adamw") usage("--fused is an AdamW");
   return a;
 }
@@ -144,8 +148,11 @@ int main(int argc, char** argv) {
   auto data = load_corpus(args.data, T);
 
   torch::manual_seed(args.seed);
-  auto model =
-      fsdp::fully_shard(gpt::make_gpt<true>(args.model), pg, fsdp::FullyShardOptions().prefetch(args.prefetch));
+  auto model = fsdp::fully_shard(gpt::make_gpt<true>(args.model), pg,
+                                 fsdp::FullyShardOptions()
+                                     .prefetch(args.prefetch)
+                                     .strategy(args.strategy == "full" ? fsdp::ShardingStrategy::kFullShard
+                                                                       : fsdp::ShardingStrategy::kShardGradOp));
   const int64_t n_params = model.num_parameters();  // Ψ: elements of the full model
 
   std::unique_ptr<torch::optim::Optimizer> opt;

@@ -218,7 +218,7 @@ void ParamGroup::post_forward(const std::vector<at::Tensor>& outputs) {
     }
   }
   // The root stays gathered into its backward (it is the first to need its parameters again).
-  const bool reshard_now = !grad || (!is_root_ && state_->options.reshard_after_forward());
+  const bool reshard_now = !grad || (!is_root_ && state_->options.strategy() == ShardingStrategy::kFullShard);
   if (reshard_now) reshard();
 }
 

@@ -150,6 +150,29 @@ TEST_P(PrefetchParity, GPT) {
 }
 INSTANTIATE_TEST_SUITE_P(Depths, PrefetchParity, ::testing::Values(0, 2));
 
+// SHARD_GRAD_OP (ZeRO-2): units stay gathered from forward to backward; same numbers. SGD with
+// momentum checks the gradients themselves (AdamW would also amplify rounding noise in
+// near-zero gradients; the Parity suite covers it).
+class ShardGradOpParity : public ::testing::TestWithParam<int> {};
+TEST_P(ShardGradOpParity, GPT) {
+  const int world = GetParam();
+  gpt::Config cfg{37, 8, 3, 2, 18, true};
+  run_ranks(world, [&](Rank& r) {
+    auto batch = [&](int step) {
+      torch::manual_seed(6000 + step);
+      auto tok = torch::randint(cfg.vocab_size, {kGlobalBatch, cfg.block_size + 1}, torch::kLong);
+      return std::make_pair(tok.narrow(1, 0, cfg.block_size), tok.narrow(1, 1, cfg.block_size));
+    };
+    check_parity(
+        r, Opt::kSGD, 4, [&] { return gpt::make_gpt<false>(cfg); }, [&] { return gpt::make_gpt<true>(cfg); }, batch,
+        [](const torch::Tensor& logits, const torch::Tensor& y) {
+          return torch::nn::functional::cross_entropy(logits.flatten(0, 1), y.flatten());
+        },
+        test_options().strategy(ShardingStrategy::kShardGradOp));
+  });
+}
+INSTANTIATE_TEST_SUITE_P(WorldSizes, ShardGradOpParity, ::testing::Values(1, 2, 3, 4));
+
 // Clipping by the global norm over shards equals clip_grad_norm_ on the unsharded model: the
 // returned norm every step and the parameters after (which the clipped gradients produced).
 class ClipParity : public ::testing::TestWithParam<int> {};

@@ -111,8 +111,11 @@ TEST(Sharding, UnshardedStorageIsFreedBetweenUnits) {
   });
 }
 
-TEST(Sharding, CollectivesPerStep) {
-  run_ranks(3, [](Rank& r) {
+class CollectivesPerStep : public ::testing::TestWithParam<ShardingStrategy> {};
+TEST_P(CollectivesPerStep, GPT) {
+  const ShardingStrategy strategy = GetParam();
+  const bool full_shard = strategy == ShardingStrategy::kFullShard;
+  run_ranks(3, [&](Rank& r) {
     gpt::Config cfg;
     cfg.vocab_size = 29;
     cfg.block_size = 8;
@@ -130,7 +133,7 @@ TEST(Sharding, CollectivesPerStep) {
       const int64_t padded = (rows + W - 1) / W * (p.numel() / std::max<int64_t>(rows, 1));
       (kv.key().rfind("h.", 0) == 0 ? blocks : root) += padded;
     }
-    auto model = fsdp::fully_shard(gpt::make_gpt<true>(cfg), r.pg, test_options());
+    auto model = fsdp::fully_shard(gpt::make_gpt<true>(cfg), r.pg, test_options().strategy(strategy));
     for (int step = 0; step < 2; ++step) {
       model.reset_comm_stats();
       auto tok = torch::randint(cfg.vocab_size, {4, cfg.block_size + 1}, torch::kLong);
@@ -139,16 +142,22 @@ TEST(Sharding, CollectivesPerStep) {
           torch::nn::functional::cross_entropy(logits.flatten(0, 1), tok.narrow(1, 1, cfg.block_size).flatten());
       loss.backward();
       const auto& s = model.comm_stats();
-      // Root: gathered once (kept from forward into backward). Each block: forward + backward.
-      EXPECT_EQ(s.all_gathers, 1 + 2 * cfg.n_layer);
+      // Root: gathered once (kept from forward into backward). Each block: forward + backward
+      // with full sharding, forward only with SHARD_GRAD_OP (kept gathered into backward).
+      EXPECT_EQ(s.all_gathers, 1 + (full_shard ? 2 : 1) * cfg.n_layer);
       EXPECT_EQ(s.reduce_scatters, 1 + cfg.n_layer);
       EXPECT_EQ(s.all_reduces, 0);
-      // ZeRO-3 volume: all-gather outputs + reduce-scatter inputs = 3 x padded model per step
-      // (2 x for the root, which is gathered once).
-      EXPECT_EQ(s.elements, W * (2 * root + 3 * blocks));
+      // Volume: all-gather outputs + reduce-scatter inputs = 3Ψ (ZeRO-3) or 2Ψ (ZeRO-2) padded
+      // per step; the root is gathered once either way.
+      EXPECT_EQ(s.elements, W * (2 * root + (full_shard ? 3 : 2) * blocks));
     }
   });
 }
+INSTANTIATE_TEST_SUITE_P(Strategies, CollectivesPerStep,
+                         ::testing::Values(ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp),
+                         [](const auto& i) {
+                           return i.param == ShardingStrategy::kFullShard ? "FullShard" : "ShardGradOp";
+                         });
 
 }  // namespace
 }  // namespace fsdp::testing
