@@ -59,11 +59,6 @@ Pending Comm::reduce_scatter_sum_async(at::Tensor& out, at::Tensor& in, const st
   return {backend(in)->_reduce_scatter_base(out, in, opts), what};
 }
 
-void Comm::reduce_scatter_sum(at::Tensor& out, at::Tensor& in, const std::string& what) {
-  Pending p = reduce_scatter_sum_async(out, in, what);
-  wait(p);
-}
-
 void Comm::all_reduce(at::Tensor& t, c10d::ReduceOp op, const std::string& what) {
   ++stats.all_reduces;
   stats.elements += 2 * t.numel();

@@ -43,7 +43,6 @@ class Comm {
   Pending all_gather_async(at::Tensor& out, at::Tensor& in, const std::string& what);
   /// out = (sum over ranks of in)[rank * out.numel(), (rank + 1) * out.numel()).
   /// Gloo may implement this as an all-reduce; SUM is used because some versions turn AVG into SUM.
-  void reduce_scatter_sum(at::Tensor& out, at::Tensor& in, const std::string& what);
   Pending reduce_scatter_sum_async(at::Tensor& out, at::Tensor& in, const std::string& what);
   /// Waits for a pending collective (with the timeout); throws naming it on failure.
   void wait(Pending& pending) const;

@@ -70,6 +70,22 @@ void check_parity(Rank& r, Opt opt, int steps, Ref make_ref, Sharded make_sharde
   expect_shards_match(r, model, *ref);
 }
 
+/// check_parity for the GPT on random tokens: global batch `step -> seed_base + step`.
+void check_gpt_parity(Rank& r, Opt opt, int steps, const gpt::Config& cfg, int seed_base,
+                      FullyShardOptions options = test_options()) {
+  auto batch = [&](int step) {
+    torch::manual_seed(seed_base + step);
+    auto tok = torch::randint(cfg.vocab_size, {kGlobalBatch, cfg.block_size + 1}, torch::kLong);
+    return std::make_pair(tok.narrow(1, 0, cfg.block_size), tok.narrow(1, 1, cfg.block_size));
+  };
+  check_parity(
+      r, opt, steps, [&] { return gpt::make_gpt<false>(cfg); }, [&] { return gpt::make_gpt<true>(cfg); }, batch,
+      [](const torch::Tensor& logits, const torch::Tensor& y) {
+        return torch::nn::functional::cross_entropy(logits.flatten(0, 1), y.flatten());
+      },
+      options);
+}
+
 struct Case {
   int world_size;
   Opt opt;
@@ -113,18 +129,7 @@ TEST_P(Parity, GPT) {
   // into full-size steps whose sign depends on reduction order. SGD keeps the biases; AdamW runs
   // without them (every other bias path is covered by UnevenMLP).
   cfg.bias = c.opt == Opt::kSGD;
-  run_ranks(c.world_size, [&](Rank& r) {
-    auto batch = [&](int step) {
-      torch::manual_seed(2000 + step);
-      auto tok = torch::randint(cfg.vocab_size, {kGlobalBatch, cfg.block_size + 1}, torch::kLong);
-      return std::make_pair(tok.narrow(1, 0, cfg.block_size), tok.narrow(1, 1, cfg.block_size));
-    };
-    check_parity(
-        r, c.opt, 5, [&] { return gpt::make_gpt<false>(cfg); }, [&] { return gpt::make_gpt<true>(cfg); }, batch,
-        [](const torch::Tensor& logits, const torch::Tensor& y) {
-          return torch::nn::functional::cross_entropy(logits.flatten(0, 1), y.flatten());
-        });
-  });
+  run_ranks(c.world_size, [&](Rank& r) { check_gpt_parity(r, c.opt, 5, cfg, 2000); });
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, Parity, kCases, case_name);
@@ -134,19 +139,7 @@ class PrefetchParity : public ::testing::TestWithParam<int> {};
 TEST_P(PrefetchParity, GPT) {
   const int depth = GetParam();
   gpt::Config cfg{37, 8, 3, 2, 18, true};
-  run_ranks(3, [&](Rank& r) {
-    auto batch = [&](int step) {
-      torch::manual_seed(3000 + step);
-      auto tok = torch::randint(cfg.vocab_size, {kGlobalBatch, cfg.block_size + 1}, torch::kLong);
-      return std::make_pair(tok.narrow(1, 0, cfg.block_size), tok.narrow(1, 1, cfg.block_size));
-    };
-    check_parity(
-        r, Opt::kSGD, 4, [&] { return gpt::make_gpt<false>(cfg); }, [&] { return gpt::make_gpt<true>(cfg); }, batch,
-        [](const torch::Tensor& logits, const torch::Tensor& y) {
-          return torch::nn::functional::cross_entropy(logits.flatten(0, 1), y.flatten());
-        },
-        test_options().prefetch(depth));
-  });
+  run_ranks(3, [&](Rank& r) { check_gpt_parity(r, Opt::kSGD, 4, cfg, 3000, test_options().prefetch(depth)); });
 }
 INSTANTIATE_TEST_SUITE_P(Depths, PrefetchParity, ::testing::Values(0, 2));
 
@@ -158,17 +151,7 @@ TEST_P(ShardGradOpParity, GPT) {
   const int world = GetParam();
   gpt::Config cfg{37, 8, 3, 2, 18, true};
   run_ranks(world, [&](Rank& r) {
-    auto batch = [&](int step) {
-      torch::manual_seed(6000 + step);
-      auto tok = torch::randint(cfg.vocab_size, {kGlobalBatch, cfg.block_size + 1}, torch::kLong);
-      return std::make_pair(tok.narrow(1, 0, cfg.block_size), tok.narrow(1, 1, cfg.block_size));
-    };
-    check_parity(
-        r, Opt::kSGD, 4, [&] { return gpt::make_gpt<false>(cfg); }, [&] { return gpt::make_gpt<true>(cfg); }, batch,
-        [](const torch::Tensor& logits, const torch::Tensor& y) {
-          return torch::nn::functional::cross_entropy(logits.flatten(0, 1), y.flatten());
-        },
-        test_options().strategy(ShardingStrategy::kShardGradOp));
+    check_gpt_parity(r, Opt::kSGD, 4, cfg, 6000, test_options().strategy(ShardingStrategy::kShardGradOp));
   });
 }
 INSTANTIATE_TEST_SUITE_P(WorldSizes, ShardGradOpParity, ::testing::Values(1, 2, 3, 4));
