@@ -55,8 +55,8 @@ at::Tensor alias_rows(const at::Tensor& flat, int64_t offset, at::IntArrayRef sh
 }  // namespace
 
 ParamGroup::ParamGroup(std::string name, std::vector<std::pair<std::string, at::Tensor>> params,
-                       std::shared_ptr<FSDPState> state, bool is_root)
-    : name_(std::move(name)), state_(std::move(state)), is_root_(is_root) {
+                       std::shared_ptr<FSDPState> state, bool is_root, ShardingStrategy strategy)
+    : name_(std::move(name)), state_(std::move(state)), is_root_(is_root), strategy_(strategy) {
   for (auto& [pname, p] : params) {
     if (!slots_.empty()) {
       const at::Tensor& first = slots_.front().param;
@@ -218,7 +218,7 @@ void ParamGroup::post_forward(const std::vector<at::Tensor>& outputs) {
     }
   }
   // The root stays gathered into its backward (it is the first to need its parameters again).
-  const bool reshard_now = !grad || (!is_root_ && state_->options.strategy() == ShardingStrategy::kFullShard);
+  const bool reshard_now = !grad || (!is_root_ && strategy_ == ShardingStrategy::kFullShard);
   if (reshard_now) reshard();
 }
 

@@ -41,7 +41,7 @@ struct ParamSlot {
 class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
  public:
   ParamGroup(std::string name, std::vector<std::pair<std::string, at::Tensor>> params, std::shared_ptr<FSDPState> state,
-             bool is_root);
+             bool is_root, ShardingStrategy strategy);
 
   /// Shards the parameters (after rank 0's values were broadcast), installs the hooks, frees the
   /// unsharded storage. Called once by fully_shard.
@@ -49,6 +49,7 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
 
   const std::string& name() const { return name_; }
   bool is_root() const { return is_root_; }
+  ShardingStrategy strategy() const { return strategy_; }
   bool is_unsharded() const { return unsharded_now_; }
   const std::vector<ParamSlot>& slots() const { return slots_; }
   int64_t shard_numel() const { return shard_numel_; }
@@ -90,6 +91,7 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   std::vector<ParamSlot> slots_;
   std::shared_ptr<FSDPState> state_;
   bool is_root_;
+  ShardingStrategy strategy_;
   int64_t shard_numel_ = 0;
   at::Tensor flat_shard_;   // [shard_numel]: this rank's rows of every parameter, padded
   at::Tensor unsharded_;    // [W * shard_numel], parameter-major; storage resized to 0 when resharded

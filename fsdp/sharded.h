@@ -17,6 +17,7 @@
 #include <torch/nn/pimpl.h>
 
 #include <memory>
+#include <optional>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -57,6 +58,14 @@ class ShardedUnit {
   const std::shared_ptr<detail::ParamGroup>& fsdp_unit() const { return fsdp_unit_; }
   void fsdp_attach(std::shared_ptr<detail::ParamGroup> unit) { fsdp_unit_ = std::move(unit); }
 
+  /// This unit's strategy, overriding FullyShardOptions::strategy; set before fsdp::fully_shard:
+  ///   blocks.back()->set_sharding_strategy(fsdp::ShardingStrategy::kShardGradOp);
+  void set_sharding_strategy(ShardingStrategy strategy) {
+    TORCH_CHECK(!fsdp_unit_, "fsdp: set_sharding_strategy must be called before fsdp::fully_shard");
+    strategy_ = strategy;
+  }
+  const std::optional<ShardingStrategy>& sharding_strategy() const { return strategy_; }
+
  protected:
   /// Runs `forward` between the unit's pre- and post-forward steps.
   template <typename Fn>
@@ -71,6 +80,7 @@ class ShardedUnit {
   }
 
   std::shared_ptr<detail::ParamGroup> fsdp_unit_;
+  std::optional<ShardingStrategy> strategy_;
 };
 
 namespace detail {

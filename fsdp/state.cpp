@@ -225,14 +225,20 @@ std::shared_ptr<ParamGroup> shard_model(const std::shared_ptr<torch::nn::Module>
 
   // Everything that decides the collectives' sizes and order: names, shapes, dtypes, the unit
   // each parameter is in, whether it trains, its device type.
+  auto strategy_of = [&](const Found& f) {
+    return f.unit && f.unit->sharding_strategy() ? *f.unit->sharding_strategy() : options.strategy();
+  };
   std::unordered_map<const c10::TensorImpl*, std::string> unit_of;
   for (const auto& f : found) {
-    for (const auto& np : f->params) unit_of[np.second.unsafeGetTensorImpl()] = f->unit ? f->name : "<root>";
+    const char* strategy = strategy_of(*f) == ShardingStrategy::kFullShard ? "full-shard" : "shard-grad-op";
+    for (const auto& np : f->params) {
+      unit_of[np.second.unsafeGetTensorImpl()] = (f->unit ? f->name : "<root>") + "' (" + strategy + ")";
+    }
   }
   std::ostringstream desc;
   for (const auto& kv : root->named_parameters()) {  // module order: the same on every rank
     const at::Tensor& p = kv.value();
-    desc << kv.key() << ' ' << p.dtype() << ' ' << p.sizes() << " in unit '" << unit_of[p.unsafeGetTensorImpl()] << "'"
+    desc << kv.key() << ' ' << p.dtype() << ' ' << p.sizes() << " in unit '" << unit_of[p.unsafeGetTensorImpl()]
          << (p.requires_grad() ? "" : " frozen") << " (" << c10::DeviceTypeName(p.device().type(), true) << ")\n";
   }
   check_same_model_on_all_ranks(state->comm, desc.str());
@@ -240,7 +246,7 @@ std::shared_ptr<ParamGroup> shard_model(const std::shared_ptr<torch::nn::Module>
 
   std::shared_ptr<ParamGroup> root_group;
   for (auto& f : found) {
-    auto g = std::make_shared<ParamGroup>(f->name, std::move(f->params), state, f->unit == nullptr);
+    auto g = std::make_shared<ParamGroup>(f->name, std::move(f->params), state, f->unit == nullptr, strategy_of(*f));
     g->init();
     state->groups.push_back(g);
     if (f->unit != nullptr) {

@@ -27,7 +27,9 @@ TEST(Errors, ModelWithOtherShapeOnOneRank) {
     EXPECT_NE(msg.find("differs between ranks"), std::string::npos) << msg;
     EXPECT_NE(msg.find("'fc1.weight'"), std::string::npos) << msg;
     EXPECT_NE(
-        msg.find("is float [13, 7] in unit 'fc1' (cpu) on rank 0 but float [14, 7] in unit 'fc1' (cpu) on rank 1"),
+        msg.find(
+            "is float [13, 7] in unit 'fc1' (full-shard) (cpu) on rank 0 but float [14, 7] in unit 'fc1' (full-shard) "
+            "(cpu) on rank 1"),
         std::string::npos)
         << msg;
     EXPECT_NE(msg.find("(rank " + std::to_string(r.rank) + " of 3)"), std::string::npos) << msg;
@@ -62,10 +64,25 @@ TEST(Errors, UnitOnOneRankOnly) {
   run_ranks(2, [](Rank& r) {
     auto msg =
         error_of([&] { fsdp::fully_shard(std::make_shared<MaybeShardedImpl>(r.rank == 0), r.pg, test_options()); });
-    EXPECT_NE(
-        msg.find("'fc2.weight' is float [5, 13] in unit 'fc2' (cpu) on rank 0 but float [5, 13] in unit '<root>'"),
-        std::string::npos)
+    EXPECT_NE(msg.find("'fc2.weight' is float [5, 13] in unit 'fc2' (full-shard) (cpu) on rank 0 but float [5, 13] in "
+                       "unit '<root>'"),
+              std::string::npos)
         << msg;
+  });
+}
+
+TEST(Errors, StrategyDiffersOnOneRank) {
+  run_ranks(2, [](Rank& r) {
+    auto m = std::make_shared<DifferentMLPImpl>(13);
+    if (r.rank == 1) m->fc2->set_sharding_strategy(ShardingStrategy::kShardGradOp);
+    auto msg = error_of([&] { fsdp::fully_shard(m, r.pg, test_options()); });
+    EXPECT_NE(msg.find("in unit 'fc2' (full-shard) (cpu) on rank 0 but float [5, 13] in unit 'fc2' (shard-grad-op)"),
+              std::string::npos)
+        << msg;
+    auto wrapped = std::make_shared<DifferentMLPImpl>(13);
+    fsdp::fully_shard(wrapped, r.pg, test_options());
+    auto late = error_of([&] { wrapped->fc1->set_sharding_strategy(ShardingStrategy::kShardGradOp); });
+    EXPECT_NE(late.find("must be called before fsdp::fully_shard"), std::string::npos) << late;
   });
 }
 

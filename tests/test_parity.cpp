@@ -156,6 +156,39 @@ TEST_P(ShardGradOpParity, GPT) {
 }
 INSTANTIATE_TEST_SUITE_P(WorldSizes, ShardGradOpParity, ::testing::Values(1, 2, 3, 4));
 
+// Units of different strategies in one model: block 1 SHARD_GRAD_OP, the others full sharding.
+TEST(MixedStrategies, GPT) {
+  gpt::Config cfg{31, 6, 3, 2, 12, true};
+  run_ranks(2, [&](Rank& r) {
+    torch::manual_seed(0);
+    auto ref = gpt::make_gpt<false>(cfg);
+    torch::manual_seed(0);
+    auto net = gpt::make_gpt<true>(cfg);
+    net->blocks[1]->set_sharding_strategy(ShardingStrategy::kShardGradOp);
+    auto model = fsdp::fully_shard(net, r.pg, test_options());
+    auto ref_opt = make_optimizer(Opt::kSGD, ref->parameters());
+    auto opt = make_optimizer(Opt::kSGD, model.sharded_parameters());
+    for (int step = 0; step < 3; ++step) {
+      torch::manual_seed(8000 + step);
+      auto tok = torch::randint(cfg.vocab_size, {kGlobalBatch, cfg.block_size + 1}, torch::kLong);
+      auto x = tok.narrow(1, 0, cfg.block_size), y = tok.narrow(1, 1, cfg.block_size);
+      auto ce = [](const torch::Tensor& logits, const torch::Tensor& t) {
+        return torch::nn::functional::cross_entropy(logits.flatten(0, 1), t.flatten());
+      };
+      ref_opt->zero_grad();
+      ce(ref->forward(x), y).backward();
+      ref_opt->step();
+      opt->zero_grad();
+      model.reset_comm_stats();
+      ce(model(local_rows(x, r.rank, r.world_size)), local_rows(y, r.rank, r.world_size)).backward();
+      // Root once, two full-sharding blocks twice, the SHARD_GRAD_OP block once.
+      EXPECT_EQ(model.comm_stats().all_gathers, 1 + 2 * 2 + 1);
+      opt->step();
+    }
+    expect_shards_match(r, model, *ref);
+  });
+}
+
 // Clipping by the global norm over shards equals clip_grad_norm_ on the unsharded model: the
 // returned norm every step and the parameters after (which the clipped gradients produced).
 class ClipParity : public ::testing::TestWithParam<int> {};
