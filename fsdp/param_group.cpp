@@ -103,6 +103,10 @@ void ParamGroup::init() {
     shard_numel_ += s.padded_numel();
   }
 
+  // Named once: every all-gather and reduce-scatter carries its description for error messages.
+  gather_what_ = describe("all-gather");
+  reduce_what_ = describe("reduce-scatter of gradients");
+
   // The unsharded buffer is parameter-major: parameter i owns [W*offset_i, W*(offset_i+padded_i)),
   // which viewed as [W, padded_i] has rank r's rows in row r. The full parameter is its prefix.
   unsharded_ = at::zeros({W * shard_numel_}, opts);
@@ -152,7 +156,7 @@ void ParamGroup::begin_unshard() {
   // Only the all-gather output is allocated now; the unsharded storage is allocated when the
   // gather is waited for, so a unit in flight costs its size once, not twice.
   gathered_ = at::empty({state_->comm.world_size() * shard_numel_}, flat_shard_.options());
-  gather_ = state_->comm.all_gather_async(gathered_, flat_shard_, describe("all-gather"));
+  gather_ = state_->comm.all_gather_async(gathered_, flat_shard_, gather_what_);
   gathering_ = true;
 }
 
@@ -280,7 +284,7 @@ void ParamGroup::reduce_grads() {
   for (auto& s : slots_) s.param.mutable_grad() = at::Tensor();  // unsharded gradients freed here
   reduce_out_ = at::empty({shard_numel_}, opts);
   at::Tensor flat_in = reduce_in_.view({-1});
-  reduce_ = comm.reduce_scatter_sum_async(reduce_out_, flat_in, describe("reduce-scatter of gradients"));
+  reduce_ = comm.reduce_scatter_sum_async(reduce_out_, flat_in, reduce_what_);
   reducing_ = true;
   // Runs while the rest of backward computes; the state bounds how many are in flight.
   state_->after_reduce_issued(*this);

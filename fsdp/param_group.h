@@ -85,6 +85,7 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
  private:
   std::string describe(const char* op) const;
   void wait_gather();
+  std::string gather_what_, reduce_what_;  // descriptions of this unit's collectives
   void reduce_grads();
 
   std::string name_;

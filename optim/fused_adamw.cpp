@@ -42,11 +42,12 @@ at::Tensor FusedAdamW::step(LossClosure closure) {
       u.exp_avg = at::zeros({g->shard_numel()}, flat.options());
       u.exp_avg_sq = at::zeros({g->shard_numel()}, flat.options());
       for (size_t i = 0; i < slots.size(); ++i) u.steps.push_back(at::zeros({}, flat.options().dtype(at::kFloat)));
+      u.counts.assign(slots.size(), 0);
     }
     // One flat update when every parameter's gradient is where the reduce-scatter put it: one
     // buffer, each at its parameter's offset, and every parameter has stepped equally so far.
     bool whole = true;
-    const c10::StorageImpl* storage = nullptr;
+    at::Tensor first_grad;
     for (size_t i = 0; i < slots.size() && whole; ++i) {
       const auto& s = slots[i];
       const at::Tensor& gr = s.sharded.grad();
@@ -54,22 +55,16 @@ at::Tensor FusedAdamW::step(LossClosure closure) {
         whole = s.padded_numel() == 0;
         continue;
       }
-      if (storage == nullptr) storage = gr.storage().unsafeGetStorageImpl();
-      whole = gr.storage().unsafeGetStorageImpl() == storage && gr.storage_offset() == s.offset && gr.is_contiguous() &&
-              u.steps[i].item<float>() == u.steps[0].item<float>();
+      if (!first_grad.defined()) first_grad = gr;
+      whole = gr.storage().unsafeGetStorageImpl() == first_grad.storage().unsafeGetStorageImpl() &&
+              gr.storage_offset() == s.offset && gr.is_contiguous() && u.counts[i] == u.counts[0];
     }
-    whole =
-        whole && storage != nullptr && storage->nbytes() == static_cast<size_t>(g->shard_numel()) * flat.element_size();
+    whole = whole && first_grad.defined() &&
+            first_grad.storage().nbytes() == static_cast<size_t>(g->shard_numel()) * flat.element_size();
     if (whole) {
       for (auto& st : u.steps) st.add_(1);
+      for (auto& c : u.counts) ++c;
       params.push_back(alias(flat, 0, {g->shard_numel()}));
-      at::Tensor first_grad;
-      for (const auto& s : slots) {
-        if (s.sharded.grad().defined()) {
-          first_grad = s.sharded.grad();
-          break;
-        }
-      }
       grads.push_back(alias(first_grad, -first_grad.storage_offset(), {g->shard_numel()}));
       exp_avgs.push_back(u.exp_avg);
       exp_avg_sqs.push_back(u.exp_avg_sq);
@@ -80,6 +75,7 @@ at::Tensor FusedAdamW::step(LossClosure closure) {
       const auto& s = slots[i];
       if (!s.sharded.grad().defined()) continue;
       u.steps[i].add_(1);  // also for a rank's empty shard, so step counts stay equal
+      ++u.counts[i];
       if (s.sharded.numel() == 0) continue;
       params.push_back(s.sharded);
       grads.push_back(s.sharded.grad());

@@ -35,6 +35,7 @@ class FusedAdamW : public torch::optim::Optimizer {
     std::weak_ptr<detail::ParamGroup> group;
     at::Tensor exp_avg, exp_avg_sq;  // flat, [shard_numel]
     std::vector<at::Tensor> steps;   // per parameter: float scalars, as the fused kernel wants
+    std::vector<int64_t> counts;     // the same counts on the host, compared without a device read
   };
   std::vector<UnitState> units_;
   size_t tensors_last_step_ = 0;
