@@ -4,8 +4,13 @@
 
 namespace fsdp::detail {
 
-Comm::Comm(c10::intrusive_ptr<c10d::ProcessGroup> pg, std::chrono::milliseconds timeout)
-    : pg_(std::move(pg)), timeout_(timeout), rank_(pg_->getRank()), world_size_(pg_->getSize()) {}
+Comm::Comm(c10::intrusive_ptr<c10d::ProcessGroup> pg, std::chrono::milliseconds timeout,
+           std::shared_ptr<CommStats> stats)
+    : stats_(std::move(stats)),
+      pg_(std::move(pg)),
+      timeout_(timeout),
+      rank_(pg_->getRank()),
+      world_size_(pg_->getSize()) {}
 
 c10::intrusive_ptr<c10d::Backend> Comm::backend(const at::Tensor& t) const {
   try {
@@ -32,8 +37,8 @@ void Comm::wait(Pending& pending) const {
 
 Pending Comm::all_gather_async(at::Tensor& out, at::Tensor& in, const std::string& what) {
   TORCH_INTERNAL_ASSERT(out.numel() == in.numel() * world_size_);
-  ++stats.all_gathers;
-  stats.elements += out.numel();
+  ++stats_->all_gathers;
+  stats_->elements += out.numel();
   if (world_size_ == 1) {
     out.copy_(in);
     return {nullptr, what};
@@ -48,8 +53,8 @@ void Comm::all_gather(at::Tensor& out, at::Tensor& in, const std::string& what) 
 
 Pending Comm::reduce_scatter_sum_async(at::Tensor& out, at::Tensor& in, const std::string& what) {
   TORCH_INTERNAL_ASSERT(in.numel() == out.numel() * world_size_);
-  ++stats.reduce_scatters;
-  stats.elements += in.numel();
+  ++stats_->reduce_scatters;
+  stats_->elements += in.numel();
   if (world_size_ == 1) {
     out.copy_(in);
     return {nullptr, what};
@@ -59,19 +64,23 @@ Pending Comm::reduce_scatter_sum_async(at::Tensor& out, at::Tensor& in, const st
   return {backend(in)->_reduce_scatter_base(out, in, opts), what};
 }
 
-void Comm::all_reduce(at::Tensor& t, c10d::ReduceOp op, const std::string& what) {
-  ++stats.all_reduces;
-  stats.elements += 2 * t.numel();
-  if (world_size_ == 1) return;
+Pending Comm::all_reduce_async(at::Tensor& t, c10d::ReduceOp op, const std::string& what) {
+  ++stats_->all_reduces;
+  stats_->elements += 2 * t.numel();
+  if (world_size_ == 1) return {nullptr, what};
   std::vector<at::Tensor> ts{t};
   c10d::AllreduceOptions opts;
   opts.reduceOp = op;
-  Pending p{backend(t)->allreduce(ts, opts), what};
+  return {backend(t)->allreduce(ts, opts), what};
+}
+
+void Comm::all_reduce(at::Tensor& t, c10d::ReduceOp op, const std::string& what) {
+  Pending p = all_reduce_async(t, op, what);
   wait(p);
 }
 
 void Comm::broadcast(at::Tensor& t, int root, const std::string& what) {
-  ++stats.broadcasts;
+  ++stats_->broadcasts;
   if (world_size_ == 1) return;
   std::vector<at::Tensor> ts{t};
   c10d::BroadcastOptions opts;

@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <string>
 
 namespace fsdp {
@@ -31,7 +32,9 @@ struct Pending {
 
 class Comm {
  public:
-  Comm(c10::intrusive_ptr<c10d::ProcessGroup> pg, std::chrono::milliseconds timeout);
+  /// `stats` may be shared between the Comms of one model (hybrid sharding's groups).
+  Comm(c10::intrusive_ptr<c10d::ProcessGroup> pg, std::chrono::milliseconds timeout,
+       std::shared_ptr<CommStats> stats = std::make_shared<CommStats>());
 
   int rank() const { return rank_; }
   int world_size() const { return world_size_; }
@@ -47,11 +50,15 @@ class Comm {
   /// Waits for a pending collective (with the timeout); throws naming it on failure.
   void wait(Pending& pending) const;
   void all_reduce(at::Tensor& t, c10d::ReduceOp op, const std::string& what);
+  Pending all_reduce_async(at::Tensor& t, c10d::ReduceOp op, const std::string& what);
   void broadcast(at::Tensor& t, int root, const std::string& what);
 
-  CommStats stats;
+  CommStats& stats() const { return *stats_; }
+  const std::shared_ptr<CommStats>& shared_stats() const { return stats_; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
 
  private:
+  std::shared_ptr<CommStats> stats_;
   c10::intrusive_ptr<c10d::Backend> backend(const at::Tensor& t) const;
 
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;

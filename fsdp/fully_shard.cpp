@@ -54,7 +54,10 @@ std::vector<UnitInfo> RootHandle::units() const {
     if (auto g = w.lock()) {
       UnitInfo u;
       u.name = g->name();
+      u.strategy = g->strategy();
       u.shard_numel = g->shard_numel();
+      u.shard_rank = g->shard_rank();
+      u.shard_world_size = g->shard_world_size();
       u.unsharded = g->is_unsharded();
       for (const auto& s : g->slots()) u.params.push_back(s.name);
       out.push_back(std::move(u));
@@ -94,10 +97,10 @@ int64_t RootHandle::num_parameters() const {
 }
 
 const CommStats& RootHandle::comm_stats() const {
-  return root_->state().comm.stats;
+  return root_->state().comm.stats();
 }
 void RootHandle::reset_comm_stats() {
-  root_->state().comm.stats = CommStats{};
+  root_->state().comm.stats() = CommStats{};
 }
 int RootHandle::rank() const {
   return root_->state().comm.rank();

@@ -28,7 +28,10 @@ namespace fsdp {
 /// A unit's layout on this rank, for inspection and tests.
 struct UnitInfo {
   std::string name;  ///< module path of the unit ("" for the root unit)
-  int64_t shard_numel = 0;
+  ShardingStrategy strategy = ShardingStrategy::kFullShard;
+  int64_t shard_numel = 0;       ///< elements of this rank's flat shard, padding included
+  int64_t shard_rank = 0;        ///< this rank's place among the ranks the unit is sharded over
+  int64_t shard_world_size = 1;  ///< those ranks: N, S (hybrid) or 1 (replicated)
   bool unsharded = false;
   std::vector<std::string> params;
 };

@@ -5,6 +5,7 @@
 #include <torch/arg.h>
 
 #include <chrono>
+#include <cstdint>
 
 namespace fsdp {
 
@@ -17,7 +18,37 @@ enum class ShardingStrategy {
   /// of its backward (no second all-gather): model state peaks at 4Ψ + 12Ψ/N during the step,
   /// 16Ψ/N at the optimizer step; 2Ψ communicated per step.
   kShardGradOp,
+  /// ZeRO-1 (llm.c's pattern): full parameters and gradients on every rank, optimizer state
+  /// sharded. Backward reduce-scatters each unit's gradients into this rank's rows, the optimizer
+  /// updates those rows, and the unit's next forward all-gathers the updated parameters. Model
+  /// state 8Ψ + 8Ψ/N; 2Ψ communicated per step.
+  kShardOptimizerState,
+  /// Replicated (DDP): nothing sharded; gradients all-reduced in buckets of
+  /// FullyShardOptions::bucket_bytes while backward runs. Model state 16Ψ; 2Ψ per step.
+  kNoShard,
+  /// Full sharding inside groups of FullyShardOptions::shard_group_size (S) consecutive ranks,
+  /// replicated across the N/S groups: all-gathers inside the group, gradients reduce-scattered
+  /// inside it and then all-reduced across groups. Model state 16Ψ/S; 3Ψ + 2Ψ/S per step, of
+  /// which only 2Ψ/S crosses groups (e.g. nodes). S = N is kFullShard, S = 1 is replicated.
+  kHybridShard,
 };
+
+/// "full-shard", "shard-grad-op", "shard-optimizer-state", "no-shard" or "hybrid-shard".
+inline const char* to_string(ShardingStrategy s) {
+  switch (s) {
+    case ShardingStrategy::kFullShard:
+      return "full-shard";
+    case ShardingStrategy::kShardGradOp:
+      return "shard-grad-op";
+    case ShardingStrategy::kShardOptimizerState:
+      return "shard-optimizer-state";
+    case ShardingStrategy::kNoShard:
+      return "no-shard";
+    case ShardingStrategy::kHybridShard:
+      return "hybrid-shard";
+  }
+  return "unknown";
+}
 
 struct FullyShardOptions {
   /// Bound on every collective the library issues; a peer that does not answer in time makes this
@@ -32,6 +63,13 @@ struct FullyShardOptions {
   /// forward, the previous ones during backward. 0 gathers each unit only when it runs. Each unit
   /// in flight costs its unsharded size in memory.
   TORCH_ARG(int, prefetch) = 1;
+  /// kHybridShard: ranks per sharding group (S); must divide the world size. Groups are
+  /// consecutive ranks ([0, S), [S, 2S), ...), so with one node of S processes each, sharding
+  /// traffic stays inside a node.
+  TORCH_ARG(int, shard_group_size) = 0;
+  /// kNoShard: gradients are all-reduced in buckets of about this many bytes, each issued as soon
+  /// as backward has produced all of its gradients (PyTorch DDP's bucket_cap_mb, 25 MiB).
+  TORCH_ARG(int64_t, bucket_bytes) = 25 * 1024 * 1024;
 };
 
 }  // namespace fsdp

@@ -52,6 +52,31 @@ at::Tensor alias_rows(const at::Tensor& flat, int64_t offset, at::IntArrayRef sh
   return t;
 }
 
+// A tensor of `numel` elements whose storage has no memory yet: resize_storage() gives it some when
+// the unit is first gathered. (Allocating and freeing would cost a unit's size while building.)
+at::Tensor unallocated(int64_t numel, const at::TensorOptions& opts) {
+  at::Tensor like = at::empty({0}, opts);
+  c10::Storage storage(c10::Storage::use_byte_size_t(), 0, like.storage().allocator(), /*resizable=*/true);
+  at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(std::move(storage), like.key_set(), like.dtype());
+  t.unsafeGetTensorImpl()->set_sizes_contiguous({numel});
+  return t;
+}
+
+// A view of `base`'s storage with no bounds check: `base` may have no memory yet (above); the view
+// sees the memory once resize_storage() gave it some.
+at::Tensor unchecked_view(const at::Tensor& base, int64_t offset, at::IntArrayRef shape) {
+  at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(base.storage()), base.key_set(), base.dtype());
+  t.unsafeGetTensorImpl()->set_storage_offset(offset);
+  t.unsafeGetTensorImpl()->set_sizes_contiguous(shape);
+  return t;
+}
+
+// Rows [first, first + n) of a contiguous tensor, flattened (empty when past the end).
+at::Tensor flat_rows(const at::Tensor& t, int64_t first, int64_t n, int64_t row_numel) {
+  const int64_t start = std::min(t.numel(), first * row_numel);
+  return t.reshape({-1}).narrow(0, start, n * row_numel);
+}
+
 }  // namespace
 
 ParamGroup::ParamGroup(std::string name, std::vector<std::pair<std::string, at::Tensor>> params,
@@ -77,67 +102,109 @@ ParamGroup::ParamGroup(std::string name, std::vector<std::pair<std::string, at::
 
 std::string ParamGroup::describe(const char* op) const {
   std::ostringstream os;
-  os << op << " of unit '" << (is_root_ ? "<root>" : name_) << "' (" << slots_.size() << " parameters, " << shard_numel_
-     << " elements per rank)";
+  os << op << " of unit '" << (is_root_ ? "<root>" : name_) << "' (" << to_string(strategy_) << ", " << slots_.size()
+     << " parameters, " << shard_numel_ << " elements per rank)";
   return os.str();
 }
 
+int64_t ParamGroup::replication() const {
+  return state_->comm.world_size() / S_;
+}
+
 void ParamGroup::init() {
-  Comm& comm = state_->comm;
-  const int64_t W = comm.world_size();
-  const int64_t r = comm.rank();
+  Comm& world = state_->comm;
+  shard_comm_ = strategy_ == ShardingStrategy::kHybridShard ? state_->shard_comm.get() : &world;
+  replicate_comm_ = strategy_ == ShardingStrategy::kHybridShard ? state_->replicate_comm.get() : nullptr;
+  TORCH_INTERNAL_ASSERT(shard_comm_ != nullptr, "hybrid sharding without its process groups");
+  S_ = strategy_ == ShardingStrategy::kNoShard ? 1 : shard_comm_->world_size();
+  shard_rank_ = strategy_ == ShardingStrategy::kNoShard ? 0 : shard_comm_->rank();
   if (slots_.empty()) {
     unsharded_now_ = false;
     return;
   }
   const auto opts = slots_.front().param.options().requires_grad(false);
+  const int64_t S = S_;
+  const int64_t r = shard_rank_;
 
-  // Layout: per parameter, c = ceil(rows / W) rows per rank, padded at the tail.
+  // Layout: per parameter, c = ceil(rows / S) rows per rank, padded at the tail.
   for (auto& s : slots_) {
     s.rows = s.shape.empty() ? 1 : s.shape[0];
     s.row_numel = 1;
     for (size_t d = 1; d < s.shape.size(); ++d) s.row_numel *= s.shape[d];
-    s.chunk_rows = (s.rows + W - 1) / W;
+    s.chunk_rows = (s.rows + S - 1) / S;
     s.local_rows = std::max<int64_t>(0, std::min(s.chunk_rows, s.rows - r * s.chunk_rows));
     s.offset = shard_numel_;
     shard_numel_ += s.padded_numel();
   }
 
-  // Named once: every all-gather and reduce-scatter carries its description for error messages.
+  // Named once: every collective carries its description for error messages.
   gather_what_ = describe("all-gather");
-  reduce_what_ = describe("reduce-scatter of gradients");
+  reduce_what_ = strategy_ == ShardingStrategy::kNoShard ? describe("all-reduce of gradients")
+                                                         : describe("reduce-scatter of gradients");
 
-  // The unsharded buffer is parameter-major: parameter i owns [W*offset_i, W*(offset_i+padded_i)),
-  // which viewed as [W, padded_i] has rank r's rows in row r. The full parameter is its prefix.
-  unsharded_ = at::zeros({W * shard_numel_}, opts);
-  {
-    at::NoGradGuard no_grad;
+  at::NoGradGuard no_grad;
+  // Rank 0's weights everywhere, one parameter at a time and in place: no flat copy, so that
+  // sharding a unit costs its own size once (what lets a model be sharded while it is built).
+  if (state_->options.sync_module_states() && world.world_size() > 1) {
+    const std::string what = describe("broadcast of rank 0's weights");
     for (auto& s : slots_) {
-      s.unsharded = unsharded_.narrow(0, W * s.offset, s.param.numel()).view(s.shape);
-      s.unsharded.copy_(s.param);
+      at::Tensor d = s.param.detach();
+      at::Tensor buf = d.is_contiguous() ? d : d.contiguous();
+      world.broadcast(buf, 0, what);
+      if (!buf.is_same(d)) d.copy_(buf);
     }
   }
-  if (state_->options.sync_module_states()) comm.broadcast(unsharded_, 0, describe("broadcast of rank 0's weights"));
 
-  flat_shard_ = at::empty({shard_numel_}, opts);
-  for (auto& s : slots_) {
-    auto mine = unsharded_.narrow(0, W * s.offset, W * s.padded_numel()).view({W, s.padded_numel()})[r];
-    flat_shard_.narrow(0, s.offset, s.padded_numel()).copy_(mine);
-    std::vector<int64_t> local_shape = s.shape;
-    if (local_shape.empty()) {
-      if (s.local_rows == 0) local_shape = {0};
+  auto local_shape = [](const ParamSlot& s) {
+    std::vector<int64_t> shape = s.shape;
+    if (shape.empty()) {
+      if (s.local_rows == 0) shape = {0};
     } else {
-      local_shape[0] = s.local_rows;
+      shape[0] = s.local_rows;
     }
-    s.sharded = alias_rows(flat_shard_, s.offset, local_shape);
-    s.sharded.set_requires_grad(s.requires_grad);
+    return shape;
+  };
+
+  if (strategy_ == ShardingStrategy::kShardOptimizerState) {
+    // Full parameters stay, in one parameter-major buffer (as the gathered layout of the sharded
+    // strategies); this rank's rows of each are a contiguous slice of it, which the optimizer
+    // updates in place and the next forward all-gathers.
+    unsharded_ = at::zeros({S * shard_numel_}, opts);
+    for (auto& s : slots_) {
+      s.unsharded = unsharded_.narrow(0, S * s.offset, s.rows * s.row_numel).view(s.shape);
+      s.unsharded.copy_(s.param);
+      s.param.set_data(s.unsharded);
+      s.sharded = alias_rows(unsharded_, S * s.offset + r * s.padded_numel(), local_shape(s));
+      s.sharded.set_requires_grad(s.requires_grad);
+      s.version = s.sharded._version();
+    }
+  } else {
+    // This rank's rows of every parameter, padded, in one flat buffer. Replicated (S = 1), that is
+    // the whole unit and the parameters are views of it; sharded, they get an unsharded buffer
+    // whose memory exists only while the unit is gathered.
+    flat_shard_ = at::zeros({shard_numel_}, opts);
+    for (auto& s : slots_) {
+      at::Tensor p = s.param.detach().contiguous();
+      flat_shard_.narrow(0, s.offset, s.local_rows * s.row_numel)
+          .copy_(flat_rows(p, r * s.chunk_rows, s.local_rows, s.row_numel));
+      s.sharded = alias_rows(flat_shard_, s.offset, local_shape(s));
+      s.sharded.set_requires_grad(s.requires_grad);
+    }
+    if (strategy_ == ShardingStrategy::kNoShard) {
+      unsharded_ = flat_shard_;
+      make_buckets();
+    } else {
+      unsharded_ = unallocated(S * shard_numel_, opts);
+    }
+    for (auto& s : slots_) {
+      s.unsharded = unchecked_view(unsharded_, S * s.offset, s.shape);
+      s.param.set_data(s.unsharded);  // the parameter's own storage is released here
+    }
   }
 
-  // Point each parameter at its view once; its old storage is released here.
   std::weak_ptr<ParamGroup> self = weak_from_this();
   for (size_t i = 0; i < slots_.size(); ++i) {
     auto& s = slots_[i];
-    s.param.set_data(s.unsharded);
     s.param.mutable_grad() = at::Tensor();  // a gradient from before wrapping is not this model's
     if (s.requires_grad) {
       // Created now, while the parameter has its full shape, and kept (see ParamSlot).
@@ -151,25 +218,75 @@ void ParamGroup::init() {
   reshard();
 }
 
+void ParamGroup::make_buckets() {
+  const int64_t cap = std::max<int64_t>(1, state_->options.bucket_bytes() / flat_shard_.element_size());
+  size_t last = slots_.size();
+  while (last > 0) {
+    Bucket b;
+    b.last = last;
+    b.first = last;
+    int64_t numel = 0;
+    // At least one parameter per bucket; then add earlier ones while the bucket stays under the cap.
+    do {
+      --b.first;
+      numel += slots_[b.first].padded_numel();
+    } while (b.first > 0 && numel + slots_[b.first - 1].padded_numel() <= cap);
+    b.offset = slots_[b.first].offset;
+    b.numel = numel;
+    buckets_.push_back(b);
+    last = b.first;
+  }
+}
+
+bool ParamGroup::needs_gather() const {
+  if (shard_numel_ == 0) return false;
+  switch (strategy_) {
+    case ShardingStrategy::kNoShard:
+      return false;
+    case ShardingStrategy::kShardOptimizerState:
+      // Only an in-place update of a shard (the optimizer's step) makes the full copy stale.
+      // Never in backward: the step has not run yet, and the unit is gathered already.
+      if (in_backward_ || state_->in_backward()) return false;
+      for (const auto& s : slots_) {
+        if (s.sharded._version() != s.version) return true;
+      }
+      return false;
+    default:
+      return !unsharded_now_;
+  }
+}
+
 void ParamGroup::begin_unshard() {
-  if (unsharded_now_ || gathering_ || shard_numel_ == 0) return;
+  if (gathering_ || !needs_gather()) return;
   // Only the all-gather output is allocated now; the unsharded storage is allocated when the
   // gather is waited for, so a unit in flight costs its size once, not twice.
-  gathered_ = at::empty({state_->comm.world_size() * shard_numel_}, flat_shard_.options());
-  gather_ = state_->comm.all_gather_async(gathered_, flat_shard_, gather_what_);
+  gathered_ = at::empty({S_ * shard_numel_}, unsharded_.options());
+  at::Tensor in = flat_shard_;
+  if (strategy_ == ShardingStrategy::kShardOptimizerState) {
+    gather_in_ = at::zeros({shard_numel_}, unsharded_.options());
+    for (auto& s : slots_) {
+      gather_in_.narrow(0, s.offset, s.sharded.numel()).copy_(s.sharded.reshape({-1}));
+      s.version = s.sharded._version();
+    }
+    in = gather_in_;
+  }
+  gather_ = shard_comm_->all_gather_async(gathered_, in, gather_what_);
   gathering_ = true;
 }
 
 void ParamGroup::unshard() {
-  if (unsharded_now_ || slots_.empty()) return;
+  if (slots_.empty()) return;
+  if (strategy_ != ShardingStrategy::kShardOptimizerState && unsharded_now_) return;
   if (shard_numel_ == 0) {  // only empty parameters: nothing to gather (same on every rank)
     for (auto& s : slots_) s.param.set_data(s.unsharded);
     unsharded_now_ = true;
     return;
   }
-  const int64_t W = state_->comm.world_size();
+  if (!gathering_ && !needs_gather()) return;
+  const int64_t W = S_;
   begin_unshard();
   wait_gather();
+  gather_in_ = at::Tensor();
   resize_storage(unsharded_, static_cast<size_t>(W * shard_numel_) * unsharded_.element_size());
   {
     // The all-gather output is rank-major [W, shard_numel]; one copy-out fills every parameter,
@@ -193,8 +310,9 @@ void ParamGroup::reshard() {
   if (gathering_) {  // prefetched but not used: Gloo may still be writing into the buffer
     wait_gather();
     gathered_ = at::Tensor();
+    gather_in_ = at::Tensor();
   }
-  if (!unsharded_now_) return;
+  if (!unsharded_now_ || keeps_full_params()) return;
   // The parameter itself points at an empty tensor, so code that reaches it around the wrapper
   // gets a shape error instead of reading freed memory.
   for (auto& s : slots_) s.param.set_data(placeholder_);
@@ -222,7 +340,8 @@ void ParamGroup::post_forward(const std::vector<at::Tensor>& outputs) {
     }
   }
   // The root stays gathered into its backward (it is the first to need its parameters again).
-  const bool reshard_now = !grad || (!is_root_ && strategy_ == ShardingStrategy::kFullShard);
+  const bool regather = strategy_ == ShardingStrategy::kFullShard || strategy_ == ShardingStrategy::kHybridShard;
+  const bool reshard_now = !grad || (!is_root_ && regather);
   if (reshard_now) reshard();
 }
 
@@ -235,6 +354,17 @@ void ParamGroup::pre_backward() {
   in_backward_ = true;
   grads_ready_ = 0;
   for (auto& s : slots_) s.grad_ready = false;
+  if (holds_reduced_) {
+    // kShardOptimizerState: the full gradients hold the last reduction (this rank's rows) and
+    // stale local values (the other rows). The rows the optimizer has not consumed (no
+    // zero_grad) carry over; the rest starts from nothing, as for an unwrapped model.
+    holds_reduced_ = false;
+    for (auto& s : slots_) {
+      if (s.sharded.grad().defined()) s.stash = s.sharded.grad().clone();
+      s.sharded.mutable_grad() = at::Tensor();
+      s.param.mutable_grad() = at::Tensor();
+    }
+  }
 }
 
 void ParamGroup::on_grad_ready(size_t slot) {
@@ -245,7 +375,9 @@ void ParamGroup::on_grad_ready(size_t slot) {
               "(or the root through the handle fsdp::fully_shard returned)?");
   if (s.grad_ready) return;
   s.grad_ready = true;
-  if (++grads_ready_ == grads_expected_) {
+  ++grads_ready_;
+  if (strategy_ == ShardingStrategy::kNoShard && state_->sync_gradients) launch_buckets(/*all=*/false);
+  if (grads_ready_ == grads_expected_) {
     // Without gradient sync (all but the last micro-batch of an accumulation) the unsharded
     // gradients stay on the parameters and keep accumulating; nothing is communicated.
     if (state_->sync_gradients) reduce_grads();
@@ -256,15 +388,55 @@ void ParamGroup::on_grad_ready(size_t slot) {
   }
 }
 
+void ParamGroup::launch_buckets(bool all) {
+  // Buckets go out in one fixed order on every rank (Gloo pairs collectives by order): bucket b
+  // only after b - 1, and only once backward produced all of its gradients (or at the end).
+  while (next_bucket_ < buckets_.size()) {
+    const Bucket& b = buckets_[next_bucket_];
+    if (!all) {
+      for (size_t i = b.first; i < b.last; ++i) {
+        if (slots_[i].requires_grad && !slots_[i].grad_ready) return;
+      }
+    }
+    if (next_bucket_ == 0) {
+      reduce_out_ = at::empty({shard_numel_}, flat_shard_.options());
+      reduce_has_grad_.assign(slots_.size(), false);
+      bucket_work_.clear();
+    }
+    for (size_t i = b.first; i < b.last; ++i) {
+      auto& s = slots_[i];
+      at::Tensor dst = reduce_out_.narrow(0, s.offset, s.padded_numel());
+      reduce_has_grad_[i] = s.param.grad().defined();
+      if (reduce_has_grad_[i]) {
+        dst.view(s.shape).copy_(s.param.grad());
+      } else {
+        dst.zero_();
+      }
+      s.param.mutable_grad() = at::Tensor();  // the bucket holds it now
+    }
+    at::Tensor chunk = reduce_out_.narrow(0, b.offset, b.numel);
+    bucket_work_.push_back(state_->comm.all_reduce_async(chunk, c10d::ReduceOp::SUM, reduce_what_));
+    ++next_bucket_;
+    if (next_bucket_ == buckets_.size()) {
+      reducing_ = true;
+      state_->after_reduce_issued(*this);
+    }
+  }
+}
+
 void ParamGroup::reduce_grads() {
   if (shard_numel_ == 0) {
     for (auto& s : slots_) s.param.mutable_grad() = at::Tensor();
     return;
   }
+  if (strategy_ == ShardingStrategy::kNoShard) {
+    if (next_bucket_ == buckets_.size()) finish_reduce();  // reduced once already in this backward
+    launch_buckets(/*all=*/true);
+    return;
+  }
   finish_reduce();  // a unit reduced twice in one backward (partly used, then flushed)
-  Comm& comm = state_->comm;
-  const int64_t W = comm.world_size();
-  const auto opts = flat_shard_.options();
+  const int64_t W = S_;
+  const auto opts = unsharded_.options();
   // One copy into rank-major [W, shard_numel] (chunk-cat pads each parameter's chunks), then the
   // reduce-scatter writes this rank's summed rows straight into the flat gradient shard.
   std::vector<at::Tensor> grads;
@@ -281,10 +453,12 @@ void ParamGroup::reduce_grads() {
   reduce_in_ = at::empty({W, shard_numel_}, opts);
   at::_chunk_cat_out(reduce_in_, grads, 0, W);
   grads.clear();
-  for (auto& s : slots_) s.param.mutable_grad() = at::Tensor();  // unsharded gradients freed here
+  if (strategy_ != ShardingStrategy::kShardOptimizerState) {
+    for (auto& s : slots_) s.param.mutable_grad() = at::Tensor();  // unsharded gradients freed here
+  }
   reduce_out_ = at::empty({shard_numel_}, opts);
   at::Tensor flat_in = reduce_in_.view({-1});
-  reduce_ = comm.reduce_scatter_sum_async(reduce_out_, flat_in, reduce_what_);
+  reduce_ = shard_comm_->reduce_scatter_sum_async(reduce_out_, flat_in, reduce_what_);
   reducing_ = true;
   // Runs while the rest of backward computes; the state bounds how many are in flight.
   state_->after_reduce_issued(*this);
@@ -293,11 +467,12 @@ void ParamGroup::reduce_grads() {
 void ParamGroup::wait_gather() {
   gathering_ = false;
   try {
-    state_->comm.wait(gather_);
+    shard_comm_->wait(gather_);
   } catch (const std::exception& e) {
     // The backend keeps its own reference to the buffer; ours is dropped so that nothing ever
     // reads a gather that did not complete, and the state refuses further steps.
     gathered_ = at::Tensor();
+    gather_in_ = at::Tensor();
     state_->mark_broken(e.what());
     throw;
   }
@@ -307,22 +482,46 @@ void ParamGroup::drop_prefetch() {
   if (!gathering_) return;
   wait_gather();
   gathered_ = at::Tensor();
+  gather_in_ = at::Tensor();
+  // kShardOptimizerState: the shards were not copied out, so the unit is as stale as before.
+  for (auto& s : slots_) s.version = -1;
 }
 
 void ParamGroup::finish_reduce() {
   if (!reducing_) return;
   reducing_ = false;
   try {
-    state_->comm.wait(reduce_);
+    if (strategy_ == ShardingStrategy::kNoShard) {
+      for (auto& p : bucket_work_) state_->comm.wait(p);
+    } else {
+      shard_comm_->wait(reduce_);
+      reduce_in_ = at::Tensor();
+      if (replicate_comm_ != nullptr && replicate_comm_->world_size() > 1) {
+        // Hybrid: the group's sum of this shard, summed again over the groups holding it.
+        replicate_comm_->all_reduce(reduce_out_, c10d::ReduceOp::SUM,
+                                    describe("all-reduce of gradients across groups"));
+      }
+    }
   } catch (const std::exception& e) {
     reduce_in_ = at::Tensor();
     reduce_out_ = at::Tensor();
+    bucket_work_.clear();
+    next_bucket_ = 0;
     state_->mark_broken(e.what());
     throw;
   }
-  reduce_in_ = at::Tensor();
+  bucket_work_.clear();
+  next_bucket_ = 0;
   at::Tensor flat_grad = std::move(reduce_out_);
   flat_grad.div_(static_cast<double>(state_->comm.world_size()));
+  if (strategy_ == ShardingStrategy::kShardOptimizerState) {
+    set_full_grad_rows(flat_grad);
+  } else {
+    set_sharded_grads(flat_grad);
+  }
+}
+
+void ParamGroup::set_sharded_grads(const at::Tensor& flat_grad) {
   for (size_t i = 0; i < slots_.size(); ++i) {
     if (!reduce_has_grad_[i]) continue;
     auto& s = slots_[i];
@@ -336,8 +535,36 @@ void ParamGroup::finish_reduce() {
   }
 }
 
+void ParamGroup::set_full_grad_rows(const at::Tensor& flat_grad) {
+  // kShardOptimizerState: the reduced rows go back into the full gradients (which every rank
+  // keeps), and the sharded gradients are views of them: no second copy of this rank's rows.
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    auto& s = slots_[i];
+    if (!reduce_has_grad_[i]) {
+      if (s.stash.defined()) s.sharded.mutable_grad() = std::move(s.stash);
+      s.stash = at::Tensor();
+      continue;
+    }
+    at::Tensor& full = s.param.mutable_grad();
+    if (!full.is_contiguous()) full = full.contiguous();
+    at::Tensor rows = flat_rows(full, shard_rank_ * s.chunk_rows, s.local_rows, s.row_numel);
+    rows.copy_(flat_grad.narrow(0, s.offset, rows.numel()));
+    if (s.stash.defined()) rows.add_(s.stash.reshape({-1}));
+    s.stash = at::Tensor();
+    const int64_t start = std::min(full.numel(), shard_rank_ * s.chunk_rows * s.row_numel);
+    s.sharded.mutable_grad() = alias_rows(full, start, s.sharded.sizes());
+  }
+  holds_reduced_ = true;
+}
+
 void ParamGroup::reset_after_failed_backward() {
   finish_reduce();
+  if (next_bucket_ > 0) {  // kNoShard: buckets of the failed backward still in flight
+    for (auto& p : bucket_work_) state_->comm.wait(p);
+    bucket_work_.clear();
+    next_bucket_ = 0;
+    reduce_out_ = at::Tensor();
+  }
   if (!in_backward_) return;
   in_backward_ = false;
   grads_ready_ = 0;
@@ -350,8 +577,9 @@ void ParamGroup::reset_after_failed_backward() {
 
 void ParamGroup::finalize_backward() {
   // Gradients not reduced yet: a unit only partly used in this backward, or one that accumulated
-  // without sync in earlier micro-batches and was not used in this one.
-  if (state_->sync_gradients) {
+  // without sync in earlier micro-batches and was not used in this one. (kShardOptimizerState
+  // keeps its full gradients after reducing them; those are not pending.)
+  if (state_->sync_gradients && !holds_reduced_) {
     bool pending = false;
     for (const auto& s : slots_) pending = pending || s.param.grad().defined();
     if (pending) reduce_grads();

@@ -17,8 +17,9 @@ namespace fsdp::detail {
 
 class FSDPState;
 
-/// Where one parameter lives in its unit. With W ranks and c = ceil(rows / W), rank r owns rows
-/// [r*c, min((r+1)*c, rows)), possibly none; its shard is padded to c rows in the flat buffer.
+/// Where one parameter lives in its unit. Sharded over S ranks (the world, a hybrid group, or 1 when
+/// replicated) with c = ceil(rows / S), shard rank r owns rows [r*c, min((r+1)*c, rows)), possibly
+/// none; its shard is padded to c rows in the flat buffer.
 struct ParamSlot {
   std::string name;      ///< fully qualified name in the root module
   at::Tensor param;      ///< the user's parameter: a view into the unsharded buffer, or empty
@@ -33,6 +34,8 @@ struct ParamSlot {
   int64_t padded_numel() const { return chunk_rows * row_numel; }
   bool requires_grad = false;
   bool grad_ready = false;
+  int64_t version = 0;  ///< kShardOptimizerState: `sharded`'s version when last gathered
+  at::Tensor stash;     ///< kShardOptimizerState: a reduced gradient carried into the next backward
   /// Kept alive on purpose: autograd holds a parameter's AccumulateGrad node only weakly, and a
   /// re-created node would have neither our hook nor the full shape it must validate against.
   std::shared_ptr<torch::autograd::Node> grad_accumulator;
@@ -50,10 +53,16 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   const std::string& name() const { return name_; }
   bool is_root() const { return is_root_; }
   ShardingStrategy strategy() const { return strategy_; }
+  /// Ranks the unit is sharded over (S) and this rank's place among them.
+  int64_t shard_world_size() const { return S_; }
+  int64_t shard_rank() const { return shard_rank_; }
+  /// How many ranks hold each element of the sharded gradients (1 unless replicated or hybrid).
+  int64_t replication() const;
   bool is_unsharded() const { return unsharded_now_; }
   const std::vector<ParamSlot>& slots() const { return slots_; }
   int64_t shard_numel() const { return shard_numel_; }
-  /// This rank's rows of every parameter, padded: what the sharded parameters alias.
+  /// This rank's rows of every parameter, padded: what the sharded parameters alias. Undefined for
+  /// kShardOptimizerState, whose shards alias the full parameters.
   const at::Tensor& flat_shard() const { return flat_shard_; }
 
   /// Issues the all-gather without waiting (prefetch); unshard() completes it.
@@ -85,6 +94,19 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
  private:
   std::string describe(const char* op) const;
   void wait_gather();
+  bool keeps_full_params() const {
+    return strategy_ == ShardingStrategy::kShardOptimizerState || strategy_ == ShardingStrategy::kNoShard;
+  }
+  /// Whether an all-gather is due: sharded and not gathered, or (kShardOptimizerState) a shard
+  /// was updated in place since the last gather.
+  bool needs_gather() const;
+  void make_buckets();
+  void launch_buckets(bool all);
+  void set_sharded_grads(const at::Tensor& flat_grad);
+  void set_full_grad_rows(const at::Tensor& flat_grad);
+  Comm* shard_comm_ = nullptr;      // the S ranks this unit is sharded over
+  Comm* replicate_comm_ = nullptr;  // kHybridShard: the N/S ranks holding the same shard
+  int64_t S_ = 1, shard_rank_ = 0;
   std::string gather_what_, reduce_what_;  // descriptions of this unit's collectives
   void reduce_grads();
 
@@ -107,6 +129,17 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   at::Tensor reduce_in_, reduce_out_;
   std::vector<bool> reduce_has_grad_;
   bool reducing_ = false;
+  at::Tensor gather_in_;        // kShardOptimizerState: this rank's rows, packed for the all-gather
+  bool holds_reduced_ = false;  // kShardOptimizerState: the full gradients hold a finished reduction
+  // kNoShard: buckets are contiguous ranges of slots [first, last), in reverse order (the order
+  // backward produces gradients); each is all-reduced in place in reduce_out_.
+  struct Bucket {
+    size_t first = 0, last = 0;
+    int64_t offset = 0, numel = 0;
+  };
+  std::vector<Bucket> buckets_;
+  std::vector<Pending> bucket_work_;
+  size_t next_bucket_ = 0;
   bool awaiting_backward_ = false;  // outputs hooked, backward not yet begun
   bool in_backward_ = false;
   size_t grads_expected_ = 0;

@@ -8,6 +8,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <algorithm>
 #include <cstdlib>
 #include <limits>
 
@@ -177,6 +178,46 @@ c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const InitOptions& opt
   current_env() = env;
   g_timeout = options.timeout();
   return pg;
+}
+
+c10::intrusive_ptr<c10d::ProcessGroup> new_subgroup(const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
+                                                    const std::vector<int>& ranks, const std::string& name) {
+  TORCH_CHECK(pg, "fsdp::new_subgroup: the parent process group is null");
+  const int me = pg->getRank();
+  const auto it = std::find(ranks.begin(), ranks.end(), me);
+  TORCH_CHECK(it != ranks.end(), "fsdp::new_subgroup (rank ", me, "): this rank is not among the ranks of subgroup '",
+              name, "'");
+  auto store = pg->getStore();
+  TORCH_CHECK(store, "fsdp::new_subgroup (rank ", me,
+              "): the parent process group has no store; create it with fsdp::init_process_group()");
+  auto parent = c10::dynamic_intrusive_pointer_cast<c10d::ProcessGroupGloo>(pg->getBackend(c10::DeviceType::CPU));
+  TORCH_CHECK(parent, "fsdp::new_subgroup (rank ", me, "): the parent process group has no Gloo backend for CPU");
+  const int rank = static_cast<int>(it - ranks.begin());
+  const int size = static_cast<int>(ranks.size());
+  auto prefixed = c10::make_intrusive<c10d::PrefixStore>("fsdp_subgroup/" + name, store);
+  auto opts = c10d::ProcessGroupGloo::Options::create(parent->getOptions()->timeout);
+  opts->devices = parent->getOptions()->devices;
+  opts->threads = parent->getOptions()->threads;
+  auto sub = c10::make_intrusive<c10d::ProcessGroup>(prefixed, rank, size);
+  c10::intrusive_ptr<c10d::Backend> gloo;
+  try {
+    gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(c10::make_intrusive<c10d::PrefixStore>("gloo", prefixed), rank,
+                                                       size, opts);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "fsdp::new_subgroup: rank ", me, " could not connect subgroup '", name, "' within ",
+                opts->timeout.count(), " ms: ", e.what(), " Every member must create it with the same ranks.");
+  }
+  sub->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, gloo);
+  sub->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
+  bool parent_has_cuda = false;
+  for (const auto& d : pg->getDeviceTypes()) parent_has_cuda = parent_has_cuda || d.is_cuda();
+  if (parent_has_cuda) {
+    LaunchEnv env = current_env();
+    env.rank = rank;
+    env.world_size = size;
+    detail::maybe_add_nccl_backend(*sub, prefixed, env, opts->timeout);
+  }
+  return sub;
 }
 
 void all_reduce(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, at::Tensor& tensor, c10d::ReduceOp op) {

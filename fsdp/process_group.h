@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <string>
+#include <vector>
 
 namespace fsdp {
 
@@ -48,6 +49,13 @@ struct InitOptions {
 /// Creates the process group of this job: Gloo for CPU tensors and (where available) NCCL for CUDA
 /// tensors, after a TCPStore rendezvous. World size 1 needs no launcher and no environment.
 c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const InitOptions& options = {});
+
+/// A process group of `ranks` (ranks of `pg`, this rank among them, in the order that defines the
+/// new ranks) with the same backends and options as `pg`, rendezvousing through `pg`'s store
+/// under `name`. Only the members take part, and all of them must call it with the same `ranks`
+/// and `name`; a name must be new for the store.
+c10::intrusive_ptr<c10d::ProcessGroup> new_subgroup(const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
+                                                    const std::vector<int>& ranks, const std::string& name);
 
 /// The LaunchEnv the last init_process_group() used (single process before any call).
 const LaunchEnv& launch_env();

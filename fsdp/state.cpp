@@ -1,6 +1,7 @@
 #include "fsdp/state.h"
 
 #include "fsdp/param_group.h"
+#include "fsdp/process_group.h"
 #include "fsdp/sharded.h"
 
 #include <ATen/ops/empty.h>
@@ -15,6 +16,27 @@ namespace fsdp::detail {
 
 FSDPState::FSDPState(c10::intrusive_ptr<c10d::ProcessGroup> pg, FullyShardOptions options)
     : comm(std::move(pg), options.timeout()), options(options) {}
+
+void FSDPState::init_hybrid(int group_size) {
+  if (shard_comm) return;
+  const int W = comm.world_size();
+  const int r = comm.rank();
+  TORCH_CHECK(group_size >= 1 && W % group_size == 0, "fsdp::fully_shard (rank ", r, " of ", W,
+              "): kHybridShard needs FullyShardOptions::shard_group_size to divide the world size, but it is ",
+              group_size, ". Set it to the ranks of one group, e.g. the processes of one node.");
+  // A fresh name per model: every rank wraps its models in the same order, so the counters agree.
+  static int models = 0;
+  const std::string name = "hybrid" + std::to_string(models++);
+  std::vector<int> shard_ranks, replicate_ranks;
+  for (int i = 0; i < group_size; ++i) shard_ranks.push_back(r / group_size * group_size + i);
+  for (int g = 0; g < W / group_size; ++g) replicate_ranks.push_back(g * group_size + r % group_size);
+  // Shard groups first on every rank, then replicate groups: no member waits for one busy elsewhere.
+  auto shard_pg = new_subgroup(comm.process_group(), shard_ranks, name + "/shard" + std::to_string(r / group_size));
+  auto replicate_pg =
+      new_subgroup(comm.process_group(), replicate_ranks, name + "/replicate" + std::to_string(r % group_size));
+  shard_comm = std::make_unique<Comm>(shard_pg, comm.timeout(), comm.shared_stats());
+  replicate_comm = std::make_unique<Comm>(replicate_pg, comm.timeout(), comm.shared_stats());
+}
 
 void FSDPState::on_backward_begin() {
   if (callback_queued_) return;
@@ -230,12 +252,15 @@ std::shared_ptr<ParamGroup> shard_model(const std::shared_ptr<torch::nn::Module>
   };
   std::unordered_map<const c10::TensorImpl*, std::string> unit_of;
   for (const auto& f : found) {
-    const char* strategy = strategy_of(*f) == ShardingStrategy::kFullShard ? "full-shard" : "shard-grad-op";
+    const char* strategy = to_string(strategy_of(*f));
     for (const auto& np : f->params) {
       unit_of[np.second.unsafeGetTensorImpl()] = (f->unit ? f->name : "<root>") + "' (" + strategy + ")";
     }
   }
+  bool hybrid = false;
+  for (const auto& f : found) hybrid = hybrid || strategy_of(*f) == ShardingStrategy::kHybridShard;
   std::ostringstream desc;
+  if (hybrid) desc << "shard_group_size " << options.shard_group_size() << '\n';
   for (const auto& kv : root->named_parameters()) {  // module order: the same on every rank
     const at::Tensor& p = kv.value();
     desc << kv.key() << ' ' << p.dtype() << ' ' << p.sizes() << " in unit '" << unit_of[p.unsafeGetTensorImpl()]
@@ -243,6 +268,7 @@ std::shared_ptr<ParamGroup> shard_model(const std::shared_ptr<torch::nn::Module>
   }
   check_same_model_on_all_ranks(state->comm, desc.str());
   TORCH_CHECK(shared_error.empty(), shared_error);
+  if (hybrid) state->init_hybrid(options.shard_group_size());
 
   std::shared_ptr<ParamGroup> root_group;
   for (auto& f : found) {

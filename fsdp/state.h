@@ -22,6 +22,13 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
 
   Comm comm;
   const FullyShardOptions options;
+  /// kHybridShard only (null otherwise): the S consecutive ranks a unit is sharded over, and the
+  /// N/S ranks, one per group, that hold the same shard. They share comm's statistics.
+  std::unique_ptr<Comm> shard_comm, replicate_comm;
+  /// Creates shard_comm and replicate_comm for groups of `group_size`; the same call on every rank.
+  void init_hybrid(int group_size);
+  /// Between the first pre-backward hook of a backward and its end-of-backward callback.
+  bool in_backward() const { return callback_queued_; }
   /// False while accumulating gradients without communication (set_requires_gradient_sync).
   bool sync_gradients = true;
 

@@ -4,22 +4,31 @@
 
 #include <cmath>
 #include <limits>
+#include <unordered_set>
 
 namespace fsdp::optim {
 
 double clip_grad_norm(const detail::RootHandle& model, double max_norm, double norm_type) {
-  std::vector<at::Tensor> grads;
-  for (const auto& p : model.sharded_parameters()) {
-    if (p.grad().defined()) grads.push_back(p.grad());
+  // Each sharded parameter once (a tied weight is one tensor), with how many ranks hold the same
+  // rows: replicated and hybrid units count each rank's part 1/replication times in the sum.
+  std::vector<std::pair<at::Tensor, int64_t>> grads;
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (auto& w : model.state().groups) {
+    auto unit = w.lock();
+    if (!unit) continue;
+    for (const auto& s : unit->slots()) {
+      if (!seen.insert(s.sharded.unsafeGetTensorImpl()).second) continue;
+      if (s.sharded.grad().defined()) grads.emplace_back(s.sharded.grad(), unit->replication());
+    }
   }
   const bool inf = std::isinf(norm_type);
   // This rank's part: the largest |g|, or the sum of |g|^p, over its own rows (shards hold no
   // padding, so nothing is counted twice or counted at all that is not a real gradient).
   double local = 0.0;
-  for (const auto& g : grads) {
+  for (const auto& [g, replication] : grads) {
     if (g.numel() == 0) continue;
     const double n = g.norm(norm_type).item<double>();
-    local = inf ? std::max(local, n) : local + std::pow(n, norm_type);
+    local = inf ? std::max(local, n) : local + std::pow(n, norm_type) / static_cast<double>(replication);
   }
   // One all-reduce carries the norm part and how many gradients each rank has: a call before any
   // backward (no gradient anywhere) is an error on every rank alike, never a silent no-op.
@@ -39,7 +48,7 @@ double clip_grad_norm(const detail::RootHandle& model, double max_norm, double n
   const double total = inf ? t[0].item<double>() : std::pow(t[0].item<double>(), 1.0 / norm_type);
   const double coef = max_norm / (total + 1e-6);
   if (coef < 1.0) {
-    for (auto& g : grads) g.mul_(coef);
+    for (auto& g : grads) g.first.mul_(coef);
   }
   return total;
 }

@@ -37,16 +37,19 @@ at::Tensor FusedAdamW::step(LossClosure closure) {
     auto g = u.group.lock();
     if (!g || g->shard_numel() == 0) continue;
     const auto& slots = g->slots();
+    // kShardOptimizerState has no flat shard (its shards are slices of the full parameters): it
+    // is updated per parameter.
     const at::Tensor& flat = g->flat_shard();
+    const auto opts = slots.front().sharded.options().requires_grad(false);
     if (!u.exp_avg.defined()) {
-      u.exp_avg = at::zeros({g->shard_numel()}, flat.options());
-      u.exp_avg_sq = at::zeros({g->shard_numel()}, flat.options());
-      for (size_t i = 0; i < slots.size(); ++i) u.steps.push_back(at::zeros({}, flat.options().dtype(at::kFloat)));
+      u.exp_avg = at::zeros({g->shard_numel()}, opts);
+      u.exp_avg_sq = at::zeros({g->shard_numel()}, opts);
+      for (size_t i = 0; i < slots.size(); ++i) u.steps.push_back(at::zeros({}, opts.dtype(at::kFloat)));
       u.counts.assign(slots.size(), 0);
     }
     // One flat update when every parameter's gradient is where the reduce-scatter put it: one
     // buffer, each at its parameter's offset, and every parameter has stepped equally so far.
-    bool whole = true;
+    bool whole = flat.defined();
     at::Tensor first_grad;
     for (size_t i = 0; i < slots.size() && whole; ++i) {
       const auto& s = slots[i];
