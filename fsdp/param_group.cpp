@@ -244,9 +244,12 @@ bool ParamGroup::needs_gather() const {
     case ShardingStrategy::kNoShard:
       return false;
     case ShardingStrategy::kShardOptimizerState:
-      // Only an in-place update of a shard (the optimizer's step) makes the full copy stale.
-      // Never in backward: the step has not run yet, and the unit is gathered already.
+      // After a reduction the optimizer steps the shards, so the next forward gathers. Never in
+      // backward: the step has not run yet, and the unit is gathered already. An in-place update
+      // of a shard outside that rhythm shows in its version counter (torch::optim::SGD updates
+      // through .data(), which does not count, hence the flag).
       if (in_backward_ || state_->in_backward()) return false;
+      if (stale_) return true;
       for (const auto& s : slots_) {
         if (s.sharded._version() != s.version) return true;
       }
@@ -304,6 +307,9 @@ void ParamGroup::unshard() {
   gathered_ = at::Tensor();
   for (auto& s : slots_) s.param.set_data(s.unsharded);
   unsharded_now_ = true;
+  // A forward without gradients (evaluation between backward and the optimizer step) gathers
+  // too, but leaves the unit due for the gather after the step.
+  if (c10::GradMode::is_enabled()) stale_ = false;
 }
 
 void ParamGroup::reshard() {
@@ -359,6 +365,7 @@ void ParamGroup::pre_backward() {
     // stale local values (the other rows). The rows the optimizer has not consumed (no
     // zero_grad) carry over; the rest starts from nothing, as for an unwrapped model.
     holds_reduced_ = false;
+    finish_reduce();
     for (auto& s : slots_) {
       if (s.sharded.grad().defined()) s.stash = s.sharded.grad().clone();
       s.sharded.mutable_grad() = at::Tensor();
@@ -376,11 +383,14 @@ void ParamGroup::on_grad_ready(size_t slot) {
   if (s.grad_ready) return;
   s.grad_ready = true;
   ++grads_ready_;
-  if (strategy_ == ShardingStrategy::kNoShard && state_->sync_gradients) launch_buckets(/*all=*/false);
+  // Replicated: each bucket goes out as soon as its gradients are complete (all of them are out
+  // once the unit's last gradient arrives).
+  const bool buckets = strategy_ == ShardingStrategy::kNoShard;
+  if (buckets && state_->sync_gradients) launch_buckets(/*all=*/false);
   if (grads_ready_ == grads_expected_) {
     // Without gradient sync (all but the last micro-batch of an accumulation) the unsharded
     // gradients stay on the parameters and keep accumulating; nothing is communicated.
-    if (state_->sync_gradients) reduce_grads();
+    if (state_->sync_gradients && !buckets) reduce_grads();
     in_backward_ = false;
     // A frozen parameter's last reader may still be ahead in the graph (autograd runs gradient
     // accumulation as soon as it can): such a unit stays gathered until the end of backward.
@@ -453,7 +463,9 @@ void ParamGroup::reduce_grads() {
   reduce_in_ = at::empty({W, shard_numel_}, opts);
   at::_chunk_cat_out(reduce_in_, grads, 0, W);
   grads.clear();
-  if (strategy_ != ShardingStrategy::kShardOptimizerState) {
+  if (strategy_ == ShardingStrategy::kShardOptimizerState) {
+    holds_reduced_ = true;  // the full gradients stay; they are no longer pending
+  } else {
     for (auto& s : slots_) s.param.mutable_grad() = at::Tensor();  // unsharded gradients freed here
   }
   reduce_out_ = at::empty({shard_numel_}, opts);
@@ -536,6 +548,7 @@ void ParamGroup::set_sharded_grads(const at::Tensor& flat_grad) {
 }
 
 void ParamGroup::set_full_grad_rows(const at::Tensor& flat_grad) {
+  stale_ = true;  // the optimizer steps the shards next
   // kShardOptimizerState: the reduced rows go back into the full gradients (which every rank
   // keeps), and the sharded gradients are views of them: no second copy of this rank's rows.
   for (size_t i = 0; i < slots_.size(); ++i) {
@@ -554,7 +567,6 @@ void ParamGroup::set_full_grad_rows(const at::Tensor& flat_grad) {
     const int64_t start = std::min(full.numel(), shard_rank_ * s.chunk_rows * s.row_numel);
     s.sharded.mutable_grad() = alias_rows(full, start, s.sharded.sizes());
   }
-  holds_reduced_ = true;
 }
 
 void ParamGroup::reset_after_failed_backward() {

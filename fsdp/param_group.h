@@ -130,7 +130,8 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   std::vector<bool> reduce_has_grad_;
   bool reducing_ = false;
   at::Tensor gather_in_;        // kShardOptimizerState: this rank's rows, packed for the all-gather
-  bool holds_reduced_ = false;  // kShardOptimizerState: the full gradients hold a finished reduction
+  bool stale_ = false;          // kShardOptimizerState: reduced since the last gather
+  bool holds_reduced_ = false;  // kShardOptimizerState: the full gradients were reduced (or are being)
   // kNoShard: buckets are contiguous ranges of slots [first, last), in reverse order (the order
   // backward produces gradients); each is all-reduced in place in reduce_out_.
   struct Bucket {

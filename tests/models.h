@@ -9,6 +9,7 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
+#include <map>
 
 namespace fsdp::testing {
 
@@ -67,11 +68,20 @@ inline FullyShardOptions test_options() {
 }
 
 /// Every sharded parameter of `model` equals this rank's rows of the same-named parameter of
-/// the plain reference model.
+/// the plain reference model. With full sharding a rank's place is its rank among all; a hybrid
+/// unit shards over groups of S consecutive ranks (rank % S of S), a replicated one holds all rows.
 inline void expect_shards_match(const Rank& r, const detail::RootHandle& model, torch::nn::Module& ref) {
   auto want = ref.named_parameters();
+  std::map<std::string, std::pair<int, int>> place;  // parameter -> (shard rank, shard world size)
+  for (const auto& u : model.units()) {
+    int shard_world = r.world_size;
+    if (u.strategy == ShardingStrategy::kNoShard) shard_world = 1;
+    if (u.strategy == ShardingStrategy::kHybridShard) shard_world = static_cast<int>(u.shard_world_size);
+    for (const auto& p : u.params) place[p] = {r.rank % shard_world, shard_world};
+  }
   for (const auto& kv : model.named_sharded_parameters()) {
-    EXPECT_TRUE(close(kv.value().detach(), owned_rows(want[kv.key()].detach(), r.rank, r.world_size)))
+    const auto [rank, world] = place.at(kv.key());
+    EXPECT_TRUE(close(kv.value().detach(), owned_rows(want[kv.key()].detach(), rank, world)))
         << "parameter " << kv.key() << " on rank " << r.rank;
   }
 }
