@@ -11,19 +11,11 @@ first, the slowest rank) and the on/off ratio of the means. The machine is share
 alternating rounds spread the noise over both settings.
 """
 import argparse
-import json
 import os
-import subprocess
 import sys
 
-
-def run(cmd):
-    p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    if p.returncode != 0:
-        sys.exit(f"{' '.join(cmd)} exited {p.returncode}\n{p.stdout}\n{p.stderr}")
-    rows = [json.loads(l) for l in p.stdout.splitlines() if l.startswith("{")]
-    summary = next(r for r in rows if r.get("summary"))
-    return max(summary["per_rank_mean_step_ms"]), [r for r in rows if "step" in r][-1]["loss"]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_gpt_runs import command, run  # noqa: E402
 
 
 def main():
@@ -40,9 +32,9 @@ def main():
     losses = {}
     for r in range(a.rounds):
         for depth in (1, 0):
-            cmd = [a.torchrun, "--no-python", "--nproc-per-node", str(a.ranks), a.train_gpt, "--json",
-                   "--steps", str(a.steps), "--prefetch", str(depth)] + a.extra
-            ms, loss = run(cmd)
+            args = ["--json", "--steps", str(a.steps), "--prefetch", str(depth)] + a.extra
+            steps, summary = run(command(a.train_gpt, a.torchrun, a.ranks, args))
+            ms, loss = max(summary["per_rank_mean_step_ms"]), steps[-1]["loss"]
             times[depth].append(ms)
             losses[depth] = loss
             print(f"round {r}: prefetch {depth}: {ms:.1f} ms/step (final loss {loss:.7f})", flush=True)

@@ -12,17 +12,10 @@ The machine is shared and noisy: the ratios are the result, absolute times only 
 import argparse
 import json
 import os
-import subprocess
 import sys
 
-
-def run(cmd):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if p.returncode != 0:
-        sys.exit(f"{' '.join(cmd)} exited {p.returncode}\n{p.stdout}\n{p.stderr}")
-    rows = [json.loads(l) for l in p.stdout.splitlines() if l.startswith("{")]
-    return [r for r in rows if "step" in r], next(r for r in rows if r.get("summary"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_gpt_runs import command, run  # noqa: E402
 
 
 def main():
@@ -37,7 +30,7 @@ def main():
     results = []
     for w in a.ranks:
         args = ["--steps", str(a.steps), "--seed", str(a.seed), "--json"]
-        cmd = [a.train_gpt] + args if w == 1 else [a.torchrun, "--no-python", "--nproc-per-node", str(w), a.train_gpt] + args
+        cmd = command(a.train_gpt, a.torchrun, w, args)
         steps, summary = run(cmd)
         results.append({"world_size": w, "command": " ".join(cmd), "steps": steps, "summary": summary})
         print(f"ran {w} rank(s)", file=sys.stderr)

@@ -14,11 +14,13 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <sstream>
 #include <string>
 
@@ -43,7 +45,18 @@ struct Args {
   bool no_sync = false;           // communicate only in the last micro-batch
   double clip = 0;                // max global gradient norm (0: no clipping)
   bool fused = false;             // fsdp::optim::FusedAdamW instead of torch::optim::AdamW
-  std::string strategy = "full";  // full (ZeRO-3) | grad-op (ZeRO-2)
+  std::string strategy = "full";  // full (ZeRO-3) | grad-op (ZeRO-2) | optimizer (ZeRO-1) | replicate | hybrid
+  int shard_group_size = 0;       // hybrid: ranks per sharding group (default: half the ranks, at least 1)
+  double bucket_mb = 25;          // replicate: all-reduce bucket size
+};
+
+// The strategies by their flag names; to_string() gives the library's names.
+const std::map<std::string, fsdp::ShardingStrategy> kStrategies = {
+    {"full", fsdp::ShardingStrategy::kFullShard},
+    {"grad-op", fsdp::ShardingStrategy::kShardGradOp},
+    {"optimizer", fsdp::ShardingStrategy::kShardOptimizerState},
+    {"replicate", fsdp::ShardingStrategy::kNoShard},
+    {"hybrid", fsdp::ShardingStrategy::kHybridShard},
 };
 
 [[noreturn]] void usage(const std::string& error) {
@@ -51,7 +64,11 @@ struct Args {
             << "usage: train_gpt [--steps N] [--batch-size B] [--seed S] [--lr LR] [--weight-decay WD]\n"
             << "                 [--optimizer adamw|sgd] [--n-layer L] [--n-head H] [--n-embd C]\n"
             << "                 [--block-size T] [--data FILE] [--prefetch K] [--grad-accum M] [--no-sync]\n"
-            << "                 [--clip MAX_NORM] [--fused] [--strategy full|grad-op] [--json]\n"
+            << "                 [--clip MAX_NORM] [--fused] [--json]\n"
+            << "                 [--strategy full|grad-op|optimizer|replicate|hybrid] [--shard-group-size S]\n"
+            << "                 [--bucket-mb MB]\n"
+            << "  --strategy: full sharding (ZeRO-3), SHARD_GRAD_OP (ZeRO-2), optimizer state only (ZeRO-1),\n"
+            << "  replicated (DDP), or hybrid: full sharding inside groups of S consecutive ranks (default N/2).\n"
             << "  --batch-size is the global batch: each of the N ranks takes B/N rows of it, in M micro-batches\n"
             << "  with --grad-accum M (--no-sync: reduce gradients only after the last one).\n";
   std::exit(2);
@@ -99,6 +116,10 @@ Args parse(int argc, char** argv) {
         a.clip = std::stod(v);
       else if (k == "--strategy")
         a.strategy = v;
+      else if (k == "--shard-group-size")
+        a.shard_group_size = std::stoi(v);
+      else if (k == "--bucket-mb")
+        a.bucket_mb = std::stod(v);
       else
         usage("unknown flag " + k);
     } catch (const std::logic_error&) {
@@ -110,7 +131,9 @@ Args parse(int argc, char** argv) {
   if (a.steps < 1 || a.batch_size < 1) usage("--steps and --batch-size must be positive");
   if (a.prefetch < 0) usage("--prefetch must be 0 (off) or more");
   if (a.grad_accum < 1) usage("--grad-accum must be at least 1");
-  if (a.strategy != "full" && a.strategy != "grad-op") usage("--strategy must be full or grad-op");
+  if (kStrategies.count(a.strategy) == 0) usage("--strategy must be full, grad-op, optimizer, replicate or hybrid");
+  if (a.shard_group_size < 0) usage("--shard-group-size must be positive");
+  if (a.bucket_mb <= 0) usage("--bucket-mb must be positive");
   if (a.fused && a.optimizer != "adamw") usage("--fused is an AdamW");
   return a;
 }
@@ -147,12 +170,15 @@ int main(int argc, char** argv) {
   const int64_t T = args.model.block_size;
   auto data = load_corpus(args.data, T);
 
+  const fsdp::ShardingStrategy strategy = kStrategies.at(args.strategy);
+  const int group = args.shard_group_size > 0 ? args.shard_group_size : std::max(1, world / 2);
   torch::manual_seed(args.seed);
   auto model = fsdp::fully_shard(gpt::make_gpt<true>(args.model), pg,
                                  fsdp::FullyShardOptions()
                                      .prefetch(args.prefetch)
-                                     .strategy(args.strategy == "full" ? fsdp::ShardingStrategy::kFullShard
-                                                                       : fsdp::ShardingStrategy::kShardGradOp));
+                                     .strategy(strategy)
+                                     .shard_group_size(group)
+                                     .bucket_bytes(static_cast<int64_t>(args.bucket_mb * 1024 * 1024)));
   const int64_t n_params = model.num_parameters();  // Ψ: elements of the full model
 
   std::unique_ptr<torch::optim::Optimizer> opt;
@@ -172,7 +198,10 @@ int main(int argc, char** argv) {
               << " sharded blocks, global batch " << args.batch_size << " x " << T << " tokens (" << local_batch
               << " rows per rank per micro-batch, " << K << " micro-batch(es)" << (args.no_sync ? ", no sync" : "")
               << "), " << (args.fused ? "fused " : "") << args.optimizer << " lr " << args.lr
-              << (args.clip > 0 ? ", clip " + std::to_string(args.clip) : "") << ", prefetch " << args.prefetch << "\n";
+              << (args.clip > 0 ? ", clip " + std::to_string(args.clip) : "") << ", prefetch " << args.prefetch
+              << ", strategy " << fsdp::to_string(strategy)
+              << (strategy == fsdp::ShardingStrategy::kHybridShard ? " (groups of " + std::to_string(group) + ")" : "")
+              << "\n";
   }
 
   int64_t last_peak = 0, last_state = 0;
@@ -247,9 +276,10 @@ int main(int argc, char** argv) {
       times += sep + std::to_string(step_ms[r].item<double>());
     }
     std::printf(
-        "{\"summary\": true, \"world_size\": %d, \"params\": %lld, \"per_rank_peak_bytes\": [%s], "
-        "\"per_rank_state_bytes\": [%s], \"per_rank_mean_step_ms\": [%s]}\n",
-        world, static_cast<long long>(n_params), peaks.c_str(), states.c_str(), times.c_str());
+        "{\"summary\": true, \"world_size\": %d, \"params\": %lld, \"strategy\": \"%s\", \"shard_group_size\": %d, "
+        "\"per_rank_peak_bytes\": [%s], \"per_rank_state_bytes\": [%s], \"per_rank_mean_step_ms\": [%s]}\n",
+        world, static_cast<long long>(n_params), fsdp::to_string(strategy), group, peaks.c_str(), states.c_str(),
+        times.c_str());
   } else if (rank == 0) {
     std::printf("per-rank memory (last step): counting CPU allocator peak, model state at the optimizer step\n");
     for (int r = 0; r < world; ++r) {

@@ -1,27 +1,18 @@
 #!/usr/bin/env python3
 """End-to-end check of the example under torchrun (the issue's acceptance check).
 
-Runs `train_gpt --steps N --seed S --json` in one process and under
+Runs `train_gpt --steps N --seed S --json --strategy X` in one process and under
 `torchrun --no-python --nproc-per-node W`, then asserts that every step's loss matches to 1e-5
-relative and that W ranks hold 1/W of the one-rank model state (within 5%).
+relative and that the model state at the optimizer step is within 5% of the strategy's formula
+(16Ψ/N for full sharding and SHARD_GRAD_OP, 8Ψ + 8Ψ/N for ZeRO-1, 16Ψ replicated, 16Ψ/S hybrid)
+at 1 rank and at W.
 """
 import argparse
-import json
 import os
-import subprocess
 import sys
 
-
-def run(cmd, timeout):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    if p.returncode != 0:
-        sys.exit(f"FAILED: {' '.join(cmd)} exited {p.returncode}\n{p.stdout}\n{p.stderr}")
-    rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
-    rows = [r for r in rows if "step" in r]
-    if not rows:
-        sys.exit(f"FAILED: no JSON rows from {' '.join(cmd)}\n{p.stdout}\n{p.stderr}")
-    return rows
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+from train_gpt_runs import FORMULA_TEXT, FORMULAS, command, run  # noqa: E402
 
 
 def main():
@@ -32,11 +23,12 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--timeout", type=int, default=240)
+    ap.add_argument("--strategy", default="full", choices=sorted(FORMULAS))
     ap.add_argument("--extra", default="", help="more train_gpt flags, for both runs")
     a = ap.parse_args()
-    args = ["--steps", str(a.steps), "--seed", str(a.seed), "--json"] + a.extra.split()
-    one = run([a.train_gpt] + args, a.timeout)
-    many = run([a.torchrun, "--no-python", "--nproc-per-node", str(a.ranks), a.train_gpt] + args, a.timeout)
+    args = ["--steps", str(a.steps), "--seed", str(a.seed), "--json", "--strategy", a.strategy] + a.extra.split()
+    one, _ = run(command(a.train_gpt, a.torchrun, 1, args), a.timeout)
+    many, summary = run(command(a.train_gpt, a.torchrun, a.ranks, args), a.timeout)
     assert len(one) == len(many) == a.steps, (len(one), len(many))
     worst = 0.0
     for r1, rn in zip(one, many):
@@ -44,12 +36,19 @@ def main():
         worst = max(worst, rel)
         if rel > 1e-5:
             sys.exit(f"FAILED: step {r1['step']}: loss {rn['loss']} on {a.ranks} ranks vs {r1['loss']} on 1 (rel {rel:.2e})")
-    ratio = many[-1]["state_bytes"] / (one[-1]["state_bytes"] / a.ranks)
-    print(f"[{a.extra or 'defaults'}] losses match over {a.steps} steps (worst relative difference {worst:.2e}); "
-          f"state_bytes {many[-1]['state_bytes']} on {a.ranks} ranks vs {one[-1]['state_bytes']} on 1 "
-          f"(ratio to 1/{a.ranks}: {ratio:.4f}); peak_bytes {many[-1]['peak_bytes']} vs {one[-1]['peak_bytes']}")
-    if abs(ratio - 1) > 0.05:
-        sys.exit("FAILED: state_bytes is not within 5% of 1/N of the one-rank value")
+    # Model state at the optimizer step against the strategy's formula, at 1 rank and at N (the
+    # largest rank's value, per step).
+    psi = one[-1]["params"]
+    s = summary["shard_group_size"]
+    want1, wantn = FORMULAS[a.strategy](psi, 1, 1), FORMULAS[a.strategy](psi, a.ranks, s)
+    r1, rn = one[-1]["state_bytes"] / want1, many[-1]["state_bytes"] / wantn
+    print(f"[{a.strategy} {a.extra or ''}] losses match over {a.steps} steps (worst relative difference {worst:.2e}); "
+          f"state_bytes {one[-1]['state_bytes']} on 1 rank (16Ψ = {want1:.0f}, ratio {r1:.4f}), "
+          f"{many[-1]['state_bytes']} on {a.ranks} ranks ({FORMULA_TEXT[a.strategy]} = {wantn:.0f}"
+          f"{', S = %d' % s if a.strategy == 'hybrid' else ''}, ratio {rn:.4f}); "
+          f"peak_bytes {many[-1]['peak_bytes']} vs {one[-1]['peak_bytes']}")
+    if abs(r1 - 1) > 0.05 or abs(rn - 1) > 0.05:
+        sys.exit("FAILED: state_bytes is not within 5% of the strategy's formula")
 
 
 if __name__ == "__main__":
