@@ -11,6 +11,14 @@ RootHandle::RootHandle(std::shared_ptr<torch::nn::Module> module, const c10::int
                        const FullyShardOptions& options)
     : module_(std::move(module)), root_(shard_model(module_, pg, options)) {}
 
+RootHandle::RootHandle(std::shared_ptr<torch::nn::Module> module, ShardingScope& scope) : module_(std::move(module)) {
+  TORCH_CHECK(scope.state() != nullptr, "fsdp::fully_shard: the ShardingScope has no state");
+  TORCH_CHECK(scope.state()->groups.empty(), "fsdp::fully_shard (rank ", scope.state()->comm.rank(),
+              "): this ShardingScope already wrapped a model; open one scope per model.");
+  scope.close();
+  root_ = shard_model(module_, scope.process_group(), scope.state()->options, scope.state());
+}
+
 void RootHandle::root_pre_forward() {
   root_->state().begin_forward();
   root_->pre_forward();

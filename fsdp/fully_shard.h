@@ -14,6 +14,7 @@
 #include "fsdp/options.h"
 #include "fsdp/param_group.h"
 #include "fsdp/sharded.h"
+#include "fsdp/sharding_scope.h"
 #include "fsdp/state.h"
 
 #include <torch/nn/pimpl.h>
@@ -42,6 +43,7 @@ class RootHandle {
  public:
   RootHandle(std::shared_ptr<torch::nn::Module> module, const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
              const FullyShardOptions& options);
+  RootHandle(std::shared_ptr<torch::nn::Module> module, ShardingScope& scope);
 
   std::vector<at::Tensor> sharded_parameters() const;
   torch::OrderedDict<std::string, at::Tensor> named_sharded_parameters() const;
@@ -83,6 +85,8 @@ class FullyShardedModule : public detail::RootHandle {
   FullyShardedModule(std::shared_ptr<Impl> module, const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
                      const FullyShardOptions& options)
       : RootHandle(module, pg, options), impl_(std::move(module)) {}
+  FullyShardedModule(std::shared_ptr<Impl> module, ShardingScope& scope)
+      : RootHandle(module, scope), impl_(std::move(module)) {}
 
   template <typename... Args>
   decltype(auto) forward(Args&&... args) {
@@ -118,6 +122,18 @@ template <typename Impl>
 FullyShardedModule<Impl> fully_shard(std::shared_ptr<Impl> model, const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
                                      const FullyShardOptions& options = {}) {
   return FullyShardedModule<Impl>(std::move(model), pg, options);
+}
+
+/// Wraps a model built inside `scope` (see sharding_scope.h): its units are sharded already; the
+/// root's own parameters are sharded now, with the scope's process group and options. Closes the
+/// scope.
+template <typename Impl>
+FullyShardedModule<Impl> fully_shard(const torch::nn::ModuleHolder<Impl>& model, ShardingScope& scope) {
+  return FullyShardedModule<Impl>(model.ptr(), scope);
+}
+template <typename Impl>
+FullyShardedModule<Impl> fully_shard(std::shared_ptr<Impl> model, ShardingScope& scope) {
+  return FullyShardedModule<Impl>(std::move(model), scope);
 }
 
 }  // namespace fsdp

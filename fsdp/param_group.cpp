@@ -107,6 +107,15 @@ std::string ParamGroup::describe(const char* op) const {
   return os.str();
 }
 
+void ParamGroup::rename(const std::string& path) {
+  if (path.empty() || name_ == path) return;
+  name_ = path;
+  for (auto& s : slots_) s.name = path + "." + s.name;
+  gather_what_ = describe("all-gather");
+  reduce_what_ = strategy_ == ShardingStrategy::kNoShard ? describe("all-reduce of gradients")
+                                                         : describe("reduce-scatter of gradients");
+}
+
 int64_t ParamGroup::replication() const {
   return state_->comm.world_size() / S_;
 }

@@ -51,6 +51,8 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   void init();
 
   const std::string& name() const { return name_; }
+  /// Gives a unit sharded while it was built its place in the model: module path and parameter names.
+  void rename(const std::string& path);
   bool is_root() const { return is_root_; }
   ShardingStrategy strategy() const { return strategy_; }
   /// Ranks the unit is sharded over (S) and this rank's place among them.

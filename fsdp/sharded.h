@@ -61,7 +61,9 @@ class ShardedUnit {
   /// This unit's strategy, overriding FullyShardOptions::strategy; set before fsdp::fully_shard:
   ///   blocks.back()->set_sharding_strategy(fsdp::ShardingStrategy::kShardGradOp);
   void set_sharding_strategy(ShardingStrategy strategy) {
-    TORCH_CHECK(!fsdp_unit_, "fsdp: set_sharding_strategy must be called before fsdp::fully_shard");
+    TORCH_CHECK(!fsdp_unit_,
+                "fsdp: set_sharding_strategy must be called before fsdp::fully_shard (a unit built inside an "
+                "fsdp::ShardingScope is sharded already: give the strategy to the scope's options)");
     strategy_ = strategy;
   }
   const std::optional<ShardingStrategy>& sharding_strategy() const { return strategy_; }
@@ -117,11 +119,26 @@ class ShardedImpl<Impl, R (C::*)(A...)> : public Impl, public ShardedUnit {
   }
 };
 
+namespace detail {
+/// Inside an fsdp::ShardingScope: shards the unit just built (see sharding_scope.h).
+void on_unit_constructed(torch::nn::Module& module, ShardedUnit& unit);
+}  // namespace detail
+
 /// Module holder for a sharded Impl, used like any LibTorch holder: Sharded<BlockImpl>(args...).
+/// Built inside an fsdp::ShardingScope, the unit is sharded as soon as Impl's constructor returns.
 template <typename Impl>
 class Sharded : public torch::nn::ModuleHolder<ShardedImpl<Impl>> {
+  using Base = torch::nn::ModuleHolder<ShardedImpl<Impl>>;
+
  public:
-  using torch::nn::ModuleHolder<ShardedImpl<Impl>>::ModuleHolder;
+  using Base::Base;  // nullptr, and an existing std::shared_ptr<ShardedImpl<Impl>>
+  Sharded() : Base() { detail::on_unit_constructed(**this, **this); }
+  template <typename Head, typename... Tail,
+            typename = std::enable_if_t<!(torch::detail::is_module_holder_of<Head, ShardedImpl<Impl>>::value &&
+                                          (sizeof...(Tail) == 0))>>
+  explicit Sharded(Head&& head, Tail&&... tail) : Base(std::forward<Head>(head), std::forward<Tail>(tail)...) {
+    detail::on_unit_constructed(**this, **this);
+  }
 };
 
 }  // namespace fsdp

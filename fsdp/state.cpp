@@ -196,23 +196,68 @@ void check_same_model_on_all_ranks(Comm& comm, const std::string& description) {
   // Every rank reaches the same verdict from the same gathered bytes, so none is left waiting.
 }
 
+namespace {
+
+// A unit's own parameters: those of `m` and its submodules, minus those of nested units.
+void unit_parameters(torch::nn::Module& m, const std::string& prefix,
+                     std::vector<std::pair<std::string, at::Tensor>>& out) {
+  for (const auto& kv : m.named_parameters(/*recurse=*/false)) {
+    out.emplace_back(prefix.empty() ? kv.key() : prefix + "." + kv.key(), kv.value());
+  }
+  for (const auto& kv : m.named_children()) {
+    if (dynamic_cast<ShardedUnit*>(kv.value().get()) != nullptr) continue;
+    unit_parameters(*kv.value(), prefix.empty() ? kv.key() : prefix + "." + kv.key(), out);
+  }
+}
+
+}  // namespace
+
+void shard_on_construction(const std::shared_ptr<FSDPState>& state, torch::nn::Module& module, ShardedUnit& unit) {
+  std::vector<std::pair<std::string, at::Tensor>> params;
+  unit_parameters(module, "", params);
+  // Tied inside the unit: sharded once.
+  std::unordered_map<const c10::TensorImpl*, bool> seen;
+  std::vector<std::pair<std::string, at::Tensor>> unique;
+  for (auto& np : params) {
+    if (seen.emplace(np.second.unsafeGetTensorImpl(), true).second) unique.push_back(std::move(np));
+  }
+  const ShardingStrategy strategy = state->options.strategy();
+  // The collectives below (broadcast, hybrid groups) pair up only if every rank builds the same
+  // unit now: check that first, by the unit's own description.
+  std::ostringstream desc;
+  desc << "strategy " << to_string(strategy) << " shard_group_size " << state->options.shard_group_size() << '\n';
+  for (const auto& [name, p] : unique) {
+    desc << name << ' ' << p.dtype() << ' ' << p.sizes() << (p.requires_grad() ? "" : " frozen") << " ("
+         << c10::DeviceTypeName(p.device().type(), true) << ")\n";
+  }
+  check_same_model_on_all_ranks(state->comm, desc.str());
+  if (strategy == ShardingStrategy::kHybridShard) state->init_hybrid(state->options.shard_group_size());
+  auto group = std::make_shared<ParamGroup>("", std::move(unique), state, /*is_root=*/false, strategy);
+  group->init();
+  unit.fsdp_attach(group);
+}
+
 std::shared_ptr<ParamGroup> shard_model(const std::shared_ptr<torch::nn::Module>& root,
                                         const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
-                                        const FullyShardOptions& options) {
+                                        const FullyShardOptions& given_options,
+                                        const std::shared_ptr<FSDPState>& scope_state) {
   TORCH_CHECK(root != nullptr, "fsdp::fully_shard: the model is null");
   TORCH_CHECK(pg, "fsdp::fully_shard: the process group is null; create one with fsdp::init_process_group()");
   TORCH_CHECK(dynamic_cast<ShardedUnit*>(root.get()) == nullptr,
               "fsdp::fully_shard: the root module is itself an fsdp::Sharded unit. Pass the plain root module: "
               "fully_shard makes it the root unit and returns its handle.");
-  auto state = std::make_shared<FSDPState>(pg, options);
+  auto state = scope_state ? scope_state : std::make_shared<FSDPState>(pg, given_options);
+  const FullyShardOptions& options = state->options;
 
   struct Found {
     std::string name;
     ShardedUnit* unit;
     std::vector<std::pair<std::string, at::Tensor>> params;
+    std::shared_ptr<ParamGroup> built;  // sharded while the model was built (ShardingScope)
   };
   std::vector<std::unique_ptr<Found>> found;
-  found.push_back(std::make_unique<Found>(Found{"", nullptr, {}}));
+  found.push_back(std::make_unique<Found>(Found{"", nullptr, {}, nullptr}));
+  std::unordered_map<const c10::TensorImpl*, std::vector<int64_t>> built_shape;      // of parameters sharded already
   std::unordered_map<const c10::TensorImpl*, std::pair<std::string, size_t>> owner;  // -> name, unit
   std::string shared_error;  // thrown after the cross-rank check, so no rank leaves it early
 
@@ -235,9 +280,22 @@ std::shared_ptr<ParamGroup> shard_model(const std::shared_ptr<torch::nn::Module>
           const std::string name = prefix.empty() ? kv.key() : prefix + "." + kv.key();
           size_t child_unit = unit;
           if (auto* u = dynamic_cast<ShardedUnit*>(kv.value().get())) {
-            TORCH_CHECK(u->fsdp_unit() == nullptr, "fsdp::fully_shard: module '", name,
-                        "' is already part of a sharded model; wrap a model once.");
-            found.push_back(std::make_unique<Found>(Found{name, u, {}}));
+            if (u->fsdp_unit() != nullptr) {
+              TORCH_CHECK(scope_state != nullptr, "fsdp::fully_shard (rank ", state->comm.rank(), "): module '", name,
+                          "' is already sharded: either the model was wrapped before (wrap a model once) or it was "
+                          "built inside an fsdp::ShardingScope (then wrap it with fsdp::fully_shard(model, scope)).");
+              TORCH_CHECK(&u->fsdp_unit()->state() == state.get(), "fsdp::fully_shard (rank ", state->comm.rank(),
+                          "): module '", name,
+                          "' was sharded by another ShardingScope or model; build and wrap a model within one scope.");
+              // Sharded while it was built: its parameters are in it already; nothing to visit.
+              found.push_back(std::make_unique<Found>(Found{name, u, {}, u->fsdp_unit()}));
+              for (const auto& s : u->fsdp_unit()->slots()) {
+                owner.emplace(s.param.unsafeGetTensorImpl(), std::make_pair(name + "." + s.name, found.size() - 1));
+                built_shape[s.param.unsafeGetTensorImpl()] = s.shape;
+              }
+              continue;
+            }
+            found.push_back(std::make_unique<Found>(Found{name, u, {}, nullptr}));
             child_unit = found.size() - 1;
           }
           visit(*kv.value(), name, child_unit);
@@ -252,9 +310,12 @@ std::shared_ptr<ParamGroup> shard_model(const std::shared_ptr<torch::nn::Module>
   };
   std::unordered_map<const c10::TensorImpl*, std::string> unit_of;
   for (const auto& f : found) {
-    const char* strategy = to_string(strategy_of(*f));
+    const char* strategy = to_string(f->built ? f->built->strategy() : strategy_of(*f));
     for (const auto& np : f->params) {
       unit_of[np.second.unsafeGetTensorImpl()] = (f->unit ? f->name : "<root>") + "' (" + strategy + ")";
+    }
+    if (f->built) {
+      for (const auto& s : f->built->slots()) unit_of[s.param.unsafeGetTensorImpl()] = f->name + "' (" + strategy + ")";
     }
   }
   bool hybrid = false;
@@ -263,15 +324,24 @@ std::shared_ptr<ParamGroup> shard_model(const std::shared_ptr<torch::nn::Module>
   if (hybrid) desc << "shard_group_size " << options.shard_group_size() << '\n';
   for (const auto& kv : root->named_parameters()) {  // module order: the same on every rank
     const at::Tensor& p = kv.value();
-    desc << kv.key() << ' ' << p.dtype() << ' ' << p.sizes() << " in unit '" << unit_of[p.unsafeGetTensorImpl()]
-         << (p.requires_grad() ? "" : " frozen") << " (" << c10::DeviceTypeName(p.device().type(), true) << ")\n";
+    auto built = built_shape.find(p.unsafeGetTensorImpl());
+    const std::vector<int64_t> shape = built != built_shape.end() ? built->second : p.sizes().vec();
+    desc << kv.key() << ' ' << p.dtype() << ' ' << c10::IntArrayRef(shape) << " in unit '"
+         << unit_of[p.unsafeGetTensorImpl()] << (p.requires_grad() ? "" : " frozen") << " ("
+         << c10::DeviceTypeName(p.device().type(), true) << ")\n";
   }
   check_same_model_on_all_ranks(state->comm, desc.str());
   TORCH_CHECK(shared_error.empty(), shared_error);
   if (hybrid) state->init_hybrid(options.shard_group_size());
 
   std::shared_ptr<ParamGroup> root_group;
+  state->groups.clear();
   for (auto& f : found) {
+    if (f->built) {
+      f->built->rename(f->name);
+      state->groups.push_back(f->built);
+      continue;
+    }
     auto g = std::make_shared<ParamGroup>(f->name, std::move(f->params), state, f->unit == nullptr, strategy_of(*f));
     g->init();
     state->groups.push_back(g);

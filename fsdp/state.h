@@ -15,6 +15,11 @@
 namespace fsdp::detail {
 
 class ParamGroup;
+}  // namespace fsdp::detail
+namespace fsdp {
+class ShardedUnit;
+}
+namespace fsdp::detail {
 
 class FSDPState : public std::enable_shared_from_this<FSDPState> {
  public:
@@ -70,9 +75,16 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
 /// Marks `root` sharded: one unit per module deriving from fsdp::ShardedUnit, one root unit for
 /// the remaining parameters. Checks that every rank has the same model, broadcasts rank 0's
 /// weights, shards, and returns the root unit (which also holds the shared state).
+/// With `scope_state` (fsdp::ShardingScope), units sharded while the model was built join as they
+/// are, and the options are the scope's.
 std::shared_ptr<ParamGroup> shard_model(const std::shared_ptr<torch::nn::Module>& root,
                                         const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
-                                        const FullyShardOptions& options);
+                                        const FullyShardOptions& options,
+                                        const std::shared_ptr<FSDPState>& scope_state = nullptr);
+
+/// Shards one unit right after its constructor returned (inside an fsdp::ShardingScope): checks
+/// that every rank built the same unit, shards it with the scope's options and attaches it.
+void shard_on_construction(const std::shared_ptr<FSDPState>& state, torch::nn::Module& module, ShardedUnit& unit);
 
 /// Throws on every rank, naming the first parameter whose name, shape or dtype differs between
 /// ranks. `description` lists this rank's parameters, one "name dtype shape" line each.

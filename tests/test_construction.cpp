@@ -1,0 +1,169 @@
+// Models larger than one rank: units sharded as they are built (fsdp::ShardingScope). The peak
+// while building is the shards so far plus one unit, in bytes from shapes; the same seed gives the
+// same full weights at 1, 2 and 4 ranks; such a model trains like plain LibTorch.
+#include "tests/parity.h"
+
+#include <thread>
+
+namespace fsdp::testing {
+namespace {
+
+/// Units of different sizes and no parameters of the root's own, so that every byte of the model
+/// is in a unit.
+template <bool kSharded>
+struct TowerImpl : torch::nn::Module {
+  template <typename M>
+  using Unit = std::conditional_t<kSharded, fsdp::Sharded<typename M::Impl>, M>;
+  static constexpr int64_t kWidth[5] = {24, 40, 56, 40, 8};
+  TowerImpl() {
+    for (int i = 0; i < 4; ++i) {
+      layers.push_back(register_module("l" + std::to_string(i), Unit<torch::nn::Linear>(kWidth[i], kWidth[i + 1])));
+    }
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    for (auto& l : layers) x = torch::tanh(l(x));
+    return x;
+  }
+  std::vector<Unit<torch::nn::Linear>> layers;
+};
+
+/// Bytes of a Linear(in, out) unit: whole, and one rank's padded shard over `world` ranks.
+int64_t unit_bytes(int64_t in, int64_t out) {
+  return (out * in + out) * 4;
+}
+int64_t shard_bytes(int64_t in, int64_t out, int world) {
+  const int64_t c = (out + world - 1) / world;  // rows per rank, for the weight and the bias alike
+  return (c * in + c) * 4;
+}
+
+class Construction : public ::testing::TestWithParam<int> {};
+
+TEST_P(Construction, PeakIsShardsSoFarPlusOneUnit) {
+  run_ranks(GetParam(), [](Rank& r) {
+    fsdp::memory::enable_cpu_counting();
+    const int W = r.world_size;
+    const auto& w = TowerImpl<true>::kWidth;
+    int64_t shards = 0, largest = 0, whole = 0, bound = 0;
+    for (int i = 0; i < 4; ++i) {
+      shards += shard_bytes(w[i], w[i + 1], W);
+      largest = std::max(largest, unit_bytes(w[i], w[i + 1]));
+      whole += unit_bytes(w[i], w[i + 1]);
+      // While unit i is built: the shards of units 0..i-1, unit i whole, and its own shard.
+      int64_t before = 0;
+      for (int j = 0; j < i; ++j) before += shard_bytes(w[j], w[j + 1], W);
+      bound = std::max(bound, before + unit_bytes(w[i], w[i + 1]) + shard_bytes(w[i], w[i + 1], W));
+    }
+
+    const int64_t base = fsdp::memory::stats().current_bytes;
+    fsdp::memory::reset_peak();
+    std::shared_ptr<TowerImpl<true>> net;
+    {
+      ShardingScope scope(r.pg, test_options());
+      net = std::make_shared<TowerImpl<true>>();
+      const int64_t peak = fsdp::memory::stats().peak_bytes - base;
+      std::cout << "rank " << r.rank << " of " << W << ": construction peak " << peak << " bytes; shards so far + one "
+                << "unit " << bound << ", whole model " << whole << std::endl;
+      // Exactly: each unit exists whole once, right after its constructor, next to its new shard
+      // (the cross-rank check of the unit, a few hundred bytes, comes before the shard exists).
+      EXPECT_EQ(peak, bound);
+      if (W > 1) EXPECT_LT(peak, whole) << "the model never existed whole on this rank";
+      // Built: only the shards are left.
+      EXPECT_EQ(fsdp::memory::stats().current_bytes - base, shards);
+      auto model = fsdp::fully_shard(net, scope);
+      EXPECT_EQ(fsdp::memory::stats().current_bytes - base, shards);
+      EXPECT_EQ(fsdp::optim::state_bytes(model.sharded_parameters()).params, shards);
+    }
+  });
+}
+auto world_name = [](const ::testing::TestParamInfo<int>& i) { return "W" + std::to_string(i.param); };
+INSTANTIATE_TEST_SUITE_P(WorldSizes, Construction, ::testing::Values(1, 2, 4), world_name);
+
+// Every rank draws every unit in full from the same random stream, so the seed alone decides the
+// weights: without the broadcast (sync_module_states off), each rank's shards at 1, 2 and 4 ranks
+// are the rows of the model built unsharded from that seed.
+class SameWeightsAtAnyRankCount : public ::testing::TestWithParam<int> {};
+TEST_P(SameWeightsAtAnyRankCount, GPT) {
+  gpt::Config cfg{37, 8, 3, 2, 18, true};
+  run_ranks(GetParam(), [&](Rank& r) {
+    torch::manual_seed(7);
+    auto ref = gpt::make_gpt<false>(cfg);
+    torch::manual_seed(7);
+    ShardingScope scope(r.pg, test_options().sync_module_states(false));
+    auto net = gpt::make_gpt<true>(cfg);
+    for (auto& block : net->blocks) ASSERT_NE(block->fsdp_unit(), nullptr) << "sharded when built";
+    auto model = fsdp::fully_shard(net, scope);
+    expect_shards_match(r, model, *ref);
+  });
+}
+INSTANTIATE_TEST_SUITE_P(WorldSizes, SameWeightsAtAnyRankCount, ::testing::Values(1, 2, 4), world_name);
+
+// A model built inside a scope trains like plain LibTorch (full sharding at 3 ranks, hybrid at 4).
+struct BuiltCase {
+  int world_size;
+  ShardingStrategy strategy;
+};
+class BuiltInScopeParity : public ::testing::TestWithParam<BuiltCase> {};
+TEST_P(BuiltInScopeParity, GPT) {
+  const BuiltCase c = GetParam();
+  gpt::Config cfg{37, 8, 3, 2, 18, true};
+  run_ranks(c.world_size, [&](Rank& r) {
+    torch::manual_seed(0);
+    auto ref = gpt::make_gpt<false>(cfg);
+    torch::manual_seed(0);
+    ShardingScope scope(r.pg, test_options().strategy(c.strategy).shard_group_size(2));
+    auto model = fsdp::fully_shard(gpt::make_gpt<true>(cfg), scope);
+    EXPECT_EQ(model.units().size(), 1u + cfg.n_layer);
+    EXPECT_EQ(model.units()[1].name, "h.0");
+    auto ref_opt = make_optimizer(Opt::kSGD, ref->parameters());
+    auto opt = make_optimizer(Opt::kSGD, model.sharded_parameters());
+    auto ce = [](const torch::Tensor& logits, const torch::Tensor& t) {
+      return torch::nn::functional::cross_entropy(logits.flatten(0, 1), t.flatten());
+    };
+    for (int step = 0; step < 3; ++step) {
+      torch::manual_seed(9100 + step);
+      auto tok = torch::randint(cfg.vocab_size, {kGlobalBatch, cfg.block_size + 1}, torch::kLong);
+      auto x = tok.narrow(1, 0, cfg.block_size), y = tok.narrow(1, 1, cfg.block_size);
+      ref_opt->zero_grad();
+      auto ref_loss = ce(ref->forward(x), y);
+      ref_loss.backward();
+      ref_opt->step();
+      opt->zero_grad();
+      auto loss = ce(model(local_rows(x, r.rank, r.world_size)), local_rows(y, r.rank, r.world_size));
+      loss.backward();
+      opt->step();
+      auto global = loss.detach().clone();
+      all_reduce_sum(r, global);
+      EXPECT_TRUE(close(global / r.world_size, ref_loss.detach())) << "loss at step " << step;
+    }
+    expect_shards_match(r, model, *ref);
+  });
+}
+INSTANTIATE_TEST_SUITE_P(Cases, BuiltInScopeParity,
+                         ::testing::Values(BuiltCase{3, ShardingStrategy::kFullShard},
+                                           BuiltCase{4, ShardingStrategy::kHybridShard}),
+                         [](const auto& i) { return "W" + std::to_string(i.param.world_size); });
+
+TEST(Construction, Misuse) {
+  run_ranks(2, [](Rank& r) {
+    std::shared_ptr<TowerImpl<true>> net;
+    {
+      ShardingScope scope(r.pg, test_options());
+      net = std::make_shared<TowerImpl<true>>();
+      // Sharded already: a strategy can no longer be chosen per unit.
+      EXPECT_NE(error_of([&] {
+                  net->layers[0]->set_sharding_strategy(ShardingStrategy::kNoShard);
+                }).find("give the strategy to the scope's options"),
+                std::string::npos);
+    }
+    // Built in a scope, wrapped without it.
+    EXPECT_NE(error_of([&] { fsdp::fully_shard(net, r.pg, test_options()); }).find("fully_shard(model, scope)"),
+              std::string::npos);
+    // Outside any scope, units are built whole.
+    auto plain = fsdp::Sharded<torch::nn::LinearImpl>(3, 4);
+    EXPECT_EQ(plain->fsdp_unit(), nullptr);
+    EXPECT_EQ(plain->weight.numel(), 12);
+  });
+}
+
+}  // namespace
+}  // namespace fsdp::testing
