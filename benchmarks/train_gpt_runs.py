@@ -23,7 +23,8 @@ def command(train_gpt, torchrun, ranks, args):
     """train_gpt alone for one rank, under `torchrun --no-python` for more."""
     if ranks == 1:
         return [train_gpt] + list(args)
-    return [torchrun, "--no-python", "--nproc-per-node", str(ranks), train_gpt] + list(args)
+    # --standalone: a free port per run, so that runs in parallel (ctest -j) do not collide.
+    return [torchrun, "--standalone", "--no-python", "--nproc-per-node", str(ranks), train_gpt] + list(args)
 
 
 def run(cmd, timeout=None):

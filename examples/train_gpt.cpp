@@ -48,6 +48,7 @@ struct Args {
   std::string strategy = "full";  // full (ZeRO-3) | grad-op (ZeRO-2) | optimizer (ZeRO-1) | replicate | hybrid
   int shard_group_size = 0;       // hybrid: ranks per sharding group (default: half the ranks, at least 1)
   double bucket_mb = 25;          // replicate: all-reduce bucket size
+  bool build_sharded = false;     // shard each block as it is built (fsdp::ShardingScope)
 };
 
 // The strategies by their flag names; to_string() gives the library's names.
@@ -66,9 +67,10 @@ const std::map<std::string, fsdp::ShardingStrategy> kStrategies = {
             << "                 [--block-size T] [--data FILE] [--prefetch K] [--grad-accum M] [--no-sync]\n"
             << "                 [--clip MAX_NORM] [--fused] [--json]\n"
             << "                 [--strategy full|grad-op|optimizer|replicate|hybrid] [--shard-group-size S]\n"
-            << "                 [--bucket-mb MB]\n"
+            << "                 [--bucket-mb MB] [--build-sharded]\n"
             << "  --strategy: full sharding (ZeRO-3), SHARD_GRAD_OP (ZeRO-2), optimizer state only (ZeRO-1),\n"
             << "  replicated (DDP), or hybrid: full sharding inside groups of S consecutive ranks (default N/2).\n"
+            << "  --build-sharded: shard each block while the model is built (a model larger than one rank).\n"
             << "  --batch-size is the global batch: each of the N ranks takes B/N rows of it, in M micro-batches\n"
             << "  with --grad-accum M (--no-sync: reduce gradients only after the last one).\n";
   std::exit(2);
@@ -78,8 +80,8 @@ Args parse(int argc, char** argv) {
   Args a;
   for (int i = 1; i < argc; ++i) {
     std::string k = argv[i];
-    if (k == "--json" || k == "--no-sync" || k == "--fused") {
-      (k == "--json" ? a.json : k == "--no-sync" ? a.no_sync : a.fused) = true;
+    if (k == "--json" || k == "--no-sync" || k == "--fused" || k == "--build-sharded") {
+      (k == "--json" ? a.json : k == "--no-sync" ? a.no_sync : k == "--fused" ? a.fused : a.build_sharded) = true;
       continue;
     }
     if (k == "--help" || k == "-h") usage("help");
@@ -172,13 +174,19 @@ int main(int argc, char** argv) {
 
   const fsdp::ShardingStrategy strategy = kStrategies.at(args.strategy);
   const int group = args.shard_group_size > 0 ? args.shard_group_size : std::max(1, world / 2);
+  const auto options = fsdp::FullyShardOptions()
+                           .prefetch(args.prefetch)
+                           .strategy(strategy)
+                           .shard_group_size(group)
+                           .bucket_bytes(static_cast<int64_t>(args.bucket_mb * 1024 * 1024));
   torch::manual_seed(args.seed);
-  auto model = fsdp::fully_shard(gpt::make_gpt<true>(args.model), pg,
-                                 fsdp::FullyShardOptions()
-                                     .prefetch(args.prefetch)
-                                     .strategy(strategy)
-                                     .shard_group_size(group)
-                                     .bucket_bytes(static_cast<int64_t>(args.bucket_mb * 1024 * 1024)));
+  // With --build-sharded each block is sharded as soon as it is constructed, so the whole model
+  // never exists on one rank; the weights are the same either way (same seed, same draws).
+  auto model = args.build_sharded ? [&] {
+    fsdp::ShardingScope scope(pg, options);
+    return fsdp::fully_shard(gpt::make_gpt<true>(args.model), scope);
+  }()
+                                  : fsdp::fully_shard(gpt::make_gpt<true>(args.model), pg, options);
   const int64_t n_params = model.num_parameters();  // Ψ: elements of the full model
 
   std::unique_ptr<torch::optim::Optimizer> opt;

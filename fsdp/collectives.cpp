@@ -2,6 +2,8 @@
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include <thread>
+
 namespace fsdp::detail {
 
 Comm::Comm(c10::intrusive_ptr<c10d::ProcessGroup> pg, std::chrono::milliseconds timeout,
@@ -27,6 +29,15 @@ void Comm::wait(Pending& pending) const {
   const std::string& what = pending.what;
   try {
     work->wait(timeout_);
+    // Gloo's worker thread still holds the work, and with it the collective's tensors (and
+    // staging copies), for a moment after wait() returns. Waiting for it to let go makes memory
+    // the library frees really free when the next step allocates: the bounds in docs/design.md
+    // hold in bytes. (NCCL's watchdog keeps its works much longer; CUDA memory is the caching
+    // allocator's anyway.)
+    if (pending.cpu) {
+      const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(50);
+      while (work.use_count() > 1 && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+    }
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "fsdp: ", what, " failed on rank ", rank_, " of ", world_size_, " (timeout ", timeout_.count(),
                 " ms): ", e.what(),
@@ -43,7 +54,7 @@ Pending Comm::all_gather_async(at::Tensor& out, at::Tensor& in, const std::strin
     out.copy_(in);
     return {nullptr, what};
   }
-  return {backend(in)->_allgather_base(out, in), what};
+  return {backend(in)->_allgather_base(out, in), what, in.is_cpu()};
 }
 
 void Comm::all_gather(at::Tensor& out, at::Tensor& in, const std::string& what) {
@@ -61,7 +72,7 @@ Pending Comm::reduce_scatter_sum_async(at::Tensor& out, at::Tensor& in, const st
   }
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
-  return {backend(in)->_reduce_scatter_base(out, in, opts), what};
+  return {backend(in)->_reduce_scatter_base(out, in, opts), what, in.is_cpu()};
 }
 
 Pending Comm::all_reduce_async(at::Tensor& t, c10d::ReduceOp op, const std::string& what) {
@@ -71,7 +82,7 @@ Pending Comm::all_reduce_async(at::Tensor& t, c10d::ReduceOp op, const std::stri
   std::vector<at::Tensor> ts{t};
   c10d::AllreduceOptions opts;
   opts.reduceOp = op;
-  return {backend(t)->allreduce(ts, opts), what};
+  return {backend(t)->allreduce(ts, opts), what, t.is_cpu()};
 }
 
 void Comm::all_reduce(at::Tensor& t, c10d::ReduceOp op, const std::string& what) {
@@ -85,7 +96,7 @@ void Comm::broadcast(at::Tensor& t, int root, const std::string& what) {
   std::vector<at::Tensor> ts{t};
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
-  Pending p{backend(t)->broadcast(ts, opts), what};
+  Pending p{backend(t)->broadcast(ts, opts), what, t.is_cpu()};
   wait(p);
 }
 

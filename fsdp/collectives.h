@@ -28,6 +28,7 @@ namespace detail {
 struct Pending {
   c10::intrusive_ptr<c10d::Work> work;  // null when there was nothing to wait for (one rank)
   std::string what;
+  bool cpu = false;  // Gloo: wait() also waits for the worker thread to drop the work
 };
 
 class Comm {
