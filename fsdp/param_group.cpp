@@ -185,7 +185,6 @@ void ParamGroup::init() {
       s.param.set_data(s.unsharded);
       s.sharded = alias_rows(unsharded_, S * s.offset + r * s.padded_numel(), local_shape(s));
       s.sharded.set_requires_grad(s.requires_grad);
-      s.version = s.sharded._version();
     }
   } else {
     // This rank's rows of every parameter, padded, in one flat buffer. Replicated (S = 1), that is
@@ -253,16 +252,13 @@ bool ParamGroup::needs_gather() const {
     case ShardingStrategy::kNoShard:
       return false;
     case ShardingStrategy::kShardOptimizerState:
-      // After a reduction the optimizer steps the shards, so the next forward gathers. Never in
-      // backward: the step has not run yet, and the unit is gathered already. An in-place update
-      // of a shard outside that rhythm shows in its version counter (torch::optim::SGD updates
-      // through .data(), which does not count, hence the flag).
+      // After a reduction the optimizer steps the shards, so every forward until the next
+      // backward gathers (the step may come after any of them). Never in backward: the unit is
+      // gathered already. The decision must be the same on every rank, so it rests on this
+      // flag, never on whether this rank's shards changed (a rank may own no rows, and
+      // torch::optim::SGD steps through .data(), which no version counter sees).
       if (in_backward_ || state_->in_backward()) return false;
-      if (stale_) return true;
-      for (const auto& s : slots_) {
-        if (s.sharded._version() != s.version) return true;
-      }
-      return false;
+      return stale_;
     default:
       return !unsharded_now_;
   }
@@ -278,7 +274,6 @@ void ParamGroup::begin_unshard() {
     gather_in_ = at::zeros({shard_numel_}, unsharded_.options());
     for (auto& s : slots_) {
       gather_in_.narrow(0, s.offset, s.sharded.numel()).copy_(s.sharded.reshape({-1}));
-      s.version = s.sharded._version();
     }
     in = gather_in_;
   }
@@ -316,9 +311,6 @@ void ParamGroup::unshard() {
   gathered_ = at::Tensor();
   for (auto& s : slots_) s.param.set_data(s.unsharded);
   unsharded_now_ = true;
-  // A forward without gradients (evaluation between backward and the optimizer step) gathers
-  // too, but leaves the unit due for the gather after the step.
-  if (c10::GradMode::is_enabled()) stale_ = false;
 }
 
 void ParamGroup::reshard() {
@@ -369,15 +361,17 @@ void ParamGroup::pre_backward() {
   in_backward_ = true;
   grads_ready_ = 0;
   for (auto& s : slots_) s.grad_ready = false;
+  // kShardOptimizerState: the shards were gathered by the forward that led here.
+  stale_ = false;
   if (holds_reduced_) {
     // kShardOptimizerState: the full gradients hold the last reduction (this rank's rows) and
-    // stale local values (the other rows). The rows the optimizer has not consumed (no
-    // zero_grad) carry over; the rest starts from nothing, as for an unwrapped model.
+    // stale local values (the other rows). Rows the optimizer has not consumed (no zero_grad)
+    // become a gradient of their own (a copy, so the old full gradients are freed) that the next
+    // reduction adds to; the full gradients start from nothing, as for an unwrapped model.
     holds_reduced_ = false;
     finish_reduce();
     for (auto& s : slots_) {
-      if (s.sharded.grad().defined()) s.stash = s.sharded.grad().clone();
-      s.sharded.mutable_grad() = at::Tensor();
+      if (s.sharded.grad().defined()) s.sharded.mutable_grad() = s.sharded.grad().clone();
       s.param.mutable_grad() = at::Tensor();
     }
   }
@@ -503,9 +497,7 @@ void ParamGroup::drop_prefetch() {
   if (!gathering_) return;
   wait_gather();
   gathered_ = at::Tensor();
-  gather_in_ = at::Tensor();
-  // kShardOptimizerState: the shards were not copied out, so the unit is as stale as before.
-  for (auto& s : slots_) s.version = -1;
+  gather_in_ = at::Tensor();  // kShardOptimizerState: not copied out, so the unit stays due
 }
 
 void ParamGroup::finish_reduce() {
@@ -562,28 +554,33 @@ void ParamGroup::set_full_grad_rows(const at::Tensor& flat_grad) {
   // keeps), and the sharded gradients are views of them: no second copy of this rank's rows.
   for (size_t i = 0; i < slots_.size(); ++i) {
     auto& s = slots_[i];
-    if (!reduce_has_grad_[i]) {
-      if (s.stash.defined()) s.sharded.mutable_grad() = std::move(s.stash);
-      s.stash = at::Tensor();
-      continue;
-    }
+    if (!reduce_has_grad_[i]) continue;
     at::Tensor& full = s.param.mutable_grad();
     if (!full.is_contiguous()) full = full.contiguous();
     at::Tensor rows = flat_rows(full, shard_rank_ * s.chunk_rows, s.local_rows, s.row_numel);
     rows.copy_(flat_grad.narrow(0, s.offset, rows.numel()));
-    if (s.stash.defined()) rows.add_(s.stash.reshape({-1}));
-    s.stash = at::Tensor();
+    // A gradient carried over from before this backward (see pre_backward) is added.
+    if (s.sharded.grad().defined()) rows.add_(s.sharded.grad().reshape({-1}));
     const int64_t start = std::min(full.numel(), shard_rank_ * s.chunk_rows * s.row_numel);
     s.sharded.mutable_grad() = alias_rows(full, start, s.sharded.sizes());
   }
 }
 
 void ParamGroup::reset_after_failed_backward() {
-  finish_reduce();
-  if (next_bucket_ > 0) {  // kNoShard: buckets of the failed backward still in flight
-    for (auto& p : bucket_work_) state_->comm.wait(p);
+  // Reductions of the failed backward still in flight: waited for (the backend uses their
+  // buffers) and thrown away. This runs at the next forward, after the user's zero_grad(), which
+  // they must not undo.
+  if (reducing_ || next_bucket_ > 0) {
+    reducing_ = false;
+    try {
+      shard_comm_->wait(reduce_);
+      for (auto& p : bucket_work_) state_->comm.wait(p);
+    } catch (const std::exception& e) {
+      state_->mark_broken(e.what());
+    }
     bucket_work_.clear();
     next_bucket_ = 0;
+    reduce_in_ = at::Tensor();
     reduce_out_ = at::Tensor();
   }
   if (!in_backward_) return;
@@ -601,7 +598,9 @@ void ParamGroup::finalize_backward() {
   // without sync in earlier micro-batches and was not used in this one. (kShardOptimizerState
   // keeps its full gradients after reducing them; those are not pending.)
   if (state_->sync_gradients && !holds_reduced_) {
-    bool pending = false;
+    // kNoShard: buckets launched while others wait for gradients that never came (unused
+    // parameters) are pending too; the rest go out now, with zeros for the missing ones.
+    bool pending = next_bucket_ > 0 && next_bucket_ < buckets_.size();
     for (const auto& s : slots_) pending = pending || s.param.grad().defined();
     if (pending) reduce_grads();
   }

@@ -34,8 +34,6 @@ struct ParamSlot {
   int64_t padded_numel() const { return chunk_rows * row_numel; }
   bool requires_grad = false;
   bool grad_ready = false;
-  int64_t version = 0;  ///< kShardOptimizerState: `sharded`'s version when last gathered
-  at::Tensor stash;     ///< kShardOptimizerState: a reduced gradient carried into the next backward
   /// Kept alive on purpose: autograd holds a parameter's AccumulateGrad node only weakly, and a
   /// re-created node would have neither our hook nor the full shape it must validate against.
   std::shared_ptr<torch::autograd::Node> grad_accumulator;
@@ -132,7 +130,7 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   std::vector<bool> reduce_has_grad_;
   bool reducing_ = false;
   at::Tensor gather_in_;        // kShardOptimizerState: this rank's rows, packed for the all-gather
-  bool stale_ = false;          // kShardOptimizerState: reduced since the last gather
+  bool stale_ = false;          // kShardOptimizerState: reduced; gathered by forwards until the next backward
   bool holds_reduced_ = false;  // kShardOptimizerState: the full gradients were reduced (or are being)
   // kNoShard: buckets are contiguous ranges of slots [first, last), in reverse order (the order
   // backward produces gradients); each is all-reduced in place in reduce_out_.

@@ -3,17 +3,21 @@
 #include "fsdp/sharded.h"
 #include "fsdp/state.h"
 
+#include <algorithm>
+#include <vector>
+
 namespace fsdp {
 namespace {
-thread_local ShardingScope* g_current = nullptr;
-}
+// Open scopes of this thread, innermost last. Closing one removes it wherever it is, so scopes
+// closed out of order (fully_shard closes them) never leave a closed one current.
+thread_local std::vector<ShardingScope*> g_open;
+}  // namespace
 
 ShardingScope::ShardingScope(c10::intrusive_ptr<c10d::ProcessGroup> pg, FullyShardOptions options)
     : pg_(std::move(pg)) {
   TORCH_CHECK(pg_, "fsdp::ShardingScope: the process group is null; create one with fsdp::init_process_group()");
   state_ = std::make_shared<detail::FSDPState>(pg_, options);
-  previous_ = g_current;
-  g_current = this;
+  g_open.push_back(this);
   open_ = true;
 }
 
@@ -24,12 +28,11 @@ ShardingScope::~ShardingScope() {
 void ShardingScope::close() {
   if (!open_) return;
   open_ = false;
-  // Scopes nest: the innermost is closed first (they are objects with automatic lifetime).
-  if (g_current == this) g_current = previous_;
+  g_open.erase(std::remove(g_open.begin(), g_open.end(), this), g_open.end());
 }
 
 ShardingScope* ShardingScope::current() {
-  return g_current;
+  return g_open.empty() ? nullptr : g_open.back();
 }
 
 namespace detail {

@@ -46,7 +46,6 @@ class ShardingScope {
  private:
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
   std::shared_ptr<detail::FSDPState> state_;
-  ShardingScope* previous_ = nullptr;
   bool open_ = false;
 };
 

@@ -259,49 +259,58 @@ std::shared_ptr<ParamGroup> shard_model(const std::shared_ptr<torch::nn::Module>
   found.push_back(std::make_unique<Found>(Found{"", nullptr, {}, nullptr}));
   std::unordered_map<const c10::TensorImpl*, std::vector<int64_t>> built_shape;      // of parameters sharded already
   std::unordered_map<const c10::TensorImpl*, std::pair<std::string, size_t>> owner;  // -> name, unit
-  std::string shared_error;  // thrown after the cross-rank check, so no rank leaves it early
 
-  std::function<void(torch::nn::Module&, const std::string&, size_t)> visit =
-      [&](torch::nn::Module& m, const std::string& prefix, size_t unit) {
-        for (const auto& kv : m.named_parameters(/*recurse=*/false)) {
-          const std::string name = prefix.empty() ? kv.key() : prefix + "." + kv.key();
-          auto [it, inserted] = owner.emplace(kv.value().unsafeGetTensorImpl(), std::make_pair(name, unit));
-          if (!inserted) {
-            TORCH_CHECK(it->second.second == unit, "fsdp::fully_shard (rank ", state->comm.rank(), "): parameter '",
-                        it->second.first, "' is shared with '", name, "', which is in another unit ('",
-                        found[it->second.second]->name, "' vs '", found[unit]->name,
-                        "'). A shared parameter must live in one unit: move both modules into one fsdp::Sharded unit "
-                        "or leave them in the root.");
-            continue;  // shared inside one unit: sharded once
+  // Records which unit owns a parameter; a parameter met again must be in the same unit.
+  auto claim = [&](const at::Tensor& p, const std::string& name, size_t unit) {
+    auto [it, inserted] = owner.emplace(p.unsafeGetTensorImpl(), std::make_pair(name, unit));
+    TORCH_CHECK(inserted || it->second.second == unit, "fsdp::fully_shard (rank ", state->comm.rank(), "): parameter '",
+                it->second.first, "' is shared with '", name, "', which is in another unit ('",
+                found[it->second.second]->name, "' vs '", found[unit]->name,
+                "'). A shared parameter must live in one unit: move both modules into one fsdp::Sharded unit "
+                "or leave them in the root.");
+    return inserted;  // false: shared inside one unit, sharded once
+  };
+
+  // `built`: inside a unit sharded while the model was built (ShardingScope), whose parameters
+  // are in it already; only units nested in it remain to be found.
+  std::function<void(torch::nn::Module&, const std::string&, size_t, bool)> visit =
+      [&](torch::nn::Module& m, const std::string& prefix, size_t unit, bool built) {
+        if (!built) {
+          for (const auto& kv : m.named_parameters(/*recurse=*/false)) {
+            const std::string name = prefix.empty() ? kv.key() : prefix + "." + kv.key();
+            if (claim(kv.value(), name, unit)) found[unit]->params.emplace_back(name, kv.value());
           }
-          found[unit]->params.emplace_back(name, kv.value());
         }
         for (const auto& kv : m.named_children()) {
           const std::string name = prefix.empty() ? kv.key() : prefix + "." + kv.key();
           size_t child_unit = unit;
-          if (auto* u = dynamic_cast<ShardedUnit*>(kv.value().get())) {
-            if (u->fsdp_unit() != nullptr) {
-              TORCH_CHECK(scope_state != nullptr, "fsdp::fully_shard (rank ", state->comm.rank(), "): module '", name,
-                          "' is already sharded: either the model was wrapped before (wrap a model once) or it was "
-                          "built inside an fsdp::ShardingScope (then wrap it with fsdp::fully_shard(model, scope)).");
-              TORCH_CHECK(&u->fsdp_unit()->state() == state.get(), "fsdp::fully_shard (rank ", state->comm.rank(),
-                          "): module '", name,
-                          "' was sharded by another ShardingScope or model; build and wrap a model within one scope.");
-              // Sharded while it was built: its parameters are in it already; nothing to visit.
-              found.push_back(std::make_unique<Found>(Found{name, u, {}, u->fsdp_unit()}));
-              for (const auto& s : u->fsdp_unit()->slots()) {
-                owner.emplace(s.param.unsafeGetTensorImpl(), std::make_pair(name + "." + s.name, found.size() - 1));
-                built_shape[s.param.unsafeGetTensorImpl()] = s.shape;
-              }
-              continue;
+          auto* u = dynamic_cast<ShardedUnit*>(kv.value().get());
+          if (u != nullptr && u->fsdp_unit() != nullptr) {
+            TORCH_CHECK(scope_state != nullptr, "fsdp::fully_shard (rank ", state->comm.rank(), "): module '", name,
+                        "' is already sharded: either the model was wrapped before (wrap a model once) or it was "
+                        "built inside an fsdp::ShardingScope (then wrap it with fsdp::fully_shard(model, scope)).");
+            TORCH_CHECK(&u->fsdp_unit()->state() == state.get(), "fsdp::fully_shard (rank ", state->comm.rank(),
+                        "): module '", name,
+                        "' was sharded by another ShardingScope or model; build and wrap a model within one scope.");
+            found.push_back(std::make_unique<Found>(Found{name, u, {}, u->fsdp_unit()}));
+            for (const auto& s : u->fsdp_unit()->slots()) {
+              claim(s.param, name + "." + s.name, found.size() - 1);
+              built_shape[s.param.unsafeGetTensorImpl()] = s.shape;
             }
+            visit(*kv.value(), name, found.size() - 1, /*built=*/true);
+            continue;
+          }
+          if (u != nullptr) {
+            TORCH_CHECK(!built, "fsdp::fully_shard (rank ", state->comm.rank(), "): unit '", name,
+                        "' was built outside the ShardingScope that sharded the unit containing it; build the whole "
+                        "model inside the scope.");
             found.push_back(std::make_unique<Found>(Found{name, u, {}, nullptr}));
             child_unit = found.size() - 1;
           }
-          visit(*kv.value(), name, child_unit);
+          visit(*kv.value(), name, child_unit, built);
         }
       };
-  visit(*root, "", 0);
+  visit(*root, "", 0, /*built=*/false);
 
   // Everything that decides the collectives' sizes and order: names, shapes, dtypes, the unit
   // each parameter is in, whether it trains, its device type.
@@ -331,7 +340,6 @@ std::shared_ptr<ParamGroup> shard_model(const std::shared_ptr<torch::nn::Module>
          << c10::DeviceTypeName(p.device().type(), true) << ")\n";
   }
   check_same_model_on_all_ranks(state->comm, desc.str());
-  TORCH_CHECK(shared_error.empty(), shared_error);
   if (hybrid) state->init_hybrid(options.shard_group_size());
 
   std::shared_ptr<ParamGroup> root_group;

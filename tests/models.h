@@ -67,10 +67,12 @@ inline FullyShardOptions test_options() {
   return FullyShardOptions().timeout(collective_timeout());
 }
 
-/// Every sharded parameter of `model` equals this rank's rows of the same-named parameter of
-/// the plain reference model. With full sharding a rank's place is its rank among all; a hybrid
-/// unit shards over groups of S consecutive ranks (rank % S of S), a replicated one holds all rows.
-inline void expect_shards_match(const Rank& r, const detail::RootHandle& model, torch::nn::Module& ref) {
+/// Every sharded parameter of `model` (or, with `grads`, its gradient) equals this rank's rows of
+/// the same-named parameter (gradient) of the plain reference model. With full sharding a rank's
+/// place is its rank among all; a hybrid unit shards over groups of S consecutive ranks (rank % S
+/// of S), a replicated one holds all rows.
+inline void expect_shards_match(const Rank& r, const detail::RootHandle& model, torch::nn::Module& ref,
+                                bool grads = false) {
   auto want = ref.named_parameters();
   std::map<std::string, std::pair<int, int>> place;  // parameter -> (shard rank, shard world size)
   for (const auto& u : model.units()) {
@@ -81,8 +83,15 @@ inline void expect_shards_match(const Rank& r, const detail::RootHandle& model, 
   }
   for (const auto& kv : model.named_sharded_parameters()) {
     const auto [rank, world] = place.at(kv.key());
-    EXPECT_TRUE(close(kv.value().detach(), owned_rows(want[kv.key()].detach(), rank, world)))
-        << "parameter " << kv.key() << " on rank " << r.rank;
+    const torch::Tensor& mine = grads ? kv.value().grad() : kv.value();
+    const torch::Tensor& theirs = grads ? want[kv.key()].grad() : want[kv.key()];
+    if (grads && !theirs.defined()) {
+      EXPECT_FALSE(mine.defined()) << "gradient of " << kv.key() << " on rank " << r.rank;
+      continue;
+    }
+    ASSERT_TRUE(mine.defined()) << (grads ? "gradient of " : "") << kv.key() << " on rank " << r.rank;
+    EXPECT_TRUE(close(mine.detach(), owned_rows(theirs.detach(), rank, world)))
+        << (grads ? "gradient of " : "parameter ") << kv.key() << " on rank " << r.rank;
   }
 }
 

@@ -143,6 +143,72 @@ INSTANTIATE_TEST_SUITE_P(Cases, BuiltInScopeParity,
                                            BuiltCase{4, ShardingStrategy::kHybridShard}),
                          [](const auto& i) { return "W" + std::to_string(i.param.world_size); });
 
+/// A unit holding a unit: both are sharded while built (the inner one first).
+template <bool kSharded>
+struct InnerImpl : torch::nn::Module {
+  InnerImpl() : fc(register_module("fc", torch::nn::Linear(6, 6))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return torch::tanh(fc(x)); }
+  torch::nn::Linear fc;
+};
+template <bool kSharded>
+struct OuterImpl : torch::nn::Module {
+  using Inner =
+      std::conditional_t<kSharded, fsdp::Sharded<InnerImpl<kSharded>>, torch::nn::ModuleHolder<InnerImpl<kSharded>>>;
+  OuterImpl() : in(register_module("in", torch::nn::Linear(4, 6))), inner(register_module("inner", Inner())) {}
+  torch::Tensor forward(const torch::Tensor& x) { return inner(in(x)); }
+  torch::nn::Linear in;
+  Inner inner;
+};
+template <bool kSharded>
+struct NestedNetImpl : torch::nn::Module {
+  using Outer =
+      std::conditional_t<kSharded, fsdp::Sharded<OuterImpl<kSharded>>, torch::nn::ModuleHolder<OuterImpl<kSharded>>>;
+  NestedNetImpl() : outer(register_module("outer", Outer())), head(register_module("head", torch::nn::Linear(6, 2))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return head(outer(x)); }
+  Outer outer;
+  torch::nn::Linear head;
+};
+
+TEST(Construction, NestedUnitsBuiltInAScope) {
+  run_ranks(2, [](Rank& r) {
+    torch::manual_seed(3);
+    auto ref = std::make_shared<NestedNetImpl<false>>();
+    torch::manual_seed(3);
+    ShardingScope scope(r.pg, test_options());
+    auto model = fsdp::fully_shard(std::make_shared<NestedNetImpl<true>>(), scope);
+    std::vector<std::string> names;
+    for (const auto& u : model.units()) names.push_back(u.name);
+    EXPECT_EQ(names, (std::vector<std::string>{"", "outer", "outer.inner"}));
+    torch::optim::SGD ref_opt(ref->parameters(), 0.1), opt(model.sharded_parameters(), 0.1);
+    for (int step = 0; step < 3; ++step) {
+      torch::manual_seed(60 + step);
+      auto x = torch::randn({kGlobalBatch, 4});
+      ref_opt.zero_grad();
+      ref->forward(x).square().mean().backward();
+      ref_opt.step();
+      opt.zero_grad();
+      model(local_rows(x, r.rank, r.world_size)).square().mean().backward();
+      opt.step();
+    }
+    expect_shards_match(r, model, *ref);
+  });
+}
+
+// Scopes closed out of order (fully_shard closes its scope) never leave a closed one current.
+TEST(Construction, ScopesClosedOutOfOrder) {
+  run_ranks(1, [](Rank& r) {
+    auto a = std::make_unique<ShardingScope>(r.pg, test_options());
+    auto b = std::make_unique<ShardingScope>(r.pg, test_options());
+    EXPECT_EQ(ShardingScope::current(), b.get());
+    a->close();
+    EXPECT_EQ(ShardingScope::current(), b.get());
+    b->close();
+    EXPECT_EQ(ShardingScope::current(), nullptr);
+    auto plain = fsdp::Sharded<torch::nn::LinearImpl>(3, 4);
+    EXPECT_EQ(plain->fsdp_unit(), nullptr) << "built after every scope closed";
+  });
+}
+
 TEST(Construction, Misuse) {
   run_ranks(2, [](Rank& r) {
     std::shared_ptr<TowerImpl<true>> net;

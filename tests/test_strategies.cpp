@@ -251,3 +251,118 @@ TEST(CollectivesPerStep, EveryStrategy) {
 
 }  // namespace
 }  // namespace fsdp::testing
+
+namespace fsdp::testing {
+namespace {
+
+/// A unit whose first parameters are not used by its forward: with one parameter per bucket, the
+/// replicated unit's last bucket waits for gradients that never come.
+template <bool kSharded>
+struct PartlyUsedImpl : torch::nn::Module {
+  PartlyUsedImpl()
+      : unused(register_module("unused", torch::nn::Linear(5, 5))),
+        used(register_module("used", torch::nn::Linear(5, 4))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return torch::tanh(used(x)); }
+  torch::nn::Linear unused, used;
+};
+template <bool kSharded>
+struct PartlyUsedNetImpl : torch::nn::Module {
+  using Unit = std::conditional_t<kSharded, fsdp::Sharded<PartlyUsedImpl<kSharded>>,
+                                  torch::nn::ModuleHolder<PartlyUsedImpl<kSharded>>>;
+  PartlyUsedNetImpl() : body(register_module("body", Unit())), head(register_module("head", torch::nn::Linear(4, 2))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return head(body(x)); }
+  Unit body;
+  torch::nn::Linear head;
+};
+
+class PartlyUsedUnit : public ::testing::TestWithParam<StrategyCase> {};
+TEST_P(PartlyUsedUnit, MatchesPlainLibTorch) {
+  const StrategyCase c = GetParam();
+  run_ranks(c.world_size, [&](Rank& r) {
+    auto batch = [](int step) {
+      torch::manual_seed(7300 + step);
+      auto x = torch::randn({kGlobalBatch, 5});
+      return std::make_pair(x, torch::randn({kGlobalBatch, 2}));
+    };
+    check_parity(
+        r, Opt::kSGD, 4, [] { return std::make_shared<PartlyUsedNetImpl<false>>(); },
+        [] { return std::make_shared<PartlyUsedNetImpl<true>>(); }, batch,
+        [](const torch::Tensor& out, const torch::Tensor& y) { return torch::mse_loss(out, y); },
+        strategy_options(c).bucket_bytes(1));
+  });
+}
+INSTANTIATE_TEST_SUITE_P(Cases, PartlyUsedUnit,
+                         ::testing::Values(StrategyCase{kDDP, 2}, StrategyCase{kZero1, 2}, StrategyCase{kHybrid, 4, 2}),
+                         strategy_case_name);
+
+// ZeRO-1: a forward with gradients enabled between backward and the optimizer step (a logged
+// validation loss) gathers the parameters before the step; the next forward must gather again.
+TEST(ShardOptimizerState, ForwardBetweenBackwardAndStep) {
+  gpt::Config cfg{29, 6, 2, 2, 12, true};
+  run_ranks(2, [&](Rank& r) {
+    torch::manual_seed(0);
+    auto ref = gpt::make_gpt<false>(cfg);
+    torch::manual_seed(0);
+    auto model = fsdp::fully_shard(gpt::make_gpt<true>(cfg), r.pg, test_options().strategy(kZero1));
+    torch::optim::SGD ref_opt(ref->parameters(), 0.1), opt(model.sharded_parameters(), 0.1);
+    auto ce = [](const torch::Tensor& logits, const torch::Tensor& t) {
+      return torch::nn::functional::cross_entropy(logits.flatten(0, 1), t.flatten());
+    };
+    for (int step = 0; step < 3; ++step) {
+      torch::manual_seed(7400 + step);
+      auto tok = torch::randint(cfg.vocab_size, {kGlobalBatch, cfg.block_size + 1}, torch::kLong);
+      auto x = tok.narrow(1, 0, cfg.block_size), y = tok.narrow(1, 1, cfg.block_size);
+      ref_opt.zero_grad();
+      auto ref_loss = ce(ref->forward(x), y);
+      ref_loss.backward();
+      ref_opt.step();
+      opt.zero_grad();
+      auto loss = ce(model(local_rows(x, r.rank, r.world_size)), local_rows(y, r.rank, r.world_size));
+      loss.backward();
+      model(local_rows(x, r.rank, r.world_size));  // with gradients enabled, never backpropagated
+      opt.step();
+      auto global = loss.detach().clone();
+      all_reduce_sum(r, global);
+      EXPECT_TRUE(close(global / r.world_size, ref_loss.detach())) << "loss at step " << step;
+    }
+    expect_shards_match(r, model, *ref);
+  });
+}
+
+// A backward that throws midway, then zero_grad(): the next backward's gradients are exactly one
+// backward's, whatever the failed one had in flight or carried over.
+class FailedBackward : public ::testing::TestWithParam<StrategyCase> {};
+TEST_P(FailedBackward, ThenZeroGradThenStep) {
+  const StrategyCase c = GetParam();
+  gpt::Config cfg{29, 6, 2, 2, 12, true};
+  run_ranks(c.world_size, [&](Rank& r) {
+    torch::manual_seed(0);
+    auto ref = gpt::make_gpt<false>(cfg);
+    torch::manual_seed(0);
+    auto model = fsdp::fully_shard(gpt::make_gpt<true>(cfg), r.pg, strategy_options(c));
+    torch::optim::SGD opt(model.sharded_parameters(), 0.1);
+    auto ce = [](const torch::Tensor& logits, const torch::Tensor& t) {
+      return torch::nn::functional::cross_entropy(logits.flatten(0, 1), t.flatten());
+    };
+    torch::manual_seed(7500);
+    auto tok = torch::randint(cfg.vocab_size, {kGlobalBatch, cfg.block_size + 1}, torch::kLong);
+    auto x = tok.narrow(1, 0, cfg.block_size), y = tok.narrow(1, 1, cfg.block_size);
+    auto mx = local_rows(x, r.rank, r.world_size), my = local_rows(y, r.rank, r.world_size);
+    ce(model(mx), my).backward();  // gradients left in place (no zero_grad)
+    auto logits = model(mx);
+    // Fails once the head's gradient exists, with the blocks' reductions still to come.
+    logits.register_hook([](const torch::Tensor&) -> torch::Tensor { throw std::runtime_error("user hook failed"); });
+    EXPECT_THROW(ce(logits, my).backward(), std::exception);
+    opt.zero_grad();
+    ce(model(mx), my).backward();
+    ce(ref->forward(x), y).backward();
+    expect_shards_match(r, model, *ref, /*grads=*/true);
+  });
+}
+INSTANTIATE_TEST_SUITE_P(Cases, FailedBackward,
+                         ::testing::Values(StrategyCase{ShardingStrategy::kFullShard, 2}, StrategyCase{kZero1, 2},
+                                           StrategyCase{kDDP, 2}, StrategyCase{kHybrid, 4, 2}),
+                         strategy_case_name);
+
+}  // namespace
+}  // namespace fsdp::testing
