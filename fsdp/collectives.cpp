@@ -81,12 +81,12 @@ Pending Comm::all_reduce_async(at::Tensor& t, c10d::ReduceOp op, const std::stri
   if (world_size_ == 1) return {nullptr, what};
   std::vector<at::Tensor> ts{t};
   c10d::AllreduceOptions opts;
-  opts.reduceOp = op;
+  opts.reduceOp = std::move(op);
   return {backend(t)->allreduce(ts, opts), what, t.is_cpu()};
 }
 
 void Comm::all_reduce(at::Tensor& t, c10d::ReduceOp op, const std::string& what) {
-  Pending p = all_reduce_async(t, op, what);
+  Pending p = all_reduce_async(t, std::move(op), what);
   wait(p);
 }
 

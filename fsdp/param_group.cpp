@@ -79,10 +79,10 @@ at::Tensor flat_rows(const at::Tensor& t, int64_t first, int64_t n, int64_t row_
 
 }  // namespace
 
-ParamGroup::ParamGroup(std::string name, std::vector<std::pair<std::string, at::Tensor>> params,
+ParamGroup::ParamGroup(std::string name, const std::vector<std::pair<std::string, at::Tensor>>& params,
                        std::shared_ptr<FSDPState> state, bool is_root, ShardingStrategy strategy)
     : name_(std::move(name)), state_(std::move(state)), is_root_(is_root), strategy_(strategy) {
-  for (auto& [pname, p] : params) {
+  for (const auto& [pname, p] : params) {
     if (!slots_.empty()) {
       const at::Tensor& first = slots_.front().param;
       TORCH_CHECK(p.dtype() == first.dtype() && p.device() == first.device(), "fsdp::fully_shard (rank ",
@@ -94,8 +94,8 @@ ParamGroup::ParamGroup(std::string name, std::vector<std::pair<std::string, at::
     ParamSlot s;
     s.name = pname;
     s.param = p;
-    s.shape = p.sizes().vec();
-    s.requires_grad = p.requires_grad();
+    s.shape = s.param.sizes().vec();
+    s.requires_grad = s.param.requires_grad();
     slots_.push_back(std::move(s));
   }
 }

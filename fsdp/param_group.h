@@ -41,8 +41,8 @@ struct ParamSlot {
 
 class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
  public:
-  ParamGroup(std::string name, std::vector<std::pair<std::string, at::Tensor>> params, std::shared_ptr<FSDPState> state,
-             bool is_root, ShardingStrategy strategy);
+  ParamGroup(std::string name, const std::vector<std::pair<std::string, at::Tensor>>& params,
+             std::shared_ptr<FSDPState> state, bool is_root, ShardingStrategy strategy);
 
   /// Shards the parameters (after rank 0's values were broadcast), installs the hooks, frees the
   /// unsharded storage. Called once by fully_shard.

@@ -224,7 +224,7 @@ void all_reduce(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, at::Tensor& te
   if (pg->getSize() == 1) return;
   std::vector<at::Tensor> ts{tensor};
   c10d::AllreduceOptions opts;
-  opts.reduceOp = op;
+  opts.reduceOp = std::move(op);
   try {
     pg->getBackend(tensor.device().type())->allreduce(ts, opts)->wait(g_timeout);
   } catch (const std::exception& e) {
