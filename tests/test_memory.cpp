@@ -156,7 +156,8 @@ void check_forward_peak(Rank& r, int prefetch) {
   // at most the root plus twice the largest unit is gathered.
   const int64_t bound = root + 2 * largest;
   // Gloo stages an all-gather through a flat temporary the size of its output, released when its
-  // worker thread drops the finished work: up to two such (the last and the one in flight).
+  // worker thread drops the finished work. Comm::wait waits for that (up to 50 ms), so this
+  // allowance (two such: the last and the one in flight) only covers a wait that gave up.
   const int64_t gloo_staging = 2 * largest;
   EXPECT_LE(peak, bound + gloo_staging + activations)
       << "prefetch " << prefetch << ": peak " << peak << ", bound " << bound << " + Gloo staging " << gloo_staging
