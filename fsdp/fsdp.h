@@ -1,6 +1,7 @@
 // libtorch-fsdp: fully sharded data parallel training for LibTorch. The one header to include.
 #pragma once
 
+#include "fsdp/fake_process_group.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/memory.h"
 #include "fsdp/options.h"
