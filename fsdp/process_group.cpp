@@ -1,6 +1,7 @@
 #include "fsdp/process_group.h"
 
 #include "fsdp/cuda_backend.h"
+#include "fsdp/fake_process_group.h"
 
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
@@ -187,6 +188,9 @@ c10::intrusive_ptr<c10d::ProcessGroup> new_subgroup(const c10::intrusive_ptr<c10
   const auto it = std::find(ranks.begin(), ranks.end(), me);
   TORCH_CHECK(it != ranks.end(), "fsdp::new_subgroup (rank ", me, "): this rank is not among the ranks of subgroup '",
               name, "'");
+  if (pg->getBackend(c10::DeviceType::CPU)->getBackendName() == "fake") {  // a simulated job's subgroup
+    return make_fake_process_group(static_cast<int>(it - ranks.begin()), static_cast<int>(ranks.size()));
+  }
   auto store = pg->getStore();
   TORCH_CHECK(store, "fsdp::new_subgroup (rank ", me,
               "): the parent process group has no store; create it with fsdp::init_process_group()");

@@ -15,7 +15,7 @@ struct RankView {
 RankView one_step(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, ShardingStrategy strategy) {
   gpt::Config cfg{37, 8, 3, 2, 18, true};
   torch::manual_seed(0);
-  auto model = fsdp::fully_shard(gpt::make_gpt<true>(cfg), pg, test_options().strategy(strategy));
+  auto model = fsdp::fully_shard(gpt::make_gpt<true>(cfg), pg, test_options().strategy(strategy).shard_group_size(2));
   torch::optim::AdamW opt(model.sharded_parameters(), torch::optim::AdamWOptions(1e-3));
   torch::manual_seed(1);
   auto tok = torch::randint(cfg.vocab_size, {2, cfg.block_size + 1}, torch::kLong);
@@ -31,9 +31,9 @@ RankView one_step(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, ShardingStra
 }
 
 TEST(Simulated, FakeRankHoldsWhatARealRankHolds) {
-  run_ranks(3, [](Rank& r) {
-    for (auto strategy :
-         {ShardingStrategy::kFullShard, ShardingStrategy::kShardOptimizerState, ShardingStrategy::kNoShard}) {
+  run_ranks(4, [](Rank& r) {
+    for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardOptimizerState,
+                          ShardingStrategy::kNoShard, ShardingStrategy::kHybridShard}) {
       SCOPED_TRACE(to_string(strategy));
       const RankView real = one_step(r.pg, strategy);
       const RankView fake = one_step(make_fake_process_group(r.rank, r.world_size), strategy);
