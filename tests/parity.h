@@ -28,16 +28,27 @@ inline std::unique_ptr<torch::optim::Optimizer> make_sharded_optimizer(Opt o, co
   return make_optimizer(o, model.sharded_parameters());
 }
 
-/// Trains `steps` steps twice: plain LibTorch on the global batch (every rank computes it), and
-/// sharded on this rank's rows. `make_ref` / `make_sharded` build the same model from one seed;
-/// `batch(step)` returns {input, target} of the global batch; `loss_fn(model_output, target)`.
-template <typename Ref, typename Sharded, typename Batch, typename LossFn>
-void check_parity(Rank& r, Opt opt, int steps, Ref make_ref, Sharded make_sharded, Batch batch, LossFn loss_fn,
-                  FullyShardOptions options = test_options(), double clip = 0, double norm_type = 2.0) {
-  torch::manual_seed(0);
-  auto ref = make_ref();
-  torch::manual_seed(0);
-  auto model = fsdp::fully_shard(make_sharded(), r.pg, options);
+/// The example GPT's loss: cross-entropy over every position.
+inline torch::Tensor gpt_loss(const torch::Tensor& logits, const torch::Tensor& targets) {
+  return torch::nn::functional::cross_entropy(logits.flatten(0, 1), targets.flatten());
+}
+
+/// A global batch of random tokens drawn from `seed`: {input, next-token targets}.
+inline std::pair<torch::Tensor, torch::Tensor> gpt_batch(const gpt::Config& cfg, int64_t seed,
+                                                         int64_t rows = kGlobalBatch) {
+  torch::manual_seed(seed);
+  auto tok = torch::randint(cfg.vocab_size, {rows, cfg.block_size + 1}, torch::kLong);
+  return {tok.narrow(1, 0, cfg.block_size), tok.narrow(1, 1, cfg.block_size)};
+}
+
+/// Trains `steps` steps twice: plain LibTorch `ref` on the global batch (every rank computes it),
+/// and the wrapped `model` (built from the same seed) on this rank's rows; compares the global
+/// loss every step and the shards at the end. `batch(step)` returns {input, target} of the global
+/// batch; `loss_fn(model_output, target)`. `after_backward(step)` runs between the sharded
+/// backward and its optimizer step, with the model's collective counts of that step.
+template <typename Ref, typename Model, typename Batch, typename LossFn, typename AfterBackward>
+void train_and_compare(Rank& r, Opt opt, int steps, Ref& ref, Model& model, Batch batch, LossFn loss_fn,
+                       AfterBackward after_backward, double clip = 0, double norm_type = 2.0) {
   auto ref_opt = make_optimizer(opt == Opt::kFusedAdamW ? Opt::kAdamW : opt, ref->parameters());
   auto opt_sharded = make_sharded_optimizer(opt, model);
 
@@ -51,8 +62,10 @@ void check_parity(Rank& r, Opt opt, int steps, Ref make_ref, Sharded make_sharde
     ref_opt->step();
 
     opt_sharded->zero_grad();
+    model.reset_comm_stats();
     auto loss = loss_fn(model(local_rows(x, r.rank, r.world_size)), local_rows(y, r.rank, r.world_size));
     loss.backward();
+    after_backward(step);
     if (clip > 0) {
       const double norm = fsdp::optim::clip_grad_norm(model, clip, norm_type);
       EXPECT_NEAR(norm, ref_norm, 1e-5 * ref_norm) << "global gradient norm at step " << step;
@@ -81,20 +94,57 @@ void check_parity(Rank& r, Opt opt, int steps, Ref make_ref, Sharded make_sharde
   expect_shards_match(r, model, *ref);
 }
 
+/// train_and_compare with both models built here from seed 0 (`make_ref` / `make_sharded`), the
+/// sharded one wrapped with `options`.
+template <typename Ref, typename Sharded, typename Batch, typename LossFn>
+void check_parity(Rank& r, Opt opt, int steps, Ref make_ref, Sharded make_sharded, Batch batch, LossFn loss_fn,
+                  FullyShardOptions options = test_options(), double clip = 0, double norm_type = 2.0) {
+  torch::manual_seed(0);
+  auto ref = make_ref();
+  torch::manual_seed(0);
+  auto model = fsdp::fully_shard(make_sharded(), r.pg, options);
+  train_and_compare(
+      r, opt, steps, ref, model, batch, loss_fn, [](int) {}, clip, norm_type);
+}
+
+/// Gradient accumulation over 3 micro-batches per step, 3 steps, against plain LibTorch with the
+/// same total batch: every micro-batch reduces (`sync_every`) or only the last one does.
+/// `check_comm(model, sync, micro_batch)` runs after each sharded micro-batch's backward.
+inline const gpt::Config kAccumulationConfig{29, 6, 2, 2, 12, true};
+template <typename CheckComm>
+void check_accumulation(Rank& r, const FullyShardOptions& options, bool sync_every, CheckComm check_comm) {
+  const gpt::Config& cfg = kAccumulationConfig;
+  constexpr int kMicro = 3;
+  torch::manual_seed(0);
+  auto ref = gpt::make_gpt<false>(cfg);
+  torch::manual_seed(0);
+  auto model = fsdp::fully_shard(gpt::make_gpt<true>(cfg), r.pg, options);
+  auto ref_opt = make_optimizer(Opt::kSGD, ref->parameters());
+  auto opt = make_optimizer(Opt::kSGD, model.sharded_parameters());
+  for (int step = 0; step < 3; ++step) {
+    ref_opt->zero_grad();
+    opt->zero_grad();
+    for (int m = 0; m < kMicro; ++m) {
+      auto [x, y] = gpt_batch(cfg, 5000 + step * kMicro + m);
+      (gpt_loss(ref->forward(x), y) / kMicro).backward();
+      const bool sync = sync_every || m == kMicro - 1;
+      model.set_requires_gradient_sync(sync);
+      model.reset_comm_stats();
+      (gpt_loss(model(local_rows(x, r.rank, r.world_size)), local_rows(y, r.rank, r.world_size)) / kMicro).backward();
+      check_comm(model, sync, m);
+    }
+    ref_opt->step();
+    opt->step();
+  }
+  expect_shards_match(r, model, *ref);
+}
+
 /// check_parity for the GPT on random tokens: global batch `step -> seed_base + step`.
 inline void check_gpt_parity(Rank& r, Opt opt, int steps, const gpt::Config& cfg, int seed_base,
                              FullyShardOptions options = test_options()) {
-  auto batch = [&](int step) {
-    torch::manual_seed(seed_base + step);
-    auto tok = torch::randint(cfg.vocab_size, {kGlobalBatch, cfg.block_size + 1}, torch::kLong);
-    return std::make_pair(tok.narrow(1, 0, cfg.block_size), tok.narrow(1, 1, cfg.block_size));
-  };
   check_parity(
-      r, opt, steps, [&] { return gpt::make_gpt<false>(cfg); }, [&] { return gpt::make_gpt<true>(cfg); }, batch,
-      [](const torch::Tensor& logits, const torch::Tensor& y) {
-        return torch::nn::functional::cross_entropy(logits.flatten(0, 1), y.flatten());
-      },
-      options);
+      r, opt, steps, [&] { return gpt::make_gpt<false>(cfg); }, [&] { return gpt::make_gpt<true>(cfg); },
+      [&](int step) { return gpt_batch(cfg, seed_base + step); }, gpt_loss, options);
 }
 
 }  // namespace fsdp::testing

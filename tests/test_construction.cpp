@@ -114,28 +114,8 @@ TEST_P(BuiltInScopeParity, GPT) {
     auto model = fsdp::fully_shard(gpt::make_gpt<true>(cfg), scope);
     EXPECT_EQ(model.units().size(), 1u + cfg.n_layer);
     EXPECT_EQ(model.units()[1].name, "h.0");
-    auto ref_opt = make_optimizer(Opt::kSGD, ref->parameters());
-    auto opt = make_optimizer(Opt::kSGD, model.sharded_parameters());
-    auto ce = [](const torch::Tensor& logits, const torch::Tensor& t) {
-      return torch::nn::functional::cross_entropy(logits.flatten(0, 1), t.flatten());
-    };
-    for (int step = 0; step < 3; ++step) {
-      torch::manual_seed(9100 + step);
-      auto tok = torch::randint(cfg.vocab_size, {kGlobalBatch, cfg.block_size + 1}, torch::kLong);
-      auto x = tok.narrow(1, 0, cfg.block_size), y = tok.narrow(1, 1, cfg.block_size);
-      ref_opt->zero_grad();
-      auto ref_loss = ce(ref->forward(x), y);
-      ref_loss.backward();
-      ref_opt->step();
-      opt->zero_grad();
-      auto loss = ce(model(local_rows(x, r.rank, r.world_size)), local_rows(y, r.rank, r.world_size));
-      loss.backward();
-      opt->step();
-      auto global = loss.detach().clone();
-      all_reduce_sum(r, global);
-      EXPECT_TRUE(close(global / r.world_size, ref_loss.detach())) << "loss at step " << step;
-    }
-    expect_shards_match(r, model, *ref);
+    train_and_compare(
+        r, Opt::kSGD, 3, ref, model, [&](int step) { return gpt_batch(cfg, 9100 + step); }, gpt_loss, [](int) {});
   });
 }
 INSTANTIATE_TEST_SUITE_P(Cases, BuiltInScopeParity,

@@ -85,26 +85,12 @@ TEST(MixedStrategies, GPT) {
     auto net = gpt::make_gpt<true>(cfg);
     net->blocks[1]->set_sharding_strategy(ShardingStrategy::kShardGradOp);
     auto model = fsdp::fully_shard(net, r.pg, test_options());
-    auto ref_opt = make_optimizer(Opt::kSGD, ref->parameters());
-    auto opt = make_optimizer(Opt::kSGD, model.sharded_parameters());
-    for (int step = 0; step < 3; ++step) {
-      torch::manual_seed(8000 + step);
-      auto tok = torch::randint(cfg.vocab_size, {kGlobalBatch, cfg.block_size + 1}, torch::kLong);
-      auto x = tok.narrow(1, 0, cfg.block_size), y = tok.narrow(1, 1, cfg.block_size);
-      auto ce = [](const torch::Tensor& logits, const torch::Tensor& t) {
-        return torch::nn::functional::cross_entropy(logits.flatten(0, 1), t.flatten());
-      };
-      ref_opt->zero_grad();
-      ce(ref->forward(x), y).backward();
-      ref_opt->step();
-      opt->zero_grad();
-      model.reset_comm_stats();
-      ce(model(local_rows(x, r.rank, r.world_size)), local_rows(y, r.rank, r.world_size)).backward();
-      // Root once, two full-sharding blocks twice, the SHARD_GRAD_OP block once.
-      EXPECT_EQ(model.comm_stats().all_gathers, 1 + 2 * 2 + 1);
-      opt->step();
-    }
-    expect_shards_match(r, model, *ref);
+    train_and_compare(
+        r, Opt::kSGD, 3, ref, model, [&](int step) { return gpt_batch(cfg, 8000 + step); }, gpt_loss,
+        [&](int) {
+          // Root once, two full-sharding blocks twice, the SHARD_GRAD_OP block once.
+          EXPECT_EQ(model.comm_stats().all_gathers, 1 + 2 * 2 + 1);
+        });
   });
 }
 
@@ -142,41 +128,13 @@ namespace {
 class AccumulationParity : public ::testing::TestWithParam<std::tuple<int, bool>> {};
 TEST_P(AccumulationParity, GPT) {
   const auto [world, sync_every] = GetParam();
-  const gpt::Config cfg{29, 6, 2, 2, 12, true};
-  constexpr int kMicro = 3;
-  run_ranks(world, [&](Rank& r) {
-    torch::manual_seed(0);
-    auto ref = gpt::make_gpt<false>(cfg);
-    torch::manual_seed(0);
-    auto model = fsdp::fully_shard(gpt::make_gpt<true>(cfg), r.pg, test_options());
-    auto ref_opt = make_optimizer(Opt::kSGD, ref->parameters());
-    auto opt = make_optimizer(Opt::kSGD, model.sharded_parameters());
-    auto ce = [](const torch::Tensor& logits, const torch::Tensor& y) {
-      return torch::nn::functional::cross_entropy(logits.flatten(0, 1), y.flatten());
-    };
-    for (int step = 0; step < 3; ++step) {
-      ref_opt->zero_grad();
-      opt->zero_grad();
-      for (int m = 0; m < kMicro; ++m) {
-        torch::manual_seed(5000 + step * kMicro + m);
-        auto tok = torch::randint(cfg.vocab_size, {kGlobalBatch, cfg.block_size + 1}, torch::kLong);
-        auto x = tok.narrow(1, 0, cfg.block_size), y = tok.narrow(1, 1, cfg.block_size);
-        (ce(ref->forward(x), y) / kMicro).backward();
-
-        const bool last = m == kMicro - 1;
-        model.set_requires_gradient_sync(sync_every || last);
-        model.reset_comm_stats();
-        (ce(model(local_rows(x, r.rank, r.world_size)), local_rows(y, r.rank, r.world_size)) / kMicro).backward();
-        EXPECT_EQ(model.comm_stats().reduce_scatters, (sync_every || last) ? 1 + cfg.n_layer : 0)
-            << "micro-batch " << m;
-        if (!sync_every && !last) {
-          for (const auto& p : model.sharded_parameters()) EXPECT_FALSE(p.grad().defined());
-        }
+  run_ranks(world, [&, sync_every = sync_every](Rank& r) {
+    check_accumulation(r, test_options(), sync_every, [&](const auto& model, bool sync, int m) {
+      EXPECT_EQ(model.comm_stats().reduce_scatters, sync ? 1 + kAccumulationConfig.n_layer : 0) << "micro-batch " << m;
+      if (!sync) {
+        for (const auto& p : model.sharded_parameters()) EXPECT_FALSE(p.grad().defined());
       }
-      ref_opt->step();
-      opt->step();
-    }
-    expect_shards_match(r, model, *ref);
+    });
   });
 }
 INSTANTIATE_TEST_SUITE_P(WorldSizes, AccumulationParity,

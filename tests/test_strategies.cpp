@@ -77,38 +77,12 @@ INSTANTIATE_TEST_SUITE_P(Cases, StrategyParity,
 class StrategyAccumulation : public ::testing::TestWithParam<std::tuple<StrategyCase, bool>> {};
 TEST_P(StrategyAccumulation, GPT) {
   const auto [c, sync_every] = GetParam();
-  const gpt::Config cfg{29, 6, 2, 2, 12, true};
-  constexpr int kMicro = 3;
   run_ranks(c.world_size, [&, c = c, sync_every = sync_every](Rank& r) {
-    torch::manual_seed(0);
-    auto ref = gpt::make_gpt<false>(cfg);
-    torch::manual_seed(0);
-    auto model = fsdp::fully_shard(gpt::make_gpt<true>(cfg), r.pg, strategy_options(c));
-    auto ref_opt = make_optimizer(Opt::kSGD, ref->parameters());
-    auto opt = make_optimizer(Opt::kSGD, model.sharded_parameters());
-    auto ce = [](const torch::Tensor& logits, const torch::Tensor& y) {
-      return torch::nn::functional::cross_entropy(logits.flatten(0, 1), y.flatten());
-    };
-    for (int step = 0; step < 3; ++step) {
-      ref_opt->zero_grad();
-      opt->zero_grad();
-      for (int m = 0; m < kMicro; ++m) {
-        torch::manual_seed(5000 + step * kMicro + m);
-        auto tok = torch::randint(cfg.vocab_size, {kGlobalBatch, cfg.block_size + 1}, torch::kLong);
-        auto x = tok.narrow(1, 0, cfg.block_size), y = tok.narrow(1, 1, cfg.block_size);
-        (ce(ref->forward(x), y) / kMicro).backward();
-        const bool sync = sync_every || m == kMicro - 1;
-        model.set_requires_gradient_sync(sync);
-        model.reset_comm_stats();
-        (ce(model(local_rows(x, r.rank, r.world_size)), local_rows(y, r.rank, r.world_size)) / kMicro).backward();
-        const auto& s = model.comm_stats();
-        if (!sync) EXPECT_EQ(s.reduce_scatters + s.all_reduces, 0) << "micro-batch " << m;
-        if (sync) EXPECT_GT(s.reduce_scatters + s.all_reduces, 0) << "micro-batch " << m;
-      }
-      ref_opt->step();
-      opt->step();
-    }
-    expect_shards_match(r, model, *ref);
+    check_accumulation(r, strategy_options(c), sync_every, [](const auto& model, bool sync, int m) {
+      const auto& s = model.comm_stats();
+      if (!sync) EXPECT_EQ(s.reduce_scatters + s.all_reduces, 0) << "micro-batch " << m;
+      if (sync) EXPECT_GT(s.reduce_scatters + s.all_reduces, 0) << "micro-batch " << m;
+    });
   });
 }
 INSTANTIATE_TEST_SUITE_P(Cases, StrategyAccumulation,
@@ -146,44 +120,22 @@ INSTANTIATE_TEST_SUITE_P(Cases, StrategyClip,
 TEST(MixedStrategies, AllFiveInOneGPT) {
   gpt::Config cfg{31, 6, 4, 2, 12, false};
   run_ranks(4, [&](Rank& r) {
-    auto build = [&] {
-      auto net = gpt::make_gpt<true>(cfg);
-      net->blocks[0]->set_sharding_strategy(ShardingStrategy::kShardGradOp);
-      net->blocks[1]->set_sharding_strategy(kZero1);
-      net->blocks[2]->set_sharding_strategy(kDDP);
-      net->blocks[3]->set_sharding_strategy(kHybrid);
-      return net;
-    };
     torch::manual_seed(0);
     auto ref = gpt::make_gpt<false>(cfg);
     torch::manual_seed(0);
-    auto model = fsdp::fully_shard(build(), r.pg, test_options().shard_group_size(2).bucket_bytes(512));
-    auto ref_opt = make_optimizer(Opt::kAdamW, ref->parameters());
-    auto opt = make_optimizer(Opt::kAdamW, model.sharded_parameters());
-    auto ce = [](const torch::Tensor& logits, const torch::Tensor& t) {
-      return torch::nn::functional::cross_entropy(logits.flatten(0, 1), t.flatten());
-    };
-    for (int step = 0; step < 4; ++step) {
-      torch::manual_seed(8100 + step);
-      auto tok = torch::randint(cfg.vocab_size, {kGlobalBatch, cfg.block_size + 1}, torch::kLong);
-      auto x = tok.narrow(1, 0, cfg.block_size), y = tok.narrow(1, 1, cfg.block_size);
-      ref_opt->zero_grad();
-      auto ref_loss = ce(ref->forward(x), y);
-      ref_loss.backward();
-      ref_opt->step();
-      opt->zero_grad();
-      model.reset_comm_stats();
-      auto loss = ce(model(local_rows(x, r.rank, r.world_size)), local_rows(y, r.rank, r.world_size));
-      loss.backward();
-      // Root 1, ZeRO-2 block 1, ZeRO-1 block 1 (from the second step: its shard was updated),
-      // replicated 0, hybrid 2 (forward and backward).
-      EXPECT_EQ(model.comm_stats().all_gathers, 1 + 1 + (step > 0 ? 1 : 0) + 0 + 2) << "step " << step;
-      opt->step();
-      auto global = loss.detach().clone();
-      all_reduce_sum(r, global);
-      EXPECT_TRUE(close(global / r.world_size, ref_loss.detach())) << "loss at step " << step;
-    }
-    expect_shards_match(r, model, *ref);
+    auto net = gpt::make_gpt<true>(cfg);
+    net->blocks[0]->set_sharding_strategy(ShardingStrategy::kShardGradOp);
+    net->blocks[1]->set_sharding_strategy(kZero1);
+    net->blocks[2]->set_sharding_strategy(kDDP);
+    net->blocks[3]->set_sharding_strategy(kHybrid);
+    auto model = fsdp::fully_shard(net, r.pg, test_options().shard_group_size(2).bucket_bytes(512));
+    train_and_compare(
+        r, Opt::kAdamW, 4, ref, model, [&](int step) { return gpt_batch(cfg, 8100 + step); }, gpt_loss,
+        [&](int step) {
+          // Root 1, ZeRO-2 block 1, ZeRO-1 block 1 (from the second step: its shard was updated),
+          // replicated 0, hybrid 2 (forward and backward).
+          EXPECT_EQ(model.comm_stats().all_gathers, 1 + 1 + (step > 0 ? 1 : 0) + 0 + 2) << "step " << step;
+        });
   });
 }
 
@@ -219,10 +171,8 @@ TEST(CollectivesPerStep, EveryStrategy) {
       for (int step = 0; step < 3; ++step) {
         model.reset_comm_stats();
         sgd.zero_grad();
-        auto tok = torch::randint(cfg.vocab_size, {4, cfg.block_size + 1}, torch::kLong);
-        auto logits = model(tok.narrow(1, 0, cfg.block_size));
-        torch::nn::functional::cross_entropy(logits.flatten(0, 1), tok.narrow(1, 1, cfg.block_size).flatten())
-            .backward();
+        auto [x, y] = gpt_batch(cfg, 7600 + step, /*rows=*/4);
+        gpt_loss(model(x), y).backward();
         sgd.step();
         const auto& s = model.comm_stats();
         if (step == 0) continue;  // ZeRO-1 gathers updated parameters from the second step on
@@ -304,28 +254,11 @@ TEST(ShardOptimizerState, ForwardBetweenBackwardAndStep) {
     auto ref = gpt::make_gpt<false>(cfg);
     torch::manual_seed(0);
     auto model = fsdp::fully_shard(gpt::make_gpt<true>(cfg), r.pg, test_options().strategy(kZero1));
-    torch::optim::SGD ref_opt(ref->parameters(), 0.1), opt(model.sharded_parameters(), 0.1);
-    auto ce = [](const torch::Tensor& logits, const torch::Tensor& t) {
-      return torch::nn::functional::cross_entropy(logits.flatten(0, 1), t.flatten());
-    };
-    for (int step = 0; step < 3; ++step) {
-      torch::manual_seed(7400 + step);
-      auto tok = torch::randint(cfg.vocab_size, {kGlobalBatch, cfg.block_size + 1}, torch::kLong);
-      auto x = tok.narrow(1, 0, cfg.block_size), y = tok.narrow(1, 1, cfg.block_size);
-      ref_opt.zero_grad();
-      auto ref_loss = ce(ref->forward(x), y);
-      ref_loss.backward();
-      ref_opt.step();
-      opt.zero_grad();
-      auto loss = ce(model(local_rows(x, r.rank, r.world_size)), local_rows(y, r.rank, r.world_size));
-      loss.backward();
-      model(local_rows(x, r.rank, r.world_size));  // with gradients enabled, never backpropagated
-      opt.step();
-      auto global = loss.detach().clone();
-      all_reduce_sum(r, global);
-      EXPECT_TRUE(close(global / r.world_size, ref_loss.detach())) << "loss at step " << step;
-    }
-    expect_shards_match(r, model, *ref);
+    auto batch = [&](int step) { return gpt_batch(cfg, 7400 + step); };
+    train_and_compare(r, Opt::kSGD, 3, ref, model, batch, gpt_loss, [&](int step) {
+      // With gradients enabled, never backpropagated.
+      model(local_rows(batch(step).first, r.rank, r.world_size));
+    });
   });
 }
 
@@ -341,21 +274,16 @@ TEST_P(FailedBackward, ThenZeroGradThenStep) {
     torch::manual_seed(0);
     auto model = fsdp::fully_shard(gpt::make_gpt<true>(cfg), r.pg, strategy_options(c));
     torch::optim::SGD opt(model.sharded_parameters(), 0.1);
-    auto ce = [](const torch::Tensor& logits, const torch::Tensor& t) {
-      return torch::nn::functional::cross_entropy(logits.flatten(0, 1), t.flatten());
-    };
-    torch::manual_seed(7500);
-    auto tok = torch::randint(cfg.vocab_size, {kGlobalBatch, cfg.block_size + 1}, torch::kLong);
-    auto x = tok.narrow(1, 0, cfg.block_size), y = tok.narrow(1, 1, cfg.block_size);
+    auto [x, y] = gpt_batch(cfg, 7500);
     auto mx = local_rows(x, r.rank, r.world_size), my = local_rows(y, r.rank, r.world_size);
-    ce(model(mx), my).backward();  // gradients left in place (no zero_grad)
+    gpt_loss(model(mx), my).backward();  // gradients left in place (no zero_grad)
     auto logits = model(mx);
     // Fails once the head's gradient exists, with the blocks' reductions still to come.
     logits.register_hook([](const torch::Tensor&) -> torch::Tensor { throw std::runtime_error("user hook failed"); });
-    EXPECT_THROW(ce(logits, my).backward(), std::exception);
+    EXPECT_THROW(gpt_loss(logits, my).backward(), std::exception);
     opt.zero_grad();
-    ce(model(mx), my).backward();
-    ce(ref->forward(x), y).backward();
+    gpt_loss(model(mx), my).backward();
+    gpt_loss(ref->forward(x), y).backward();
     expect_shards_match(r, model, *ref, /*grads=*/true);
   });
 }
