@@ -111,6 +111,10 @@ void ParamGroup::rename(const std::string& path) {
   if (path.empty() || name_ == path) return;
   name_ = path;
   for (auto& s : slots_) s.name = path + "." + s.name;
+  name_collectives();
+}
+
+void ParamGroup::name_collectives() {
   gather_what_ = describe("all-gather");
   reduce_what_ = strategy_ == ShardingStrategy::kNoShard ? describe("all-reduce of gradients")
                                                          : describe("reduce-scatter of gradients");
@@ -147,9 +151,7 @@ void ParamGroup::init() {
   }
 
   // Named once: every collective carries its description for error messages.
-  gather_what_ = describe("all-gather");
-  reduce_what_ = strategy_ == ShardingStrategy::kNoShard ? describe("all-reduce of gradients")
-                                                         : describe("reduce-scatter of gradients");
+  name_collectives();
 
   at::NoGradGuard no_grad;
   // Rank 0's weights everywhere, one parameter at a time and in place: no flat copy, so that

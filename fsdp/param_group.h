@@ -93,6 +93,7 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
 
  private:
   std::string describe(const char* op) const;
+  void name_collectives();  // sets gather_what_ and reduce_what_ from the name and layout
   void wait_gather();
   bool keeps_full_params() const {
     return strategy_ == ShardingStrategy::kShardOptimizerState || strategy_ == ShardingStrategy::kNoShard;
