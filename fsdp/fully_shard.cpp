@@ -107,6 +107,15 @@ int64_t RootHandle::num_parameters() const {
 const CommStats& RootHandle::comm_stats() const {
   return root_->state().comm.stats();
 }
+int64_t RootHandle::held_state_bytes() const {
+  return root_->state().held_state_bytes();
+}
+void RootHandle::track_state_peak(bool on) {
+  root_->state().track_state_peak(on);
+}
+int64_t RootHandle::state_peak_bytes() const {
+  return root_->state().state_peak();
+}
 void RootHandle::reset_comm_stats() {
   root_->state().comm.stats() = CommStats{};
 }

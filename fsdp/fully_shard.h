@@ -65,6 +65,19 @@ class RootHandle {
 
   const CommStats& comm_stats() const;
   void reset_comm_stats();
+
+  /// Bytes of model parameters and gradients this rank holds now: the shards, whatever is
+  /// unsharded at the moment (gathered parameters, full gradients) and the library's buffers for
+  /// collectives in flight, each storage once. Optimizer state is the optimizer's own (see
+  /// fsdp::optim::state_bytes). Activations are not model state and are not counted.
+  int64_t held_state_bytes() const;
+  /// Peak of held_state_bytes() during forward and backward: when on, every unit samples it where
+  /// its holdings are largest (after its gather completes, its prefetch issued; when its
+  /// gradients are packed for reduction). Costs a walk over the units at each sample, so it is
+  /// off unless asked for; track_state_peak(true) also restarts the peak from the current value,
+  /// track_state_peak(false) keeps the peak seen.
+  void track_state_peak(bool on);
+  int64_t state_peak_bytes() const;
   int rank() const;
   int world_size() const;
   /// The shared state of all units (the library's own use: clipping, optimizers).

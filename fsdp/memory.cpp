@@ -95,3 +95,18 @@ void reset_peak(c10::Device device) {
 }
 
 }  // namespace fsdp::memory
+
+extern "C" {
+void fsdp_memory_enable_cpu_counting() {
+  fsdp::memory::enable_cpu_counting();
+}
+int64_t fsdp_memory_cpu_current_bytes() {
+  return fsdp::memory::cpu_counting_enabled() ? fsdp::memory::stats().current_bytes : -1;
+}
+int64_t fsdp_memory_cpu_peak_bytes() {
+  return fsdp::memory::cpu_counting_enabled() ? fsdp::memory::stats().peak_bytes : -1;
+}
+void fsdp_memory_reset_cpu_peak() {
+  fsdp::memory::reset_peak();
+}
+}

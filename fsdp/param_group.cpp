@@ -332,6 +332,7 @@ void ParamGroup::reshard() {
 void ParamGroup::pre_forward() {
   unshard();
   state_->after_unit_unsharded(*this, /*backward=*/false);
+  state_->sample_state();
 }
 
 void ParamGroup::post_forward(const std::vector<at::Tensor>& outputs) {
@@ -360,6 +361,7 @@ void ParamGroup::pre_backward() {
   state_->on_backward_begin();
   unshard();
   state_->after_unit_unsharded(*this, /*backward=*/true);
+  state_->sample_state();
   in_backward_ = true;
   grads_ready_ = 0;
   for (auto& s : slots_) s.grad_ready = false;
@@ -427,7 +429,10 @@ void ParamGroup::launch_buckets(bool all) {
       } else {
         dst.zero_();
       }
-      s.param.mutable_grad() = at::Tensor();  // the bucket holds it now
+    }
+    state_->sample_state();  // the bucket's gradients and their copy, both alive
+    for (size_t i = b.first; i < b.last; ++i) {
+      slots_[i].param.mutable_grad() = at::Tensor();  // the bucket holds it now
     }
     at::Tensor chunk = reduce_out_.narrow(0, b.offset, b.numel);
     bucket_work_.push_back(state_->comm.all_reduce_async(chunk, c10d::ReduceOp::SUM, reduce_what_));
@@ -450,6 +455,10 @@ void ParamGroup::reduce_grads() {
     return;
   }
   finish_reduce();  // a unit reduced twice in one backward (partly used, then flushed)
+  // The previous unit's reduction had this unit's whole backward to complete; finishing it before
+  // packing frees its buffers first, so one unit's packed gradients are in flight at a time (as in
+  // FSDP2), not two.
+  state_->finish_reduces();
   const int64_t W = S_;
   const auto opts = unsharded_.options();
   // One copy into rank-major [W, shard_numel] (chunk-cat pads each parameter's chunks), then the
@@ -468,6 +477,7 @@ void ParamGroup::reduce_grads() {
   reduce_in_ = at::empty({W, shard_numel_}, opts);
   at::_chunk_cat_out(reduce_in_, grads, 0, W);
   grads.clear();
+  state_->sample_state();  // the unsharded gradients and their packed copy, both alive
   if (strategy_ == ShardingStrategy::kShardOptimizerState) {
     holds_reduced_ = true;  // the full gradients stay; they are no longer pending
   } else {
@@ -479,6 +489,17 @@ void ParamGroup::reduce_grads() {
   reducing_ = true;
   // Runs while the rest of backward computes; the state bounds how many are in flight.
   state_->after_reduce_issued(*this);
+}
+
+void ParamGroup::append_held_tensors(std::vector<at::Tensor>& out) const {
+  for (const at::Tensor* t : {&flat_shard_, &unsharded_, &gathered_, &gather_in_, &reduce_in_, &reduce_out_}) {
+    out.push_back(*t);
+  }
+  for (const auto& s : slots_) {
+    out.push_back(s.sharded);
+    out.push_back(s.sharded.grad());
+    if (s.param.defined()) out.push_back(s.param.grad());
+  }
 }
 
 void ParamGroup::wait_gather() {

@@ -91,6 +91,11 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   /// Waits for and drops an all-gather prefetched but not used (the unit stays sharded).
   void drop_prefetch();
 
+  /// Appends every tensor of this unit's parameters and gradients that holds memory now: shards,
+  /// unsharded parameters and gradients, and the buffers of collectives in flight. Tensors may
+  /// share storage (FSDPState::held_state_bytes counts each storage once).
+  void append_held_tensors(std::vector<at::Tensor>& out) const;
+
  private:
   std::string describe(const char* op) const;
   void name_collectives();  // sets gather_what_ and reduce_what_ from the name and layout

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <sstream>
 #include <unordered_map>
+#include <unordered_set>
 
 namespace fsdp::detail {
 
@@ -63,6 +64,23 @@ void FSDPState::end_forward() {
   for (auto& w : groups) {
     if (auto g = w.lock()) g->drop_prefetch();
   }
+}
+
+int64_t FSDPState::held_state_bytes() const {
+  std::vector<at::Tensor> held;
+  for (const auto& w : groups) {
+    if (auto g = w.lock()) g->append_held_tensors(held);
+  }
+  // Shards alias their unit's flat buffer, ZeRO-1's shards and gradients alias the full ones:
+  // each storage is counted once, at its allocated size (padding included).
+  std::unordered_set<const c10::StorageImpl*> seen;
+  int64_t bytes = 0;
+  for (const auto& t : held) {
+    if (!t.defined() || !t.has_storage()) continue;
+    const c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
+    if (seen.insert(impl).second) bytes += static_cast<int64_t>(impl->nbytes());
+  }
+  return bytes;
 }
 
 void FSDPState::mark_broken(const std::string& why) {

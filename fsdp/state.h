@@ -55,7 +55,7 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   /// Records the unit's place in the forward order and issues the prefetch of the next units
   /// (forward order in forward, reverse order in backward), at most options.prefetch() of them.
   void after_unit_unsharded(ParamGroup& unit, bool backward);
-  /// Bounds the reduce-scatters in flight to one besides `unit`'s: the oldest is completed.
+  /// Records `unit`'s reduction in flight (any other was completed before it was packed).
   void after_reduce_issued(ParamGroup& unit);
   /// Completes every reduce-scatter still in flight.
   void finish_reduces();
@@ -64,8 +64,24 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   void mark_broken(const std::string& why);
   void check_not_broken() const;
 
+  /// Bytes of parameters and gradients all units hold now (each storage once); see
+  /// RootHandle::held_state_bytes.
+  int64_t held_state_bytes() const;
+  /// While tracking, units call this where their holdings are largest: right after a unit is
+  /// gathered (its prefetch issued) and when its gradients are packed for reduction.
+  void sample_state() {
+    if (track_state_) state_peak_ = std::max(state_peak_, held_state_bytes());
+  }
+  void track_state_peak(bool on) {
+    track_state_ = on;
+    if (on) state_peak_ = held_state_bytes();
+  }
+  int64_t state_peak() const { return state_peak_; }
+
  private:
   bool callback_queued_ = false;
+  bool track_state_ = false;
+  int64_t state_peak_ = 0;
   std::string broken_;
   std::vector<std::weak_ptr<ParamGroup>> order_;      // units in the order of the last forward
   std::vector<std::weak_ptr<ParamGroup>> recording_;  // ... and of the forward in progress

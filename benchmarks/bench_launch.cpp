@@ -1,0 +1,148 @@
+#include "benchmarks/bench_launch.h"
+
+#include <c10/util/Exception.h>
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+namespace bench {
+namespace {
+
+int free_port() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  TORCH_CHECK(fd >= 0, "fsdp_bench: socket() failed");
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = 0;
+  socklen_t len = sizeof(a);
+  const bool ok = bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+                  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0;
+  close(fd);
+  TORCH_CHECK(ok, "fsdp_bench: no free port on 127.0.0.1");
+  return ntohs(a.sin_port);
+}
+
+std::string tail(const std::string& path, size_t max_chars = 3000) {
+  std::ifstream f(path);
+  std::stringstream s;
+  s << f.rdbuf();
+  std::string t = s.str();
+  return t.size() > max_chars ? "..." + t.substr(t.size() - max_chars) : t;
+}
+
+std::string temp_dir() {
+  std::string tmpl = (std::getenv("TMPDIR") ? std::getenv("TMPDIR") : "/tmp") + std::string("/fsdp_bench.XXXXXX");
+  TORCH_CHECK(mkdtemp(tmpl.data()) != nullptr, "fsdp_bench: cannot create a directory under $TMPDIR or /tmp");
+  return tmpl;
+}
+
+}  // namespace
+
+std::string self_exe() {
+  char buf[4096];
+  const ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  TORCH_CHECK(n > 0, "fsdp_bench: cannot read /proc/self/exe");
+  return std::string(buf, static_cast<size_t>(n));
+}
+
+std::vector<Report> launch(const Launch& l, const std::string& progress) {
+  const std::string dir = temp_dir();
+  const std::string port = std::to_string(free_port());
+  std::vector<pid_t> pids;
+  std::vector<std::string> outs, logs;
+  for (int r = 0; r < l.world_size; ++r) {
+    outs.push_back(dir + "/rank" + std::to_string(r) + ".report");
+    logs.push_back(dir + "/rank" + std::to_string(r) + ".log");
+    std::vector<std::string> args = l.argv;
+    for (auto& a : args) {
+      if (a == "{out}") a = outs.back();
+    }
+    const pid_t pid = fork();
+    TORCH_CHECK(pid >= 0, "fsdp_bench: fork failed");
+    if (pid == 0) {
+      setenv("RANK", std::to_string(r).c_str(), 1);
+      setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
+      setenv("WORLD_SIZE", std::to_string(l.world_size).c_str(), 1);
+      setenv("MASTER_ADDR", "127.0.0.1", 1);
+      setenv("MASTER_PORT", port.c_str(), 1);
+      setenv("OMP_NUM_THREADS", std::to_string(l.threads_per_rank).c_str(), 1);
+      const int fd = open(logs.back().c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      if (fd >= 0) {
+        dup2(fd, 1);
+        dup2(fd, 2);
+      }
+      std::vector<char*> cargs;
+      for (auto& a : args) cargs.push_back(a.data());
+      cargs.push_back(nullptr);
+      execv(cargs[0], cargs.data());
+      std::perror(cargs[0]);
+      _exit(127);
+    }
+    pids.push_back(pid);
+  }
+
+  const bool tty = isatty(2) != 0;
+  const auto start = std::chrono::steady_clock::now();
+  auto elapsed = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); };
+  if (!tty) std::fprintf(stderr, "%s %s ...\n", progress.c_str(), l.label.c_str());
+  std::string failure;
+  int running = l.world_size;
+  std::vector<bool> done(pids.size(), false);
+  while (running > 0 && failure.empty()) {
+    for (size_t r = 0; r < pids.size(); ++r) {
+      if (done[r]) continue;
+      int status = 0;
+      if (waitpid(pids[r], &status, WNOHANG) != pids[r]) continue;
+      done[r] = true;
+      --running;
+      if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+        failure = "rank " + std::to_string(r) +
+                  (WIFSIGNALED(status) ? " was killed by signal " + std::to_string(WTERMSIG(status)) +
+                                             (WTERMSIG(status) == SIGKILL ? " (out of memory?)" : "")
+                                       : " exited with status " + std::to_string(WEXITSTATUS(status)));
+      }
+    }
+    if (failure.empty() && elapsed() > l.timeout_s) {
+      failure = "did not finish within " + std::to_string(l.timeout_s) + " s (--timeout)";
+    }
+    if (tty) std::fprintf(stderr, "\r%s %s  %6.1f s ", progress.c_str(), l.label.c_str(), elapsed());
+    if (running > 0 && failure.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  for (size_t r = 0; r < pids.size(); ++r) {
+    if (done[r]) continue;
+    kill(pids[r], SIGKILL);
+    waitpid(pids[r], nullptr, 0);
+  }
+  if (!failure.empty()) {
+    if (tty) std::fprintf(stderr, "\n");
+    std::ostringstream msg;
+    msg << "fsdp_bench: " << l.label << ": " << failure << ". Output of each rank:\n";
+    for (int r = 0; r < l.world_size; ++r) msg << "--- rank " << r << " (" << logs[r] << ")\n" << tail(logs[r]) << "\n";
+    TORCH_CHECK(false, msg.str());
+  }
+  std::fprintf(stderr, tty ? "\r%s %s  %6.1f s\n" : "%s %s done in %.1f s\n", progress.c_str(), l.label.c_str(),
+               elapsed());
+  std::vector<Report> reports;
+  for (const auto& o : outs) reports.push_back(read_report(o));
+  for (int r = 0; r < l.world_size; ++r) {
+    std::remove(outs[r].c_str());
+    std::remove(logs[r].c_str());
+  }
+  rmdir(dir.c_str());
+  return reports;
+}
+
+}  // namespace bench

@@ -1,0 +1,86 @@
+// fsdp_bench's vocabulary: the strategies it compares, the ZeRO formulas it measures against, and
+// what one rank of one run reports.
+#pragma once
+
+#include "examples/gpt.h"
+#include "fsdp/options.h"
+
+#include <cstdint>
+#include <map>
+#include <string>
+
+namespace bench {
+
+/// The strategies by their command-line names (train_gpt's).
+inline const std::map<std::string, fsdp::ShardingStrategy>& strategies() {
+  static const std::map<std::string, fsdp::ShardingStrategy> m = {
+      {"full", fsdp::ShardingStrategy::kFullShard},
+      {"grad-op", fsdp::ShardingStrategy::kShardGradOp},
+      {"optimizer", fsdp::ShardingStrategy::kShardOptimizerState},
+      {"replicate", fsdp::ShardingStrategy::kNoShard},
+      {"hybrid", fsdp::ShardingStrategy::kHybridShard},
+  };
+  return m;
+}
+
+/// The sizes that enter the formulas: Ψ, the root unit's and the largest other unit's parameters.
+struct ModelShape {
+  int64_t psi = 0;
+  int64_t root = 0;
+  int64_t largest_unit = 0;
+};
+
+/// examples/gpt.h's GPT: the root holds the embeddings, the final LayerNorm and the head; each
+/// block is a unit.
+inline ModelShape gpt_shape(const gpt::Config& c) {
+  const int64_t C = c.n_embd, b = c.bias ? 1 : 0;
+  const int64_t block =
+      2 * 2 * C + (3 * C * C + 3 * C * b) + (C * C + C * b) + (4 * C * C + 4 * C * b) + (4 * C * C + C * b);
+  const int64_t root = c.vocab_size * C + c.block_size * C + 2 * C + C * c.vocab_size;
+  return {root + c.n_layer * block, root, block};
+}
+
+/// Model-state bytes per rank at the optimizer step (DESIGN.md section 4; fp32 with Adam: 4
+/// parameter + 4 gradient + 8 optimizer bytes per parameter). N ranks; S: hybrid's group size.
+inline double formula_at_step(const std::string& strategy, const ModelShape& m, int N, int S) {
+  const double psi = static_cast<double>(m.psi);
+  if (strategy == "full" || strategy == "grad-op") return 16 * psi / N;
+  if (strategy == "optimizer") return 8 * psi + 8 * psi / N;
+  if (strategy == "replicate") return 16 * psi;
+  return 16 * psi / S;  // hybrid
+}
+
+/// Model-state bytes per rank at their peak during the step (DESIGN.md section 4): SHARD_GRAD_OP
+/// holds every parameter unsharded from forward to the end of backward, 4Ψ + 12Ψ/N; full sharding
+/// (and hybrid, over its S ranks) holds its shards plus what is unsharded at once: the root (kept
+/// from its forward into backward) and two of the largest other units (the one computing and the
+/// one prefetched). ZeRO-1 and replicated hold at the step what they hold throughout.
+inline double formula_peak(const std::string& strategy, const ModelShape& m, int N, int S) {
+  const double psi = static_cast<double>(m.psi);
+  const double unsharded = 4.0 * static_cast<double>(m.root + 2 * m.largest_unit);
+  if (strategy == "full") return 16 * psi / N + unsharded;
+  if (strategy == "hybrid") return 16 * psi / S + unsharded;
+  if (strategy == "grad-op") return 4 * psi + 12 * psi / N;
+  return formula_at_step(strategy, m, N, S);
+}
+
+inline const char* formula_text(const std::string& strategy, bool peak) {
+  if (strategy == "full") return peak ? "16Ψ/N+4(Ψr+2Ψu)" : "16Ψ/N";
+  if (strategy == "grad-op") return peak ? "4Ψ+12Ψ/N" : "16Ψ/N";
+  if (strategy == "optimizer") return "8Ψ+8Ψ/N";
+  if (strategy == "replicate") return "16Ψ";
+  return peak ? "16Ψ/S+4(Ψr+2Ψu)" : "16Ψ/S";
+}
+
+/// The ZeRO paper's communication volume per step, in elements: 3Ψ when parameters are gathered
+/// in forward and again in backward, 2Ψ otherwise (hybrid adds the all-reduce across groups of
+/// its Ψ/S shard: 3Ψ + 2Ψ/S). Counted at one rank too: the library still issues the collectives
+/// (the process group's copy).
+inline double comm_formula(const std::string& strategy, const ModelShape& m, int N, int S) {
+  const double psi = static_cast<double>(m.psi);
+  if (strategy == "full") return 3 * psi;
+  if (strategy == "hybrid") return 3 * psi + (N > S ? 2 * psi / S : 0);
+  return 2 * psi;
+}
+
+}  // namespace bench

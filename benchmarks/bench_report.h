@@ -1,0 +1,38 @@
+// fsdp_bench's results: one row per run (all ranks of one strategy at one world size), printed as
+// a table, as JSON, and drawn as an SVG plot of per-rank memory against world size.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace bench {
+
+struct Row {
+  std::string impl;  ///< "libtorch-fsdp", "pytorch-fsdp2" or "simulated"
+  std::string strategy;
+  std::string model;  ///< "default" or a simulated preset ("7b", "70b")
+  int world_size = 1;
+  int shard_group_size = 1;
+  int64_t params = 0;
+  bool measured = true;  ///< false: too large for this machine, formulas only
+  std::string note;
+  // Largest over ranks (step time: the slowest rank's mean); -1 where not measured.
+  double peak_bytes = -1, peak_rss_bytes = -1, base_rss_bytes = -1, construction_peak_bytes = -1;
+  double state_bytes_at_step = -1, state_bytes_peak = -1;
+  double formula_at_step = 0, formula_peak = 0;
+  double step_ms = -1;
+  double comm_elements = -1, comm_formula = 0, comm_expected = -1;
+  double loss = 0;
+};
+
+void print_table(const std::vector<Row>& rows);
+/// ours/FSDP2 ratios (memory and step time) at each world size both were run at.
+void print_fsdp2_ratios(const std::vector<Row>& rows);
+void print_simulated(const std::vector<Row>& rows);
+std::string to_json(const std::vector<Row>& rows);
+/// Per-rank model state (at the step and at its peak) and allocator peak against world size, one
+/// colour per strategy, the formulas as lines.
+void write_svg(const std::vector<Row>& rows, const std::string& path);
+
+}  // namespace bench

@@ -1,0 +1,148 @@
+#include "benchmarks/bench_run.h"
+
+#include "fsdp/fsdp.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/optim/adamw.h>
+
+#include <algorithm>
+#include <chrono>
+#include <fstream>
+#include <sstream>
+
+namespace bench {
+namespace {
+
+int64_t proc_status_bytes(const char* key) {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  const std::string prefix = std::string(key) + ":";
+  while (std::getline(f, line)) {
+    if (line.rfind(prefix, 0) == 0) return std::stoll(line.substr(prefix.size())) * 1024;  // "  123 kB"
+  }
+  return -1;
+}
+
+/// Elements the library should send per step, from the units' padded shards: a unit gathered in
+/// forward and again in backward counts 3x its padded size, once (the root, ZeRO-2, ZeRO-1) 2x,
+/// an all-reduce 2x; hybrid adds the all-reduce of its shard across groups.
+int64_t expected_comm_elements(const std::vector<fsdp::UnitInfo>& units, int world_size) {
+  int64_t n = 0;
+  for (const auto& u : units) {
+    const int64_t padded = u.shard_numel * u.shard_world_size;
+    const bool root = u.name.empty();
+    switch (u.strategy) {
+      case fsdp::ShardingStrategy::kFullShard:
+        n += (root ? 2 : 3) * padded;
+        break;
+      case fsdp::ShardingStrategy::kHybridShard:
+        n += (root ? 2 : 3) * padded + (world_size > u.shard_world_size ? 2 * u.shard_numel : 0);
+        break;
+      default:  // ZeRO-2, ZeRO-1: one all-gather and one reduce-scatter; replicated: one all-reduce
+        n += 2 * padded;
+    }
+  }
+  return n;
+}
+
+}  // namespace
+
+int64_t peak_rss_bytes() {
+  return proc_status_bytes("VmHWM");
+}
+int64_t rss_bytes() {
+  return proc_status_bytes("VmRSS");
+}
+
+Report run_rank(const RunOptions& o, const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
+  TORCH_CHECK(fsdp::memory::cpu_counting_enabled(), "bench::run_rank: enable the counting allocator first");
+  const int rank = pg->getRank(), world = pg->getSize();
+  TORCH_CHECK(o.batch_size % world == 0, "fsdp_bench (rank ", rank, "): --batch-size ", o.batch_size,
+              " is not divisible by the ", world, " ranks");
+  Report r;
+  r["base_rss_bytes"] = static_cast<double>(rss_bytes());
+
+  const auto options = fsdp::FullyShardOptions()
+                           .strategy(strategies().at(o.strategy))
+                           .shard_group_size(o.shard_group_size)
+                           .prefetch(o.prefetch)
+                           .bucket_bytes(static_cast<int64_t>(o.bucket_mb * 1024 * 1024));
+  fsdp::memory::reset_peak();
+  torch::manual_seed(static_cast<int64_t>(o.seed));
+  auto model = o.build_sharded ? [&] {
+    fsdp::ShardingScope scope(pg, options);
+    return fsdp::fully_shard(gpt::make_gpt<true>(o.model), scope);
+  }()
+                               : fsdp::fully_shard(gpt::make_gpt<true>(o.model), pg, options);
+  r["construction_peak_bytes"] = static_cast<double>(fsdp::memory::stats().peak_bytes);
+  const ModelShape shape = gpt_shape(o.model);
+  TORCH_CHECK(model.num_parameters() == shape.psi, "fsdp_bench: the GPT has ", model.num_parameters(),
+              " parameters but bench::gpt_shape counts ", shape.psi, "; keep them in step");
+  r["params"] = static_cast<double>(shape.psi);
+  r["comm_expected"] = static_cast<double>(expected_comm_elements(model.units(), world));
+
+  torch::optim::AdamW opt(model.sharded_parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
+  const int64_t T = o.model.block_size, rows = o.batch_size / world;
+  double total_ms = 0, peak = 0, state_peak = 0;
+  for (int64_t step = 0; step < o.steps; ++step) {
+    opt.zero_grad();
+    model.reset_comm_stats();
+    fsdp::memory::reset_peak();
+    model.track_state_peak(true);
+    const auto t0 = std::chrono::steady_clock::now();
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(o.seed * 1000003 + static_cast<uint64_t>(step));
+    auto tokens =
+        torch::randint(o.model.vocab_size, {o.batch_size, T + 1}, gen, torch::kLong).narrow(0, rank * rows, rows);
+    auto x = tokens.narrow(1, 0, T), y = tokens.narrow(1, 1, T);
+    auto loss = torch::nn::functional::cross_entropy(model(x).flatten(0, 1), y.flatten());
+    loss.backward();
+    opt.step();
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    const auto at_step = fsdp::optim::state_bytes(model.sharded_parameters(), &opt);
+    model.track_state_peak(false);
+    r["loss"] = loss.item<double>();
+    r["state_bytes_at_step"] = static_cast<double>(at_step.total());
+    r["comm_elements"] = static_cast<double>(model.comm_stats().elements);
+    // Parameters and gradients at their peak in forward and backward, plus the optimizer state,
+    // which is there throughout (from the first step on); or the state at the step, if larger.
+    const double step_state =
+        static_cast<double>(std::max(model.state_peak_bytes() + at_step.optimizer, at_step.total()));
+    const bool measured = step > 0 || o.steps == 1;
+    if (measured) {
+      total_ms += ms;
+      peak = std::max(peak, static_cast<double>(fsdp::memory::stats().peak_bytes));
+      state_peak = std::max(state_peak, step_state);
+    }
+  }
+  const int64_t measured_steps = o.steps > 1 ? o.steps - 1 : 1;
+  r["step_ms"] = total_ms / static_cast<double>(measured_steps);
+  r["peak_bytes"] = peak;
+  r["state_bytes_peak"] = state_peak;
+  r["peak_rss_bytes"] = static_cast<double>(peak_rss_bytes());
+  return r;
+}
+
+void write_report(const Report& report, const std::string& path) {
+  std::ofstream f(path);
+  f.precision(17);
+  for (const auto& [k, v] : report) f << k << " " << v << "\n";
+  TORCH_CHECK(f.good(), "fsdp_bench: cannot write ", path);
+}
+
+Report read_report(const std::string& path) {
+  std::ifstream f(path);
+  TORCH_CHECK(f, "fsdp_bench: the worker wrote no report ", path);
+  Report r;
+  std::string line;
+  while (std::getline(f, line)) {
+    std::istringstream in(line);
+    std::string k;
+    double v = 0;
+    TORCH_CHECK(static_cast<bool>(in >> k >> v), "fsdp_bench: malformed line '", line, "' in ", path);
+    r[k] = v;
+  }
+  return r;
+}
+
+}  // namespace bench

@@ -1,0 +1,46 @@
+// One rank of one fsdp_bench run: build the GPT, wrap it, train a few steps and measure. The same
+// code serves a rank of a real job (Gloo, started by fsdp_bench) and the one rank of a simulated
+// job (fsdp::make_fake_process_group).
+#pragma once
+
+#include "benchmarks/bench_model.h"
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <map>
+#include <string>
+
+namespace bench {
+
+struct RunOptions {
+  gpt::Config model;
+  std::string strategy = "full";
+  int shard_group_size = 1;  // hybrid
+  int64_t batch_size = 8;    // global rows of block_size tokens
+  int64_t steps = 4;         // the first warms up (and allocates the optimizer state)
+  uint64_t seed = 1;
+  int prefetch = 1;
+  double bucket_mb = 25;
+  bool build_sharded = false;  // construction-time sharding (fsdp::ShardingScope)
+};
+
+/// What one rank measured, by name: written as one "name value" line each, so that the driver
+/// reads C++ and Python workers alike.
+using Report = std::map<std::string, double>;
+
+/// Trains opts.steps steps on `pg` and measures the steps after the first. The counting CPU
+/// allocator must be enabled before the call. Keys: params, peak_bytes (allocator, max over the
+/// measured steps), peak_rss_bytes (VmHWM), base_rss_bytes (RSS before the model was built),
+/// construction_peak_bytes, state_bytes_at_step, state_bytes_peak, step_ms (mean), comm_elements
+/// (per step), comm_expected (the same from the units' padded shapes), loss.
+Report run_rank(const RunOptions& opts, const c10::intrusive_ptr<c10d::ProcessGroup>& pg);
+
+void write_report(const Report& report, const std::string& path);
+/// Throws naming the file when it is missing or malformed.
+Report read_report(const std::string& path);
+
+/// VmHWM and VmRSS of this process, bytes (-1 where /proc is unavailable).
+int64_t peak_rss_bytes();
+int64_t rss_bytes();
+
+}  // namespace bench

@@ -1,0 +1,453 @@
+// Memory and speed of every sharding strategy against the ZeRO formulas and against PyTorch's own
+// FSDP2, side by side in one run, plus a simulated rank of jobs too large for this machine.
+//
+//   build/benchmarks/fsdp_bench                      # table on stdout, progress on stderr
+//   build/benchmarks/fsdp_bench --json --out r.json --plot r.svg
+//   build/benchmarks/fsdp_bench --simulate           # 7B and 70B GPTs at 8, 64 and 1024 ranks
+//
+// Each run starts its ranks as processes over Gloo on loopback (the environment torchrun gives),
+// each measuring itself (bench_run.h); PyTorch's side is benchmarks/fsdp2_gpt.py with the same
+// model, batch, optimizer and backend, its memory counted by this library's allocator loaded into
+// Python. Simulated runs train one step on rank 0 of N over fsdp::make_fake_process_group.
+#include "benchmarks/bench_launch.h"
+#include "benchmarks/bench_report.h"
+#include "benchmarks/bench_run.h"
+#include "fsdp/fsdp.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+#include <thread>
+
+#ifndef FSDP_BENCH_PYTHON
+#define FSDP_BENCH_PYTHON ""
+#endif
+#ifndef FSDP_BENCH_FSDP2_SCRIPT
+#define FSDP_BENCH_FSDP2_SCRIPT "benchmarks/fsdp2_gpt.py"
+#endif
+#ifndef FSDP_BENCH_LIBRARY
+#define FSDP_BENCH_LIBRARY ""
+#endif
+
+namespace {
+
+struct Args {
+  bench::RunOptions run;
+  std::vector<int> world_sizes = {1, 2, 4};
+  std::vector<std::string> strategies = {"full", "grad-op", "optimizer", "replicate", "hybrid"};
+  int shard_group_size = 0;  // hybrid; 0: N/2, at least 1
+  bool fsdp2 = true;
+  std::string python = FSDP_BENCH_PYTHON;
+  bool json = false;
+  std::string out, plot;
+  int timeout_s = 900;
+  bool simulate = false;
+  std::vector<std::string> sim_models = {"7b", "70b"};
+  std::vector<int> sim_world_sizes = {8, 64, 1024};
+  std::string worker;  // "" | "rank" | "sim": this process is one rank of a run
+  std::string report;  // worker: where to write the report
+};
+
+[[noreturn]] void usage(const std::string& error) {
+  std::cerr
+      << "fsdp_bench: " << error << "\n"
+      << "usage: fsdp_bench [--json] [--out FILE.json] [--plot FILE.svg] [--world-sizes 1,2,4]\n"
+      << "                  [--strategies full,grad-op,optimizer,replicate,hybrid] [--shard-group-size S]\n"
+      << "                  [--n-layer 16] [--n-head 8] [--n-embd 512] [--block-size 64] [--batch-size 8]\n"
+      << "                  [--steps 4] [--seed 1] [--prefetch 1] [--bucket-mb 25] [--build-sharded]\n"
+      << "                  [--no-fsdp2] [--python PYTHON] [--timeout SECONDS]\n"
+      << "       fsdp_bench --simulate [--sim-models 7b,70b] [--sim-world-sizes 8,64,1024] [--json] [--out FILE]\n"
+      << "  Every strategy at every world size (ranks on this machine, Gloo over loopback), then PyTorch's FSDP2\n"
+      << "  (fully_shard, the same model) at the same world sizes. --batch-size is global (rows of --block-size\n"
+      << "  tokens); the first of --steps warms up. --json prints the rows as JSON instead of the table.\n"
+      << "  --simulate: rank 0 of N over a process group that communicates nothing; per-rank memory of large\n"
+      << "  GPTs where it fits this machine, the formulas alone where it does not.\n";
+  std::exit(2);
+}
+
+template <typename T>
+std::vector<T> split(const std::string& v, T (*conv)(const std::string&)) {
+  std::vector<T> out;
+  std::stringstream s(v);
+  std::string item;
+  while (std::getline(s, item, ',')) out.push_back(conv(item));
+  if (out.empty()) throw std::invalid_argument("empty list");
+  return out;
+}
+int to_int(const std::string& s) {
+  return std::stoi(s);
+}
+std::string to_str(const std::string& s) {
+  return s;
+}
+
+Args parse(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    const std::string k = argv[i];
+    if (k == "--help" || k == "-h") usage("help");
+    if (k == "--json" || k == "--no-fsdp2" || k == "--simulate" || k == "--build-sharded") {
+      (k == "--json"            ? a.json
+       : k == "--simulate"      ? a.simulate
+       : k == "--build-sharded" ? a.run.build_sharded
+                                : a.fsdp2) = k != "--no-fsdp2";
+      continue;
+    }
+    if (i + 1 >= argc) usage("missing value after " + k);
+    const std::string v = argv[++i];
+    try {
+      if (k == "--world-sizes")
+        a.world_sizes = split<int>(v, to_int);
+      else if (k == "--strategies")
+        a.strategies = split<std::string>(v, to_str);
+      else if (k == "--shard-group-size")
+        a.shard_group_size = std::stoi(v);
+      else if (k == "--n-layer")
+        a.run.model.n_layer = std::stoll(v);
+      else if (k == "--n-head")
+        a.run.model.n_head = std::stoll(v);
+      else if (k == "--n-embd")
+        a.run.model.n_embd = std::stoll(v);
+      else if (k == "--block-size")
+        a.run.model.block_size = std::stoll(v);
+      else if (k == "--batch-size")
+        a.run.batch_size = std::stoll(v);
+      else if (k == "--steps")
+        a.run.steps = std::stoll(v);
+      else if (k == "--seed")
+        a.run.seed = std::stoull(v);
+      else if (k == "--prefetch")
+        a.run.prefetch = std::stoi(v);
+      else if (k == "--bucket-mb")
+        a.run.bucket_mb = std::stod(v);
+      else if (k == "--python")
+        a.python = v;
+      else if (k == "--out")
+        a.out = v;
+      else if (k == "--plot")
+        a.plot = v;
+      else if (k == "--timeout")
+        a.timeout_s = std::stoi(v);
+      else if (k == "--sim-models")
+        a.sim_models = split<std::string>(v, to_str);
+      else if (k == "--sim-world-sizes")
+        a.sim_world_sizes = split<int>(v, to_int);
+      else if (k == "--strategy")
+        a.run.strategy = v;  // worker
+      else if (k == "--worker")
+        a.worker = v;
+      else if (k == "--report")
+        a.report = v;
+      else
+        usage("unknown flag " + k);
+    } catch (const std::logic_error&) {
+      usage("bad value '" + v + "' for " + k);
+    }
+  }
+  for (const auto& s : a.strategies) {
+    if (bench::strategies().count(s) == 0) usage("unknown strategy '" + s + "' in --strategies");
+  }
+  for (int n : a.world_sizes) {
+    if (n < 1) usage("--world-sizes must be positive");
+  }
+  if (a.run.model.n_embd % a.run.model.n_head != 0) usage("--n-embd must be a multiple of --n-head");
+  if (a.run.steps < 1 || a.run.batch_size < 1) usage("--steps and --batch-size must be positive");
+  if (a.run.steps < 2 && a.worker.empty()) usage("--steps must be at least 2 (the first warms up)");
+  if (a.shard_group_size < 0) usage("--shard-group-size must be positive");
+  return a;
+}
+
+/// Model arguments shared by both workers (the C++ worker takes the run's own flags too).
+std::vector<std::string> model_args(const Args& a) {
+  const auto& m = a.run.model;
+  return {"--n-layer",    std::to_string(m.n_layer),        "--n-head",     std::to_string(m.n_head),
+          "--n-embd",     std::to_string(m.n_embd),         "--block-size", std::to_string(m.block_size),
+          "--batch-size", std::to_string(a.run.batch_size), "--steps",      std::to_string(a.run.steps),
+          "--seed",       std::to_string(a.run.seed)};
+}
+
+int64_t mem_available_bytes() {
+  std::ifstream f("/proc/meminfo");
+  std::string key;
+  int64_t kb = 0;
+  std::string unit;
+  while (f >> key >> kb >> unit) {
+    if (key == "MemAvailable:") return kb * 1024;
+  }
+  return -1;
+}
+
+/// Activations of one rank's forward, fp32, as autograd keeps them: about 34·C + 5·heads·T values
+/// per token per block (Korthikanti et al.), plus the logits and their softmax.
+double activation_bytes(const gpt::Config& c, int64_t rows) {
+  const double tokens = static_cast<double>(rows * c.block_size);
+  return 4.0 * tokens *
+         (static_cast<double>(c.n_layer) * (34.0 * c.n_embd + 5.0 * c.n_head * c.block_size) + 3.0 * c.vocab_size);
+}
+
+/// What one rank of a run needs at most: the whole model while it is built (unless built
+/// sharded) or the step's peak state, plus activations and the process's own footprint.
+double rank_need_bytes(const std::string& strategy, const bench::ModelShape& m, const gpt::Config& c, int N, int S,
+                       int64_t rows, bool build_sharded) {
+  const double unit = 4.0 * static_cast<double>(m.largest_unit), root = 4.0 * static_cast<double>(m.root);
+  // Beyond the formula: the root's gradients and a unit's gradients with their packed copy and the
+  // previous unit's copy in flight.
+  const double state = bench::formula_peak(strategy, m, N, S) + 2 * root + 3 * unit;
+  const double build = build_sharded ? 4.0 * static_cast<double>(m.psi) / N + unit : 4.0 * static_cast<double>(m.psi);
+  constexpr double kProcess = 600.0 * 1024 * 1024;  // LibTorch (or Python with torch) loaded
+  return std::max(state + activation_bytes(c, rows), build) + kProcess;
+}
+
+int hybrid_group(const Args& a, int N) {
+  return a.shard_group_size > 0 ? std::min(a.shard_group_size, N) : std::max(1, N / 2);
+}
+
+bench::Row aggregate(const std::string& impl, const std::string& strategy, int N, int S, const bench::ModelShape& m,
+                     const std::vector<bench::Report>& reports) {
+  bench::Row r;
+  r.impl = impl;
+  r.strategy = strategy;
+  r.model = "default";
+  r.world_size = N;
+  r.shard_group_size = S;
+  r.params = m.psi;
+  auto largest = [&](const char* key) {
+    double v = -1;
+    for (const auto& rep : reports) {
+      auto it = rep.find(key);
+      if (it != rep.end()) v = std::max(v, it->second);
+    }
+    return v;
+  };
+  r.peak_bytes = largest("peak_bytes");
+  r.peak_rss_bytes = largest("peak_rss_bytes");
+  r.base_rss_bytes = largest("base_rss_bytes");
+  r.construction_peak_bytes = largest("construction_peak_bytes");
+  r.state_bytes_at_step = largest("state_bytes_at_step");
+  r.state_bytes_peak = largest("state_bytes_peak");
+  r.step_ms = largest("step_ms");
+  r.comm_elements = largest("comm_elements");
+  r.comm_expected = largest("comm_expected");
+  r.loss = reports.front().count("loss") ? reports.front().at("loss") : 0;
+  r.formula_at_step = bench::formula_at_step(strategy, m, N, S);
+  r.formula_peak = bench::formula_peak(strategy, m, N, S);
+  r.comm_formula = bench::comm_formula(strategy, m, N, S);
+  return r;
+}
+
+/// The simulated models: GPTs shaped like the 7B and 70B classes (vocabulary 32000, 4x MLP).
+gpt::Config sim_model(const std::string& name) {
+  gpt::Config c;
+  c.vocab_size = 32000;
+  c.block_size = 16;  // a few tokens: the memory measured is the model state's
+  if (name == "7b") {
+    c.n_layer = 32, c.n_head = 32, c.n_embd = 4096;
+  } else if (name == "70b") {
+    c.n_layer = 86, c.n_head = 64, c.n_embd = 8192;
+  } else if (name == "tiny") {  // for tests
+    c.n_layer = 2, c.n_head = 2, c.n_embd = 32;
+  } else {
+    usage("unknown --sim-models entry '" + name + "' (7b, 70b)");
+  }
+  return c;
+}
+
+std::vector<bench::Row> simulate(const Args& a) {
+  std::vector<bench::Row> rows;
+  const int64_t available = mem_available_bytes();
+  int k = 0;
+  const int total = static_cast<int>(a.sim_models.size() * a.sim_world_sizes.size());
+  for (const auto& name : a.sim_models) {
+    const gpt::Config c = sim_model(name);
+    const bench::ModelShape m = bench::gpt_shape(c);
+    for (int N : a.sim_world_sizes) {
+      ++k;
+      bench::Row r;
+      r.impl = "simulated";
+      r.strategy = "full";
+      r.model = name;
+      r.world_size = N;
+      r.shard_group_size = N;
+      r.params = m.psi;
+      r.formula_at_step = bench::formula_at_step("full", m, N, N);
+      r.formula_peak = bench::formula_peak("full", m, N, N);
+      r.comm_formula = bench::comm_formula("full", m, N, N);
+      const double need = rank_need_bytes("full", m, c, N, N, 1, /*build_sharded=*/true);
+      if (available > 0 && need > 0.85 * static_cast<double>(available)) {
+        r.measured = false;
+        char note[160];
+        std::snprintf(note, sizeof(note), "formula only: needs ~%.1f GiB, this machine has %.1f GiB available",
+                      need / (1 << 30), static_cast<double>(available) / (1 << 30));
+        r.note = note;
+        std::fprintf(stderr, "[%2d/%d] simulated %s N=%d: %s\n", k, total, name.c_str(), N, note);
+        rows.push_back(r);
+        continue;
+      }
+      bench::Launch l;
+      l.label = "simulated " + name + " N=" + std::to_string(N);
+      l.argv = {bench::self_exe(),
+                "--worker",
+                "sim",
+                "--report",
+                "{out}",
+                "--n-layer",
+                std::to_string(c.n_layer),
+                "--n-head",
+                std::to_string(c.n_head),
+                "--n-embd",
+                std::to_string(c.n_embd),
+                "--sim-world-sizes",
+                std::to_string(N),
+                "--sim-models",
+                name};
+      l.threads_per_rank = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+      l.timeout_s = a.timeout_s;
+      char progress[32];
+      std::snprintf(progress, sizeof(progress), "[%2d/%d]", k, total);
+      const auto rep = bench::launch(l, progress);
+      bench::Row got = aggregate("simulated", "full", N, N, m, rep);
+      got.model = name;
+      got.note = "measured on rank 0 of " + std::to_string(N);
+      rows.push_back(got);
+    }
+  }
+  return rows;
+}
+
+int run_worker(const Args& a) {
+  fsdp::memory::enable_cpu_counting();
+  bench::Report rep;
+  if (a.worker == "sim") {
+    bench::RunOptions o;
+    o.model = sim_model(a.sim_models.at(0));
+    o.strategy = "full";
+    const int N = a.sim_world_sizes.at(0);
+    o.batch_size = N;  // one row on this rank
+    o.steps = 1;
+    o.build_sharded = true;
+    rep = bench::run_rank(o, fsdp::make_fake_process_group(0, N));
+  } else {
+    bench::RunOptions o = a.run;
+    o.shard_group_size = a.shard_group_size;
+    rep = bench::run_rank(o, fsdp::init_process_group());
+  }
+  bench::write_report(rep, a.report);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Args a = parse(argc, argv);
+  try {
+    if (!a.worker.empty()) return run_worker(a);
+    std::vector<bench::Row> rows;
+    if (a.simulate) {
+      rows = simulate(a);
+    } else {
+      const bench::ModelShape m = bench::gpt_shape(a.run.model);
+      const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+      bool fsdp2 = a.fsdp2;
+      if (fsdp2 && (a.python.empty() || access(a.python.c_str(), X_OK) != 0)) {
+        std::fprintf(stderr,
+                     "fsdp_bench: no Python with torch ('%s'); skipping PyTorch FSDP2 (pass --python, or --no-fsdp2)\n",
+                     a.python.c_str());
+        fsdp2 = false;
+      }
+      // Every run is checked before the first starts: nothing is left half measured.
+      const int64_t available = mem_available_bytes();
+      for (int N : a.world_sizes) {
+        if (a.run.batch_size % N != 0) {
+          usage("--batch-size " + std::to_string(a.run.batch_size) + " is not divisible by world size " +
+                std::to_string(N) + " (each rank takes an equal share)");
+        }
+        for (const auto& s : a.strategies) {
+          const double need =
+              N * rank_need_bytes(s, m, a.run.model, N, hybrid_group(a, N), a.run.batch_size / N, a.run.build_sharded);
+          if (available > 0 && need > 0.9 * static_cast<double>(available)) {
+            std::fprintf(stderr,
+                         "fsdp_bench: %s at %d ranks would need about %.1f GiB (%d ranks x %.1f GiB: %lld parameters, "
+                         "activations of %lld rows, the process) but %.1f GiB is available. Choose a smaller model "
+                         "(--n-embd, --n-layer), a smaller --batch-size or fewer --world-sizes.\n",
+                         s.c_str(), N, need / (1 << 30), N, need / N / (1 << 30), static_cast<long long>(m.psi),
+                         static_cast<long long>(a.run.batch_size / N), static_cast<double>(available) / (1 << 30));
+            return 1;
+          }
+        }
+      }
+      const int total = static_cast<int>(a.world_sizes.size() * (a.strategies.size() + (fsdp2 ? 1 : 0)));
+      std::fprintf(stderr,
+                   "fsdp_bench: GPT of %lld parameters (%lld blocks x %lld wide), global batch %lld x %lld, "
+                   "%lld steps (the first warms up), %d runs\n",
+                   static_cast<long long>(m.psi), static_cast<long long>(a.run.model.n_layer),
+                   static_cast<long long>(a.run.model.n_embd), static_cast<long long>(a.run.batch_size),
+                   static_cast<long long>(a.run.model.block_size), static_cast<long long>(a.run.steps), total);
+      int k = 0;
+      char progress[32];
+      for (const auto& s : a.strategies) {
+        for (int N : a.world_sizes) {
+          const int S = s == "hybrid" ? hybrid_group(a, N) : (s == "replicate" ? 1 : N);
+          bench::Launch l;
+          l.label = "libtorch-fsdp " + s + " N=" + std::to_string(N) + (s == "hybrid" ? " S=" + std::to_string(S) : "");
+          l.argv = {bench::self_exe(),
+                    "--worker",
+                    "rank",
+                    "--report",
+                    "{out}",
+                    "--strategy",
+                    s,
+                    "--shard-group-size",
+                    std::to_string(S),
+                    "--prefetch",
+                    std::to_string(a.run.prefetch),
+                    "--bucket-mb",
+                    std::to_string(a.run.bucket_mb)};
+          if (a.run.build_sharded) l.argv.push_back("--build-sharded");
+          for (auto& x : model_args(a)) l.argv.push_back(x);
+          l.world_size = N;
+          l.threads_per_rank = static_cast<int>(std::max(1u, cores / static_cast<unsigned>(N)));
+          l.timeout_s = a.timeout_s;
+          std::snprintf(progress, sizeof(progress), "[%2d/%d]", ++k, total);
+          rows.push_back(aggregate("libtorch-fsdp", s, N, S, m, bench::launch(l, progress)));
+        }
+      }
+      for (int N : fsdp2 ? a.world_sizes : std::vector<int>{}) {
+        bench::Launch l;
+        l.label = "pytorch-fsdp2 full N=" + std::to_string(N);
+        l.argv = {a.python, FSDP_BENCH_FSDP2_SCRIPT, "--counting-lib", FSDP_BENCH_LIBRARY, "--report", "{out}"};
+        for (auto& x : model_args(a)) l.argv.push_back(x);
+        l.world_size = N;
+        l.threads_per_rank = static_cast<int>(std::max(1u, cores / static_cast<unsigned>(N)));
+        l.timeout_s = a.timeout_s;
+        std::snprintf(progress, sizeof(progress), "[%2d/%d]", ++k, total);
+        rows.push_back(aggregate("pytorch-fsdp2", "full", N, N, m, bench::launch(l, progress)));
+      }
+    }
+    if (a.json) {
+      std::cout << bench::to_json(rows);
+    } else if (a.simulate) {
+      bench::print_simulated(rows);
+    } else {
+      bench::print_table(rows);
+      bench::print_fsdp2_ratios(rows);
+    }
+    if (!a.out.empty()) {
+      std::ofstream f(a.out);
+      f << bench::to_json(rows);
+      TORCH_CHECK(f.good(), "fsdp_bench: cannot write ", a.out);
+    }
+    if (!a.plot.empty()) bench::write_svg(rows, a.plot);
+  } catch (const c10::Error& e) {
+    std::cerr << e.what_without_backtrace() << "\n";
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << e.what() << "\n";
+    return 1;
+  }
+  return 0;
+}
