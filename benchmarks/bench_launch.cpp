@@ -85,6 +85,7 @@ std::vector<Report> launch(const Launch& l, const std::string& progress) {
         dup2(fd, 2);
       }
       std::vector<char*> cargs;
+      cargs.reserve(args.size() + 1);
       for (auto& a : args) cargs.push_back(a.data());
       cargs.push_back(nullptr);
       execv(cargs[0], cargs.data());
@@ -136,6 +137,7 @@ std::vector<Report> launch(const Launch& l, const std::string& progress) {
   std::fprintf(stderr, tty ? "\r%s %s  %6.1f s\n" : "%s %s done in %.1f s\n", progress.c_str(), l.label.c_str(),
                elapsed());
   std::vector<Report> reports;
+  reports.reserve(outs.size());
   for (const auto& o : outs) reports.push_back(read_report(o));
   for (int r = 0; r < l.world_size; ++r) {
     std::remove(outs[r].c_str());

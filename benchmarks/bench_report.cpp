@@ -147,69 +147,90 @@ std::string to_json(const std::vector<Row>& rows) {
 }
 
 void write_svg(const std::vector<Row>& rows, const std::string& path) {
-  // Two panels (model state at the step; at its peak in the step), x: world size (log2), y: MiB.
+  // Three panels, x: world size (log2), y: MiB per rank. Model state at the step and at its peak
+  // in the step, measured (circles) against the formulas (dashed); then everything the allocator
+  // held at its peak (activations included), with PyTorch's FSDP2 beside full sharding.
   std::vector<std::string> names;
   std::vector<int> worlds;
   double ymax = 0;
   for (const auto& r : rows) {
-    if (r.impl != "libtorch-fsdp") continue;
-    if (std::find(names.begin(), names.end(), r.strategy) == names.end()) names.push_back(r.strategy);
+    if (r.impl == "simulated") continue;
+    if (r.impl == "libtorch-fsdp" && std::find(names.begin(), names.end(), r.strategy) == names.end()) {
+      names.push_back(r.strategy);
+    }
     if (std::find(worlds.begin(), worlds.end(), r.world_size) == worlds.end()) worlds.push_back(r.world_size);
-    ymax = std::max({ymax, r.state_bytes_at_step, r.state_bytes_peak, r.formula_peak, r.formula_at_step});
+    ymax = std::max({ymax, r.state_bytes_at_step, r.state_bytes_peak, r.formula_peak, r.formula_at_step, r.peak_bytes});
   }
-  TORCH_CHECK(!worlds.empty(), "fsdp_bench: no libtorch-fsdp rows to plot");
+  TORCH_CHECK(!names.empty(), "fsdp_bench: no libtorch-fsdp rows to plot");
   std::sort(worlds.begin(), worlds.end());
-  ymax = ymax / (1024.0 * 1024.0) * 1.1;
-  const double W = 460, H = 340, left = 70, top = 40, pw = 360, ph = 250;
+  ymax = ymax / (1024.0 * 1024.0) * 1.05;
+  const double W = 440, left = 70, top = 40, pw = 340, ph = 250;
+  const int legend_rows = static_cast<int>(names.size()) + 1;
+  const double H = top + ph + 50 + 18.0 * legend_rows;
   std::ostringstream s;
-  s << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << 2 * W << "\" height=\"" << H + 30
+  s << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << 3 * W << "\" height=\"" << H
     << "\" font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
   const double lx0 = std::log2(worlds.front()), lx1 = std::max(std::log2(worlds.back()), lx0 + 1);
-  for (int panel = 0; panel < 2; ++panel) {
+  const char* titles[] = {"model state per rank at the optimizer step", "model state per rank at its peak in the step",
+                          "allocator peak per rank (with activations)"};
+  for (int panel = 0; panel < 3; ++panel) {
     const double ox = panel * W + left;
     auto X = [&](double n) { return ox + (std::log2(n) - lx0) / (lx1 - lx0) * pw; };
     auto Y = [&](double bytes) { return top + ph - bytes / (1024.0 * 1024.0) / ymax * ph; };
-    s << "<text x=\"" << ox + pw / 2 << "\" y=\"22\" text-anchor=\"middle\" font-size=\"14\">"
-      << (panel == 0 ? "model state per rank at the optimizer step" : "model state per rank at its peak in the step")
-      << "</text>\n";
-    s << "<rect x=\"" << ox << "\" y=\"" << top << "\" width=\"" << pw << "\" height=\"" << ph
+    s << "<text x=\"" << ox + pw / 2 << "\" y=\"22\" text-anchor=\"middle\" font-size=\"14\">" << titles[panel]
+      << "</text>\n<rect x=\"" << ox << "\" y=\"" << top << "\" width=\"" << pw << "\" height=\"" << ph
       << "\" fill=\"none\" stroke=\"#444\"/>\n";
     for (int k = 0; k <= 4; ++k) {
-      const double v = ymax * k / 4;
       const double y = top + ph - ph * k / 4;
-      s << "<text x=\"" << ox - 6 << "\" y=\"" << y + 4 << "\" text-anchor=\"end\">" << num(v) << "</text>\n";
-      s << "<line x1=\"" << ox << "\" x2=\"" << ox + pw << "\" y1=\"" << y << "\" y2=\"" << y
+      s << "<text x=\"" << ox - 6 << "\" y=\"" << y + 4 << "\" text-anchor=\"end\">" << num(ymax * k / 4)
+        << "</text>\n<line x1=\"" << ox << "\" x2=\"" << ox + pw << "\" y1=\"" << y << "\" y2=\"" << y
         << "\" stroke=\"#ddd\"/>\n";
     }
     for (int n : worlds) {
       s << "<text x=\"" << X(n) << "\" y=\"" << top + ph + 16 << "\" text-anchor=\"middle\">" << n << "</text>\n";
     }
-    s << "<text x=\"" << ox + pw / 2 << "\" y=\"" << top + ph + 34 << "\" text-anchor=\"middle\">ranks N</text>\n";
-    s << "<text transform=\"rotate(-90)\" x=\"" << -(top + ph / 2) << "\" y=\"" << ox - 50
+    s << "<text x=\"" << ox + pw / 2 << "\" y=\"" << top + ph + 34 << "\" text-anchor=\"middle\">ranks N</text>\n"
+      << "<text transform=\"rotate(-90)\" x=\"" << -(top + ph / 2) << "\" y=\"" << ox - 50
       << "\" text-anchor=\"middle\">MiB per rank</text>\n";
-    for (size_t i = 0; i < names.size(); ++i) {
-      const char* colour = kColours[i % 6];
+    for (size_t i = 0; i <= names.size(); ++i) {
+      const bool fsdp2 = i == names.size();
+      if (fsdp2 && panel < 2) continue;
+      const char* colour = fsdp2 ? "#000000" : kColours[i % 6];
       std::string line;
       for (const auto& r : rows) {
-        if (r.impl != "libtorch-fsdp" || r.strategy != names[i]) continue;
-        const double f = panel == 0 ? r.formula_at_step : r.formula_peak;
-        const double m = panel == 0 ? r.state_bytes_at_step : r.state_bytes_peak;
+        if (fsdp2 ? r.impl != "pytorch-fsdp2" : (r.impl != "libtorch-fsdp" || r.strategy != names[i])) continue;
+        const double f = panel == 0 ? r.formula_at_step : panel == 1 ? r.formula_peak : r.peak_bytes;
+        const double m = panel == 0 ? r.state_bytes_at_step : panel == 1 ? r.state_bytes_peak : r.peak_bytes;
         line += (line.empty() ? "M" : " L") + num(X(r.world_size), "%.1f") + "," + num(Y(f), "%.1f");
-        s << "<circle cx=\"" << X(r.world_size) << "\" cy=\"" << Y(m) << "\" r=\"" << 5 - i * 0.6
-          << "\" fill=\"none\" stroke=\"" << colour << "\" stroke-width=\"2\"/>\n";
+        if (fsdp2) {
+          s << "<rect x=\"" << X(r.world_size) - 4 << "\" y=\"" << Y(m) - 4
+            << "\" width=\"8\" height=\"8\" fill=\"none\" stroke=\"#000\" stroke-width=\"2\"/>\n";
+        } else {
+          s << "<circle cx=\"" << X(r.world_size) << "\" cy=\"" << Y(m) << "\" r=\"" << 5 - static_cast<double>(i) * 0.6
+            << "\" fill=\"none\" stroke=\"" << colour << "\" stroke-width=\"2\"/>\n";
+        }
       }
-      s << "<path d=\"" << line << "\" fill=\"none\" stroke=\"" << colour << "\" stroke-dasharray=\"5,3\"/>\n";
-      if (panel == 1) {
-        const double y = top + 14 + 16 * static_cast<double>(i);
-        s << "<circle cx=\"" << ox + pw - 150 << "\" cy=\"" << y - 4 << "\" r=\"4\" fill=\"none\" stroke=\"" << colour
-          << "\" stroke-width=\"2\"/><text x=\"" << ox + pw - 140 << "\" y=\"" << y << "\">" << names[i] << " ("
-          << formula_text(names[i], true) << ")</text>\n";
-      }
+      s << "<path d=\"" << line << "\" fill=\"none\" stroke=\"" << colour << "\""
+        << (panel < 2 ? " stroke-dasharray=\"5,3\"" : "") << "/>\n";
     }
   }
-  s << "<text x=\"" << left << "\" y=\"" << H + 20
-    << "\">circles: measured (largest rank); dashed lines: the ZeRO formulas (DESIGN.md section 4); "
-       "Ψr root unit, Ψu largest unit</text>\n</svg>\n";
+  for (size_t i = 0; i <= names.size(); ++i) {
+    const double y = top + ph + 62 + 18 * static_cast<double>(i);
+    const bool fsdp2 = i == names.size();
+    s << (fsdp2 ? "<rect x=\"" + num(left - 4) + "\" y=\"" + num(y - 8) +
+                      "\" width=\"8\" height=\"8\" fill=\"none\" stroke=\"#000\" stroke-width=\"2\"/>"
+                : "<circle cx=\"" + num(left) + "\" cy=\"" + num(y - 4) + "\" r=\"4\" fill=\"none\" stroke=\"" +
+                      kColours[i % 6] + "\" stroke-width=\"2\"/>")
+      << "<text x=\"" << left + 12 << "\" y=\"" << y << "\">"
+      << (fsdp2 ? std::string("PyTorch FSDP2 (fully_shard), right panel only")
+                : names[i] + ": formula at the step " + formula_text(names[i], false) + ", at the peak " +
+                      formula_text(names[i], true))
+      << "</text>\n";
+  }
+  s << "<text x=\"" << W + left << "\" y=\"" << top + ph + 62
+    << "\">circles: measured, largest rank; dashed lines: the formulas (DESIGN.md section 4)</text>\n"
+    << "<text x=\"" << W + left << "\" y=\"" << top + ph + 80
+    << "\">Ψ parameters, Ψr the root unit's, Ψu the largest unit's; N ranks, S hybrid's group</text>\n</svg>\n";
   std::ofstream f(path);
   f << s.str();
   TORCH_CHECK(f.good(), "fsdp_bench: cannot write the plot to ", path);

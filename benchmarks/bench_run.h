@@ -17,7 +17,8 @@ struct RunOptions {
   std::string strategy = "full";
   int shard_group_size = 1;  // hybrid
   int64_t batch_size = 8;    // global rows of block_size tokens
-  int64_t steps = 4;         // the first warms up (and allocates the optimizer state)
+  int64_t steps = 4;         // the first warms up (and allocates the optimizer state); one: that one,
+                             // after allocating the optimizer state
   uint64_t seed = 1;
   int prefetch = 1;
   double bucket_mb = 25;

@@ -83,5 +83,45 @@ TEST(Simulated, RankOfAThousand) {
   EXPECT_EQ(model.comm_stats().elements, W * (2 * root + 3 * blocks));
 }
 
+/// Three units of Linear(16, 16) and nothing else: the root unit holds no parameters.
+struct ThreeUnitsImpl : torch::nn::Module {
+  ThreeUnitsImpl() {
+    for (int i = 0; i < 3; ++i)
+      units.push_back(register_module("u" + std::to_string(i), Sharded<torch::nn::LinearImpl>(16, 16)));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    for (auto& u : units) x = torch::tanh(u(x));
+    return x;
+  }
+  std::vector<Sharded<torch::nn::LinearImpl>> units;
+};
+
+// held_state_bytes and its peak, in bytes from shapes, on rank 0 of 4 (fake group, no prefetch).
+// A unit has 272 elements: 1088 bytes whole, a 272-byte shard (4 of its 16 rows, no padding).
+// The peak is when the last unit of backward (u0) packs its gradients: every parameter shard,
+// the gradient shards of u2 and u1 (u1's reduction completed before u0 packs), u0's gathered
+// parameters, its gradients and their packed copy. Keeping u1's reduction in flight while u0
+// packs would add 1088 + 272 bytes.
+TEST(Simulated, HeldStateBytesAndPeakFromShapes) {
+  const int64_t U = 3, unit = 1088, shard = 272;
+  torch::manual_seed(0);
+  auto model =
+      fsdp::fully_shard(std::make_shared<ThreeUnitsImpl>(), make_fake_process_group(0, 4), test_options().prefetch(0));
+  EXPECT_EQ(model.held_state_bytes(), U * shard);  // the shards only
+  torch::optim::SGD sgd(model.sharded_parameters(), 0.1);
+  for (int step = 0; step < 2; ++step) {
+    sgd.zero_grad();
+    model.track_state_peak(true);
+    model(torch::randn({5, 16})).sum().backward();
+    model.track_state_peak(false);
+    EXPECT_EQ(model.state_peak_bytes(), U * shard + (U - 1) * shard + 3 * unit) << "step " << step;
+    EXPECT_EQ(model.held_state_bytes(), 2 * U * shard) << "step " << step;  // shards and gradient shards
+    sgd.step();
+  }
+  // Off, the peak is no longer sampled.
+  model(torch::randn({5, 16})).sum().backward();
+  EXPECT_EQ(model.state_peak_bytes(), U * shard + (U - 1) * shard + 3 * unit);
+}
+
 }  // namespace
 }  // namespace fsdp::testing
