@@ -6,6 +6,7 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -70,20 +71,29 @@ std::vector<Report> launch(const Launch& l, const std::string& progress) {
     for (auto& a : args) {
       if (a == "{out}") a = outs.back();
     }
+    const pid_t parent = getpid();
     const pid_t pid = fork();
-    TORCH_CHECK(pid >= 0, "fsdp_bench: fork failed");
+    if (pid < 0) {
+      for (pid_t p : pids) {
+        kill(p, SIGKILL);
+        waitpid(p, nullptr, 0);
+      }
+      TORCH_CHECK(false, "fsdp_bench: fork failed for rank ", r, " of ", l.label);
+    }
     if (pid == 0) {
+      // A rank never outlives the driver (killed by a timeout, Ctrl-C): it would hold memory and ports.
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (getppid() != parent) _exit(1);
       setenv("RANK", std::to_string(r).c_str(), 1);
       setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
       setenv("WORLD_SIZE", std::to_string(l.world_size).c_str(), 1);
       setenv("MASTER_ADDR", "127.0.0.1", 1);
       setenv("MASTER_PORT", port.c_str(), 1);
       setenv("OMP_NUM_THREADS", std::to_string(l.threads_per_rank).c_str(), 1);
+      // The rank's output goes to its log, never into the driver's stdout (the table or JSON).
       const int fd = open(logs.back().c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-      if (fd >= 0) {
-        dup2(fd, 1);
-        dup2(fd, 2);
-      }
+      if (fd < 0 || dup2(fd, 1) < 0 || dup2(fd, 2) < 0) _exit(126);
+      close(fd);
       std::vector<char*> cargs;
       cargs.reserve(args.size() + 1);
       for (auto& a : args) cargs.push_back(a.data());

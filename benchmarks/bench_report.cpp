@@ -72,15 +72,19 @@ void print_fsdp2_ratios(const std::vector<Row>& rows) {
         continue;
       }
       if (!header) {
-        std::printf("\nlibtorch-fsdp / PyTorch FSDP2, same model, batch, optimizer and backend:\n");
-        std::printf("%-9s %2s | %9s %9s %9s %9s\n", "strategy", "N", "peak", "RSS", "state", "step time");
+        std::printf(
+            "\nlibtorch-fsdp / PyTorch FSDP2, same model, batch, optimizer and backend "
+            "(RSS-base: growth of RSS after the process group was set up):\n");
+        std::printf("%-9s %2s | %9s %9s %9s %9s %9s\n", "strategy", "N", "peak", "RSS", "RSS-base", "state",
+                    "step time");
         header = true;
       }
-      std::printf("%-9s %2d | %9s %9s %9s %9s\n", ours.strategy.c_str(), ours.world_size,
-                  ratio(ours.peak_bytes, theirs.peak_bytes).c_str(),
-                  ratio(ours.peak_rss_bytes, theirs.peak_rss_bytes).c_str(),
-                  ratio(ours.state_bytes_at_step, theirs.state_bytes_at_step).c_str(),
-                  ratio(ours.step_ms, theirs.step_ms).c_str());
+      std::printf(
+          "%-9s %2d | %9s %9s %9s %9s %9s\n", ours.strategy.c_str(), ours.world_size,
+          ratio(ours.peak_bytes, theirs.peak_bytes).c_str(), ratio(ours.peak_rss_bytes, theirs.peak_rss_bytes).c_str(),
+          ratio(ours.peak_rss_bytes - ours.base_rss_bytes, theirs.peak_rss_bytes - theirs.base_rss_bytes).c_str(),
+          ratio(ours.state_bytes_at_step, theirs.state_bytes_at_step).c_str(),
+          ratio(ours.step_ms, theirs.step_ms).c_str());
     }
   }
 }
@@ -112,13 +116,21 @@ std::string to_json(const std::vector<Row>& rows) {
   auto str = [](const std::string& s) {
     std::string e = "\"";
     for (char c : s) {
-      if (c == '"' || c == '\\') e += '\\';
-      e += c;
+      if (c == '"' || c == '\\') {
+        e += '\\';
+        e += c;
+      } else if (static_cast<unsigned char>(c) < 0x20) {
+        char u[8];
+        std::snprintf(u, sizeof(u), "\\u%04x", c);
+        e += u;
+      } else {
+        e += c;
+      }
     }
     return e + "\"";
   };
   auto val = [](double v) -> std::string {
-    if (v < 0) return "null";
+    if (v < 0 || !std::isfinite(v)) return "null";  // not measured, or a diverged loss
     std::ostringstream s;
     s.precision(15);
     s << v;

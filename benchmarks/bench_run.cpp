@@ -92,7 +92,9 @@ Report run_rank(const RunOptions& o, const c10::intrusive_ptr<c10d::ProcessGroup
   }
   const int64_t T = o.model.block_size, rows = o.batch_size / world;
   double total_ms = 0, peak = 0, state_peak = 0;
+  auto token = torch::zeros({1});
   for (int64_t step = 0; step < o.steps; ++step) {
+    fsdp::all_reduce(pg, token);  // every rank starts the step together (a barrier)
     opt.zero_grad();
     model.reset_comm_stats();
     fsdp::memory::reset_peak();

@@ -118,13 +118,13 @@ def main():
         lib.fsdp_memory_cpu_current_bytes.restype = ctypes.c_int64
         lib.fsdp_memory_enable_cpu_counting()
 
-    base_rss = status_bytes("VmRSS")
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
+    base_rss = status_bytes("VmRSS")  # as the C++ ranks: after the process group, before the model
     torch.manual_seed(a.seed)
     model = GPT(a)
     for block in model.h:
@@ -138,6 +138,7 @@ def main():
     times, peaks = [], []
     state = 0
     for step in range(a.steps):
+        dist.barrier()  # every rank starts the step together, as the C++ ranks do
         opt.zero_grad(set_to_none=True)
         if lib:
             lib.fsdp_memory_reset_cpu_peak()
@@ -155,7 +156,6 @@ def main():
         if step > 0:  # the first step allocates the optimizer state and warms up
             times.append(ms)
             peaks.append(lib.fsdp_memory_cpu_peak_bytes() if lib else -1)
-        dist.barrier()
     report = {
         "params": psi, "step_ms": sum(times) / len(times), "peak_bytes": max(peaks),
         "peak_rss_bytes": status_bytes("VmHWM"), "base_rss_bytes": base_rss, "state_bytes_at_step": state,

@@ -158,6 +158,14 @@ Args parse(int argc, char** argv) {
   }
   for (int n : a.world_sizes) {
     if (n < 1) usage("--world-sizes must be positive");
+    if (a.shard_group_size > 0 && std::count(a.strategies.begin(), a.strategies.end(), "hybrid") > 0 &&
+        n % std::min(a.shard_group_size, n) != 0) {
+      usage("--shard-group-size " + std::to_string(a.shard_group_size) + " does not divide world size " +
+            std::to_string(n) + " (hybrid's groups must tile the ranks)");
+    }
+  }
+  for (int n : a.sim_world_sizes) {
+    if (n < 1) usage("--sim-world-sizes must be positive");
   }
   if (a.run.model.n_embd % a.run.model.n_head != 0) usage("--n-embd must be a multiple of --n-head");
   if (a.run.steps < 1 || a.run.batch_size < 1) usage("--steps and --batch-size must be positive");
@@ -261,6 +269,8 @@ gpt::Config sim_model(const std::string& name) {
   return c;
 }
 
+bool g_failed_runs = false;  // a simulated run that should have fitted failed: exit status 1
+
 std::vector<bench::Row> simulate(const Args& a) {
   std::vector<bench::Row> rows;
   const int64_t available = mem_available_bytes();
@@ -319,10 +329,12 @@ std::vector<bench::Row> simulate(const Args& a) {
         got.note = "measured on rank 0 of " + std::to_string(N);
         rows.push_back(got);
       } catch (const c10::Error& e) {  // e.g. out of memory after all: the formula, and why
-        std::fprintf(stderr, "%s\n", e.what_without_backtrace());
+        const std::string why = e.what_without_backtrace();
+        std::fprintf(stderr, "%s\n", why.c_str());
         r.measured = false;
-        r.note = "formula only: the simulated run failed (see above)";
+        r.note = "formula only: the simulated run failed: " + why.substr(0, why.find('\n'));
         rows.push_back(r);
+        g_failed_runs = true;
       }
     }
   }
@@ -452,6 +464,7 @@ int main(int argc, char** argv) {
       TORCH_CHECK(f.good(), "fsdp_bench: cannot write ", a.out);
     }
     if (!a.plot.empty()) bench::write_svg(rows, a.plot);
+    if (g_failed_runs) return 1;
   } catch (const c10::Error& e) {
     std::cerr << e.what_without_backtrace() << "\n";
     return 1;

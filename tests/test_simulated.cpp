@@ -101,7 +101,8 @@ struct ThreeUnitsImpl : torch::nn::Module {
 // The peak is when the last unit of backward (u0) packs its gradients: every parameter shard,
 // the gradient shards of u2 and u1 (u1's reduction completed before u0 packs), u0's gathered
 // parameters, its gradients and their packed copy. Keeping u1's reduction in flight while u0
-// packs would add 1088 + 272 bytes.
+// packs would add its packed gradients, 1088 bytes (its output is already counted: it becomes
+// u1's gradient shard).
 TEST(Simulated, HeldStateBytesAndPeakFromShapes) {
   const int64_t U = 3, unit = 1088, shard = 272;
   torch::manual_seed(0);
