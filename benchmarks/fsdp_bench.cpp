@@ -38,7 +38,8 @@ namespace {
 
 struct Args {
   bench::RunOptions run;
-  std::vector<int> world_sizes = {1, 2, 4};
+  std::vector<int> world_sizes = {1, 2, 4};  // and 8 where it fits (8 cores or more, and memory)
+  bool world_sizes_given = false;
   std::vector<std::string> strategies = {"full", "grad-op", "optimizer", "replicate", "hybrid"};
   int shard_group_size = 0;  // hybrid; 0: N/2, at least 1
   bool fsdp2 = true;
@@ -63,7 +64,8 @@ struct Args {
       << "                  [--no-fsdp2] [--python PYTHON] [--timeout SECONDS]\n"
       << "       fsdp_bench --simulate [--sim-models 7b,70b] [--sim-world-sizes 8,64,1024] [--json] [--out FILE]\n"
       << "  Every strategy at every world size (ranks on this machine, Gloo over loopback), then PyTorch's FSDP2\n"
-      << "  (fully_shard, the same model) at the same world sizes. --batch-size is global (rows of --block-size\n"
+      << "  (fully_shard, the same model) at the same world sizes (default 1,2,4, and 8 with 8 cores or more\n"
+      << "  where memory allows). --batch-size is global (rows of --block-size\n"
       << "  tokens); the first of --steps warms up. --json prints the rows as JSON instead of the table.\n"
       << "  --simulate: rank 0 of N over a process group that communicates nothing; per-rank memory of large\n"
       << "  GPTs where it fits this machine, the formulas alone where it does not.\n";
@@ -106,7 +108,7 @@ Args parse(int argc, char** argv) {
     const std::string v = argv[++i];
     try {
       if (k == "--world-sizes")
-        a.world_sizes = split<int>(v, to_int);
+        a.world_sizes = split<int>(v, to_int), a.world_sizes_given = true;
       else if (k == "--strategies")
         a.strategies = split<std::string>(v, to_str);
       else if (k == "--shard-group-size")
@@ -381,9 +383,14 @@ int main(int argc, char** argv) {
                      a.python.c_str());
         fsdp2 = false;
       }
-      // Every run is checked before the first starts: nothing is left half measured.
+      // Every run is checked before the first starts: nothing is left half measured. By default 8
+      // ranks join where they fit: as many cores, and the memory (else they are left out, said so).
+      std::vector<int> worlds = a.world_sizes;
+      const bool try_eight = !a.world_sizes_given && cores >= 8 && a.run.batch_size % 8 == 0;
+      if (try_eight) worlds.push_back(8);
       const int64_t available = mem_available_bytes();
-      for (int N : a.world_sizes) {
+      for (size_t w = 0; w < worlds.size(); ++w) {  // by index: 8 may be dropped on the way
+        const int N = worlds[w];
         if (a.run.batch_size % N != 0) {
           usage("--batch-size " + std::to_string(a.run.batch_size) + " is not divisible by world size " +
                 std::to_string(N) + " (each rank takes an equal share)");
@@ -392,6 +399,12 @@ int main(int argc, char** argv) {
           const double need =
               N * rank_need_bytes(s, m, a.run.model, N, hybrid_group(a, N), a.run.batch_size / N, a.run.build_sharded);
           if (available > 0 && need > 0.9 * static_cast<double>(available)) {
+            if (try_eight && N == 8) {
+              std::fprintf(stderr, "fsdp_bench: leaving out 8 ranks: %s would need about %.1f GiB\n", s.c_str(),
+                           need / (1 << 30));
+              worlds.pop_back();
+              break;
+            }
             std::fprintf(stderr,
                          "fsdp_bench: %s at N=%d would need about %.1f GiB (%d ranks x %.1f GiB: %lld parameters, "
                          "activations of %lld rows, the process) but %.1f GiB is available. Choose a smaller model "
@@ -402,7 +415,7 @@ int main(int argc, char** argv) {
           }
         }
       }
-      const int total = static_cast<int>(a.world_sizes.size() * (a.strategies.size() + (fsdp2 ? 1 : 0)));
+      const int total = static_cast<int>(worlds.size() * (a.strategies.size() + (fsdp2 ? 1 : 0)));
       std::fprintf(stderr,
                    "fsdp_bench: GPT of %lld parameters (%lld blocks x %lld wide), global batch %lld x %lld, "
                    "%lld steps (the first warms up), %d runs\n",
@@ -412,7 +425,7 @@ int main(int argc, char** argv) {
       int k = 0;
       char progress[32];
       for (const auto& s : a.strategies) {
-        for (int N : a.world_sizes) {
+        for (int N : worlds) {
           const int S = s == "hybrid" ? hybrid_group(a, N) : (s == "replicate" ? 1 : N);
           bench::Launch l;
           l.label = "libtorch-fsdp " + s + " N=" + std::to_string(N) + (s == "hybrid" ? " S=" + std::to_string(S) : "");
@@ -438,7 +451,7 @@ int main(int argc, char** argv) {
           rows.push_back(aggregate("libtorch-fsdp", s, N, S, m, bench::launch(l, progress)));
         }
       }
-      for (int N : fsdp2 ? a.world_sizes : std::vector<int>{}) {
+      for (int N : fsdp2 ? worlds : std::vector<int>{}) {
         bench::Launch l;
         l.label = "pytorch-fsdp2 full N=" + std::to_string(N);
         l.argv = {a.python, FSDP_BENCH_FSDP2_SCRIPT, "--counting-lib", FSDP_BENCH_LIBRARY, "--report", "{out}"};
