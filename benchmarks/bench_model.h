@@ -1,27 +1,15 @@
-// fsdp_bench's vocabulary: the strategies it compares, the ZeRO formulas it measures against, and
-// what one rank of one run reports.
+// fsdp_bench's vocabulary: the ZeRO formulas it measures against, for the strategies named as
+// train_gpt names them (examples/strategy_flags.h).
 #pragma once
 
 #include "examples/gpt.h"
+#include "examples/strategy_flags.h"
 #include "fsdp/options.h"
 
 #include <cstdint>
-#include <map>
 #include <string>
 
 namespace bench {
-
-/// The strategies by their command-line names (train_gpt's).
-inline const std::map<std::string, fsdp::ShardingStrategy>& strategies() {
-  static const std::map<std::string, fsdp::ShardingStrategy> m = {
-      {"full", fsdp::ShardingStrategy::kFullShard},
-      {"grad-op", fsdp::ShardingStrategy::kShardGradOp},
-      {"optimizer", fsdp::ShardingStrategy::kShardOptimizerState},
-      {"replicate", fsdp::ShardingStrategy::kNoShard},
-      {"hybrid", fsdp::ShardingStrategy::kHybridShard},
-  };
-  return m;
-}
 
 /// The sizes that enter the formulas: Ψ, the root unit's and the largest other unit's parameters.
 struct ModelShape {

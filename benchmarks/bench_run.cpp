@@ -64,7 +64,7 @@ Report run_rank(const RunOptions& o, const c10::intrusive_ptr<c10d::ProcessGroup
   r["base_rss_bytes"] = static_cast<double>(rss_bytes());
 
   const auto options = fsdp::FullyShardOptions()
-                           .strategy(strategies().at(o.strategy))
+                           .strategy(gpt::strategy_flags().at(o.strategy))
                            .shard_group_size(o.shard_group_size)
                            .prefetch(o.prefetch)
                            .bucket_bytes(static_cast<int64_t>(o.bucket_mb * 1024 * 1024));

@@ -22,6 +22,7 @@
 #include <fstream>
 #include <iostream>
 #include <sstream>
+#include <stdexcept>
 #include <thread>
 
 #ifndef FSDP_BENCH_PYTHON
@@ -156,7 +157,7 @@ Args parse(int argc, char** argv) {
     }
   }
   for (const auto& s : a.strategies) {
-    if (bench::strategies().count(s) == 0) usage("unknown strategy '" + s + "' in --strategies");
+    if (gpt::strategy_flags().count(s) == 0) usage("unknown strategy '" + s + "' in --strategies");
   }
   for (int n : a.world_sizes) {
     if (n < 1) usage("--world-sizes must be positive");
@@ -345,6 +346,99 @@ std::vector<bench::Row> simulate(const Args& a) {
   return rows;
 }
 
+/// Every strategy at every world size, then FSDP2 at each world size; checked first, all of it.
+std::vector<bench::Row> run_all(const Args& a) {
+  std::vector<bench::Row> rows;
+  const bench::ModelShape m = bench::gpt_shape(a.run.model);
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  bool fsdp2 = a.fsdp2;
+  if (fsdp2 && (a.python.empty() || access(a.python.c_str(), X_OK) != 0)) {
+    std::fprintf(stderr,
+                 "fsdp_bench: no Python with torch ('%s'); skipping PyTorch FSDP2 (pass --python, or --no-fsdp2)\n",
+                 a.python.c_str());
+    fsdp2 = false;
+  }
+  // Every run is checked before the first starts: nothing is left half measured. By default 8
+  // ranks join where they fit: as many cores, and the memory (else they are left out, said so).
+  std::vector<int> worlds = a.world_sizes;
+  const bool try_eight = !a.world_sizes_given && cores >= 8 && a.run.batch_size % 8 == 0;
+  if (try_eight) worlds.push_back(8);
+  const int64_t available = mem_available_bytes();
+  for (size_t w = 0; w < worlds.size(); ++w) {  // by index: 8 may be dropped on the way
+    const int N = worlds[w];
+    if (a.run.batch_size % N != 0) {
+      usage("--batch-size " + std::to_string(a.run.batch_size) + " is not divisible by world size " +
+            std::to_string(N) + " (each rank takes an equal share)");
+    }
+    for (const auto& s : a.strategies) {
+      const double need =
+          N * rank_need_bytes(s, m, a.run.model, N, hybrid_group(a, N), a.run.batch_size / N, a.run.build_sharded);
+      if (available > 0 && need > 0.9 * static_cast<double>(available)) {
+        if (try_eight && N == 8) {
+          std::fprintf(stderr, "fsdp_bench: leaving out 8 ranks: %s would need about %.1f GiB\n", s.c_str(),
+                       need / (1 << 30));
+          worlds.pop_back();
+          break;
+        }
+        char msg[512];
+        std::snprintf(msg, sizeof(msg),
+                      "fsdp_bench: %s at N=%d would need about %.1f GiB (%d ranks x %.1f GiB: %lld parameters, "
+                      "activations of %lld rows, the process) but %.1f GiB is available. Choose a smaller model "
+                      "(--n-embd, --n-layer), a smaller --batch-size or fewer --world-sizes.",
+                      s.c_str(), N, need / (1 << 30), N, need / N / (1 << 30), static_cast<long long>(m.psi),
+                      static_cast<long long>(a.run.batch_size / N), static_cast<double>(available) / (1 << 30));
+        throw std::runtime_error(msg);
+      }
+    }
+  }
+  const int total = static_cast<int>(worlds.size() * (a.strategies.size() + (fsdp2 ? 1 : 0)));
+  std::fprintf(stderr,
+               "fsdp_bench: GPT of %lld parameters (%lld blocks x %lld wide), global batch %lld x %lld, "
+               "%lld steps (the first warms up), %d runs\n",
+               static_cast<long long>(m.psi), static_cast<long long>(a.run.model.n_layer),
+               static_cast<long long>(a.run.model.n_embd), static_cast<long long>(a.run.batch_size),
+               static_cast<long long>(a.run.model.block_size), static_cast<long long>(a.run.steps), total);
+  // One run: its ranks launched, their reports aggregated into a row.
+  int k = 0;
+  auto run = [&](const std::string& impl, const std::string& s, int N, int S, std::vector<std::string> argv) {
+    bench::Launch l;
+    l.label = impl + " " + s + " N=" + std::to_string(N) + (s == "hybrid" ? " S=" + std::to_string(S) : "");
+    l.argv = std::move(argv);
+    for (auto& x : model_args(a)) l.argv.push_back(x);
+    l.world_size = N;
+    l.threads_per_rank = static_cast<int>(std::max(1u, cores / static_cast<unsigned>(N)));
+    l.timeout_s = a.timeout_s;
+    char progress[32];
+    std::snprintf(progress, sizeof(progress), "[%2d/%d]", ++k, total);
+    rows.push_back(aggregate(impl, s, N, S, m, bench::launch(l, progress)));
+  };
+  for (const auto& s : a.strategies) {
+    for (int N : worlds) {
+      const int S = s == "hybrid" ? hybrid_group(a, N) : (s == "replicate" ? 1 : N);
+      std::vector<std::string> argv = {bench::self_exe(),
+                                       "--worker",
+                                       "rank",
+                                       "--report",
+                                       "{out}",
+                                       "--strategy",
+                                       s,
+                                       "--shard-group-size",
+                                       std::to_string(S),
+                                       "--prefetch",
+                                       std::to_string(a.run.prefetch),
+                                       "--bucket-mb",
+                                       std::to_string(a.run.bucket_mb)};
+      if (a.run.build_sharded) argv.emplace_back("--build-sharded");
+      run("libtorch-fsdp", s, N, S, std::move(argv));
+    }
+  }
+  for (int N : fsdp2 ? worlds : std::vector<int>{}) {
+    run("pytorch-fsdp2", "full", N, N,
+        {a.python, FSDP_BENCH_FSDP2_SCRIPT, "--counting-lib", FSDP_BENCH_LIBRARY, "--report", "{out}"});
+  }
+  return rows;
+}
+
 int run_worker(const Args& a) {
   fsdp::memory::enable_cpu_counting();
   bench::Report rep;
@@ -376,94 +470,7 @@ int main(int argc, char** argv) {
     if (a.simulate) {
       rows = simulate(a);
     } else {
-      const bench::ModelShape m = bench::gpt_shape(a.run.model);
-      const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-      bool fsdp2 = a.fsdp2;
-      if (fsdp2 && (a.python.empty() || access(a.python.c_str(), X_OK) != 0)) {
-        std::fprintf(stderr,
-                     "fsdp_bench: no Python with torch ('%s'); skipping PyTorch FSDP2 (pass --python, or --no-fsdp2)\n",
-                     a.python.c_str());
-        fsdp2 = false;
-      }
-      // Every run is checked before the first starts: nothing is left half measured. By default 8
-      // ranks join where they fit: as many cores, and the memory (else they are left out, said so).
-      std::vector<int> worlds = a.world_sizes;
-      const bool try_eight = !a.world_sizes_given && cores >= 8 && a.run.batch_size % 8 == 0;
-      if (try_eight) worlds.push_back(8);
-      const int64_t available = mem_available_bytes();
-      for (size_t w = 0; w < worlds.size(); ++w) {  // by index: 8 may be dropped on the way
-        const int N = worlds[w];
-        if (a.run.batch_size % N != 0) {
-          usage("--batch-size " + std::to_string(a.run.batch_size) + " is not divisible by world size " +
-                std::to_string(N) + " (each rank takes an equal share)");
-        }
-        for (const auto& s : a.strategies) {
-          const double need =
-              N * rank_need_bytes(s, m, a.run.model, N, hybrid_group(a, N), a.run.batch_size / N, a.run.build_sharded);
-          if (available > 0 && need > 0.9 * static_cast<double>(available)) {
-            if (try_eight && N == 8) {
-              std::fprintf(stderr, "fsdp_bench: leaving out 8 ranks: %s would need about %.1f GiB\n", s.c_str(),
-                           need / (1 << 30));
-              worlds.pop_back();
-              break;
-            }
-            std::fprintf(stderr,
-                         "fsdp_bench: %s at N=%d would need about %.1f GiB (%d ranks x %.1f GiB: %lld parameters, "
-                         "activations of %lld rows, the process) but %.1f GiB is available. Choose a smaller model "
-                         "(--n-embd, --n-layer), a smaller --batch-size or fewer --world-sizes.\n",
-                         s.c_str(), N, need / (1 << 30), N, need / N / (1 << 30), static_cast<long long>(m.psi),
-                         static_cast<long long>(a.run.batch_size / N), static_cast<double>(available) / (1 << 30));
-            return 1;
-          }
-        }
-      }
-      const int total = static_cast<int>(worlds.size() * (a.strategies.size() + (fsdp2 ? 1 : 0)));
-      std::fprintf(stderr,
-                   "fsdp_bench: GPT of %lld parameters (%lld blocks x %lld wide), global batch %lld x %lld, "
-                   "%lld steps (the first warms up), %d runs\n",
-                   static_cast<long long>(m.psi), static_cast<long long>(a.run.model.n_layer),
-                   static_cast<long long>(a.run.model.n_embd), static_cast<long long>(a.run.batch_size),
-                   static_cast<long long>(a.run.model.block_size), static_cast<long long>(a.run.steps), total);
-      int k = 0;
-      char progress[32];
-      for (const auto& s : a.strategies) {
-        for (int N : worlds) {
-          const int S = s == "hybrid" ? hybrid_group(a, N) : (s == "replicate" ? 1 : N);
-          bench::Launch l;
-          l.label = "libtorch-fsdp " + s + " N=" + std::to_string(N) + (s == "hybrid" ? " S=" + std::to_string(S) : "");
-          l.argv = {bench::self_exe(),
-                    "--worker",
-                    "rank",
-                    "--report",
-                    "{out}",
-                    "--strategy",
-                    s,
-                    "--shard-group-size",
-                    std::to_string(S),
-                    "--prefetch",
-                    std::to_string(a.run.prefetch),
-                    "--bucket-mb",
-                    std::to_string(a.run.bucket_mb)};
-          if (a.run.build_sharded) l.argv.push_back("--build-sharded");
-          for (auto& x : model_args(a)) l.argv.push_back(x);
-          l.world_size = N;
-          l.threads_per_rank = static_cast<int>(std::max(1u, cores / static_cast<unsigned>(N)));
-          l.timeout_s = a.timeout_s;
-          std::snprintf(progress, sizeof(progress), "[%2d/%d]", ++k, total);
-          rows.push_back(aggregate("libtorch-fsdp", s, N, S, m, bench::launch(l, progress)));
-        }
-      }
-      for (int N : fsdp2 ? worlds : std::vector<int>{}) {
-        bench::Launch l;
-        l.label = "pytorch-fsdp2 full N=" + std::to_string(N);
-        l.argv = {a.python, FSDP_BENCH_FSDP2_SCRIPT, "--counting-lib", FSDP_BENCH_LIBRARY, "--report", "{out}"};
-        for (auto& x : model_args(a)) l.argv.push_back(x);
-        l.world_size = N;
-        l.threads_per_rank = static_cast<int>(std::max(1u, cores / static_cast<unsigned>(N)));
-        l.timeout_s = a.timeout_s;
-        std::snprintf(progress, sizeof(progress), "[%2d/%d]", ++k, total);
-        rows.push_back(aggregate("pytorch-fsdp2", "full", N, N, m, bench::launch(l, progress)));
-      }
+      rows = run_all(a);
     }
     if (a.json) {
       std::cout << bench::to_json(rows);

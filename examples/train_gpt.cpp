@@ -7,6 +7,7 @@
 // not depend on the number of ranks. --json prints one JSON object per step on rank 0, then one
 // summary object with every rank's memory and mean step time.
 #include "examples/gpt.h"
+#include "examples/strategy_flags.h"
 #include "fsdp/fsdp.h"
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -20,7 +21,6 @@
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
-#include <map>
 #include <sstream>
 #include <string>
 
@@ -49,15 +49,6 @@ struct Args {
   int shard_group_size = 0;       // hybrid: ranks per sharding group (default: half the ranks, at least 1)
   double bucket_mb = 25;          // replicate: all-reduce bucket size
   bool build_sharded = false;     // shard each block as it is built (fsdp::ShardingScope)
-};
-
-// The strategies by their flag names; to_string() gives the library's names.
-const std::map<std::string, fsdp::ShardingStrategy> kStrategies = {
-    {"full", fsdp::ShardingStrategy::kFullShard},
-    {"grad-op", fsdp::ShardingStrategy::kShardGradOp},
-    {"optimizer", fsdp::ShardingStrategy::kShardOptimizerState},
-    {"replicate", fsdp::ShardingStrategy::kNoShard},
-    {"hybrid", fsdp::ShardingStrategy::kHybridShard},
 };
 
 [[noreturn]] void usage(const std::string& error) {
@@ -133,7 +124,8 @@ Args parse(int argc, char** argv) {
   if (a.steps < 1 || a.batch_size < 1) usage("--steps and --batch-size must be positive");
   if (a.prefetch < 0) usage("--prefetch must be 0 (off) or more");
   if (a.grad_accum < 1) usage("--grad-accum must be at least 1");
-  if (kStrategies.count(a.strategy) == 0) usage("--strategy must be full, grad-op, optimizer, replicate or hybrid");
+  if (gpt::strategy_flags().count(a.strategy) == 0)
+    usage("--strategy must be full, grad-op, optimizer, replicate or hybrid");
   if (a.shard_group_size < 0) usage("--shard-group-size must be positive");
   if (a.bucket_mb <= 0) usage("--bucket-mb must be positive");
   if (a.fused && a.optimizer != "adamw") usage("--fused is an AdamW");
@@ -172,7 +164,7 @@ int main(int argc, char** argv) {
   const int64_t T = args.model.block_size;
   auto data = load_corpus(args.data, T);
 
-  const fsdp::ShardingStrategy strategy = kStrategies.at(args.strategy);
+  const fsdp::ShardingStrategy strategy = gpt::strategy_flags().at(args.strategy);
   const int group = args.shard_group_size > 0 ? args.shard_group_size : std::max(1, world / 2);
   const auto options = fsdp::FullyShardOptions()
                            .prefetch(args.prefetch)
