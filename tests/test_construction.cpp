@@ -159,18 +159,13 @@ TEST(Construction, NestedUnitsBuiltInAScope) {
     std::vector<std::string> names;
     for (const auto& u : model.units()) names.push_back(u.name);
     EXPECT_EQ(names, (std::vector<std::string>{"", "outer", "outer.inner"}));
-    torch::optim::SGD ref_opt(ref->parameters(), 0.1), opt(model.sharded_parameters(), 0.1);
-    for (int step = 0; step < 3; ++step) {
+    auto batch = [](int step) {
       torch::manual_seed(60 + step);
       auto x = torch::randn({kGlobalBatch, 4});
-      ref_opt.zero_grad();
-      ref->forward(x).square().mean().backward();
-      ref_opt.step();
-      opt.zero_grad();
-      model(local_rows(x, r.rank, r.world_size)).square().mean().backward();
-      opt.step();
-    }
-    expect_shards_match(r, model, *ref);
+      return std::make_pair(x, x);  // the loss needs no target
+    };
+    auto loss = [](const torch::Tensor& out, const torch::Tensor&) { return out.square().mean(); };
+    train_and_compare(r, Opt::kSGD, 3, ref, model, batch, loss, [](int) {});  // ends with expect_shards_match
   });
 }
 
