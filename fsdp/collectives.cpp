@@ -1,60 +1,204 @@
 #include "fsdp/collectives.h"
 
+#include "fsdp/monitor.h"
+
+#include <ATen/core/ivalue.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include <condition_variable>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <sstream>
 #include <thread>
 
 namespace fsdp::detail {
+namespace {
 
-Comm::Comm(c10::intrusive_ptr<c10d::ProcessGroup> pg, std::chrono::milliseconds timeout,
-           std::shared_ptr<CommStats> stats)
-    : stats_(std::move(stats)),
+using clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+enum Kind : int64_t { kAllGather = 1, kReduceScatter = 2, kAllReduce = 3, kBroadcast = 4 };
+constexpr int64_t kMagic = 0x46534450434b31;  // "FSDPCK1": a check paired with anything else shows
+constexpr int kCheckWords = 8;                // magic, six words of the call's code, description length
+
+uint64_t fnv(uint64_t h, uint64_t v) {
+  for (int i = 0; i < 8; ++i) {
+    h ^= (v >> (8 * i)) & 0xff;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+int64_t hash_text(const std::string& s) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : s) h = fnv(h, c);
+  return static_cast<int64_t>(h);
+}
+
+struct Done {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+};
+
+// Waits for `work` at most `timeout` (false: it did not complete), rethrowing its error. Gloo's
+// works may ignore the timeout given to wait() (its reduce-scatter did), so on CPU the wait is
+// ours: on the work's future, which the backend completes with its result or its error.
+bool wait_bounded(c10d::Work& work, milliseconds timeout, bool cpu) {
+  if (cpu && !work.isCompleted()) {
+    c10::intrusive_ptr<c10::ivalue::Future> future;
+    try {
+      future = work.getFuture();
+    } catch (const std::exception&) {
+      // A backend without futures: its own bounded wait below.
+    }
+    if (future) {
+      auto done = std::make_shared<Done>();
+      future->addCallback([done](c10::ivalue::Future&) {
+        std::lock_guard<std::mutex> l(done->mu);
+        done->done = true;
+        done->cv.notify_all();
+      });
+      std::unique_lock<std::mutex> l(done->mu);
+      if (!done->cv.wait_for(l, timeout, [&] { return done->done; })) return false;
+      l.unlock();
+      work.wait();  // completed: returns at once, or rethrows the collective's error
+      return true;
+    }
+  }
+  return work.wait(timeout);
+}
+
+std::string list_ranks(const std::vector<int>& ranks) {
+  std::ostringstream os;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    if (ranks.size() > 12 && i == 6) {
+      os << ", ... (" << ranks.size() << " ranks), " << ranks.back();
+      break;
+    }
+    os << (i ? ", " : "") << ranks[i];
+  }
+  return os.str();
+}
+
+}  // namespace
+
+std::string error_text(const std::exception& e) {
+  if (const auto* c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
+  return e.what();
+}
+
+void CallLog::add(int64_t kind, int64_t numel) {
+  ++count;
+  hash = fnv(fnv(hash, static_cast<uint64_t>(kind)), static_cast<uint64_t>(numel));
+}
+
+Comm::Comm(c10::intrusive_ptr<c10d::ProcessGroup> pg, milliseconds timeout, std::shared_ptr<CommShared> shared,
+           GroupInfo group, bool verify)
+    : shared_(std::move(shared)),
       pg_(std::move(pg)),
       timeout_(timeout),
       rank_(pg_->getRank()),
-      world_size_(pg_->getSize()) {}
+      world_size_(pg_->getSize()),
+      group_(std::move(group)),
+      verify_(verify) {
+  TORCH_CHECK(timeout_.count() > 0, "fsdp: the collective timeout must be positive, not ", timeout_.count(), " ms");
+  if (group_.global_ranks.empty()) {
+    for (int r = 0; r < world_size_; ++r) group_.global_ranks.push_back(r);
+  }
+  TORCH_INTERNAL_ASSERT(static_cast<int>(group_.global_ranks.size()) == world_size_);
+  if (group_.world_size == 0) group_.world_size = world_size_;
+  global_rank_ = group_.global_ranks[rank_];
+}
+
+std::string Comm::where() const {
+  std::ostringstream os;
+  os << "global rank " << global_rank_ << " of " << group_.world_size;
+  if (group_.name != "world") {
+    os << " (rank " << rank_ << " of " << group_.name << ": global ranks " << list_ranks(group_.global_ranks) << ")";
+  }
+  return os.str();
+}
 
 c10::intrusive_ptr<c10d::Backend> Comm::backend(const at::Tensor& t) const {
   try {
     return pg_->getBackend(t.device().type());
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "fsdp: rank ", rank_, " has no communication backend for ", t.device(),
-                " tensors (Gloo serves CPU, NCCL serves CUDA when a GPU is present): ", e.what());
+    TORCH_CHECK(false, "fsdp: ", where(), " has no communication backend for ", t.device(),
+                " tensors (Gloo serves CPU, NCCL serves CUDA when a GPU is present): ", error_text(e));
   }
 }
 
 void Comm::wait(Pending& pending) const {
   if (!pending.work) return;
-  auto work = std::move(pending.work);
-  const std::string& what = pending.what;
+  Pending p = std::move(pending);
+  pending = Pending{};
+  Activity activity(p.what);  // what this rank's heartbeat tells its peers meanwhile
+  const auto start = clock::now();
+  std::string cause;
   try {
-    work->wait(timeout_);
-    // Gloo's worker thread still holds the work, and with it the collective's tensors (and
-    // staging copies), for a moment after wait() returns. Waiting for it to let go makes memory
-    // the library frees really free when the next step allocates: the bounds in docs/design.md
-    // hold in bytes. (NCCL's watchdog keeps its works much longer; CUDA memory is the caching
-    // allocator's anyway.)
-    if (pending.cpu) {
-      const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(50);
-      while (work.use_count() > 1 && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+    if (!wait_bounded(*p.work, timeout_, p.cpu)) {
+      cause = "it did not complete within the timeout (a peer did not take part in time)";
+    } else if (p.cpu) {
+      // Gloo's worker thread still holds the work, and with it the collective's tensors (and
+      // staging copies), for a moment after it completes. Waiting for it to let go makes memory
+      // the library frees really free when the next step allocates: the bounds in docs/design.md
+      // hold in bytes. (NCCL's watchdog keeps its works much longer; CUDA memory is the caching
+      // allocator's anyway.)
+      const auto until = clock::now() + milliseconds(50);
+      while (p.work.use_count() > 1 && clock::now() < until) std::this_thread::yield();
     }
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "fsdp: ", what, " failed on rank ", rank_, " of ", world_size_, " (timeout ", timeout_.count(),
-                " ms): ", e.what(),
-                "\nA peer rank may have exited, crashed, or taken a different path through the model; "
-                "check every rank's output.");
+    cause = error_text(e);
+    if (cause.rfind("Operation timed out!", 0) == 0) {
+      cause = "it did not complete within the timeout (a peer did not take part in time)";
+    }
   }
+  if (cause.empty()) return;
+  fail(p, cause, std::chrono::duration_cast<milliseconds>(clock::now() - start));
+}
+
+void Comm::fail(const Pending& p, const std::string& cause, milliseconds waited) const {
+  // Its worker threads may still be inside the collective: kept alive until exit, so that
+  // neither this error nor destroying the process group waits for them.
+  abandon_backend(p.backend);
+  note_failure(p.what);
+  // Every rank of the job, not only this group's: under hybrid sharding a rank of another group
+  // that died is often why this group's collective failed.
+  std::vector<int> everyone;
+  for (int r = 0; r < group_.world_size; ++r) everyone.push_back(r);
+  const std::string peers = diagnose_peers(everyone, global_rank_);
+  std::string first_line = cause.substr(0, cause.find('\n'));
+  TORCH_CHECK(false, "fsdp: ", p.what, " failed on ", where(), " after ", waited.count(), " ms (timeout ",
+              timeout_.count(), " ms): ", first_line, peers.empty() ? "" : "\n", peers,
+              "\nThe ranks no longer agree on which collective comes next, so this model cannot be used again: exit "
+              "this process with a non-zero status and restart the job from its last checkpoint (torchrun "
+              "--max-restarts, or the scheduler's requeue). See docs/usage.md, 'When a collective fails'.");
 }
 
 Pending Comm::all_gather_async(at::Tensor& out, at::Tensor& in, const std::string& what) {
   TORCH_INTERNAL_ASSERT(out.numel() == in.numel() * world_size_);
-  ++stats_->all_gathers;
-  stats_->elements += out.numel();
+  ++stats().all_gathers;
+  stats().elements += out.numel();
+  log().add(kAllGather, out.numel());
   if (world_size_ == 1) {
     out.copy_(in);
     return {nullptr, what};
   }
-  return {backend(in)->_allgather_base(out, in), what, in.is_cpu()};
+  if (verify_)
+    check_same_call({kAllGather, out.numel(), static_cast<int64_t>(in.scalar_type()), hash_text(what)}, what);
+  Pending p{nullptr, what, in.is_cpu(), backend(in)};
+  c10d::AllgatherOptions opts;
+  opts.timeout = timeout_;  // Gloo's own bound inside its worker thread
+  try {
+    p.work = p.backend->_allgather_base(out, in, opts);
+  } catch (const std::exception& e) {
+    fail(p, error_text(e), milliseconds(0));
+  }
+  return p;
 }
 
 void Comm::all_gather(at::Tensor& out, at::Tensor& in, const std::string& what) {
@@ -64,25 +208,47 @@ void Comm::all_gather(at::Tensor& out, at::Tensor& in, const std::string& what) 
 
 Pending Comm::reduce_scatter_sum_async(at::Tensor& out, at::Tensor& in, const std::string& what) {
   TORCH_INTERNAL_ASSERT(in.numel() == out.numel() * world_size_);
-  ++stats_->reduce_scatters;
-  stats_->elements += in.numel();
+  ++stats().reduce_scatters;
+  stats().elements += in.numel();
+  log().add(kReduceScatter, in.numel());
   if (world_size_ == 1) {
     out.copy_(in);
     return {nullptr, what};
   }
+  if (verify_) {
+    check_same_call({kReduceScatter, in.numel(), static_cast<int64_t>(in.scalar_type()), hash_text(what)}, what);
+  }
+  Pending p{nullptr, what, in.is_cpu(), backend(in)};
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
-  return {backend(in)->_reduce_scatter_base(out, in, opts), what, in.is_cpu()};
+  opts.timeout = timeout_;
+  try {
+    p.work = p.backend->_reduce_scatter_base(out, in, opts);
+  } catch (const std::exception& e) {
+    fail(p, error_text(e), milliseconds(0));
+  }
+  return p;
 }
 
 Pending Comm::all_reduce_async(at::Tensor& t, c10d::ReduceOp op, const std::string& what) {
-  ++stats_->all_reduces;
-  stats_->elements += 2 * t.numel();
+  ++stats().all_reduces;
+  stats().elements += 2 * t.numel();
+  log().add(kAllReduce, t.numel());
   if (world_size_ == 1) return {nullptr, what};
+  if (verify_) {
+    check_same_call({kAllReduce, t.numel(), static_cast<int64_t>(t.scalar_type()), hash_text(what), op.op_}, what);
+  }
+  Pending p{nullptr, what, t.is_cpu(), backend(t)};
   std::vector<at::Tensor> ts{t};
   c10d::AllreduceOptions opts;
   opts.reduceOp = std::move(op);
-  return {backend(t)->allreduce(ts, opts), what, t.is_cpu()};
+  opts.timeout = timeout_;
+  try {
+    p.work = p.backend->allreduce(ts, opts);
+  } catch (const std::exception& e) {
+    fail(p, error_text(e), milliseconds(0));
+  }
+  return p;
 }
 
 void Comm::all_reduce(at::Tensor& t, c10d::ReduceOp op, const std::string& what) {
@@ -91,13 +257,81 @@ void Comm::all_reduce(at::Tensor& t, c10d::ReduceOp op, const std::string& what)
 }
 
 void Comm::broadcast(at::Tensor& t, int root, const std::string& what) {
-  ++stats_->broadcasts;
+  ++stats().broadcasts;
+  log().add(kBroadcast, t.numel());
   if (world_size_ == 1) return;
+  if (verify_) check_same_call({kBroadcast, t.numel(), static_cast<int64_t>(t.scalar_type()), hash_text(what)}, what);
+  Pending p{nullptr, what, t.is_cpu(), backend(t)};
   std::vector<at::Tensor> ts{t};
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
-  Pending p{backend(t)->broadcast(ts, opts), what, t.is_cpu()};
+  opts.timeout = timeout_;
+  try {
+    p.work = p.backend->broadcast(ts, opts);
+  } catch (const std::exception& e) {
+    fail(p, error_text(e), milliseconds(0));
+  }
   wait(p);
+}
+
+void Comm::check_same_call(const std::array<int64_t, 6>& code, const std::string& description) {
+  if (world_size_ == 1) return;
+  ++stats().checks;
+  const int W = world_size_;
+  at::Tensor mine = at::empty({kCheckWords}, at::kLong);
+  int64_t* m = mine.data_ptr<int64_t>();
+  m[0] = kMagic;
+  for (size_t i = 0; i < code.size(); ++i) m[1 + i] = code[i];
+  m[7] = static_cast<int64_t>(description.size());
+  at::Tensor all = at::empty({W * kCheckWords}, at::kLong);
+  const std::string what = "the cross-rank check before " + description;
+  Pending p{nullptr, what, true, backend(mine)};
+  c10d::AllgatherOptions opts;
+  opts.timeout = timeout_;
+  try {
+    p.work = p.backend->_allgather_base(all, mine, opts);
+  } catch (const std::exception& e) {
+    fail(p, error_text(e), milliseconds(0));
+  }
+  wait(p);
+  const int64_t* a = all.data_ptr<int64_t>();
+  bool same = true;
+  int64_t max_len = 1;
+  for (int q = 0; q < W; ++q) {
+    same = same && a[q * kCheckWords] == kMagic && std::equal(a + q * kCheckWords + 1, a + q * kCheckWords + 7, m + 1);
+    max_len = std::max(max_len, std::min<int64_t>(a[q * kCheckWords + 7], 4096));
+  }
+  if (same) return;
+  // Every rank saw the same gathered words, so every rank is here: one more all-gather (of the
+  // same size everywhere) brings each rank's description, for an error that says what each did.
+  at::Tensor text = at::zeros({max_len}, at::kByte);
+  std::memcpy(text.data_ptr(), description.data(), std::min<size_t>(description.size(), max_len));
+  at::Tensor texts = at::empty({W * max_len}, at::kByte);
+  Pending t{nullptr, what, true, backend(text)};
+  try {
+    t.work = t.backend->_allgather_base(texts, text, opts);
+  } catch (const std::exception& e) {
+    fail(t, error_text(e), milliseconds(0));
+  }
+  wait(t);
+  std::map<std::string, std::vector<int>> by_call;
+  std::vector<std::string> order;
+  const char* base = static_cast<const char*>(texts.data_ptr());
+  for (int q = 0; q < W; ++q) {
+    std::string d = a[q * kCheckWords] == kMagic
+                        ? std::string(base + q * max_len, std::min<int64_t>(a[q * kCheckWords + 7], max_len))
+                        : std::string("something else (not a check of this library: another collective)");
+    if (by_call.count(d) == 0) order.push_back(d);
+    by_call[d].push_back(group_.global_ranks[q]);
+  }
+  std::ostringstream os;
+  for (const auto& d : order)
+    os << "\n  global rank" << (by_call[d].size() > 1 ? "s " : " ") << list_ranks(by_call[d]) << ": " << d;
+  TORCH_CHECK(false, "fsdp: the ranks took different paths through the program (seen on ", where(),
+              "; no collective of mismatched size was issued):", os.str(),
+              "\nEvery rank must run the same sequence of forwards and backwards through the wrapped model and the "
+              "same library calls (the same micro-batches, gradient sync on or off alike, clipping on every rank or "
+              "none). For the first collective that differs, run with FSDP_VERIFY_COLLECTIVES=1.");
 }
 
 }  // namespace fsdp::detail

@@ -1,44 +1,82 @@
-// The collectives the sharding core issues, with their counts, a timeout on every wait, and errors
-// that say which operation failed on which rank. Internal to the library.
+// The collectives the sharding core issues: their counts, a bounded wait on every one of them, the
+// cross-rank checks that keep ranks from pairing different collectives, and errors that name the
+// rank, the operation, the unit, the group and the peer. Internal to the library.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace fsdp {
 
 /// What the library sent through the process group since the last reset. `elements` is the ZeRO
 /// paper's communication volume: all-gather output + reduce-scatter input + 2 x all-reduce elements.
+/// The small cross-rank checks (at each forward, backward and clipping call) are counted apart.
 struct CommStats {
   int64_t all_gathers = 0;
   int64_t reduce_scatters = 0;
   int64_t all_reduces = 0;
   int64_t broadcasts = 0;
   int64_t elements = 0;
+  int64_t checks = 0;
 };
 
 namespace detail {
+
+/// The members of a Comm's group, for messages: its name and their global ranks (group-rank order).
+struct GroupInfo {
+  std::string name = "world";
+  std::vector<int> global_ranks;  ///< empty: the group is the world, group rank = global rank
+  int world_size = 0;             ///< of the job (0: the group's size)
+};
+
+/// The collectives a model issued since its last cross-rank check, as a count and a hash of their
+/// kinds and sizes: compared between ranks at the next check, so that ranks whose sequences
+/// differed (same sizes, other units) are caught before the optimizer uses what they computed.
+struct CallLog {
+  int64_t count = 0;
+  uint64_t hash = 1469598103934665603ull;  // FNV-1a offset basis
+  void add(int64_t kind, int64_t numel);
+  void reset() { *this = CallLog{}; }
+};
 
 /// A collective in flight: wait() before touching its tensors.
 struct Pending {
   c10::intrusive_ptr<c10d::Work> work;  // null when there was nothing to wait for (one rank)
   std::string what;
   bool cpu = false;  // Gloo: wait() also waits for the worker thread to drop the work
+  c10::intrusive_ptr<c10d::Backend> backend;
+};
+
+/// What the Comms of one model share: statistics and the call log.
+struct CommShared {
+  CommStats stats;
+  CallLog log;
 };
 
 class Comm {
  public:
-  /// `stats` may be shared between the Comms of one model (hybrid sharding's groups).
+  /// `shared` may be shared between the Comms of one model (hybrid sharding's groups). With
+  /// `verify`, every collective is preceded by a cross-rank check of its fingerprint.
   Comm(c10::intrusive_ptr<c10d::ProcessGroup> pg, std::chrono::milliseconds timeout,
-       std::shared_ptr<CommStats> stats = std::make_shared<CommStats>());
+       std::shared_ptr<CommShared> shared = std::make_shared<CommShared>(), GroupInfo group = {}, bool verify = false);
 
+  /// This rank's place in the group.
   int rank() const { return rank_; }
   int world_size() const { return world_size_; }
+  /// This rank in the job, and the job's size.
+  int global_rank() const { return global_rank_; }
+  int global_world_size() const { return group_.world_size; }
+  /// The global ranks of the group's members, in group-rank order.
+  const std::vector<int>& global_ranks() const { return group_.global_ranks; }
+  /// "global rank 1 of 4", or "global rank 3 of 4 (rank 1 of hybrid shard group 1: global ranks 2, 3)".
+  std::string where() const;
   const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const { return pg_; }
 
   /// out[r * in.numel() + i] = in_r[i] for every rank r (rank-major).
@@ -48,25 +86,49 @@ class Comm {
   /// out = (sum over ranks of in)[rank * out.numel(), (rank + 1) * out.numel()).
   /// Gloo may implement this as an all-reduce; SUM is used because some versions turn AVG into SUM.
   Pending reduce_scatter_sum_async(at::Tensor& out, at::Tensor& in, const std::string& what);
-  /// Waits for a pending collective (with the timeout); throws naming it on failure.
+  /// Waits for a pending collective, at most the timeout whatever the backend does; throws naming
+  /// the operation, the rank, the group and what is known of the peers on failure.
   void wait(Pending& pending) const;
   void all_reduce(at::Tensor& t, c10d::ReduceOp op, const std::string& what);
   Pending all_reduce_async(at::Tensor& t, c10d::ReduceOp op, const std::string& what);
   void broadcast(at::Tensor& t, int root, const std::string& what);
 
-  CommStats& stats() const { return *stats_; }
-  const std::shared_ptr<CommStats>& shared_stats() const { return stats_; }
+  /// Fails every rank of the group alike unless all of them are at the same call: `code` (a kind
+  /// and up to five numbers) identifies the call and `description` says it in words (it appears
+  /// in the error, one line per distinct call). One small all-gather; nothing when alone.
+  void check_same_call(const std::array<int64_t, 6>& code, const std::string& description);
+
+  /// The same group without the check before every collective: for the model check, which must
+  /// pair up on every rank even when the ranks disagree about `verify` itself.
+  Comm unverified() const {
+    Comm c = *this;
+    c.verify_ = false;
+    return c;
+  }
+
+  CommStats& stats() const { return shared_->stats; }
+  CallLog& log() const { return shared_->log; }
+  const std::shared_ptr<CommShared>& shared() const { return shared_; }
   std::chrono::milliseconds timeout() const { return timeout_; }
+  bool verify() const { return verify_; }
 
  private:
-  std::shared_ptr<CommStats> stats_;
   c10::intrusive_ptr<c10d::Backend> backend(const at::Tensor& t) const;
+  Pending issue(int64_t kind, const at::Tensor& t, int64_t numel, const std::string& what);
+  [[noreturn]] void fail(const Pending& p, const std::string& cause, std::chrono::milliseconds waited) const;
 
+  std::shared_ptr<CommShared> shared_;
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
   std::chrono::milliseconds timeout_;
   int rank_;
   int world_size_;
+  GroupInfo group_;
+  int global_rank_;
+  bool verify_;
 };
+
+/// The text of an exception without LibTorch's C++ backtrace.
+std::string error_text(const std::exception& e);
 
 }  // namespace detail
 }  // namespace fsdp

@@ -2,10 +2,13 @@
 //   fsdp::FullyShardOptions().timeout(std::chrono::seconds(60)).sync_module_states(false)
 #pragma once
 
+#include "fsdp/env.h"
+
 #include <torch/arg.h>
 
 #include <chrono>
 #include <cstdint>
+#include <optional>
 
 namespace fsdp {
 
@@ -51,9 +54,16 @@ inline const char* to_string(ShardingStrategy s) {
 }
 
 struct FullyShardOptions {
-  /// Bound on every collective the library issues; a peer that does not answer in time makes this
-  /// rank throw an error naming the operation instead of hanging.
-  TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(10);
+  /// Bound on every collective the library issues, whatever the backend does with it: a peer that
+  /// does not answer in time makes this rank throw an error naming the operation, the unit, the
+  /// group and (where known) the peer, instead of hanging. Precedence: this option when set, else
+  /// $FSDP_TIMEOUT (seconds), else 10 minutes (as c10d and NCCL). Lower it for interactive runs:
+  ///   fsdp::FullyShardOptions().timeout(std::chrono::seconds(60))
+  FullyShardOptions& timeout(std::chrono::milliseconds t) {
+    timeout_ = t;
+    return *this;
+  }
+  std::chrono::milliseconds timeout() const { return timeout_ ? *timeout_ : default_timeout(); }
   /// Broadcast rank 0's initial weights to every rank when wrapping, so that ranks seeded
   /// differently still start from one model.
   TORCH_ARG(bool, sync_module_states) = true;
@@ -70,6 +80,23 @@ struct FullyShardOptions {
   /// kNoShard: gradients are all-reduced in buckets of about this many bytes, each issued as soon
   /// as backward has produced all of its gradients (PyTorch DDP's bucket_cap_mb, 25 MiB).
   TORCH_ARG(int64_t, bucket_bytes) = 25 * 1024 * 1024;
+
+ public:
+  /// Before every collective, all ranks first exchange a fingerprint of it (operation, unit, size)
+  /// and compare: a rank that took another code path then fails every rank with an error naming
+  /// what each rank was about to do, instead of pairing mismatched collectives. Costs one small
+  /// collective per collective, so it is a debugging aid (like TORCH_DISTRIBUTED_DEBUG=DETAIL);
+  /// without it the library still compares ranks at every forward, backward and clipping call.
+  /// Default: $FSDP_VERIFY_COLLECTIVES=1 turns it on.
+  FullyShardOptions& verify_collectives(bool on) {
+    verify_collectives_ = on;
+    return *this;
+  }
+  bool verify_collectives() const { return verify_collectives_ ? *verify_collectives_ : verify_collectives_from_env(); }
+
+ private:
+  std::optional<std::chrono::milliseconds> timeout_;
+  std::optional<bool> verify_collectives_;
 };
 
 }  // namespace fsdp

@@ -1,13 +1,14 @@
 #include "fsdp/process_group.h"
 
+#include "fsdp/collectives.h"
 #include "fsdp/cuda_backend.h"
 #include "fsdp/fake_process_group.h"
+#include "fsdp/launcher.h"
+#include "fsdp/monitor.h"
+#include "fsdp/rendezvous.h"
 
-#include <torch/csrc/distributed/c10d/FileStore.hpp>
-#include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <algorithm>
 #include <cstdlib>
@@ -115,69 +116,37 @@ const LaunchEnv& launch_env() {
 c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const InitOptions& options) {
   const std::string& method = options.init_method();
   const bool file_store = method.rfind("file://", 0) == 0;
+  TORCH_CHECK(file_store || method == "env://", "fsdp::init_process_group: unknown init_method '", method,
+              "'; use \"env://\" or \"file:///path\".");
   TORCH_CHECK((options.rank() < 0) == (options.world_size() < 0),
               "fsdp::init_process_group: give both InitOptions::rank and InitOptions::world_size, or neither.");
+  const std::chrono::milliseconds timeout = options.timeout();
+  TORCH_CHECK(timeout.count() > 0, "fsdp::init_process_group: InitOptions::timeout must be positive, not ",
+              timeout.count(), " ms.");
   LaunchEnv env =
       options.rank() >= 0 ? make_launch_env(options.rank(), options.world_size(), !file_store) : read_launch_env();
-  c10::intrusive_ptr<c10d::Store> store;
-  if (file_store) {
-    store = c10::make_intrusive<c10d::FileStore>(method.substr(7), env.world_size);
-  } else {
-    TORCH_CHECK(method == "env://", "fsdp::init_process_group: unknown init_method '", method,
-                "'; use \"env://\" or \"file:///path\".");
-    if (env.world_size == 1) {
-      store = c10::make_intrusive<c10d::HashStore>();
-    } else {
-      c10d::TCPStoreOptions so;
-      so.port = static_cast<std::uint16_t>(env.master_port);
-      so.isServer = env.rank == 0 && !env.agent_store;
-      so.numWorkers = env.world_size;
-      so.waitWorkers = false;
-      so.timeout = options.timeout();
-      so.multiTenant = true;
-      try {
-        store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
-      } catch (const std::exception& e) {
-        TORCH_CHECK(false, "fsdp::init_process_group: rank ", env.rank, " of ", env.world_size,
-                    " could not reach the TCPStore at ", env.master_addr, ":", env.master_port, " (",
-                    so.isServer ? "as its host" : "as a client", "): ", e.what());
-      }
-    }
-  }
-  store->setTimeout(options.timeout());
+  detail::arm_parent_death_signal(env);
+  detail::Rendezvous r = detail::rendezvous(env, options, timeout);
 
-  auto gloo_opts = c10d::ProcessGroupGloo::Options::create(options.timeout());
-  std::string iface = options.gloo_interface();
-  if (iface.empty()) {
-    if (const char* e = getenv_or_null("GLOO_SOCKET_IFNAME")) iface = e;
-  }
-  if (!iface.empty()) {
-    gloo_opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(iface));
-  } else if (env.world_size == 1) {
-    gloo_opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
-  } else {
-    gloo_opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
-  }
-  // Gloo's own worker threads; one is plenty for the CPU path and keeps 4 ranks on 2 cores calm.
-  gloo_opts->threads = 2;
-
-  auto pg = c10::make_intrusive<c10d::ProcessGroup>(store, env.rank, env.world_size);
-  c10::intrusive_ptr<c10d::Backend> gloo;
-  try {
-    gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(c10::make_intrusive<c10d::PrefixStore>("gloo", store), env.rank,
-                                                       env.world_size, gloo_opts);
-  } catch (const std::exception& e) {
-    TORCH_CHECK(false, "fsdp::init_process_group: rank ", env.rank, " of ", env.world_size,
-                " could not connect Gloo to its peers within ", options.timeout().count(), " ms: ", e.what(),
-                " Check that every rank was started and that MASTER_ADDR/MASTER_PORT agree.");
-  }
-  pg->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, gloo);
+  auto pg = c10::make_intrusive<c10d::ProcessGroup>(r.store, env.rank, env.world_size);
+  pg->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, r.gloo);
   pg->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
   if (options.nccl()) {
-    detail::maybe_add_nccl_backend(*pg, store, env, options.timeout());
+    detail::maybe_add_nccl_backend(*pg, r.store, env, timeout);
+  }
+  if (env.world_size > 1) {
+    // The heartbeat gets a connection of its own: it must not wait behind (or hold up) this one.
+    c10::intrusive_ptr<c10d::Store> beat_store;
+    try {
+      beat_store = r.store->clone();
+      beat_store->setTimeout(std::min<std::chrono::milliseconds>(timeout, std::chrono::seconds(5)));
+    } catch (const std::exception&) {
+      beat_store = r.store;
+    }
+    detail::start_heartbeat(beat_store, r.prefix, env.rank, env.world_size);
   }
   current_env() = env;
-  g_timeout = options.timeout();
+  g_timeout = timeout;
   return pg;
 }
 
@@ -225,15 +194,16 @@ c10::intrusive_ptr<c10d::ProcessGroup> new_subgroup(const c10::intrusive_ptr<c10
 }
 
 void all_reduce(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, at::Tensor& tensor, c10d::ReduceOp op) {
+  TORCH_CHECK(pg, "fsdp::all_reduce: the process group is null");
   if (pg->getSize() == 1) return;
-  std::vector<at::Tensor> ts{tensor};
-  c10d::AllreduceOptions opts;
-  opts.reduceOp = std::move(op);
-  try {
-    pg->getBackend(tensor.device().type())->allreduce(ts, opts)->wait(g_timeout);
-  } catch (const std::exception& e) {
-    TORCH_CHECK(false, "fsdp::all_reduce failed on rank ", pg->getRank(), " of ", pg->getSize(), ": ", e.what());
-  }
+  detail::Comm comm(pg, g_timeout);
+  const std::string what = "fsdp::all_reduce of " + std::to_string(tensor.numel()) + " " +
+                           std::string(c10::toString(tensor.scalar_type())) + " element(s)";
+  // Every rank must be at this call: one rank reducing a metric while another runs the model would
+  // otherwise pair collectives of different sizes.
+  comm.check_same_call({201, tensor.numel(), static_cast<int64_t>(tensor.scalar_type()), static_cast<int64_t>(op.op_)},
+                       what);
+  comm.all_reduce(tensor, std::move(op), what);
 }
 
 }  // namespace fsdp

@@ -1,10 +1,13 @@
 // Process groups from a launcher's environment: torchrun, Slurm, or none (one process).
 #pragma once
 
+#include "fsdp/env.h"
+
 #include <torch/arg.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <chrono>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -31,8 +34,14 @@ LaunchEnv read_launch_env();
 LaunchEnv make_launch_env(int rank, int world_size, bool need_master);
 
 struct InitOptions {
-  /// Bound on the rendezvous and on every collective of the group.
-  TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(10);
+  /// Bound on the start-up (reaching the store, every rank joining, connecting Gloo) and on every
+  /// collective of the group. Precedence: this option when set, else $FSDP_TIMEOUT (seconds), else
+  /// 10 minutes (as c10d and NCCL).
+  InitOptions& timeout(std::chrono::milliseconds t) {
+    timeout_ = t;
+    return *this;
+  }
+  std::chrono::milliseconds timeout() const { return timeout_ ? *timeout_ : default_timeout(); }
   /// "env://" (torchrun, Slurm or a single process) or "file:///path" (a FileStore; the rank and
   /// world size then come from the environment as well).
   TORCH_ARG(std::string, init_method) = "env://";
@@ -44,10 +53,22 @@ struct InitOptions {
   TORCH_ARG(int, world_size) = -1;
   /// Also create an NCCL backend for CUDA tensors when this LibTorch has CUDA and a GPU is present.
   TORCH_ARG(bool, nccl) = true;
+
+ private:
+  std::optional<std::chrono::milliseconds> timeout_;
 };
 
 /// Creates the process group of this job: Gloo for CPU tensors and (where available) NCCL for CUDA
 /// tensors, after a TCPStore rendezvous. World size 1 needs no launcher and no environment.
+///
+/// Start-up ends within the timeout in every case, with an error naming the store's address and
+/// port and what was found there (a name that does not resolve, nothing listening, a service that
+/// does not answer as a store, ranks that never joined). Each rank claims its rank in the store
+/// once, under the job's identity (FSDP_JOB_ID, torchrun's run id or Slurm's job id): a process of
+/// another job that reaches this job's store is told so. Under torchrun, this process also gets
+/// SIGTERM if torchrun dies (FSDP_PARENT_DEATH_SIGNAL, fsdp/env.h). A heartbeat thread then
+/// publishes this rank's state in the store every second, so that a failed collective can name the
+/// peer that stopped answering.
 c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const InitOptions& options = {});
 
 /// A process group of `ranks` (ranks of `pg`, this rank among them, in the order that defines the

@@ -1,5 +1,6 @@
 #include "fsdp/state.h"
 
+#include "fsdp/model_check.h"
 #include "fsdp/param_group.h"
 #include "fsdp/process_group.h"
 #include "fsdp/sharded.h"
@@ -16,7 +17,9 @@
 namespace fsdp::detail {
 
 FSDPState::FSDPState(c10::intrusive_ptr<c10d::ProcessGroup> pg, FullyShardOptions options)
-    : comm(std::move(pg), options.timeout()), options(options) {}
+    : options(options),
+      comm(std::move(pg), this->options.timeout(), std::make_shared<CommShared>(), GroupInfo{},
+           this->options.verify_collectives()) {}
 
 void FSDPState::init_hybrid(int group_size) {
   if (shard_comm) return;
@@ -35,12 +38,35 @@ void FSDPState::init_hybrid(int group_size) {
   auto shard_pg = new_subgroup(comm.process_group(), shard_ranks, name + "/shard" + std::to_string(r / group_size));
   auto replicate_pg =
       new_subgroup(comm.process_group(), replicate_ranks, name + "/replicate" + std::to_string(r % group_size));
-  shard_comm = std::make_unique<Comm>(shard_pg, comm.timeout(), comm.shared_stats());
-  replicate_comm = std::make_unique<Comm>(replicate_pg, comm.timeout(), comm.shared_stats());
+  // Errors on these groups name global ranks: the groups' members are listed in their messages.
+  shard_comm = std::make_unique<Comm>(shard_pg, comm.timeout(), comm.shared(),
+                                      GroupInfo{"hybrid shard group " + std::to_string(r / group_size), shard_ranks, W},
+                                      comm.verify());
+  replicate_comm = std::make_unique<Comm>(
+      replicate_pg, comm.timeout(), comm.shared(),
+      GroupInfo{"hybrid replicate group " + std::to_string(r % group_size), replicate_ranks, W}, comm.verify());
+}
+
+void FSDPState::check_boundary(Boundary b, int64_t a, int64_t c, const std::string& description) {
+  CallLog& log = comm.log();
+  std::ostringstream os;
+  os << description << ", after " << log.count << " collective(s) of this model since the previous check";
+  const std::array<int64_t, 6> code{static_cast<int64_t>(b), a, c, log.count, static_cast<int64_t>(log.hash), 0};
+  try {
+    comm.check_same_call(code, os.str());
+  } catch (const std::exception& e) {
+    mark_broken(error_text(e));
+    throw;
+  }
+  log.reset();
 }
 
 void FSDPState::on_backward_begin() {
   if (callback_queued_) return;
+  ++backwards_;
+  check_boundary(Boundary::kBackwardBegin, backwards_, sync_gradients ? 1 : 0,
+                 "the start of backward #" + std::to_string(backwards_) + " (gradient sync " +
+                     (sync_gradients ? "on" : "off") + ")");
   callback_queued_ = true;
   std::weak_ptr<FSDPState> self = weak_from_this();
   torch::autograd::Engine::get_default_engine().queue_callback([self] {
@@ -54,6 +80,9 @@ void FSDPState::finalize_backward() {
     if (auto g = w.lock()) g->finalize_backward();
   }
   finish_reduces();
+  // Ranks whose backwards issued different collectives of equal sizes are stopped here, before an
+  // optimizer uses what they reduced.
+  check_boundary(Boundary::kBackwardEnd, backwards_, 0, "the end of backward #" + std::to_string(backwards_));
 }
 
 void FSDPState::end_forward() {
@@ -88,10 +117,10 @@ void FSDPState::mark_broken(const std::string& why) {
 }
 
 void FSDPState::check_not_broken() const {
-  TORCH_CHECK(broken_.empty(), "fsdp (rank ", comm.rank(), " of ", comm.world_size(),
+  TORCH_CHECK(broken_.empty(), "fsdp (", comm.where(),
               "): an earlier collective of this model failed, so the ranks no longer agree on which collective "
-              "comes next. Recreate the process group and the model (e.g. restart from a checkpoint). "
-              "The first failure was:\n",
+              "comes next. Exit and restart the job from its last checkpoint (docs/usage.md, 'When a collective "
+              "fails'). The first failure was:\n",
               broken_);
 }
 
@@ -132,6 +161,11 @@ void FSDPState::finish_reduces() {
 
 void FSDPState::begin_forward() {
   check_not_broken();
+  ++forwards_;
+  const bool grad = c10::GradMode::is_enabled();
+  check_boundary(
+      Boundary::kForward, forwards_, grad ? 1 : 0,
+      "forward #" + std::to_string(forwards_) + " of the wrapped model (" + (grad ? "gradients on" : "no grad") + ")");
   recording_.clear();
   for (auto& w : groups) {
     if (auto g = w.lock()) g->drop_prefetch();  // left by a forward that threw
@@ -141,77 +175,6 @@ void FSDPState::begin_forward() {
   for (auto& w : groups) {
     if (auto g = w.lock()) g->reset_after_failed_backward();
   }
-}
-
-namespace {
-
-std::vector<std::string> split_lines(const char* data, size_t n) {
-  std::vector<std::string> lines;
-  std::string cur;
-  for (size_t i = 0; i < n; ++i) {
-    if (data[i] == '\n') {
-      lines.push_back(cur);
-      cur.clear();
-    } else {
-      cur += data[i];
-    }
-  }
-  if (!cur.empty()) lines.push_back(cur);
-  return lines;
-}
-
-std::string first_word(const std::string& line) {
-  return line.substr(0, line.find(' '));
-}
-
-// Names the first difference between rank 0's description and rank q's, or returns "".
-std::string first_difference(const std::vector<std::string>& ref, const std::vector<std::string>& other, int q) {
-  const size_t n = std::min(ref.size(), other.size());
-  std::ostringstream os;
-  for (size_t i = 0; i < n; ++i) {
-    if (ref[i] == other[i]) continue;
-    if (first_word(ref[i]) == first_word(other[i])) {
-      os << "parameter '" << first_word(ref[i]) << "' is " << ref[i].substr(ref[i].find(' ') + 1) << " on rank 0 but "
-         << other[i].substr(other[i].find(' ') + 1) << " on rank " << q;
-    } else {
-      os << "parameter #" << i << " is '" << first_word(ref[i]) << "' on rank 0 but '" << first_word(other[i])
-         << "' on rank " << q;
-    }
-    return os.str();
-  }
-  if (ref.size() != other.size()) {
-    os << "rank 0 has " << ref.size() << " parameters but rank " << q << " has " << other.size() << " (first extra: '"
-       << first_word(ref.size() > n ? ref[n] : other[n]) << "' on rank " << (ref.size() > n ? 0 : q) << ")";
-  }
-  return os.str();
-}
-
-}  // namespace
-
-void check_same_model_on_all_ranks(Comm& comm, const std::string& description) {
-  const int W = comm.world_size();
-  if (W == 1) return;
-  const std::string what = "the model check of fsdp::fully_shard";
-  at::Tensor len = at::empty({1}, at::kLong);
-  len.fill_(static_cast<int64_t>(description.size()));
-  at::Tensor lens = at::empty({W}, at::kLong);
-  comm.all_gather(lens, len, what);
-  const int64_t max_len = std::max<int64_t>(1, lens.max().item<int64_t>());
-  at::Tensor mine = at::zeros({max_len}, at::kByte);
-  std::memcpy(mine.data_ptr(), description.data(), description.size());
-  at::Tensor all = at::empty({W * max_len}, at::kByte);
-  comm.all_gather(all, mine, what);
-  const char* base = static_cast<const char*>(all.data_ptr());
-  const int64_t* lp = lens.data_ptr<int64_t>();
-  auto ref = split_lines(base, static_cast<size_t>(lp[0]));
-  for (int q = 1; q < W; ++q) {
-    auto other = split_lines(base + q * max_len, static_cast<size_t>(lp[q]));
-    std::string diff = first_difference(ref, other, q);
-    TORCH_CHECK(diff.empty(), "fsdp::fully_shard (rank ", comm.rank(), " of ", W,
-                "): the model differs between ranks: ", diff,
-                ". Every rank must build the same model (same code, same configuration) before fully_shard.");
-  }
-  // Every rank reaches the same verdict from the same gathered bytes, so none is left waiting.
 }
 
 namespace {
@@ -243,9 +206,9 @@ void shard_on_construction(const std::shared_ptr<FSDPState>& state, torch::nn::M
   // The collectives below (broadcast, hybrid groups) pair up only if every rank builds the same
   // unit now: check that first, by the unit's own description.
   std::ostringstream desc;
-  desc << "strategy " << to_string(strategy) << " shard_group_size " << state->options.shard_group_size() << '\n';
+  desc << "option strategy " << to_string(strategy) << '\n' << describe_options(state->options);
   for (const auto& [name, p] : unique) {
-    desc << name << ' ' << p.dtype() << ' ' << p.sizes() << (p.requires_grad() ? "" : " frozen") << " ("
+    desc << "param " << name << ' ' << p.dtype() << ' ' << p.sizes() << (p.requires_grad() ? "" : " frozen") << " ("
          << c10::DeviceTypeName(p.device().type(), true) << ")\n";
   }
   check_same_model_on_all_ranks(state->comm, desc.str());
@@ -348,16 +311,20 @@ std::shared_ptr<ParamGroup> shard_model(const std::shared_ptr<torch::nn::Module>
   bool hybrid = false;
   for (const auto& f : found) hybrid = hybrid || strategy_of(*f) == ShardingStrategy::kHybridShard;
   std::ostringstream desc;
-  if (hybrid) desc << "shard_group_size " << options.shard_group_size() << '\n';
+  desc << describe_options(options);
   for (const auto& kv : root->named_parameters()) {  // module order: the same on every rank
     const at::Tensor& p = kv.value();
     auto built = built_shape.find(p.unsafeGetTensorImpl());
     const std::vector<int64_t> shape = built != built_shape.end() ? built->second : p.sizes().vec();
-    desc << kv.key() << ' ' << p.dtype() << ' ' << c10::IntArrayRef(shape) << " in unit '"
+    desc << "param " << kv.key() << ' ' << p.dtype() << ' ' << c10::IntArrayRef(shape) << " in unit '"
          << unit_of[p.unsafeGetTensorImpl()] << (p.requires_grad() ? "" : " frozen") << " ("
          << c10::DeviceTypeName(p.device().type(), true) << ")\n";
   }
+  desc << describe_buffers(*root);
   check_same_model_on_all_ranks(state->comm, desc.str());
+  // Buffers (running statistics, masks, tables drawn from the RNG) start equal on every rank, as
+  // in PyTorch's FSDP and DDP; parameters are broadcast unit by unit as they are sharded.
+  if (options.sync_module_states()) broadcast_buffers(state->comm, *root);
   if (hybrid) state->init_hybrid(options.shard_group_size());
 
   std::shared_ptr<ParamGroup> root_group;

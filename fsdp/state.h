@@ -25,8 +25,8 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
  public:
   FSDPState(c10::intrusive_ptr<c10d::ProcessGroup> pg, FullyShardOptions options);
 
-  Comm comm;
   const FullyShardOptions options;
+  Comm comm;
   /// kHybridShard only (null otherwise): the S consecutive ranks a unit is sharded over, and the
   /// N/S ranks, one per group, that hold the same shard. They share comm's statistics.
   std::unique_ptr<Comm> shard_comm, replicate_comm;
@@ -52,6 +52,11 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   /// follows next time (and in this step's backward, reversed).
   void end_forward();
 
+  /// The cross-rank checks at the boundaries of the step (see docs/design.md, "Ranks on the same
+  /// path"): every rank must be at the same call, with the same collectives issued since the last
+  /// check. A difference fails every rank, names what each was doing, and marks the model broken.
+  enum class Boundary : int64_t { kForward = 101, kBackwardBegin = 102, kBackwardEnd = 103, kClip = 104 };
+  void check_boundary(Boundary b, int64_t a, int64_t c, const std::string& description);
   /// Records the unit's place in the forward order and issues the prefetch of the next units
   /// (forward order in forward, reverse order in backward), at most options.prefetch() of them.
   void after_unit_unsharded(ParamGroup& unit, bool backward);
@@ -80,6 +85,7 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
 
  private:
   bool callback_queued_ = false;
+  int64_t forwards_ = 0, backwards_ = 0;
   bool track_state_ = false;
   int64_t state_peak_ = 0;
   std::string broken_;

@@ -227,6 +227,23 @@ void run_ranks(int world_size, const std::function<void(Rank&)>& body, const Run
       }
     }
     if (remaining == 0) break;
+    // Ranks that may die may also be stopped (SIGSTOP) or hang on purpose: once every other rank
+    // is done, they are killed without blame.
+    bool others_done = true;
+    for (int r = 0; r < world_size; ++r) {
+      const bool may_die = std::find(options.may_die.begin(), options.may_die.end(), r) != options.may_die.end();
+      others_done = others_done && (done[r] || may_die);
+    }
+    if (others_done) {
+      for (int r = 0; r < world_size; ++r) {
+        if (done[r]) continue;
+        kill(-pids[r], SIGKILL);
+        waitpid(pids[r], &status[r], 0);
+        pids[r] = -1;
+        done[r] = true;
+      }
+      break;
+    }
     if (clock::now() > deadline) {
       for (int r = 0; r < world_size; ++r) {
         if (done[r]) continue;

@@ -39,7 +39,8 @@ struct RunOptions {
   std::map<std::string, std::string> env;
   /// Create the process group before calling the body (false: the body does it itself).
   bool init_process_group = true;
-  /// Ranks whose death (a signal or a non-zero exit) is what the test is about, not a failure.
+  /// Ranks whose death (a signal or a non-zero exit) is what the test is about, not a failure; once
+  /// every other rank has finished, those still running (stopped, hanging) are killed.
   std::vector<int> may_die;
 };
 

@@ -32,7 +32,7 @@ TEST(Errors, ModelWithOtherShapeOnOneRank) {
             "(cpu) on rank 1"),
         std::string::npos)
         << msg;
-    EXPECT_NE(msg.find("(rank " + std::to_string(r.rank) + " of 3)"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("(global rank " + std::to_string(r.rank) + " of 3)"), std::string::npos) << msg;
     EXPECT_LT(Clock::now() - start, std::chrono::seconds(30));
   });
 }
@@ -83,6 +83,89 @@ TEST(Errors, StrategyDiffersOnOneRank) {
     fsdp::fully_shard(wrapped, r.pg, test_options());
     auto late = error_of([&] { wrapped->fc1->set_sharding_strategy(ShardingStrategy::kShardGradOp); });
     EXPECT_NE(late.find("must be called before fsdp::fully_shard"), std::string::npos) << late;
+  });
+}
+
+// Every option that changes the sequence or sizes of collectives is compared when wrapping: a
+// difference fails every rank within seconds, naming the option (prefetch differing used to hang
+// until the timeout; bucket_bytes differing aborted inside Gloo's thread).
+TEST(Errors, OptionsDifferingBetweenRanks) {
+  run_ranks(2, [](Rank& r) {
+    struct Case {
+      FullyShardOptions mine;
+      std::string expected;
+    };
+    const std::vector<Case> cases = {
+        {test_options().prefetch(r.rank == 0 ? 1 : 2), "option 'prefetch' is 1 on rank 0 but 2 on rank 1"},
+        {test_options().strategy(ShardingStrategy::kNoShard).bucket_bytes(r.rank == 0 ? 64 : 128),
+         "option 'bucket_bytes' is 64 on rank 0 but 128 on rank 1"},
+        {test_options().sync_module_states(r.rank == 0),
+         "option 'sync_module_states' is true on rank 0 but false on rank 1"},
+        {test_options().verify_collectives(r.rank == 1),
+         "option 'verify_collectives' is false on rank 0 but true on rank 1"},
+    };
+    for (const auto& c : cases) {
+      const auto start = Clock::now();
+      auto msg = error_of([&] { fsdp::fully_shard(std::make_shared<DifferentMLPImpl>(13), r.pg, c.mine); });
+      EXPECT_NE(msg.find(c.expected), std::string::npos) << msg;
+      EXPECT_NE(msg.find("(global rank " + std::to_string(r.rank) + " of 2)"), std::string::npos) << msg;
+      EXPECT_LT(Clock::now() - start, std::chrono::seconds(5));
+    }
+    // The same through a ShardingScope: the unit built first is checked with the options.
+    auto msg = error_of([&] {
+      fsdp::ShardingScope scope(r.pg, test_options().prefetch(r.rank));
+      DifferentMLPImpl built(13);
+    });
+    EXPECT_NE(msg.find("option 'prefetch' is 0 on rank 0 but 1 on rank 1"), std::string::npos) << msg;
+  });
+}
+
+/// A module buffer drawn from the RNG (a fixed random projection, a mask).
+struct BufferedImpl : torch::nn::Module {
+  explicit BufferedImpl(int64_t n = 6, torch::Dtype dtype = torch::kFloat)
+      : fc(register_module("fc", fsdp::Sharded<torch::nn::LinearImpl>(n, n))),
+        mix(register_buffer("mix", torch::randn({n, n}, dtype))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return fc(x.matmul(mix)); }
+  fsdp::Sharded<torch::nn::LinearImpl> fc;
+  torch::Tensor mix;
+};
+
+// Buffers are broadcast from rank 0 like the parameters (PyTorch's FSDP and DDP do it), so ranks
+// seeded differently train the same model; their names, shapes and dtypes are part of the check.
+TEST(Errors, BuffersAreBroadcastAndChecked) {
+  run_ranks(3, [](Rank& r) {
+    torch::manual_seed(100 + r.rank);  // differs between ranks: parameters and the buffer
+    auto net = std::make_shared<BufferedImpl>();
+    auto model = fsdp::fully_shard(net, r.pg, test_options());
+    // Rank 0's buffer everywhere; and with it, rank 0's model trains like the reference.
+    auto rank0_mix = net->mix.clone();
+    all_reduce_sum(r, rank0_mix);
+    EXPECT_TRUE(rank0_mix.equal(net->mix * 3)) << "the buffer differs between ranks after fully_shard";
+    torch::manual_seed(100);
+    auto ref0 = std::make_shared<BufferedImpl>();  // rank 0's initial model, plain LibTorch
+    torch::optim::SGD ref_opt(ref0->parameters(), 0.1), opt(model.sharded_parameters(), 0.1);
+    torch::manual_seed(7);
+    auto x = torch::randn({kGlobalBatch, 6});
+    for (int step = 0; step < 3; ++step) {
+      ref_opt.zero_grad();
+      ref0->forward(x).pow(2).mean().backward();
+      ref_opt.step();
+      opt.zero_grad();
+      model(local_rows(x, r.rank, r.world_size)).pow(2).mean().backward();
+      opt.step();
+    }
+    expect_shards_match(r, model, *ref0);
+    // A buffer of another shape on one rank: named on every rank.
+    auto msg =
+        error_of([&] { fsdp::fully_shard(std::make_shared<BufferedImpl>(r.rank == 2 ? 7 : 6), r.pg, test_options()); });
+    EXPECT_NE(msg.find("differs between ranks"), std::string::npos) << msg;
+    auto other = error_of([&] {
+      auto m = std::make_shared<BufferedImpl>(6, r.rank == 1 ? torch::kDouble : torch::kFloat);
+      fsdp::fully_shard(m, r.pg, test_options());
+    });
+    EXPECT_NE(other.find("buffer 'mix' is float [6, 6] (cpu) on rank 0 but double [6, 6] (cpu) on rank 1"),
+              std::string::npos)
+        << other;
   });
 }
 

@@ -1,0 +1,59 @@
+#include "fsdp/env.h"
+
+#include <c10/util/Exception.h>
+
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
+
+namespace fsdp {
+namespace {
+
+const char* getenv_or_null(const char* name) {
+  const char* v = std::getenv(name);
+  return (v != nullptr && *v != '\0') ? v : nullptr;
+}
+
+}  // namespace
+
+namespace detail {
+
+std::chrono::milliseconds parse_timeout_seconds(const std::string& value, const std::string& what) {
+  char* end = nullptr;
+  errno = 0;
+  const double s = std::strtod(value.c_str(), &end);
+  // Up to a year: beyond that the milliseconds overflow nothing, but it is surely a typo.
+  const bool ok = errno == 0 && end != value.c_str() && *end == '\0' && std::isfinite(s) && s > 0 && s <= 365 * 86400.0;
+  TORCH_CHECK(ok, "fsdp: ", what, "='", value,
+              "' is not a timeout: give a positive number of seconds (fractions allowed), e.g. ", what, "=60.");
+  return std::chrono::milliseconds(std::max<int64_t>(1, static_cast<int64_t>(std::llround(s * 1000.0))));
+}
+
+std::string job_id() {
+  if (const char* v = getenv_or_null("FSDP_JOB_ID")) return v;
+  if (const char* v = getenv_or_null("TORCHELASTIC_RUN_ID")) return std::string("torchrun:") + v;
+  if (const char* v = getenv_or_null("SLURM_JOB_ID")) {
+    std::string id = std::string("slurm:") + v;
+    if (const char* step = getenv_or_null("SLURM_STEP_ID")) id += std::string(".") + step;
+    return id;
+  }
+  return "";
+}
+
+}  // namespace detail
+
+std::chrono::milliseconds default_timeout() {
+  const char* v = getenv_or_null("FSDP_TIMEOUT");
+  if (v == nullptr) return std::chrono::minutes(10);
+  return detail::parse_timeout_seconds(v, "FSDP_TIMEOUT");
+}
+
+bool verify_collectives_from_env() {
+  const char* v = getenv_or_null("FSDP_VERIFY_COLLECTIVES");
+  if (v == nullptr) return false;
+  const std::string s = v;
+  TORCH_CHECK(s == "0" || s == "1", "fsdp: FSDP_VERIFY_COLLECTIVES='", s, "' must be 1 (check) or 0 (off).");
+  return s == "1";
+}
+
+}  // namespace fsdp

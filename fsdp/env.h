@@ -1,0 +1,35 @@
+// The environment variables libtorch-fsdp reads, in one place. Each is optional; a value that
+// cannot be parsed is an error naming the variable (never silently ignored).
+//
+//   FSDP_TIMEOUT                 seconds (fractions allowed): the default bound on start-up and on every
+//                                collective, used where InitOptions::timeout / FullyShardOptions::timeout
+//                                is not set explicitly. Unset: 10 minutes (c10d's and NCCL's default).
+//   FSDP_JOB_ID                  this job's identity, checked at start-up; else TORCHELASTIC_RUN_ID
+//                                (torchrun), else SLURM_JOB_ID[.SLURM_STEP_ID] (srun), else none.
+//   FSDP_PARENT_DEATH_SIGNAL     TERM (default when torchrun started this process), KILL, or 0 (off):
+//                                the signal this process gets when its launcher dies.
+//   FSDP_VERIFY_COLLECTIVES      1: check before every collective that all ranks issue the same one
+//                                (see FullyShardOptions::verify_collectives). Unset or 0: off.
+#pragma once
+
+#include <chrono>
+#include <string>
+
+namespace fsdp {
+
+/// The timeout used where none was given explicitly: $FSDP_TIMEOUT seconds, else 10 minutes.
+std::chrono::milliseconds default_timeout();
+
+/// Whether $FSDP_VERIFY_COLLECTIVES asks for a check before every collective.
+bool verify_collectives_from_env();
+
+namespace detail {
+
+/// This job's identity (see above); "" when the launcher gave none.
+std::string job_id();
+
+/// Parses a timeout in seconds ("20", "0.5") from `what` (a flag or variable name, for messages).
+std::chrono::milliseconds parse_timeout_seconds(const std::string& value, const std::string& what);
+
+}  // namespace detail
+}  // namespace fsdp

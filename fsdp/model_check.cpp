@@ -1,0 +1,137 @@
+#include "fsdp/model_check.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/core/GradMode.h>
+
+#include <cstring>
+#include <sstream>
+#include <vector>
+
+namespace fsdp::detail {
+namespace {
+
+std::vector<std::string> split_lines(const char* data, size_t n) {
+  std::vector<std::string> lines;
+  std::string cur;
+  for (size_t i = 0; i < n; ++i) {
+    if (data[i] == '\n') {
+      lines.push_back(cur);
+      cur.clear();
+    } else {
+      cur += data[i];
+    }
+  }
+  if (!cur.empty()) lines.push_back(cur);
+  return lines;
+}
+
+struct Line {
+  std::string kind, name, details;
+};
+
+Line parse(const std::string& s) {
+  Line l;
+  const size_t a = s.find(' ');
+  l.kind = s.substr(0, a);
+  if (a == std::string::npos) return l;
+  const size_t b = s.find(' ', a + 1);
+  l.name = s.substr(a + 1, b == std::string::npos ? std::string::npos : b - a - 1);
+  if (b != std::string::npos) l.details = s.substr(b + 1);
+  return l;
+}
+
+std::string noun(const std::string& kind) {
+  return kind == "param" ? "parameter" : kind == "option" ? "option" : kind == "buffer" ? "buffer" : kind;
+}
+
+// Names the first difference between rank 0's description and rank q's, or returns "".
+std::string first_difference(const std::vector<std::string>& ref, const std::vector<std::string>& other, int q) {
+  const size_t n = std::min(ref.size(), other.size());
+  std::ostringstream os;
+  for (size_t i = 0; i < n; ++i) {
+    if (ref[i] == other[i]) continue;
+    const Line a = parse(ref[i]), b = parse(other[i]);
+    if (a.kind == b.kind && a.name == b.name) {
+      os << noun(a.kind) << " '" << a.name << "' is " << a.details << " on rank 0 but " << b.details << " on rank "
+         << q;
+    } else if (a.kind == b.kind) {
+      os << noun(a.kind) << " #" << i << " is '" << a.name << "' on rank 0 but '" << b.name << "' on rank " << q;
+    } else {
+      os << "rank 0 has " << noun(a.kind) << " '" << a.name << "' where rank " << q << " has " << noun(b.kind) << " '"
+         << b.name << "'";
+    }
+    return os.str();
+  }
+  if (ref.size() != other.size()) {
+    const bool longer0 = ref.size() > n;
+    const Line extra = parse(longer0 ? ref[n] : other[n]);
+    os << "rank " << (longer0 ? 0 : q) << " has " << noun(extra.kind) << " '" << extra.name << "' that rank "
+       << (longer0 ? q : 0) << " does not have";
+  }
+  return os.str();
+}
+
+}  // namespace
+
+std::string describe_options(const FullyShardOptions& o) {
+  std::ostringstream os;
+  os << "option prefetch " << o.prefetch() << '\n'
+     << "option bucket_bytes " << o.bucket_bytes() << '\n'
+     << "option shard_group_size " << o.shard_group_size() << '\n'
+     << "option sync_module_states " << (o.sync_module_states() ? "true" : "false") << '\n'
+     << "option verify_collectives " << (o.verify_collectives() ? "true" : "false") << '\n';
+  return os.str();
+}
+
+std::string describe_buffers(torch::nn::Module& root) {
+  std::ostringstream os;
+  for (const auto& kv : root.named_buffers()) {
+    const at::Tensor& b = kv.value();
+    if (!b.defined()) continue;
+    os << "buffer " << kv.key() << ' ' << b.dtype() << ' ' << b.sizes() << " ("
+       << c10::DeviceTypeName(b.device().type(), true) << ")\n";
+  }
+  return os.str();
+}
+
+void check_same_model_on_all_ranks(Comm& verified, const std::string& description) {
+  Comm comm = verified.unverified();
+  const int W = comm.world_size();
+  if (W == 1) return;
+  const std::string what = "the model check of fsdp::fully_shard";
+  at::Tensor len = at::empty({1}, at::kLong);
+  len.fill_(static_cast<int64_t>(description.size()));
+  at::Tensor lens = at::empty({W}, at::kLong);
+  comm.all_gather(lens, len, what);
+  const int64_t max_len = std::max<int64_t>(1, lens.max().item<int64_t>());
+  at::Tensor mine = at::zeros({max_len}, at::kByte);
+  std::memcpy(mine.data_ptr(), description.data(), description.size());
+  at::Tensor all = at::empty({W * max_len}, at::kByte);
+  comm.all_gather(all, mine, what);
+  const char* base = static_cast<const char*>(all.data_ptr());
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  auto ref = split_lines(base, static_cast<size_t>(lp[0]));
+  for (int q = 1; q < W; ++q) {
+    auto other = split_lines(base + q * max_len, static_cast<size_t>(lp[q]));
+    std::string diff = first_difference(ref, other, q);
+    TORCH_CHECK(diff.empty(), "fsdp::fully_shard (", comm.where(), "): the model differs between ranks: ", diff,
+                ". Every rank must build the same model (same code, same configuration) and wrap it with the same "
+                "options before fully_shard.");
+  }
+  // Every rank reaches the same verdict from the same gathered bytes, so none is left waiting.
+}
+
+void broadcast_buffers(Comm& comm, torch::nn::Module& root) {
+  if (comm.world_size() == 1) return;
+  at::NoGradGuard no_grad;
+  for (const auto& kv : root.named_buffers()) {
+    at::Tensor b = kv.value();
+    if (!b.defined() || b.numel() == 0) continue;
+    at::Tensor buf = b.is_contiguous() ? b : b.contiguous();
+    comm.broadcast(buf, 0, "broadcast of rank 0's buffer '" + kv.key() + "'");
+    if (!buf.is_same(b)) b.copy_(buf);
+  }
+}
+
+}  // namespace fsdp::detail

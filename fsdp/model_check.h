@@ -1,0 +1,28 @@
+// Before sharding, every rank compares its model and options with rank 0's: a difference would
+// pair collectives of different sizes or order later. Internal to the library.
+#pragma once
+
+#include "fsdp/collectives.h"
+#include "fsdp/options.h"
+
+#include <torch/nn/module.h>
+
+#include <string>
+
+namespace fsdp::detail {
+
+/// One line per option that changes the sequence or sizes of collectives: "option <name> <value>".
+std::string describe_options(const FullyShardOptions& options);
+
+/// One line per buffer of `root`, in module order: "buffer <name> <dtype> <shape> (<device type>)".
+std::string describe_buffers(torch::nn::Module& root);
+
+/// Throws on every rank alike, naming the first line of `description` that differs between rank 0
+/// and another rank. `description` holds one "<kind> <name> <details>" line each (kind: param,
+/// buffer, option): every rank gathers every description and reaches the same verdict.
+void check_same_model_on_all_ranks(Comm& comm, const std::string& description);
+
+/// Broadcasts rank 0's buffers of `root` to every rank (FullyShardOptions::sync_module_states).
+void broadcast_buffers(Comm& comm, torch::nn::Module& root);
+
+}  // namespace fsdp::detail

@@ -1,0 +1,349 @@
+#include "fsdp/monitor.h"
+
+#include <c10/util/Exception.h>
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+namespace fsdp::detail {
+namespace {
+
+using std::chrono::milliseconds;
+constexpr milliseconds kPeriod{1000};  // one store write per rank per second
+constexpr milliseconds kStale{2500};   // a heartbeat older than this: the rank is not running
+constexpr milliseconds kDiagnosisStoreTimeout{2000};
+constexpr milliseconds kDiagnosisBudget{3000};
+
+int64_t unix_ms() {
+  return std::chrono::duration_cast<milliseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+std::string host_and_pid() {
+  char host[256] = {0};
+  if (gethostname(host, sizeof(host) - 1) != 0) std::snprintf(host, sizeof(host), "?");
+  return std::string(host) + ":" + std::to_string(getpid());
+}
+
+// Shared by one heartbeat thread and the rest of the process; the thread keeps it alive.
+struct Beat {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool stop = false;
+  bool exited = false;
+  std::string activity;  // "" when idle
+  int64_t activity_since = 0;
+  std::string failure;
+};
+
+struct Monitor {
+  std::mutex mu;
+  std::shared_ptr<Beat> beat;
+  c10::intrusive_ptr<c10d::Store> diag_store;  // a connection of its own, with a short timeout
+  std::string prefix;
+  std::vector<c10::intrusive_ptr<c10d::Backend>> abandoned;
+};
+
+// Never destroyed: the heartbeat thread and abandoned backends may outlive every static.
+Monitor& monitor() {
+  static auto* m = new Monitor();
+  return *m;
+}
+
+std::shared_ptr<Beat> current_beat() {
+  Monitor& m = monitor();
+  std::lock_guard<std::mutex> g(m.mu);
+  return m.beat;
+}
+
+// Stops the heartbeat before static destructors run (registered after LibTorch's statics exist,
+// so it runs before they are destroyed); waits briefly for the thread to leave the store.
+void stop_at_exit() {
+  auto b = current_beat();
+  if (!b) return;
+  std::unique_lock<std::mutex> l(b->mu);
+  b->stop = true;
+  b->cv.notify_all();
+  b->cv.wait_for(l, milliseconds(200), [&] { return b->exited; });
+}
+
+std::string key_of(const std::string& prefix, int rank) {
+  return prefix + "heartbeat/" + std::to_string(rank);
+}
+
+// "seq|unix_ms|host:pid|activity_since|activity|failure"
+std::string encode(int64_t seq, const std::string& who, const Beat& b) {
+  std::ostringstream os;
+  os << seq << '|' << unix_ms() << '|' << who << '|' << b.activity_since << '|' << b.activity << '|' << b.failure;
+  return os.str();
+}
+
+struct PeerBeat {
+  int64_t seq = -1;
+  int64_t at_ms = 0;
+  std::string who, activity, failure;
+  int64_t activity_since = 0;
+};
+
+bool decode(const std::vector<uint8_t>& v, PeerBeat& out) {
+  std::string s(v.begin(), v.end());
+  std::vector<std::string> f;
+  size_t start = 0;
+  for (int i = 0; i < 5; ++i) {
+    const size_t bar = s.find('|', start);
+    if (bar == std::string::npos) return false;
+    f.push_back(s.substr(start, bar - start));
+    start = bar + 1;
+  }
+  f.push_back(s.substr(start));
+  try {
+    out.seq = std::stoll(f[0]);
+    out.at_ms = std::stoll(f[1]);
+    out.who = f[2];
+    out.activity_since = std::stoll(f[3]);
+    out.activity = f[4];
+    out.failure = f[5];
+  } catch (const std::exception&) {
+    return false;
+  }
+  return true;
+}
+
+std::string seconds(int64_t ms) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.1f s", static_cast<double>(ms) / 1000.0);
+  return buf;
+}
+
+// What a peer's heartbeat says it was doing; `now` is when its state is described (0: as of its
+// last heartbeat, without a duration).
+std::string doing(const PeerBeat& b, int64_t now) {
+  if (!b.failure.empty()) return "it failed in " + b.failure;
+  if (b.activity.empty()) return "it was not inside a collective of this library";
+  if (now == 0) return "it was in " + b.activity;
+  return "it is in " + b.activity + " for " + seconds(now - b.activity_since);
+}
+
+}  // namespace
+
+void start_heartbeat(c10::intrusive_ptr<c10d::Store> store, const std::string& prefix, int rank, int world_size) {
+  (void)world_size;
+  Monitor& m = monitor();
+  auto beat = std::make_shared<Beat>();
+  c10::intrusive_ptr<c10d::Store> diag;
+  try {
+    diag = store->clone();
+    diag->setTimeout(kDiagnosisStoreTimeout);
+  } catch (const std::exception&) {
+    diag = store;  // a store that cannot clone itself: diagnosis shares the heartbeat's connection
+  }
+  {
+    std::lock_guard<std::mutex> g(m.mu);
+    if (m.beat) {  // a previous process group's heartbeat: its thread ends at its next wake-up
+      std::lock_guard<std::mutex> l(m.beat->mu);
+      m.beat->stop = true;
+      m.beat->cv.notify_all();
+    }
+    m.beat = beat;
+    m.diag_store = diag;
+    m.prefix = prefix;
+  }
+  static std::once_flag at_exit;
+  std::call_once(at_exit, [] { std::atexit(stop_at_exit); });
+  const std::string key = key_of(prefix, rank);
+  const std::string who = host_and_pid();
+  std::thread([beat, store, key, who] {
+    int64_t seq = 0;
+    std::unique_lock<std::mutex> l(beat->mu);
+    while (!beat->stop) {
+      const std::string value = encode(seq++, who, *beat);
+      l.unlock();
+      try {
+        store->set(key, std::vector<uint8_t>(value.begin(), value.end()));
+      } catch (...) {
+        // The store is gone or slow (its host died): keep trying; diagnosis reports it.
+      }
+      l.lock();
+      beat->cv.wait_for(l, kPeriod, [&] { return beat->stop; });
+    }
+    beat->exited = true;
+    beat->cv.notify_all();
+  }).detach();
+}
+
+Activity::Activity(const std::string& what) {
+  if (auto b = current_beat()) {
+    std::lock_guard<std::mutex> l(b->mu);
+    b->activity = what;
+    b->activity_since = unix_ms();
+  }
+}
+
+Activity::~Activity() {
+  if (auto b = current_beat()) {
+    std::lock_guard<std::mutex> l(b->mu);
+    b->activity.clear();
+  }
+}
+
+void note_failure(const std::string& what) {
+  if (auto b = current_beat()) {
+    std::lock_guard<std::mutex> l(b->mu);
+    if (b->failure.empty()) b->failure = what;
+  }
+}
+
+namespace {
+
+// The diagnosis itself; its store operations may block without end (c10d's TCPStore client waits
+// on its socket without a timeout, and a cut link makes that wait last as long as TCP retries).
+std::string diagnose_unbounded(const std::vector<int>& global_ranks, int self) {
+  c10::intrusive_ptr<c10d::Store> store;
+  std::string prefix;
+  {
+    Monitor& m = monitor();
+    std::lock_guard<std::mutex> g(m.mu);
+    store = m.diag_store;
+    prefix = m.prefix;
+  }
+  if (!store) return "";
+  std::vector<int> peers;
+  for (int r : global_ranks) {
+    if (r != self) peers.push_back(r);
+  }
+  if (peers.empty()) return "";
+
+  std::string store_error;
+  auto read = [&](std::map<int, PeerBeat>& out) {
+    std::vector<std::string> keys;
+    for (int r : peers) keys.push_back(key_of(prefix, r));
+    try {
+      std::vector<std::vector<uint8_t>> values;
+      if (store->check(keys)) {
+        values = store->multiGet(keys);
+      } else {
+        for (const auto& k : keys) values.push_back(store->check({k}) ? store->get(k) : std::vector<uint8_t>{});
+      }
+      for (size_t i = 0; i < peers.size(); ++i) {
+        PeerBeat b;
+        if (!values[i].empty() && decode(values[i], b)) out[peers[i]] = b;
+      }
+      return true;
+    } catch (const std::exception& e) {
+      store_error = e.what();
+      store_error = store_error.substr(0, store_error.find('\n'));
+      return false;
+    }
+  };
+
+  std::map<int, PeerBeat> first, second;
+  if (!read(first)) {
+    return "The job's store did not answer the peer check (" + store_error +
+           "): the process hosting it (rank 0, or the torchrun agent) has probably died or been stopped.";
+  }
+  int64_t now = unix_ms();
+  std::vector<int> stale;
+  for (int r : peers) {
+    auto it = first.find(r);
+    if (it != first.end() && now - it->second.at_ms > kStale.count()) stale.push_back(r);
+  }
+  if (stale.empty()) {
+    // A peer killed a moment ago still has a fresh heartbeat: look again after two periods, and
+    // name the ones whose counter did not move.
+    std::this_thread::sleep_for(kPeriod + kPeriod / 2);
+    if (!read(second)) {
+      return "The job's store stopped answering during the peer check (" + store_error +
+             "): the process hosting it (rank 0, or the torchrun agent) has probably died or been stopped.";
+    }
+    now = unix_ms();
+    for (int r : peers) {
+      auto a = first.find(r), b = second.find(r);
+      if (a != first.end() && b != second.end() && a->second.seq == b->second.seq) stale.push_back(r);
+    }
+  }
+  std::ostringstream os;
+  std::vector<int> missing;
+  for (int r : peers) {
+    if (first.count(r) == 0) missing.push_back(r);
+  }
+  if (!stale.empty()) {
+    for (size_t i = 0; i < stale.size() && i < 8; ++i) {
+      const PeerBeat& b = second.count(stale[i]) ? second[stale[i]] : first[stale[i]];
+      os << (i == 0 ? "" : " ") << "Peer rank " << stale[i] << " (" << b.who
+         << ") stopped answering: its last heartbeat is " << seconds(now - b.at_ms) << " old, when " << doing(b, 0)
+         << " (it exited, was killed or stopped, or its host or link is down).";
+    }
+    if (stale.size() > 8) os << " And " << stale.size() - 8 << " more ranks.";
+  } else {
+    os << "Every peer of this group still runs (heartbeats under " << seconds(kStale.count()) << " old):";
+    int shown = 0;
+    for (int r : peers) {
+      auto it = second.find(r);
+      if (it == second.end() || shown == 6) continue;
+      os << (shown++ ? ";" : "") << " rank " << r << ": " << doing(it->second, now);
+    }
+    os << ". A rank may have taken another code path, or be stuck outside this library.";
+  }
+  if (!missing.empty()) {
+    os << " Ranks without a heartbeat:";
+    for (size_t i = 0; i < missing.size() && i < 8; ++i) os << ' ' << missing[i];
+    os << '.';
+  }
+  return os.str();
+}
+
+struct Diagnosis {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  std::string text;
+};
+
+}  // namespace
+
+std::string diagnose_peers(const std::vector<int>& global_ranks, int self) {
+  {
+    Monitor& m = monitor();
+    std::lock_guard<std::mutex> g(m.mu);
+    if (!m.diag_store) return "";
+  }
+  // On a thread of its own, so that a store that does not answer costs a bounded wait.
+  auto d = std::make_shared<Diagnosis>();
+  std::thread([d, global_ranks, self] {
+    std::string text;
+    try {
+      text = diagnose_unbounded(global_ranks, self);
+    } catch (...) {
+    }
+    std::lock_guard<std::mutex> l(d->mu);
+    d->text = std::move(text);
+    d->done = true;
+    d->cv.notify_all();
+  }).detach();
+  std::unique_lock<std::mutex> l(d->mu);
+  if (d->cv.wait_for(l, kDiagnosisBudget, [&] { return d->done; })) return d->text;
+  return "The job's store did not answer the peer check within " + seconds(kDiagnosisBudget.count()) +
+         ": the process hosting it (rank 0, or the torchrun agent) has died or been stopped, or the link to its "
+         "host is down.";
+}
+
+void abandon_backend(const c10::intrusive_ptr<c10d::Backend>& backend) {
+  if (!backend) return;
+  Monitor& m = monitor();
+  std::lock_guard<std::mutex> g(m.mu);
+  for (const auto& b : m.abandoned) {
+    if (b.get() == backend.get()) return;
+  }
+  m.abandoned.push_back(backend);
+}
+
+}  // namespace fsdp::detail

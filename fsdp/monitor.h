@@ -1,0 +1,50 @@
+// What this process tells its peers about itself, and what it can find out about them when a
+// collective fails. Internal to the library.
+//
+// - A heartbeat: a background thread writes this rank's state into the job's store every second
+//   (a counter, the time, host and pid, and what it is doing: "idle", "in <collective> since ...").
+//   When a collective fails, the rank reads its peers' heartbeats: a peer whose heartbeat stopped is
+//   named as the one that died, was stopped or hangs, with what it was last doing. A peer whose
+//   heartbeat goes on is alive (perhaps stuck elsewhere, or failed too).
+// - Failed backends: a backend whose collective failed may still have its worker threads inside
+//   that collective, and destroying it joins them (for up to the backend's own timeout). It is
+//   kept alive until the process exits instead, so that the error path and tearing down the
+//   process group return at once.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+namespace fsdp::detail {
+
+/// Starts (or restarts, for a new process group) this process's heartbeat: global rank `rank` of
+/// `world_size`, keys under `prefix` in `store`. `store` must be a connection of its own (a clone):
+/// the heartbeat thread blocks in it when the store does not answer.
+void start_heartbeat(c10::intrusive_ptr<c10d::Store> store, const std::string& prefix, int rank, int world_size);
+
+/// While alive, this process's heartbeat says it is inside `what` (a collective being waited for).
+class Activity {
+ public:
+  explicit Activity(const std::string& what);
+  ~Activity();
+  Activity(const Activity&) = delete;
+  Activity& operator=(const Activity&) = delete;
+};
+
+/// Records that this rank failed in `what` (published with the next heartbeats).
+void note_failure(const std::string& what);
+
+/// After a collective failed: a sentence about the peers among `global_ranks` (not this rank) —
+/// which stopped answering and what they were last doing — or "" when nothing is known (no
+/// heartbeat in this process: a single rank, a process group not made by fsdp::init_process_group).
+/// Takes at most about 3 seconds.
+std::string diagnose_peers(const std::vector<int>& global_ranks, int self);
+
+/// Keeps `backend` alive until the process exits (see above). Safe to call more than once.
+void abandon_backend(const c10::intrusive_ptr<c10d::Backend>& backend);
+
+}  // namespace fsdp::detail
