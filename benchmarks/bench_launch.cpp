@@ -126,8 +126,8 @@ std::vector<Report> launch(const Launch& l, const std::string& progress) {
                                        : " exited with status " + std::to_string(WEXITSTATUS(status)));
       }
     }
-    if (failure.empty() && elapsed() > l.timeout_s) {
-      failure = "did not finish within " + std::to_string(l.timeout_s) + " s (--timeout)";
+    if (failure.empty() && elapsed() > l.run_timeout_s) {
+      failure = "did not finish within " + std::to_string(l.run_timeout_s) + " s (--run-timeout)";
     }
     if (tty) std::fprintf(stderr, "\r%s %s  %6.1f s ", progress.c_str(), l.label.c_str(), elapsed());
     if (running > 0 && failure.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(200));

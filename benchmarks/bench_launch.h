@@ -14,7 +14,7 @@ struct Launch {
   std::vector<std::string> argv;  ///< the program and its arguments; "{out}" is replaced per rank
   int world_size = 1;
   int threads_per_rank = 1;  ///< OMP_NUM_THREADS
-  int timeout_s = 900;
+  int run_timeout_s = 900;   ///< wall clock: past it, every rank is stopped (fsdp_bench --run-timeout)
 };
 
 /// Runs world_size copies of argv with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and a free

@@ -6,6 +6,7 @@
 #include "examples/strategy_flags.h"
 #include "fsdp/options.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
@@ -69,6 +70,27 @@ inline double comm_formula(const std::string& strategy, const ModelShape& m, int
   if (strategy == "full") return 3 * psi;
   if (strategy == "hybrid") return 3 * psi + (N > S ? 2 * psi / S : 0);
   return 2 * psi;
+}
+
+/// Activations of one rank's forward, fp32, as autograd keeps them: about 34·C + 5·heads·T values
+/// per token per block (Korthikanti et al.), plus the logits and their softmax.
+inline double activation_bytes(const gpt::Config& c, int64_t rows) {
+  const double tokens = static_cast<double>(rows * c.block_size);
+  return 4.0 * tokens *
+         (static_cast<double>(c.n_layer) * (34.0 * c.n_embd + 5.0 * c.n_head * c.block_size) + 3.0 * c.vocab_size);
+}
+
+/// What one rank of a run needs at most (fsdp_bench's fit check): the whole model while it is built
+/// (unless built sharded) or the step's peak state, plus activations and the process's own footprint.
+inline double rank_need_bytes(const std::string& strategy, const ModelShape& m, const gpt::Config& c, int N, int S,
+                              int64_t rows, bool build_sharded) {
+  const double unit = 4.0 * static_cast<double>(m.largest_unit), root = 4.0 * static_cast<double>(m.root);
+  // Beyond the formula: the root's full gradients, and the gradients of the unit that finished its
+  // backward with their packed copy for the reduce-scatter.
+  const double state = formula_peak(strategy, m, N, S) + root + 2 * unit;
+  const double build = build_sharded ? 4.0 * static_cast<double>(m.psi) / N + unit : 4.0 * static_cast<double>(m.psi);
+  constexpr double kProcess = 600.0 * 1024 * 1024;  // LibTorch (or Python with torch) loaded
+  return std::max(state + activation_bytes(c, rows), build) + kProcess;
 }
 
 }  // namespace bench

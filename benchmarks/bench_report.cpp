@@ -151,8 +151,8 @@ std::string to_json(const std::vector<Row>& rows) {
       << ", \"formula_at_step_text\": " << str(formula_text(r.strategy, false))
       << ", \"formula_peak_text\": " << str(formula_text(r.strategy, true)) << ",\n  \"step_ms\": " << val(r.step_ms)
       << ", \"comm_elements\": " << val(r.comm_elements) << ", \"comm_formula\": " << val(r.comm_formula)
-      << ", \"comm_expected\": " << val(r.comm_expected) << ", \"loss\": " << val(r.loss) << "}"
-      << (i + 1 < rows.size() ? ",\n" : "\n");
+      << ", \"comm_expected\": " << val(r.comm_expected) << ", \"loss\": " << val(r.loss)
+      << ", \"collective_timeout_s\": " << val(r.collective_timeout_s) << "}" << (i + 1 < rows.size() ? ",\n" : "\n");
   }
   o << "]\n";
   return o.str();

@@ -24,6 +24,7 @@ struct Row {
   double step_ms = -1;
   double comm_elements = -1, comm_formula = 0, comm_expected = -1;
   double loss = 0;
+  double collective_timeout_s = -1;  ///< the ranks' collective timeout (fsdp_bench --timeout), largest
 };
 
 void print_table(const std::vector<Row>& rows);

@@ -54,6 +54,16 @@ int64_t peak_rss_bytes() {
 int64_t rss_bytes() {
   return proc_status_bytes("VmRSS");
 }
+int64_t mem_available_bytes() {
+  std::ifstream f("/proc/meminfo");
+  std::string key;
+  int64_t kb = 0;
+  std::string unit;
+  while (f >> key >> kb >> unit) {
+    if (key == "MemAvailable:") return kb * 1024;
+  }
+  return -1;
+}
 
 Report run_rank(const RunOptions& o, const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
   TORCH_CHECK(fsdp::memory::cpu_counting_enabled(), "bench::run_rank: enable the counting allocator first");
@@ -63,11 +73,13 @@ Report run_rank(const RunOptions& o, const c10::intrusive_ptr<c10d::ProcessGroup
   Report r;
   r["base_rss_bytes"] = static_cast<double>(rss_bytes());
 
-  const auto options = fsdp::FullyShardOptions()
-                           .strategy(gpt::strategy_flags().at(o.strategy))
-                           .shard_group_size(o.shard_group_size)
-                           .prefetch(o.prefetch)
-                           .bucket_bytes(static_cast<int64_t>(o.bucket_mb * 1024 * 1024));
+  auto options = fsdp::FullyShardOptions()
+                     .strategy(gpt::strategy_flags().at(o.strategy))
+                     .shard_group_size(o.shard_group_size)
+                     .prefetch(o.prefetch)
+                     .bucket_bytes(static_cast<int64_t>(o.bucket_mb * 1024 * 1024));
+  if (o.timeout) options.timeout(*o.timeout);
+  r["collective_timeout_s"] = static_cast<double>(options.timeout().count()) / 1000.0;
   fsdp::memory::reset_peak();
   torch::manual_seed(static_cast<int64_t>(o.seed));
   auto model = o.build_sharded ? [&] {

@@ -7,7 +7,9 @@
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <chrono>
 #include <map>
+#include <optional>
 #include <string>
 
 namespace bench {
@@ -22,7 +24,8 @@ struct RunOptions {
   uint64_t seed = 1;
   int prefetch = 1;
   double bucket_mb = 25;
-  bool build_sharded = false;  // construction-time sharding (fsdp::ShardingScope)
+  bool build_sharded = false;                        // construction-time sharding (fsdp::ShardingScope)
+  std::optional<std::chrono::milliseconds> timeout;  // FullyShardOptions::timeout; unset: the library's default
 };
 
 /// What one rank measured, by name: written as one "name value" line each, so that the driver
@@ -33,7 +36,8 @@ using Report = std::map<std::string, double>;
 /// allocator must be enabled before the call. Keys: params, peak_bytes (allocator, max over the
 /// measured steps), peak_rss_bytes (VmHWM), base_rss_bytes (RSS before the model was built),
 /// construction_peak_bytes, state_bytes_at_step, state_bytes_peak, step_ms (mean), comm_elements
-/// (per step), comm_expected (the same from the units' padded shapes), loss.
+/// (per step), comm_expected (the same from the units' padded shapes), loss, collective_timeout_s
+/// (the timeout the model's collectives have).
 Report run_rank(const RunOptions& opts, const c10::intrusive_ptr<c10d::ProcessGroup>& pg);
 
 void write_report(const Report& report, const std::string& path);
@@ -43,5 +47,7 @@ Report read_report(const std::string& path);
 /// VmHWM and VmRSS of this process, bytes (-1 where /proc is unavailable).
 int64_t peak_rss_bytes();
 int64_t rss_bytes();
+/// MemAvailable of /proc/meminfo, bytes (-1 where unavailable).
+int64_t mem_available_bytes();
 
 }  // namespace bench

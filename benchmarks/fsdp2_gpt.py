@@ -13,6 +13,7 @@ optimizer step (the storages of this rank's parameter shards, gradients and Adam
 """
 import argparse
 import ctypes
+import datetime
 import math
 import time
 
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.constants import default_pg_timeout
 
 
 class CausalSelfAttention(nn.Module):
@@ -109,6 +111,7 @@ def main():
     ap.add_argument("--reshard-after-forward", type=int, default=1)
     ap.add_argument("--counting-lib")
     ap.add_argument("--report", required=True)
+    ap.add_argument("--timeout", type=float, help="collective timeout, seconds (fsdp_bench --timeout)")
     a = ap.parse_args()
 
     lib = None
@@ -121,7 +124,8 @@ def main():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    dist.init_process_group("gloo")
+    timeout = datetime.timedelta(seconds=a.timeout) if a.timeout else None  # None: PyTorch's default
+    dist.init_process_group("gloo", timeout=timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     base_rss = status_bytes("VmRSS")  # as the C++ ranks: after the process group, before the model
@@ -160,6 +164,7 @@ def main():
         "params": psi, "step_ms": sum(times) / len(times), "peak_bytes": max(peaks),
         "peak_rss_bytes": status_bytes("VmHWM"), "base_rss_bytes": base_rss, "state_bytes_at_step": state,
         "loss": loss.item(),
+        "collective_timeout_s": (timeout or default_pg_timeout).total_seconds(),
     }
     with open(a.report, "w") as f:  # fsdp_bench's report format: one "name value" line each
         for k, v in report.items():

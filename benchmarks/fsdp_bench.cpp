@@ -12,15 +12,19 @@
 #include "benchmarks/bench_launch.h"
 #include "benchmarks/bench_report.h"
 #include "benchmarks/bench_run.h"
+#include "examples/cli.h"
 #include "fsdp/fsdp.h"
 
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <thread>
@@ -47,7 +51,8 @@ struct Args {
   std::string python = FSDP_BENCH_PYTHON;
   bool json = false;
   std::string out, plot;
-  int timeout_s = 0;  // per run; 0: 900 s, or 3600 s simulated (70B at 1024 ranks takes 29 minutes here)
+  int run_timeout_s = 0;  // wall clock per run; 0: 900 s, or 3600 s simulated (70B at 1024 ranks: 29 minutes here)
+  std::string timeout;    // the ranks' collective timeout in seconds, as given; "": the library's default
   bool simulate = false;
   std::vector<std::string> sim_models = {"7b", "70b"};
   std::vector<int> sim_world_sizes = {8, 64, 1024};
@@ -62,14 +67,17 @@ struct Args {
       << "                  [--strategies full,grad-op,optimizer,replicate,hybrid] [--shard-group-size S]\n"
       << "                  [--n-layer 16] [--n-head 8] [--n-embd 512] [--block-size 64] [--batch-size 8]\n"
       << "                  [--steps 4] [--seed 1] [--prefetch 1] [--bucket-mb 25] [--build-sharded]\n"
-      << "                  [--no-fsdp2] [--python PYTHON] [--timeout SECONDS]\n"
+      << "                  [--no-fsdp2] [--python PYTHON] [--run-timeout SECONDS] [--timeout SECONDS]\n"
       << "       fsdp_bench --simulate [--sim-models 7b,70b] [--sim-world-sizes 8,64,1024] [--json] [--out FILE]\n"
       << "  Every strategy at every world size (ranks on this machine, Gloo over loopback), then PyTorch's FSDP2\n"
       << "  (fully_shard, the same model) at the same world sizes (default 1,2,4, and 8 with 8 cores or more\n"
       << "  where memory allows). --batch-size is global (rows of --block-size\n"
       << "  tokens); the first of --steps warms up. --json prints the rows as JSON instead of the table.\n"
       << "  --simulate: rank 0 of N over a process group that communicates nothing; per-rank memory of large\n"
-      << "  GPTs where it fits this machine, the formulas alone where it does not.\n";
+      << "  GPTs where it fits this machine, the formulas alone where it does not.\n"
+      << "  --run-timeout: wall-clock limit of each run (default 900 s, 3600 s with --simulate), then its ranks\n"
+      << "  are stopped. --timeout: every rank's collective timeout, fractions allowed (default: the library's,\n"
+      << "  $FSDP_TIMEOUT or 600 s; PyTorch's for FSDP2).\n";
   std::exit(2);
 }
 
@@ -138,9 +146,13 @@ Args parse(int argc, char** argv) {
         a.out = v;
       else if (k == "--plot")
         a.plot = v;
-      else if (k == "--timeout")
-        a.timeout_s = std::stoi(v);
-      else if (k == "--sim-models")
+      else if (k == "--run-timeout")
+        a.run_timeout_s = static_cast<int>(cli::parse_int(k, v, 1, 30 * 86400));
+      else if (k == "--timeout") {
+        const double seconds = cli::parse_double(k, v, 0, false, 365 * 86400.0);
+        a.timeout = v;  // passed on to the ranks as given
+        a.run.timeout = std::chrono::milliseconds(std::max<int64_t>(1, std::llround(seconds * 1000.0)));
+      } else if (k == "--sim-models")
         a.sim_models = split<std::string>(v, to_str);
       else if (k == "--sim-world-sizes")
         a.sim_world_sizes = split<int>(v, to_int);
@@ -154,6 +166,8 @@ Args parse(int argc, char** argv) {
         usage("unknown flag " + k);
     } catch (const std::logic_error&) {
       usage("bad value '" + v + "' for " + k);  // NOLINT(performance-inefficient-string-concatenation)
+    } catch (const cli::InputError& e) {
+      usage(e.what());
     }
   }
   for (const auto& s : a.strategies) {
@@ -170,8 +184,7 @@ Args parse(int argc, char** argv) {
   for (int n : a.sim_world_sizes) {
     if (n < 1) usage("--sim-world-sizes must be positive");
   }
-  if (a.timeout_s < 0) usage("--timeout must be positive");
-  if (a.timeout_s == 0) a.timeout_s = a.simulate ? 3600 : 900;
+  if (a.run_timeout_s == 0) a.run_timeout_s = a.simulate ? 3600 : 900;
   if (a.run.model.n_embd % a.run.model.n_head != 0) usage("--n-embd must be a multiple of --n-head");
   if (a.run.steps < 1 || a.run.batch_size < 1) usage("--steps and --batch-size must be positive");
   if (a.run.steps < 2 && a.worker.empty()) usage("--steps must be at least 2 (the first warms up)");
@@ -188,36 +201,10 @@ std::vector<std::string> model_args(const Args& a) {
           "--seed",       std::to_string(a.run.seed)};
 }
 
-int64_t mem_available_bytes() {
-  std::ifstream f("/proc/meminfo");
-  std::string key;
-  int64_t kb = 0;
-  std::string unit;
-  while (f >> key >> kb >> unit) {
-    if (key == "MemAvailable:") return kb * 1024;
-  }
-  return -1;
-}
-
-/// Activations of one rank's forward, fp32, as autograd keeps them: about 34·C + 5·heads·T values
-/// per token per block (Korthikanti et al.), plus the logits and their softmax.
-double activation_bytes(const gpt::Config& c, int64_t rows) {
-  const double tokens = static_cast<double>(rows * c.block_size);
-  return 4.0 * tokens *
-         (static_cast<double>(c.n_layer) * (34.0 * c.n_embd + 5.0 * c.n_head * c.block_size) + 3.0 * c.vocab_size);
-}
-
-/// What one rank of a run needs at most: the whole model while it is built (unless built
-/// sharded) or the step's peak state, plus activations and the process's own footprint.
-double rank_need_bytes(const std::string& strategy, const bench::ModelShape& m, const gpt::Config& c, int N, int S,
-                       int64_t rows, bool build_sharded) {
-  const double unit = 4.0 * static_cast<double>(m.largest_unit), root = 4.0 * static_cast<double>(m.root);
-  // Beyond the formula: the root's full gradients, and the gradients of the unit that finished its
-  // backward with their packed copy for the reduce-scatter.
-  const double state = bench::formula_peak(strategy, m, N, S) + root + 2 * unit;
-  const double build = build_sharded ? 4.0 * static_cast<double>(m.psi) / N + unit : 4.0 * static_cast<double>(m.psi);
-  constexpr double kProcess = 600.0 * 1024 * 1024;  // LibTorch (or Python with torch) loaded
-  return std::max(state + activation_bytes(c, rows), build) + kProcess;
+/// --timeout for the ranks, C++ and Python alike, when one was given.
+std::vector<std::string> timeout_args(const Args& a) {
+  if (a.timeout.empty()) return {};
+  return {"--timeout", a.timeout};
 }
 
 int hybrid_group(const Args& a, int N) {
@@ -251,6 +238,7 @@ bench::Row aggregate(const std::string& impl, const std::string& strategy, int N
   r.comm_elements = largest("comm_elements");
   r.comm_expected = largest("comm_expected");
   r.loss = reports.front().count("loss") ? reports.front().at("loss") : 0;
+  r.collective_timeout_s = largest("collective_timeout_s");
   r.formula_at_step = bench::formula_at_step(strategy, m, N, S);
   r.formula_peak = bench::formula_peak(strategy, m, N, S);
   r.comm_formula = bench::comm_formula(strategy, m, N, S);
@@ -278,7 +266,7 @@ bool g_failed_runs = false;  // a simulated run that should have fitted failed: 
 
 std::vector<bench::Row> simulate(const Args& a) {
   std::vector<bench::Row> rows;
-  const int64_t available = mem_available_bytes();
+  const int64_t available = bench::mem_available_bytes();
   int k = 0;
   const int total = static_cast<int>(a.sim_models.size() * a.sim_world_sizes.size());
   for (const auto& name : a.sim_models) {
@@ -296,7 +284,7 @@ std::vector<bench::Row> simulate(const Args& a) {
       r.formula_at_step = bench::formula_at_step("full", m, N, N);
       r.formula_peak = bench::formula_peak("full", m, N, N);
       r.comm_formula = bench::comm_formula("full", m, N, N);
-      const double need = rank_need_bytes("full", m, c, N, N, 1, /*build_sharded=*/true);
+      const double need = bench::rank_need_bytes("full", m, c, N, N, 1, /*build_sharded=*/true);
       if (available > 0 && need > 0.85 * static_cast<double>(available)) {
         r.measured = false;
         char note[160];
@@ -324,8 +312,9 @@ std::vector<bench::Row> simulate(const Args& a) {
                 std::to_string(N),
                 "--sim-models",
                 name};
+      for (auto& x : timeout_args(a)) l.argv.push_back(x);
       l.threads_per_rank = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-      l.timeout_s = a.timeout_s;
+      l.run_timeout_s = a.run_timeout_s;
       char progress[32];
       std::snprintf(progress, sizeof(progress), "[%2d/%d]", k, total);
       try {
@@ -363,7 +352,7 @@ std::vector<bench::Row> run_all(const Args& a) {
   std::vector<int> worlds = a.world_sizes;
   const bool try_eight = !a.world_sizes_given && cores >= 8 && a.run.batch_size % 8 == 0;
   if (try_eight) worlds.push_back(8);
-  const int64_t available = mem_available_bytes();
+  const int64_t available = bench::mem_available_bytes();
   for (size_t w = 0; w < worlds.size(); ++w) {  // by index: 8 may be dropped on the way
     const int N = worlds[w];
     if (a.run.batch_size % N != 0) {
@@ -371,8 +360,8 @@ std::vector<bench::Row> run_all(const Args& a) {
             std::to_string(N) + " (each rank takes an equal share)");
     }
     for (const auto& s : a.strategies) {
-      const double need =
-          N * rank_need_bytes(s, m, a.run.model, N, hybrid_group(a, N), a.run.batch_size / N, a.run.build_sharded);
+      const double need = N * bench::rank_need_bytes(s, m, a.run.model, N, hybrid_group(a, N), a.run.batch_size / N,
+                                                     a.run.build_sharded);
       if (available > 0 && need > 0.9 * static_cast<double>(available)) {
         if (try_eight && N == 8) {
           std::fprintf(stderr, "fsdp_bench: leaving out 8 ranks: %s would need about %.1f GiB\n", s.c_str(),
@@ -394,10 +383,11 @@ std::vector<bench::Row> run_all(const Args& a) {
   const int total = static_cast<int>(worlds.size() * (a.strategies.size() + (fsdp2 ? 1 : 0)));
   std::fprintf(stderr,
                "fsdp_bench: GPT of %lld parameters (%lld blocks x %lld wide), global batch %lld x %lld, "
-               "%lld steps (the first warms up), %d runs\n",
+               "%lld steps (the first warms up), %d runs%s\n",
                static_cast<long long>(m.psi), static_cast<long long>(a.run.model.n_layer),
                static_cast<long long>(a.run.model.n_embd), static_cast<long long>(a.run.batch_size),
-               static_cast<long long>(a.run.model.block_size), static_cast<long long>(a.run.steps), total);
+               static_cast<long long>(a.run.model.block_size), static_cast<long long>(a.run.steps), total,
+               a.timeout.empty() ? "" : (", collective timeout " + a.timeout + " s").c_str());
   // One run: its ranks launched, their reports aggregated into a row.
   int k = 0;
   auto run = [&](const std::string& impl, const std::string& s, int N, int S, std::vector<std::string> argv) {
@@ -405,9 +395,10 @@ std::vector<bench::Row> run_all(const Args& a) {
     l.label = impl + " " + s + " N=" + std::to_string(N) + (s == "hybrid" ? " S=" + std::to_string(S) : "");
     l.argv = std::move(argv);
     for (auto& x : model_args(a)) l.argv.push_back(x);
+    for (auto& x : timeout_args(a)) l.argv.push_back(x);
     l.world_size = N;
     l.threads_per_rank = static_cast<int>(std::max(1u, cores / static_cast<unsigned>(N)));
-    l.timeout_s = a.timeout_s;
+    l.run_timeout_s = a.run_timeout_s;
     char progress[32];
     std::snprintf(progress, sizeof(progress), "[%2d/%d]", ++k, total);
     rows.push_back(aggregate(impl, s, N, S, m, bench::launch(l, progress)));
@@ -450,11 +441,14 @@ int run_worker(const Args& a) {
     o.batch_size = N;  // one row on this rank
     o.steps = 1;
     o.build_sharded = true;
+    o.timeout = a.run.timeout;
     rep = bench::run_rank(o, fsdp::make_fake_process_group(0, N));
   } else {
     bench::RunOptions o = a.run;
     o.shard_group_size = a.shard_group_size;
-    rep = bench::run_rank(o, fsdp::init_process_group());
+    fsdp::InitOptions init;
+    if (o.timeout) init.timeout(*o.timeout);
+    rep = bench::run_rank(o, fsdp::init_process_group(init));
   }
   bench::write_report(rep, a.report);
   return 0;

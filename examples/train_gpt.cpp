@@ -6,6 +6,11 @@
 // Every rank takes its share of each global batch, so the data seen (and the losses printed) do
 // not depend on the number of ranks. --json prints one JSON object per step on rank 0, then one
 // summary object with every rank's memory and mean step time.
+//
+// Exit status: 0 trained; 2 a bad flag or --data file (nothing trained); 1 anything else, such as
+// a loss or gradient norm that is no longer finite, or an error from the library (a collective
+// timed out, a peer died), printed as "train_gpt (rank R): <message>".
+#include "examples/cli.h"
 #include "examples/gpt.h"
 #include "examples/strategy_flags.h"
 #include "fsdp/fsdp.h"
@@ -15,12 +20,20 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
+#include <climits>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
+#include <cstring>
 #include <iostream>
+#include <optional>
 #include <sstream>
 #include <string>
 
@@ -39,107 +52,193 @@ struct Args {
   double weight_decay = 0.1;
   std::string optimizer = "adamw";
   std::string data = FSDP_EXAMPLE_CORPUS;
+  double max_data_mb = 64;  // bound on the corpus read (each byte becomes an 8-byte token)
   bool json = false;
   int prefetch = 1;
-  int64_t grad_accum = 1;         // micro-batches per step
-  bool no_sync = false;           // communicate only in the last micro-batch
-  double clip = 0;                // max global gradient norm (0: no clipping)
-  bool fused = false;             // fsdp::optim::FusedAdamW instead of torch::optim::AdamW
-  std::string strategy = "full";  // full (ZeRO-3) | grad-op (ZeRO-2) | optimizer (ZeRO-1) | replicate | hybrid
-  int shard_group_size = 0;       // hybrid: ranks per sharding group (default: half the ranks, at least 1)
-  double bucket_mb = 25;          // replicate: all-reduce bucket size
-  bool build_sharded = false;     // shard each block as it is built (fsdp::ShardingScope)
+  int64_t grad_accum = 1;           // micro-batches per step
+  bool no_sync = false;             // communicate only in the last micro-batch
+  double clip = 0;                  // max global gradient norm (0: no clipping)
+  bool fused = false;               // fsdp::optim::FusedAdamW instead of torch::optim::AdamW
+  std::string strategy = "full";    // full (ZeRO-3) | grad-op (ZeRO-2) | optimizer (ZeRO-1) | replicate | hybrid
+  int shard_group_size = 0;         // hybrid: ranks per sharding group (default: half the ranks, at least 1)
+  double bucket_mb = 25;            // replicate: all-reduce bucket size
+  bool build_sharded = false;       // shard each block as it is built (fsdp::ShardingScope)
+  std::optional<double> timeout_s;  // collective timeout; unset: the library's default
+  bool help = false;
 };
 
-[[noreturn]] void usage(const std::string& error) {
-  std::cerr << "train_gpt: " << error << "\n"
-            << "usage: train_gpt [--steps N] [--batch-size B] [--seed S] [--lr LR] [--weight-decay WD]\n"
-            << "                 [--optimizer adamw|sgd] [--n-layer L] [--n-head H] [--n-embd C]\n"
-            << "                 [--block-size T] [--data FILE] [--prefetch K] [--grad-accum M] [--no-sync]\n"
-            << "                 [--clip MAX_NORM] [--fused] [--json]\n"
-            << "                 [--strategy full|grad-op|optimizer|replicate|hybrid] [--shard-group-size S]\n"
-            << "                 [--bucket-mb MB] [--build-sharded]\n"
-            << "  --strategy: full sharding (ZeRO-3), SHARD_GRAD_OP (ZeRO-2), optimizer state only (ZeRO-1),\n"
-            << "  replicated (DDP), or hybrid: full sharding inside groups of S consecutive ranks (default N/2).\n"
-            << "  --build-sharded: shard each block while the model is built (a model larger than one rank).\n"
-            << "  --batch-size is the global batch: each of the N ranks takes B/N rows of it, in M micro-batches\n"
-            << "  with --grad-accum M (--no-sync: reduce gradients only after the last one).\n";
-  std::exit(2);
+const char* const kUsage =
+    "usage: train_gpt [--steps N] [--batch-size B] [--seed S] [--lr LR] [--weight-decay WD]\n"
+    "                 [--optimizer adamw|sgd] [--n-layer L] [--n-head H] [--n-embd C]\n"
+    "                 [--block-size T] [--data FILE] [--max-data-mb MB] [--prefetch K] [--grad-accum M]\n"
+    "                 [--no-sync] [--clip MAX_NORM] [--fused] [--json] [--timeout SECONDS]\n"
+    "                 [--strategy full|grad-op|optimizer|replicate|hybrid] [--shard-group-size S]\n"
+    "                 [--bucket-mb MB] [--build-sharded]\n"
+    "  --strategy: full sharding (ZeRO-3), SHARD_GRAD_OP (ZeRO-2), optimizer state only (ZeRO-1),\n"
+    "  replicated (DDP), or hybrid: full sharding inside groups of S consecutive ranks (default N/2).\n"
+    "  --build-sharded: shard each block while the model is built (a model larger than one rank).\n"
+    "  --batch-size is the global batch: each of the N ranks takes B/N rows of it, in M micro-batches\n"
+    "  with --grad-accum M (--no-sync: reduce gradients only after the last one).\n"
+    "  --data: a regular file of at most --max-data-mb MiB (default 64), each byte a token.\n"
+    "  --clip 0 (default) does not clip; the gradient norm is checked every step either way.\n"
+    "  --timeout: bound on start-up and every collective, in seconds (default: $FSDP_TIMEOUT, else 600).\n"
+    "  Exit status: 0 trained, 2 bad flags or --data, 1 other errors (a non-finite loss or gradient norm).\n";
+
+/// "train_gpt (rank R)" for messages; the rank from the launcher's RANK until the group exists.
+int g_rank = -1;
+std::string who() {
+  if (g_rank >= 0) return "train_gpt (rank " + std::to_string(g_rank) + ")";
+  const char* env = std::getenv("RANK");
+  if (env != nullptr && *env != '\0') return std::string("train_gpt (rank ") + env + ")";
+  return "train_gpt";
+}
+
+[[noreturn]] void usage_error(const std::string& error) {
+  throw cli::InputError(error, true);
 }
 
 Args parse(int argc, char** argv) {
   Args a;
+  constexpr int64_t kIntMax = INT_MAX;
   for (int i = 1; i < argc; ++i) {
-    std::string k = argv[i];
+    const std::string k = argv[i];
+    if (k == "--help" || k == "-h") {
+      a.help = true;
+      continue;
+    }
     if (k == "--json" || k == "--no-sync" || k == "--fused" || k == "--build-sharded") {
       (k == "--json" ? a.json : k == "--no-sync" ? a.no_sync : k == "--fused" ? a.fused : a.build_sharded) = true;
       continue;
     }
-    if (k == "--help" || k == "-h") usage("help");
-    if (i + 1 >= argc) usage("missing value after " + k);
-    std::string v = argv[++i];
-    try {
-      if (k == "--steps")
-        a.steps = std::stoll(v);
-      else if (k == "--batch-size")
-        a.batch_size = std::stoll(v);
-      else if (k == "--seed")
-        a.seed = std::stoull(v);
-      else if (k == "--lr")
-        a.lr = std::stod(v);
-      else if (k == "--weight-decay")
-        a.weight_decay = std::stod(v);
-      else if (k == "--optimizer")
-        a.optimizer = v;
-      else if (k == "--n-layer")
-        a.model.n_layer = std::stoll(v);
-      else if (k == "--n-head")
-        a.model.n_head = std::stoll(v);
-      else if (k == "--n-embd")
-        a.model.n_embd = std::stoll(v);
-      else if (k == "--block-size")
-        a.model.block_size = std::stoll(v);
-      else if (k == "--data")
-        a.data = v;
-      else if (k == "--prefetch")
-        a.prefetch = std::stoi(v);
-      else if (k == "--grad-accum")
-        a.grad_accum = std::stoll(v);
-      else if (k == "--clip")
-        a.clip = std::stod(v);
-      else if (k == "--strategy")
-        a.strategy = v;
-      else if (k == "--shard-group-size")
-        a.shard_group_size = std::stoi(v);
-      else if (k == "--bucket-mb")
-        a.bucket_mb = std::stod(v);
-      else
-        usage("unknown flag " + k);
-    } catch (const std::logic_error&) {
-      usage("bad value '" + v + "' for " + k);
-    }
+    // The value of a flag; never the next flag (a negative number has one dash).
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc || std::string(argv[i + 1]).rfind("--", 0) == 0) usage_error("missing value after " + k);
+      return argv[++i];
+    };
+    if (k == "--steps")
+      a.steps = cli::parse_int(k, value(), 1);
+    else if (k == "--batch-size")
+      a.batch_size = cli::parse_int(k, value(), 1);
+    else if (k == "--seed")
+      a.seed = cli::parse_uint64(k, value());
+    else if (k == "--lr")
+      a.lr = cli::parse_double(k, value(), 0, false);
+    else if (k == "--weight-decay")
+      a.weight_decay = cli::parse_double(k, value(), 0, true);
+    else if (k == "--optimizer")
+      a.optimizer = value();
+    else if (k == "--n-layer")
+      a.model.n_layer = cli::parse_int(k, value(), 1, kIntMax);
+    else if (k == "--n-head")
+      a.model.n_head = cli::parse_int(k, value(), 1, kIntMax);
+    else if (k == "--n-embd")
+      a.model.n_embd = cli::parse_int(k, value(), 1, kIntMax);
+    else if (k == "--block-size")
+      a.model.block_size = cli::parse_int(k, value(), 1, kIntMax);
+    else if (k == "--data")
+      a.data = value();
+    else if (k == "--max-data-mb")
+      a.max_data_mb = cli::parse_double(k, value(), 0, false, 1 << 20);
+    else if (k == "--prefetch")
+      a.prefetch = static_cast<int>(cli::parse_int(k, value(), 0, kIntMax));
+    else if (k == "--grad-accum")
+      a.grad_accum = cli::parse_int(k, value(), 1);
+    else if (k == "--clip")
+      a.clip = cli::parse_double(k, value(), 0, true);
+    else if (k == "--strategy")
+      a.strategy = value();
+    else if (k == "--shard-group-size")
+      a.shard_group_size = static_cast<int>(cli::parse_int(k, value(), 1, kIntMax));
+    else if (k == "--bucket-mb")
+      a.bucket_mb = cli::parse_double(k, value(), 0, false, 1 << 20);
+    else if (k == "--timeout")
+      a.timeout_s = cli::parse_double(k, value(), 0, false, 365 * 86400.0);
+    else
+      usage_error("unknown flag '" + k + "'");
   }
-  if (a.optimizer != "adamw" && a.optimizer != "sgd") usage("--optimizer must be adamw or sgd");
-  if (a.model.n_embd % a.model.n_head != 0) usage("--n-embd must be a multiple of --n-head");
-  if (a.steps < 1 || a.batch_size < 1) usage("--steps and --batch-size must be positive");
-  if (a.prefetch < 0) usage("--prefetch must be 0 (off) or more");
-  if (a.grad_accum < 1) usage("--grad-accum must be at least 1");
-  if (gpt::strategy_flags().count(a.strategy) == 0)
-    usage("--strategy must be full, grad-op, optimizer, replicate or hybrid");
-  if (a.shard_group_size < 0) usage("--shard-group-size must be positive");
-  if (a.bucket_mb <= 0) usage("--bucket-mb must be positive");
-  if (a.fused && a.optimizer != "adamw") usage("--fused is an AdamW");
+  if (a.optimizer != "adamw" && a.optimizer != "sgd") usage_error("--optimizer must be adamw or sgd");
+  if (a.model.n_embd % a.model.n_head != 0) {
+    usage_error("--n-embd " + std::to_string(a.model.n_embd) + " must be a multiple of --n-head " +
+                std::to_string(a.model.n_head));
+  }
+  if (gpt::strategy_flags().count(a.strategy) == 0) {
+    usage_error("--strategy must be full, grad-op, optimizer, replicate or hybrid, not '" + a.strategy + "'");
+  }
+  if (a.fused && a.optimizer != "adamw") usage_error("--fused is an AdamW; it cannot be used with --optimizer sgd");
   return a;
 }
 
-torch::Tensor load_corpus(const std::string& path, int64_t block_size) {
-  std::ifstream f(path, std::ios::binary);
-  TORCH_CHECK(f, "train_gpt: cannot read the corpus '", path, "' (pass --data FILE)");
-  std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  TORCH_CHECK(static_cast<int64_t>(text.size()) > block_size + 1, "train_gpt: the corpus '", path, "' has ",
-              text.size(), " bytes; it needs more than --block-size + 1 = ", block_size + 1);
+const char* file_kind(mode_t m) {
+  if (S_ISDIR(m)) return "a directory";
+  if (S_ISFIFO(m)) return "a FIFO (named pipe)";
+  if (S_ISCHR(m)) return "a character device";
+  if (S_ISBLK(m)) return "a block device";
+  if (S_ISSOCK(m)) return "a socket";
+  return "not a regular file";
+}
+
+[[noreturn]] void data_error(const std::string& path, const std::string& why) {
+  throw cli::InputError("--data '" + path + "' " + why + ". Pass --data FILE, a text file (each byte is a token).",
+                        false);
+}
+
+/// The corpus as byte tokens: a regular file only (a directory, a FIFO or a device such as
+/// /dev/zero is refused before it is read), of at most --max-data-mb MiB, read with that bound.
+torch::Tensor load_corpus(const Args& a) {
+  const std::string& path = a.data;
+  const int64_t max_bytes = static_cast<int64_t>(a.max_data_mb * 1024 * 1024);
+  char limit[160];
+  std::snprintf(limit, sizeof(limit),
+                "over the limit of --max-data-mb %g (%lld bytes; each byte becomes an 8-byte token): raise "
+                "--max-data-mb, or pass a smaller file",
+                a.max_data_mb, static_cast<long long>(max_bytes));
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) data_error(path, std::string("cannot be read: ") + std::strerror(errno));
+  if (!S_ISREG(st.st_mode)) data_error(path, std::string("is ") + file_kind(st.st_mode) + ", not a regular file");
+  if (st.st_size > max_bytes) data_error(path, "has " + std::to_string(st.st_size) + " bytes, " + limit);
+  // O_NONBLOCK: should the path have become a FIFO since stat(), opening it does not wait.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) data_error(path, std::string("cannot be opened: ") + std::strerror(errno));
+  std::string text;
+  std::string error;
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) error = "is no longer a regular file";
+  text.reserve(static_cast<size_t>(std::min<int64_t>(st.st_size, max_bytes)));
+  char buf[1 << 16];
+  while (error.empty()) {
+    const ssize_t n = ::read(fd, buf, sizeof(buf));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) error = std::string("cannot be read: ") + std::strerror(errno);
+    if (n <= 0) break;
+    text.append(buf, static_cast<size_t>(n));
+    if (static_cast<int64_t>(text.size()) > max_bytes) error = std::string("has grown while read, ") + limit;
+  }
+  ::close(fd);
+  if (!error.empty()) data_error(path, error);
+  const int64_t T = a.model.block_size;
+  if (static_cast<int64_t>(text.size()) <= T + 1) {
+    data_error(path, "has " + std::to_string(text.size()) + " bytes; it needs more than --block-size + 1 = " +
+                         std::to_string(T + 1) + " (or lower --block-size)");
+  }
   auto bytes = torch::from_blob(text.data(), {static_cast<int64_t>(text.size())}, torch::kUInt8);
   return bytes.to(torch::kLong);  // byte-level tokens, vocabulary 256
+}
+
+/// `what` without C++ backtraces: an error that wraps another (c10d's, say) may carry the inner
+/// one's "Exception raised from ..." block of frames; the user needs the message, not the frames.
+std::string without_backtrace(const std::string& what) {
+  std::istringstream in(what);
+  std::string line, out;
+  bool frames = false;
+  while (std::getline(in, line)) {
+    if (line.rfind("Exception raised from ", 0) == 0) {
+      frames = true;
+      continue;
+    }
+    if (frames && (line.rfind("frame #", 0) == 0 || line.empty())) continue;
+    frames = false;
+    out += (out.empty() ? "" : "\n") + line;
+  }
+  return out;
 }
 
 std::string mib(int64_t b) {
@@ -148,29 +247,39 @@ std::string mib(int64_t b) {
   return buf;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  fsdp::memory::enable_cpu_counting();  // first: count every allocation from here on
-  const Args args = parse(argc, argv);
-  auto pg = fsdp::init_process_group();
+int run(const Args& args) {
+  auto data = load_corpus(args);  // before the group: a bad file fails alone, at once
+  std::optional<std::chrono::milliseconds> timeout;
+  if (args.timeout_s) {
+    timeout = std::chrono::milliseconds(std::max<int64_t>(1, std::llround(*args.timeout_s * 1000.0)));
+  }
+  fsdp::InitOptions init;
+  if (timeout) init.timeout(*timeout);
+  auto pg = fsdp::init_process_group(init);
   const int rank = pg->getRank(), world = pg->getSize();
+  g_rank = rank;
   const int64_t K = args.grad_accum;
-  TORCH_CHECK(args.batch_size % (world * K) == 0, "train_gpt (rank ", rank, "): --batch-size ", args.batch_size,
-              " is not divisible by the ", world, " ranks x ", K,
-              " micro-batches; each rank takes an equal share of every micro-batch.");
+  if (args.batch_size % (world * K) != 0) {
+    usage_error("--batch-size " + std::to_string(args.batch_size) + " is not divisible by the " +
+                std::to_string(world) + " ranks x " + std::to_string(K) +
+                " micro-batches (--grad-accum); each rank takes an equal share of every micro-batch");
+  }
   const int64_t micro = args.batch_size / K;  // rows per micro-batch (all ranks)
   const int64_t local_batch = micro / world;  // rows per micro-batch on this rank
   const int64_t T = args.model.block_size;
-  auto data = load_corpus(args.data, T);
 
   const fsdp::ShardingStrategy strategy = gpt::strategy_flags().at(args.strategy);
   const int group = args.shard_group_size > 0 ? args.shard_group_size : std::max(1, world / 2);
-  const auto options = fsdp::FullyShardOptions()
-                           .prefetch(args.prefetch)
-                           .strategy(strategy)
-                           .shard_group_size(group)
-                           .bucket_bytes(static_cast<int64_t>(args.bucket_mb * 1024 * 1024));
+  if (strategy == fsdp::ShardingStrategy::kHybridShard && (group > world || world % group != 0)) {
+    usage_error("--shard-group-size " + std::to_string(group) + " does not divide the " + std::to_string(world) +
+                " ranks (hybrid's groups must tile them)");
+  }
+  auto options = fsdp::FullyShardOptions()
+                     .prefetch(args.prefetch)
+                     .strategy(strategy)
+                     .shard_group_size(group)
+                     .bucket_bytes(static_cast<int64_t>(args.bucket_mb * 1024 * 1024));
+  if (timeout) options.timeout(*timeout);
   torch::manual_seed(args.seed);
   // With --build-sharded each block is sharded as soon as it is constructed, so the whole model
   // never exists on one rank; the weights are the same either way (same seed, same draws).
@@ -201,7 +310,7 @@ int main(int argc, char** argv) {
               << (args.clip > 0 ? ", clip " + std::to_string(args.clip) : "") << ", prefetch " << args.prefetch
               << ", strategy " << fsdp::to_string(strategy)
               << (strategy == fsdp::ShardingStrategy::kHybridShard ? " (groups of " + std::to_string(group) + ")" : "")
-              << "\n";
+              << (timeout ? ", timeout " + std::to_string(timeout->count()) + " ms" : "") << "\n";
   }
 
   int64_t last_peak = 0, last_state = 0;
@@ -225,8 +334,10 @@ int main(int argc, char** argv) {
       l.backward();
       loss += l.detach().to(torch::kDouble);
     }
-    double grad_norm = -1;
-    if (args.clip > 0) grad_norm = fsdp::optim::clip_grad_norm(model, args.clip);
+    // The global gradient norm, every step: a NaN or infinite one stops training on every rank
+    // (the same reduced value everywhere), naming this rank's first non-finite gradient.
+    const double grad_norm = args.clip > 0 ? fsdp::optim::clip_grad_norm(model, args.clip, 2.0, true)
+                                           : fsdp::optim::grad_norm(model, 2.0, true);
     opt->step();
 
     // Model state at the optimizer step: sharded parameters, gradients, optimizer state.
@@ -241,20 +352,32 @@ int main(int argc, char** argv) {
     fsdp::all_reduce(pg, mem, c10d::ReduceOp::MAX);
     last_peak = peak;
     last_state = state;
+    const double l = global_loss.item<double>() / world;  // the same on every rank
     if (rank == 0) {
-      const double l = global_loss.item<double>() / world;
       if (args.json) {
         std::printf(
-            "{\"step\": %lld, \"loss\": %.9g, \"peak_bytes\": %lld, \"state_bytes\": %lld, "
-            "\"step_ms\": %.3f, \"world_size\": %d, \"params\": %lld, \"grad_norm\": %.9g}\n",
-            static_cast<long long>(step), l, static_cast<long long>(mem[0].item<int64_t>()),
-            static_cast<long long>(mem[1].item<int64_t>()), ms, world, static_cast<long long>(n_params), grad_norm);
+            "{\"step\": %lld, \"loss\": %s, \"peak_bytes\": %lld, \"state_bytes\": %lld, "
+            "\"step_ms\": %s, \"world_size\": %d, \"params\": %lld, \"grad_norm\": %s}\n",
+            static_cast<long long>(step), cli::json_number(l).c_str(), static_cast<long long>(mem[0].item<int64_t>()),
+            static_cast<long long>(mem[1].item<int64_t>()), cli::json_number(ms, "%.3f").c_str(), world,
+            static_cast<long long>(n_params), cli::json_number(grad_norm).c_str());
       } else {
-        std::printf("step %4lld | loss %.4f | %8.1f ms | peak %s | state %s (max over ranks)\n",
-                    static_cast<long long>(step), l, ms, mib(mem[0].item<int64_t>()).c_str(),
+        std::printf("step %4lld | loss %.4f | grad norm %.4g | %8.1f ms | peak %s | state %s (max over ranks)\n",
+                    static_cast<long long>(step), l, grad_norm, ms, mib(mem[0].item<int64_t>()).c_str(),
                     mib(mem[1].item<int64_t>()).c_str());
       }
       std::fflush(stdout);
+    }
+    if (!std::isfinite(l)) {
+      std::ostringstream msg;
+      msg << "the loss of step " << step << " is "
+          << (std::isnan(l) ? "NaN"
+              : l < 0       ? "-inf"
+                            : "inf")
+          << ", not finite (the mean over the global batch, the "
+          << "same on every rank): training diverged. Stopping; lower --lr (now " << args.lr
+          << "), check --data, or clip with --clip MAX_NORM.";
+      throw std::runtime_error(msg.str());
     }
   }
 
@@ -273,7 +396,7 @@ int main(int argc, char** argv) {
       const char* sep = r ? ", " : "";
       peaks += sep + std::to_string(per_rank[r][0].item<int64_t>());
       states += sep + std::to_string(per_rank[r][1].item<int64_t>());
-      times += sep + std::to_string(step_ms[r].item<double>());
+      times += sep + cli::json_number(step_ms[r].item<double>(), "%.6f");
     }
     std::printf(
         "{\"summary\": true, \"world_size\": %d, \"params\": %lld, \"strategy\": \"%s\", \"shard_group_size\": %d, "
@@ -291,4 +414,30 @@ int main(int argc, char** argv) {
     }
   }
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  fsdp::memory::enable_cpu_counting();  // first: count every allocation from here on
+  // Every error ends here with a message and an exit status, never an abort with a backtrace.
+  try {
+    const Args args = parse(argc, argv);
+    if (args.help) {
+      std::cout << kUsage;
+      return 0;
+    }
+    return run(args);
+  } catch (const cli::InputError& e) {
+    std::cerr << who() << ": " << e.what() << "\n";
+    if (e.show_usage) std::cerr << kUsage;
+    return cli::kUsageExit;
+  } catch (const c10::Error& e) {
+    std::cerr << who() << ": " << without_backtrace(e.what_without_backtrace()) << "\n";
+  } catch (const std::exception& e) {
+    std::cerr << who() << ": " << without_backtrace(e.what()) << "\n";
+  } catch (...) {
+    std::cerr << who() << ": stopped by an unknown exception\n";
+  }
+  return cli::kErrorExit;
 }

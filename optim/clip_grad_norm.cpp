@@ -2,55 +2,117 @@
 
 #include <ATen/ops/empty.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <sstream>
+#include <string>
 #include <unordered_set>
 
 namespace fsdp::optim {
+namespace {
 
-double clip_grad_norm(const detail::RootHandle& model, double max_norm, double norm_type) {
-  // Each sharded parameter once (a tied weight is one tensor), with how many ranks hold the same
-  // rows: replicated and hybrid units count each rank's part 1/replication times in the sum.
-  std::vector<std::pair<at::Tensor, int64_t>> grads;
+/// One sharded gradient: how many ranks hold the same rows (replicated and hybrid units count each
+/// rank's part 1/replication times in the sum), and its parameter's name, for messages.
+struct ShardGrad {
+  at::Tensor grad;
+  int64_t replication;
+  const std::string* name;
+};
+
+/// The global `norm_type` norm of every sharded gradient of `model`, in one all-reduce; fills
+/// `grads` with this rank's gradients (for clipping). `caller` names the function in errors.
+double global_norm(const detail::RootHandle& model, double norm_type, bool error_if_nonfinite, const char* caller,
+                   std::vector<ShardGrad>& grads) {
+  // Each sharded parameter once (a tied weight is one tensor).
   std::unordered_set<const c10::TensorImpl*> seen;
   for (auto& w : model.state().groups) {
     auto unit = w.lock();
     if (!unit) continue;
     for (const auto& s : unit->slots()) {
       if (!seen.insert(s.sharded.unsafeGetTensorImpl()).second) continue;
-      if (s.sharded.grad().defined()) grads.emplace_back(s.sharded.grad(), unit->replication());
+      if (s.sharded.grad().defined()) grads.push_back({s.sharded.grad(), unit->replication(), &s.name});
     }
   }
   const bool inf = std::isinf(norm_type);
   // This rank's part: the largest |g|, or the sum of |g|^p, over its own rows (shards hold no
-  // padding, so nothing is counted twice or counted at all that is not a real gradient).
+  // padding, so nothing is counted twice or counted at all that is not a real gradient). A NaN
+  // is kept (std::max would drop it) and also flagged, since a MAX reduction may drop it too.
   double local = 0.0;
-  for (const auto& [g, replication] : grads) {
-    if (g.numel() == 0) continue;
-    const double n = g.norm(norm_type).item<double>();
-    local = inf ? std::max(local, n) : local + std::pow(n, norm_type) / static_cast<double>(replication);
+  bool nonfinite = false;
+  for (const auto& g : grads) {
+    if (g.grad.numel() == 0) continue;
+    const double n = g.grad.norm(norm_type).item<double>();
+    nonfinite = nonfinite || !std::isfinite(n);
+    if (!inf) {
+      local += std::pow(n, norm_type) / static_cast<double>(g.replication);
+    } else if (std::isnan(n) || std::isnan(local)) {
+      local = std::numeric_limits<double>::quiet_NaN();
+    } else {
+      local = std::max(local, n);
+    }
   }
-  // One all-reduce carries the norm part and how many gradients each rank has: a call before any
-  // backward (no gradient anywhere) is an error on every rank alike, never a silent no-op.
-  at::Tensor t = at::empty({2}, at::kDouble);
+  // One all-reduce carries the norm part, how many gradients each rank has (a call before any
+  // backward, no gradient anywhere, is an error on every rank alike, never a silent no-op) and
+  // whether any rank saw a non-finite part.
+  at::Tensor t = at::empty({3}, at::kDouble);
   t[0] = local;
   t[1] = static_cast<double>(grads.size());
+  t[2] = nonfinite ? 1.0 : 0.0;
   auto& comm = model.state().comm;
-  if (inf) {
-    // MAX for the norm; counting with MAX still tells "none anywhere" from "some".
-    comm.all_reduce(t, c10d::ReduceOp::MAX, "clip_grad_norm's all-reduce");
-  } else {
-    comm.all_reduce(t, c10d::ReduceOp::SUM, "clip_grad_norm's all-reduce");
-  }
-  TORCH_CHECK(t[1].item<double>() > 0, "fsdp::optim::clip_grad_norm (rank ", comm.rank(), " of ", comm.world_size(),
+  // Every rank must be here: one rank clipping while another runs its next forward would pair
+  // this all-reduce with a collective of another size.
+  double bits = norm_type;
+  int64_t code = 0;
+  std::memcpy(&code, &bits, sizeof(code));
+  std::ostringstream call;
+  call << caller << " (norm_type " << norm_type << ")";
+  model.state().check_boundary(detail::FSDPState::Boundary::kClip, code, 0, call.str());
+  // MAX for the inf norm; counting with MAX still tells "none anywhere" from "some".
+  comm.all_reduce(t, inf ? c10d::ReduceOp::MAX : c10d::ReduceOp::SUM, std::string(caller) + "'s all-reduce");
+  TORCH_CHECK(t[1].item<double>() > 0, caller, " (rank ", comm.rank(), " of ", comm.world_size(),
               "): no sharded parameter has a gradient on any rank. Call it after loss.backward() and before "
               "the optimizer step.");
-  const double total = inf ? t[0].item<double>() : std::pow(t[0].item<double>(), 1.0 / norm_type);
-  const double coef = max_norm / (total + 1e-6);
-  if (coef < 1.0) {
-    for (auto& g : grads) g.first.mul_(coef);
+  double total = inf ? t[0].item<double>() : std::pow(t[0].item<double>(), 1.0 / norm_type);
+  if (t[2].item<double>() > 0 && std::isfinite(total)) total = std::numeric_limits<double>::quiet_NaN();
+  if (error_if_nonfinite && !std::isfinite(total)) {
+    // Every rank has the same `total`, so every rank throws here; each names what it holds.
+    std::ostringstream mine;
+    for (const auto& g : grads) {
+      if (g.grad.numel() > 0 && !g.grad.isfinite().all().item<bool>()) {
+        mine << "this rank's first parameter with a non-finite gradient is '" << *g.name << "'";
+        break;
+      }
+    }
+    if (mine.tellp() == 0) {
+      mine << "every gradient on this rank is finite (the non-finite values are on another rank, or the sum of "
+              "their powers overflowed)";
+    }
+    TORCH_CHECK(false, caller, " (rank ", comm.rank(), " of ", comm.world_size(), "): the total gradient norm ",
+                "(norm_type ", norm_type, ") is ", total, ", not finite; ", mine.str(),
+                ". Training has diverged or the data holds bad values: lower the learning rate, check the input "
+                "data, or clip the gradients (a smaller max_norm); error_if_nonfinite=false returns the norm "
+                "instead of throwing.");
   }
   return total;
+}
+
+}  // namespace
+
+double clip_grad_norm(const detail::RootHandle& model, double max_norm, double norm_type, bool error_if_nonfinite) {
+  std::vector<ShardGrad> grads;
+  const double total = global_norm(model, norm_type, error_if_nonfinite, "fsdp::optim::clip_grad_norm", grads);
+  const double coef = max_norm / (total + 1e-6);
+  if (coef < 1.0) {
+    for (auto& g : grads) g.grad.mul_(coef);
+  }
+  return total;
+}
+
+double grad_norm(const detail::RootHandle& model, double norm_type, bool error_if_nonfinite) {
+  std::vector<ShardGrad> grads;
+  return global_norm(model, norm_type, error_if_nonfinite, "fsdp::optim::grad_norm", grads);
 }
 
 }  // namespace fsdp::optim

@@ -8,7 +8,17 @@ namespace fsdp::optim {
 
 /// Scales every sharded gradient of `model` by min(1, max_norm / (total_norm + 1e-6)) and returns
 /// total_norm, the `norm_type` norm of all gradients of the full model (inf: the largest absolute
-/// value). Call after backward() and before the optimizer step, on every rank.
-double clip_grad_norm(const detail::RootHandle& model, double max_norm, double norm_type = 2.0);
+/// value). Call after backward() and before the optimizer step, on every rank. One all-reduce.
+///
+/// With `error_if_nonfinite` (as PyTorch's clip_grad_norm_), a total norm that is NaN or infinite
+/// throws a c10::Error on every rank alike (they all see the same reduced norm), before anything is
+/// scaled, naming the norm and this rank's first parameter whose gradient is not finite. Without
+/// it, a non-finite norm is returned: NaN scales nothing, infinity zeroes the gradients.
+double clip_grad_norm(const detail::RootHandle& model, double max_norm, double norm_type = 2.0,
+                      bool error_if_nonfinite = false);
+
+/// The same global norm as clip_grad_norm, gradients left as they are (for logging, or to detect
+/// a diverging run without clipping). One all-reduce; call it on every rank.
+double grad_norm(const detail::RootHandle& model, double norm_type = 2.0, bool error_if_nonfinite = false);
 
 }  // namespace fsdp::optim

@@ -13,7 +13,8 @@ give, and with --strict that within 1% of the ZeRO volume (3Ψ full, 2Ψ replica
 model's root, gathered once rather than twice, is too large a part of it for 1%). The state peak: at
 least the state at the step; grad-op's at least 4Ψ + 12Ψ/N (the whole model gathered); full
 sharding's below grad-op's. PyTorch FSDP2 rows (required with --require-fsdp2): model state
-within 1% of 16Ψ/N and an allocator peak counted.
+within 1% of 16Ψ/N and an allocator peak counted. With --expect-collective-timeout S: every row's
+ranks report the collective timeout S (fsdp_bench --timeout reached each of them).
 """
 import argparse
 import json
@@ -39,6 +40,16 @@ def check_simulated(rows):
         if not r["construction_peak_bytes"] < 4 * r["params"]:
             fail("the simulated rank held the whole model while it was built")
     print("OK")
+
+
+def check_collective_timeout(rows, seconds):
+    """Each row's ranks (the largest value over them) report the collective timeout they were given."""
+    for r in rows:
+        got = r.get("collective_timeout_s")
+        print(f"{r['impl']} {r['strategy']} N={r['world_size']}: collective timeout {got} s")
+        if got is None or abs(got - seconds) > 1e-3:
+            fail(f"{r['impl']} {r['strategy']} N={r['world_size']}: the ranks' collective timeout is {got} s, "
+                 f"not the {seconds} s given to fsdp_bench --timeout")
 
 
 def check(rows, strict, require_fsdp2):
@@ -89,22 +100,25 @@ def check(rows, strict, require_fsdp2):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False)  # the rest goes to fsdp_bench as given
     ap.add_argument("--bench")
     ap.add_argument("--rows")
     ap.add_argument("--strict", action="store_true")
     ap.add_argument("--require-fsdp2", action="store_true")
+    ap.add_argument("--expect-collective-timeout", type=float)
     a, rest = ap.parse_known_args()
     if a.rows:
         with open(a.rows) as f:
             rows = json.load(f)
     else:
-        # Below ctest's 600 s, above the runs' own --timeout, so the innermost deadline reports first.
+        # Below ctest's 600 s, above the runs' own --run-timeout, so the innermost deadline reports first.
         p = subprocess.run([a.bench, "--json"] + rest, capture_output=True, text=True, timeout=540)
         sys.stderr.write(p.stderr)
         if p.returncode != 0:
             fail(f"fsdp_bench exited {p.returncode}\n{p.stdout}")
         rows = json.loads(p.stdout)
+    if a.expect_collective_timeout is not None:
+        check_collective_timeout(rows, a.expect_collective_timeout)
     check(rows, a.strict, a.require_fsdp2)
 
 
