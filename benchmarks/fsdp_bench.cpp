@@ -147,7 +147,7 @@ Args parse(int argc, char** argv) {
       else if (k == "--plot")
         a.plot = v;
       else if (k == "--run-timeout")
-        a.run_timeout_s = static_cast<int>(cli::parse_int(k, v, 1, 30 * 86400));
+        a.run_timeout_s = static_cast<int>(cli::parse_int(k, v, 1, int64_t{30} * 86400));
       else if (k == "--timeout") {
         const double seconds = cli::parse_double(k, v, 0, false, 365 * 86400.0);
         a.timeout = v;  // passed on to the ranks as given

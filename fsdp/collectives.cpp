@@ -22,7 +22,7 @@ using std::chrono::milliseconds;
 
 enum Kind : int64_t { kAllGather = 1, kReduceScatter = 2, kAllReduce = 3, kBroadcast = 4 };
 constexpr int64_t kMagic = 0x46534450434b31;  // "FSDPCK1": a check paired with anything else shows
-constexpr int kCheckWords = 8;                // magic, six words of the call's code, description length
+constexpr int64_t kCheckWords = 8;                // magic, six words of the call's code, description length
 
 uint64_t fnv(uint64_t h, uint64_t v) {
   for (int i = 0; i < 8; ++i) {
@@ -169,6 +169,7 @@ void Comm::fail(const Pending& p, const std::string& cause, milliseconds waited)
   // Every rank of the job, not only this group's: under hybrid sharding a rank of another group
   // that died is often why this group's collective failed.
   std::vector<int> everyone;
+  everyone.reserve(static_cast<size_t>(group_.world_size));
   for (int r = 0; r < group_.world_size; ++r) everyone.push_back(r);
   const std::string peers = diagnose_peers(everyone, global_rank_);
   std::string first_line = cause.substr(0, cause.find('\n'));
@@ -277,7 +278,7 @@ void Comm::broadcast(at::Tensor& t, int root, const std::string& what) {
 void Comm::check_same_call(const std::array<int64_t, 6>& code, const std::string& description) {
   if (world_size_ == 1) return;
   ++stats().checks;
-  const int W = world_size_;
+  const int64_t W = world_size_;
   at::Tensor mine = at::empty({kCheckWords}, at::kLong);
   int64_t* m = mine.data_ptr<int64_t>();
   m[0] = kMagic;
@@ -297,7 +298,7 @@ void Comm::check_same_call(const std::array<int64_t, 6>& code, const std::string
   const int64_t* a = all.data_ptr<int64_t>();
   bool same = true;
   int64_t max_len = 1;
-  for (int q = 0; q < W; ++q) {
+  for (int64_t q = 0; q < W; ++q) {
     same = same && a[q * kCheckWords] == kMagic && std::equal(a + q * kCheckWords + 1, a + q * kCheckWords + 7, m + 1);
     max_len = std::max(max_len, std::min<int64_t>(a[q * kCheckWords + 7], 4096));
   }
@@ -317,7 +318,7 @@ void Comm::check_same_call(const std::array<int64_t, 6>& code, const std::string
   std::map<std::string, std::vector<int>> by_call;
   std::vector<std::string> order;
   const char* base = static_cast<const char*>(texts.data_ptr());
-  for (int q = 0; q < W; ++q) {
+  for (int64_t q = 0; q < W; ++q) {
     std::string d = a[q * kCheckWords] == kMagic
                         ? std::string(base + q * max_len, std::min<int64_t>(a[q * kCheckWords + 7], max_len))
                         : std::string("something else (not a check of this library: another collective)");

@@ -135,8 +135,7 @@ std::string doing(const PeerBeat& b, int64_t now) {
 
 }  // namespace
 
-void start_heartbeat(c10::intrusive_ptr<c10d::Store> store, const std::string& prefix, int rank, int world_size) {
-  (void)world_size;
+void start_heartbeat(const c10::intrusive_ptr<c10d::Store>& store, const std::string& prefix, int rank) {
   Monitor& m = monitor();
   auto beat = std::make_shared<Beat>();
   c10::intrusive_ptr<c10d::Store> diag;
@@ -225,6 +224,7 @@ std::string diagnose_unbounded(const std::vector<int>& global_ranks, int self) {
   std::string store_error;
   auto read = [&](std::map<int, PeerBeat>& out) {
     std::vector<std::string> keys;
+    keys.reserve(peers.size());
     for (int r : peers) keys.push_back(key_of(prefix, r));
     try {
       std::vector<std::vector<uint8_t>> values;

@@ -21,10 +21,10 @@
 
 namespace fsdp::detail {
 
-/// Starts (or restarts, for a new process group) this process's heartbeat: global rank `rank` of
-/// `world_size`, keys under `prefix` in `store`. `store` must be a connection of its own (a clone):
-/// the heartbeat thread blocks in it when the store does not answer.
-void start_heartbeat(c10::intrusive_ptr<c10d::Store> store, const std::string& prefix, int rank, int world_size);
+/// Starts (or restarts, for a new process group) this process's heartbeat as global rank `rank`,
+/// under `prefix` in `store`. `store` must be a connection of its own (a clone): the heartbeat
+/// thread blocks in it when the store does not answer.
+void start_heartbeat(const c10::intrusive_ptr<c10d::Store>& store, const std::string& prefix, int rank);
 
 /// While alive, this process's heartbeat says it is inside `what` (a collective being waited for).
 class Activity {

@@ -143,7 +143,7 @@ c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const InitOptions& opt
     } catch (const std::exception&) {
       beat_store = r.store;
     }
-    detail::start_heartbeat(beat_store, r.prefix, env.rank, env.world_size);
+    detail::start_heartbeat(beat_store, r.prefix, env.rank);
   }
   current_env() = env;
   g_timeout = timeout;
