@@ -22,7 +22,7 @@ using std::chrono::milliseconds;
 
 enum Kind : int64_t { kAllGather = 1, kReduceScatter = 2, kAllReduce = 3, kBroadcast = 4 };
 constexpr int64_t kMagic = 0x46534450434b31;  // "FSDPCK1": a check paired with anything else shows
-constexpr int64_t kCheckWords = 8;                // magic, six words of the call's code, description length
+constexpr int64_t kCheckWords = 8;            // magic, six words of the call's code, description length
 
 uint64_t fnv(uint64_t h, uint64_t v) {
   for (int i = 0; i < 8; ++i) {
@@ -173,7 +173,8 @@ void Comm::fail(const Pending& p, const std::string& cause, milliseconds waited)
   for (int r = 0; r < group_.world_size; ++r) everyone.push_back(r);
   const std::string peers = diagnose_peers(everyone, global_rank_);
   std::string first_line = cause.substr(0, cause.find('\n'));
-  TORCH_CHECK(false, "fsdp: ", p.what, " failed on ", where(), " after ", waited.count(), " ms (timeout ",
+  const std::string group = group_.name == "world" ? " (group: all " + std::to_string(world_size_) + " ranks)" : "";
+  TORCH_CHECK(false, "fsdp: ", p.what, " failed on ", where(), group, " after ", waited.count(), " ms (timeout ",
               timeout_.count(), " ms): ", first_line, peers.empty() ? "" : "\n", peers,
               "\nThe ranks no longer agree on which collective comes next, so this model cannot be used again: exit "
               "this process with a non-zero status and restart the job from its last checkpoint (torchrun "
