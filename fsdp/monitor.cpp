@@ -23,6 +23,11 @@ constexpr milliseconds kPeriod{1000};  // one store write per rank per second
 constexpr milliseconds kStale{2500};   // a heartbeat older than this: the rank is not running
 constexpr milliseconds kDiagnosisStoreTimeout{2000};
 constexpr milliseconds kDiagnosisBudget{3000};
+// Without torchrun's agent, rank 0 hosts the store: when it exits after a failure of its own, the
+// others cannot tell more. The first failure is then in the other ranks' output.
+constexpr const char* kStoreGone =
+    "the process hosting it (rank 0, or the torchrun agent) has exited (perhaps after a failure of its own: the "
+    "first failure is in the other ranks' output), is stopped, or the link to its host is down.";
 
 int64_t unix_ms() {
   return std::chrono::duration_cast<milliseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
@@ -247,8 +252,7 @@ std::string diagnose_unbounded(const std::vector<int>& global_ranks, int self) {
 
   std::map<int, PeerBeat> first, second;
   if (!read(first)) {
-    return "The job's store did not answer the peer check (" + store_error +
-           "): the process hosting it (rank 0, or the torchrun agent) has probably died or been stopped.";
+    return "The job's store did not answer the peer check (" + store_error + "): " + kStoreGone;
   }
   int64_t now = unix_ms();
   std::vector<int> stale;
@@ -261,8 +265,7 @@ std::string diagnose_unbounded(const std::vector<int>& global_ranks, int self) {
     // name the ones whose counter did not move.
     std::this_thread::sleep_for(kPeriod + kPeriod / 2);
     if (!read(second)) {
-      return "The job's store stopped answering during the peer check (" + store_error +
-             "): the process hosting it (rank 0, or the torchrun agent) has probably died or been stopped.";
+      return "The job's store stopped answering during the peer check (" + store_error + "): " + kStoreGone;
     }
     now = unix_ms();
     for (int r : peers) {
@@ -331,9 +334,8 @@ std::string diagnose_peers(const std::vector<int>& global_ranks, int self) {
   }).detach();
   std::unique_lock<std::mutex> l(d->mu);
   if (d->cv.wait_for(l, kDiagnosisBudget, [&] { return d->done; })) return d->text;
-  return "The job's store did not answer the peer check within " + seconds(kDiagnosisBudget.count()) +
-         ": the process hosting it (rank 0, or the torchrun agent) has died or been stopped, or the link to its "
-         "host is down.";
+  return "The job's store did not answer the peer check within " + seconds(kDiagnosisBudget.count()) + ": " +
+         kStoreGone;
 }
 
 void abandon_backend(const c10::intrusive_ptr<c10d::Backend>& backend) {

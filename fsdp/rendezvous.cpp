@@ -55,11 +55,14 @@ struct Progress {
   std::string stage = "connecting to the job's store";
   std::string found;  // the latest probe of the store's address
   bool done = false;
-  bool fatal = false;  // found something that waiting will not change (a name that does not resolve)
+  bool fatal = false;      // found something that waiting will not change (a name that does not resolve)
+  bool abandoned = false;  // the caller gave up: the thread must not claim a rank or connect Gloo after it
   std::exception_ptr error;
   Rendezvous result;
+  // Moves to the next stage, unless the caller gave up (then the thread stops here).
   void set_stage(const std::string& s) {
     std::lock_guard<std::mutex> l(mu);
+    if (abandoned) throw std::runtime_error("abandoned");
     stage = s;
   }
 };
@@ -82,7 +85,9 @@ c10::intrusive_ptr<c10d::Store> make_store(const LaunchEnv& env, const InitOptio
   so.isServer = env.rank == 0 && !env.agent_store;
   so.numWorkers = env.world_size;
   so.waitWorkers = false;
-  so.timeout = timeout;
+  // Longer than the caller waits: the caller gives up first, with its own message, and c10d's
+  // client does not log its own timeout (with a backtrace) on the way.
+  so.timeout = timeout + std::chrono::seconds(30);
   so.multiTenant = true;
   try {
     return c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
@@ -228,6 +233,7 @@ Rendezvous rendezvous(const LaunchEnv& env, const InitOptions& options, millisec
       r.prefix = prefix;
       r.store = make_store(env, options, left(deadline));
       r.store->setTimeout(left(deadline));
+      progress->set_stage("connected to the job's store");
       if (env.world_size > 1) {
         progress->set_stage("checking this rank's claim on the job");
         claim(*r.store, prefix, env, at);
@@ -237,6 +243,7 @@ Rendezvous rendezvous(const LaunchEnv& env, const InitOptions& options, millisec
       }
       r.gloo = connect_gloo(r.store, env, options, timeout, deadline);
       r.store->setTimeout(timeout);
+      progress->set_stage("done");
       std::lock_guard<std::mutex> l(progress->mu);
       progress->result = std::move(r);
       progress->done = true;
@@ -276,6 +283,7 @@ Rendezvous rendezvous(const LaunchEnv& env, const InitOptions& options, millisec
     progress->cv.wait_until(l, probe_due ? std::min(deadline, probe_after) : deadline);
   }
   if (progress->done && !progress->error) return progress->result;
+  progress->abandoned = true;
   const auto waited = std::chrono::duration_cast<milliseconds>(clock::now() - start).count();
   std::string cause;
   if (progress->error) {
