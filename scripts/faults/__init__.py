@@ -1,0 +1,1 @@
+"""The parts of scripts/inject_faults.py: running processes (runner), the scenarios (scenarios, gtest_torchrun)."""
