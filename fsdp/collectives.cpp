@@ -91,9 +91,25 @@ std::string error_text(const std::exception& e) {
   return e.what();
 }
 
-void CallLog::add(int64_t kind, int64_t numel) {
+void CallLog::add(int64_t kind, int64_t numel, const std::string& what) {
   ++count;
-  hash = fnv(fnv(hash, static_cast<uint64_t>(kind)), static_cast<uint64_t>(numel));
+  hash = fnv(fnv(fnv(hash, static_cast<uint64_t>(kind)), static_cast<uint64_t>(numel)),
+             static_cast<uint64_t>(hash_text(what)));
+  if (names.size() < kNames) names.push_back(what.substr(0, what.find(" (")));
+}
+
+std::string CallLog::summary() const {
+  std::ostringstream os;
+  const size_t n = names.size();
+  for (size_t i = 0; i < n; ++i) {
+    if (n > 12 && i == 6) {
+      os << ", ...";
+      i = n - 6;
+    }
+    os << (i ? ", " : "") << names[i];
+  }
+  if (count > static_cast<int64_t>(n)) os << ", ... (" << count << " in all)";
+  return os.str();
 }
 
 Comm::Comm(c10::intrusive_ptr<c10d::ProcessGroup> pg, milliseconds timeout, std::shared_ptr<CommShared> shared,
@@ -185,7 +201,7 @@ Pending Comm::all_gather_async(at::Tensor& out, at::Tensor& in, const std::strin
   TORCH_INTERNAL_ASSERT(out.numel() == in.numel() * world_size_);
   ++stats().all_gathers;
   stats().elements += out.numel();
-  log().add(kAllGather, out.numel());
+  log().add(kAllGather, out.numel(), what);
   if (world_size_ == 1) {
     out.copy_(in);
     return {nullptr, what};
@@ -212,7 +228,7 @@ Pending Comm::reduce_scatter_sum_async(at::Tensor& out, at::Tensor& in, const st
   TORCH_INTERNAL_ASSERT(in.numel() == out.numel() * world_size_);
   ++stats().reduce_scatters;
   stats().elements += in.numel();
-  log().add(kReduceScatter, in.numel());
+  log().add(kReduceScatter, in.numel(), what);
   if (world_size_ == 1) {
     out.copy_(in);
     return {nullptr, what};
@@ -235,7 +251,7 @@ Pending Comm::reduce_scatter_sum_async(at::Tensor& out, at::Tensor& in, const st
 Pending Comm::all_reduce_async(at::Tensor& t, c10d::ReduceOp op, const std::string& what) {
   ++stats().all_reduces;
   stats().elements += 2 * t.numel();
-  log().add(kAllReduce, t.numel());
+  log().add(kAllReduce, t.numel(), what);
   if (world_size_ == 1) return {nullptr, what};
   if (verify_) {
     check_same_call({kAllReduce, t.numel(), static_cast<int64_t>(t.scalar_type()), hash_text(what), op.op_}, what);
@@ -260,7 +276,7 @@ void Comm::all_reduce(at::Tensor& t, c10d::ReduceOp op, const std::string& what)
 
 void Comm::broadcast(at::Tensor& t, int root, const std::string& what) {
   ++stats().broadcasts;
-  log().add(kBroadcast, t.numel());
+  log().add(kBroadcast, t.numel(), what);
   if (world_size_ == 1) return;
   if (verify_) check_same_call({kBroadcast, t.numel(), static_cast<int64_t>(t.scalar_type()), hash_text(what)}, what);
   Pending p{nullptr, what, t.is_cpu(), backend(t)};
@@ -333,7 +349,8 @@ void Comm::check_same_call(const std::array<int64_t, 6>& code, const std::string
               "; no collective of mismatched size was issued):", os.str(),
               "\nEvery rank must run the same sequence of forwards and backwards through the wrapped model and the "
               "same library calls (the same micro-batches, gradient sync on or off alike, clipping on every rank or "
-              "none). For the first collective that differs, run with FSDP_VERIFY_COLLECTIVES=1.");
+              "none).",
+              verify_ ? "" : " For the first collective that differs, run with FSDP_VERIFY_COLLECTIVES=1.");
 }
 
 }  // namespace fsdp::detail

@@ -37,12 +37,18 @@ struct GroupInfo {
 };
 
 /// The collectives a model issued since its last cross-rank check, as a count and a hash of their
-/// kinds and sizes: compared between ranks at the next check, so that ranks whose sequences
-/// differed (same sizes, other units) are caught before the optimizer uses what they computed.
+/// kinds, sizes and descriptions (operation and unit): compared between ranks at the next check,
+/// so that ranks whose sequences differed with equal sizes (units run in another order) are caught
+/// before the optimizer uses what they computed.
 struct CallLog {
   int64_t count = 0;
   uint64_t hash = 1469598103934665603ull;  // FNV-1a offset basis
-  void add(int64_t kind, int64_t numel);
+  /// The first collectives, by operation and unit ("all-gather of unit 'h.1'"), for messages.
+  std::vector<std::string> names;
+  static constexpr size_t kNames = 64;
+  void add(int64_t kind, int64_t numel, const std::string& what);
+  /// "all-gather of unit '<root>', all-gather of unit 'a', ..." (the first and last few).
+  std::string summary() const;
   void reset() { *this = CallLog{}; }
 };
 

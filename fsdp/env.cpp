@@ -19,13 +19,21 @@ const char* getenv_or_null(const char* name) {
 namespace detail {
 
 std::chrono::milliseconds parse_timeout_seconds(const std::string& value, const std::string& what) {
+  // Decimal only ("20", "0.5", "1e3"), surrounding blanks allowed: no hex, no inf or nan.
+  const size_t first = value.find_first_not_of(" \t");
+  const size_t last = value.find_last_not_of(" \t");
+  const std::string v = first == std::string::npos ? "" : value.substr(first, last - first + 1);
+  constexpr double kMax = 365 * 86400.0;  // a year: beyond that, surely a typo
   char* end = nullptr;
   errno = 0;
-  const double s = std::strtod(value.c_str(), &end);
-  // Up to a year: beyond that the milliseconds overflow nothing, but it is surely a typo.
-  const bool ok = errno == 0 && end != value.c_str() && *end == '\0' && std::isfinite(s) && s > 0 && s <= 365 * 86400.0;
+  const double s =
+      v.empty() || v.find_first_not_of("0123456789.eE+-") != std::string::npos ? -1.0 : std::strtod(v.c_str(), &end);
+  const bool ok =
+      errno == 0 && end != nullptr && end != v.c_str() && *end == '\0' && std::isfinite(s) && s > 0 && s <= kMax;
   TORCH_CHECK(ok, "fsdp: ", what, "='", value,
-              "' is not a timeout: give a positive number of seconds (fractions allowed), e.g. ", what, "=60.");
+              "' is not a timeout: give a decimal number of seconds above 0 and at most 31536000 (a year), "
+              "fractions allowed, e.g. ",
+              what, "=60.");
   return std::chrono::milliseconds(std::max<int64_t>(1, static_cast<int64_t>(std::llround(s * 1000.0))));
 }
 

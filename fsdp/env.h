@@ -1,9 +1,10 @@
 // The environment variables libtorch-fsdp reads, in one place. Each is optional; a value that
 // cannot be parsed is an error naming the variable (never silently ignored).
 //
-//   FSDP_TIMEOUT                 seconds (fractions allowed): the default bound on start-up and on every
-//                                collective, used where InitOptions::timeout / FullyShardOptions::timeout
-//                                is not set explicitly. Unset: 10 minutes (c10d's and NCCL's default).
+//   FSDP_TIMEOUT                 seconds (decimal, fractions allowed, at most a year): the default bound
+//                                on start-up and on every collective, used where InitOptions::timeout /
+//                                FullyShardOptions::timeout is not set explicitly. Unset (or empty):
+//                                10 minutes (c10d's and NCCL's default).
 //   FSDP_JOB_ID                  this job's identity, checked at start-up; else TORCHELASTIC_RUN_ID
 //                                (torchrun), else SLURM_JOB_ID[.SLURM_STEP_ID] (srun), else none.
 //   FSDP_PARENT_DEATH_SIGNAL     TERM (default when torchrun started this process), KILL, or 0 (off):

@@ -9,6 +9,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -44,7 +45,8 @@ struct Beat {
   std::mutex mu;
   std::condition_variable cv;
   bool stop = false;
-  bool exited = false;
+  bool exiting = false;  // the process is exiting: one last heartbeat says so
+  bool exited = false;   // the thread has left the store (and released it)
   std::string activity;  // "" when idle
   int64_t activity_since = 0;
   std::string failure;
@@ -57,6 +59,8 @@ struct Monitor {
   std::string prefix;
   std::vector<c10::intrusive_ptr<c10d::Backend>> abandoned;
 };
+
+constexpr int kMaxFailedBeats = 3;  // then the store is gone: stop (c10d logs every failed write)
 
 // Never destroyed: the heartbeat thread and abandoned backends may outlive every static.
 Monitor& monitor() {
@@ -72,10 +76,19 @@ std::shared_ptr<Beat> current_beat() {
 
 // Stops the heartbeat before static destructors run (registered after LibTorch's statics exist,
 // so it runs before they are destroyed); waits briefly for the thread to leave the store.
+// The last heartbeat says the process exited (a peer that finished early is then told so, not
+// that this rank "stopped answering"), and every store connection of the library is released, so
+// that a file store is removed as c10d intends when its last user is gone.
 void stop_at_exit() {
   auto b = current_beat();
+  {
+    Monitor& m = monitor();
+    std::lock_guard<std::mutex> g(m.mu);
+    m.diag_store.reset();
+  }
   if (!b) return;
   std::unique_lock<std::mutex> l(b->mu);
+  b->exiting = true;
   b->stop = true;
   b->cv.notify_all();
   b->cv.wait_for(l, milliseconds(200), [&] { return b->exited; });
@@ -85,10 +98,11 @@ std::string key_of(const std::string& prefix, int rank) {
   return prefix + "heartbeat/" + std::to_string(rank);
 }
 
-// "seq|unix_ms|host:pid|activity_since|activity|failure"
+// "seq|unix_ms|host:pid|activity_since|activity|exited|failure"
 std::string encode(int64_t seq, const std::string& who, const Beat& b) {
   std::ostringstream os;
-  os << seq << '|' << unix_ms() << '|' << who << '|' << b.activity_since << '|' << b.activity << '|' << b.failure;
+  os << seq << '|' << unix_ms() << '|' << who << '|' << b.activity_since << '|' << b.activity << '|'
+     << (b.exiting ? 1 : 0) << '|' << b.failure;
   return os.str();
 }
 
@@ -97,13 +111,14 @@ struct PeerBeat {
   int64_t at_ms = 0;
   std::string who, activity, failure;
   int64_t activity_since = 0;
+  bool exited = false;
 };
 
 bool decode(const std::vector<uint8_t>& v, PeerBeat& out) {
   std::string s(v.begin(), v.end());
   std::vector<std::string> f;
   size_t start = 0;
-  for (int i = 0; i < 5; ++i) {
+  for (int i = 0; i < 6; ++i) {
     const size_t bar = s.find('|', start);
     if (bar == std::string::npos) return false;
     f.push_back(s.substr(start, bar - start));
@@ -116,7 +131,8 @@ bool decode(const std::vector<uint8_t>& v, PeerBeat& out) {
     out.who = f[2];
     out.activity_since = std::stoll(f[3]);
     out.activity = f[4];
-    out.failure = f[5];
+    out.exited = f[5] == "1";
+    out.failure = f[6];
   } catch (const std::exception&) {
     return false;
   }
@@ -132,6 +148,8 @@ std::string seconds(int64_t ms) {
 // What a peer's heartbeat says it was doing; `now` is when its state is described (0: as of its
 // last heartbeat, without a duration).
 std::string doing(const PeerBeat& b, int64_t now) {
+  if (b.exited && !b.failure.empty()) return "it failed in " + b.failure + " and exited";
+  if (b.exited) return "its process exited (it returned from main: did it run fewer steps than this rank?)";
   if (!b.failure.empty()) return "it failed in " + b.failure;
   if (b.activity.empty()) return "it was not inside a collective of this library";
   if (now == 0) return "it was in " + b.activity;
@@ -165,20 +183,26 @@ void start_heartbeat(const c10::intrusive_ptr<c10d::Store>& store, const std::st
   std::call_once(at_exit, [] { std::atexit(stop_at_exit); });
   const std::string key = key_of(prefix, rank);
   const std::string who = host_and_pid();
-  std::thread([beat, store, key, who] {
+  std::thread([beat, conn = store, key, who]() mutable {
     int64_t seq = 0;
+    int failed = 0;
     std::unique_lock<std::mutex> l(beat->mu);
-    while (!beat->stop) {
+    while (failed < kMaxFailedBeats) {
+      const bool last = beat->stop;
+      if (last && !beat->exiting) break;  // replaced by a newer process group's heartbeat
       const std::string value = encode(seq++, who, *beat);
       l.unlock();
       try {
-        store->set(key, std::vector<uint8_t>(value.begin(), value.end()));
+        conn->set(key, std::vector<uint8_t>(value.begin(), value.end()));
+        failed = 0;
       } catch (...) {
-        // The store is gone or slow (its host died): keep trying; diagnosis reports it.
+        ++failed;  // the store is gone or slow (its host died); diagnosis reports it
       }
       l.lock();
+      if (last) break;
       beat->cv.wait_for(l, kPeriod, [&] { return beat->stop; });
     }
+    conn.reset();
     beat->exited = true;
     beat->cv.notify_all();
   }).detach();
@@ -258,7 +282,7 @@ std::string diagnose_unbounded(const std::vector<int>& global_ranks, int self) {
   std::vector<int> stale;
   for (int r : peers) {
     auto it = first.find(r);
-    if (it != first.end() && now - it->second.at_ms > kStale.count()) stale.push_back(r);
+    if (it != first.end() && (it->second.exited || now - it->second.at_ms > kStale.count())) stale.push_back(r);
   }
   if (stale.empty()) {
     // A peer killed a moment ago still has a fresh heartbeat: look again after two periods, and
@@ -279,11 +303,21 @@ std::string diagnose_unbounded(const std::vector<int>& global_ranks, int self) {
     if (first.count(r) == 0) missing.push_back(r);
   }
   if (!stale.empty()) {
+    // The ranks that stopped without a failure of their own first: the likely cause. Ranks that
+    // failed too (and then exited) follow.
+    auto beat_of = [&](int r) -> const PeerBeat& { return second.count(r) ? second[r] : first[r]; };
+    std::stable_partition(stale.begin(), stale.end(), [&](int r) { return beat_of(r).failure.empty(); });
     for (size_t i = 0; i < stale.size() && i < 8; ++i) {
-      const PeerBeat& b = second.count(stale[i]) ? second[stale[i]] : first[stale[i]];
-      os << (i == 0 ? "" : " ") << "Peer rank " << stale[i] << " (" << b.who
-         << ") stopped answering: its last heartbeat is " << seconds(now - b.at_ms) << " old, when " << doing(b, 0)
-         << " (it exited, was killed or stopped, or its host or link is down).";
+      const PeerBeat& b = beat_of(stale[i]);
+      os << (i == 0 ? "" : " ") << "Peer rank " << stale[i] << " (" << b.who << ")";
+      if (!b.failure.empty()) {
+        os << " failed too, in " << b.failure << (b.exited ? ", and exited." : ", and stopped answering.");
+      } else if (b.exited) {
+        os << " has exited: " << doing(b, 0) << ".";
+      } else {
+        os << " stopped answering: its last heartbeat is " << seconds(now - b.at_ms) << " old, when " << doing(b, 0)
+           << " (it was killed or stopped, or its host or link is down).";
+      }
     }
     if (stale.size() > 8) os << " And " << stale.size() - 8 << " more ranks.";
   } else {
@@ -336,6 +370,40 @@ std::string diagnose_peers(const std::vector<int>& global_ranks, int self) {
   if (d->cv.wait_for(l, kDiagnosisBudget, [&] { return d->done; })) return d->text;
   return "The job's store did not answer the peer check within " + seconds(kDiagnosisBudget.count()) + ": " +
          kStoreGone;
+}
+
+namespace {
+std::terminate_handler g_previous_terminate = nullptr;
+int g_rank_for_terminate = -1;
+
+void terminate_with_explanation() {
+  if (std::exception_ptr e = std::current_exception()) {
+    try {
+      std::rethrow_exception(e);
+    } catch (const std::exception& ex) {
+      const std::string what = ex.what();
+      if (what.find("collective mismatch") != std::string::npos || what.find("preamble") != std::string::npos) {
+        std::fprintf(stderr,
+                     "fsdp: Gloo aborts this process (rank %d): a peer sent a collective of another size than this "
+                     "rank expected, so the ranks issued different collectives inside a forward or backward (a "
+                     "unit called on some ranks only, units in another order, different unused parameters). "
+                     "Gloo's transport thread throws where nothing can catch it. Run again with "
+                     "FSDP_VERIFY_COLLECTIVES=1: every rank then fails with an error naming the first collective "
+                     "that differs. Gloo said: %s\n",
+                     g_rank_for_terminate, what.c_str());
+      }
+    } catch (...) {
+    }
+  }
+  if (g_previous_terminate != nullptr) g_previous_terminate();
+  std::abort();
+}
+}  // namespace
+
+void explain_gloo_aborts(int rank) {
+  static std::once_flag once;
+  g_rank_for_terminate = rank;
+  std::call_once(once, [] { g_previous_terminate = std::set_terminate(terminate_with_explanation); });
 }
 
 void abandon_backend(const c10::intrusive_ptr<c10d::Backend>& backend) {

@@ -44,6 +44,11 @@ void note_failure(const std::string& what);
 /// Takes at most about 3 seconds.
 std::string diagnose_peers(const std::vector<int>& global_ranks, int self);
 
+/// Installs (once) a std::terminate handler that, when Gloo's transport thread aborts the process
+/// on a collective of mismatched size (an exception thrown where nothing can catch it), first
+/// prints what happened and what to do, then calls the previous handler.
+void explain_gloo_aborts(int rank);
+
 /// Keeps `backend` alive until the process exits (see above). Safe to call more than once.
 void abandon_backend(const c10::intrusive_ptr<c10d::Backend>& backend);
 

@@ -511,7 +511,7 @@ void ParamGroup::wait_gather() {
     // reads a gather that did not complete, and the state refuses further steps.
     gathered_ = at::Tensor();
     gather_in_ = at::Tensor();
-    state_->mark_broken(e.what());
+    state_->mark_broken(error_text(e));
     throw;
   }
 }
@@ -543,7 +543,7 @@ void ParamGroup::finish_reduce() {
     reduce_out_ = at::Tensor();
     bucket_work_.clear();
     next_bucket_ = 0;
-    state_->mark_broken(e.what());
+    state_->mark_broken(error_text(e));
     throw;
   }
   bucket_work_.clear();
@@ -599,7 +599,7 @@ void ParamGroup::reset_after_failed_backward() {
       shard_comm_->wait(reduce_);
       for (auto& p : bucket_work_) state_->comm.wait(p);
     } catch (const std::exception& e) {
-      state_->mark_broken(e.what());
+      state_->mark_broken(error_text(e));
     }
     bucket_work_.clear();
     next_bucket_ = 0;

@@ -127,6 +127,7 @@ c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const InitOptions& opt
       options.rank() >= 0 ? make_launch_env(options.rank(), options.world_size(), !file_store) : read_launch_env();
   detail::arm_parent_death_signal(env);
   detail::Rendezvous r = detail::rendezvous(env, options, timeout);
+  detail::explain_gloo_aborts(env.rank);
 
   auto pg = c10::make_intrusive<c10d::ProcessGroup>(r.store, env.rank, env.world_size);
   pg->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, r.gloo);

@@ -123,7 +123,7 @@ void claim(c10d::Store& store, const std::string& prefix, const LaunchEnv& env, 
 
 // Waits until every rank has claimed its rank; at `deadline`, names the ones that did not.
 void wait_for_ranks(c10d::Store& store, const std::string& prefix, const LaunchEnv& env, const std::string& at,
-                    clock::time_point deadline) {
+                    clock::time_point deadline, milliseconds timeout) {
   if (store.add(prefix + "joined", 1) == env.world_size) store.set(prefix + "ready", bytes("1"));
   try {
     store.wait({prefix + "ready"}, left(deadline));
@@ -138,8 +138,8 @@ void wait_for_ranks(c10d::Store& store, const std::string& prefix, const LaunchE
   for (size_t i = 0; i < missing.size() && i < 16; ++i) os << (i ? ", " : "") << missing[i];
   if (missing.size() > 16) os << ", ... (" << missing.size() << " ranks)";
   TORCH_CHECK(false, "fsdp::init_process_group: ", where(env), " waited for the other ranks at ", at,
-              " until its timeout; ", env.world_size - static_cast<int>(missing.size()), " of ", env.world_size,
-              " joined, missing: ", os.str(),
+              " until its timeout (", timeout.count(), " ms); ", env.world_size - static_cast<int>(missing.size()),
+              " of ", env.world_size, " joined, missing: ", os.str(),
               ". Check that every rank was started (the launcher's log), with the same WORLD_SIZE and MASTER_ADDR/"
               "MASTER_PORT.");
 }
@@ -224,6 +224,14 @@ Rendezvous rendezvous(const LaunchEnv& env, const InitOptions& options, millisec
   const char* restart = std::getenv("TORCHELASTIC_RESTART_COUNT");
   const std::string prefix = std::string("fsdp/") + (restart != nullptr && *restart ? restart : "0") + "/";
 
+  if (env.world_size == 1 && options.init_method().rfind("file://", 0) != 0) {
+    // One process: an in-memory store and a loopback Gloo device, nothing that can block.
+    Rendezvous r;
+    r.prefix = prefix;
+    r.store = make_store(env, options, timeout);
+    r.gloo = connect_gloo(r.store, env, options, timeout, clock::now() + timeout);
+    return r;
+  }
   auto progress = std::make_shared<Progress>();
   // The start-up runs on a thread of its own, so that this one can give up at the deadline even
   // when the store's handshake never returns (a service on the port that accepts and stays silent).
@@ -238,7 +246,7 @@ Rendezvous rendezvous(const LaunchEnv& env, const InitOptions& options, millisec
         progress->set_stage("checking this rank's claim on the job");
         claim(*r.store, prefix, env, at);
         progress->set_stage("waiting for every rank to join");
-        wait_for_ranks(*r.store, prefix, env, at, deadline - milliseconds(300));
+        wait_for_ranks(*r.store, prefix, env, at, deadline - milliseconds(300), timeout);
         progress->set_stage("connecting Gloo to every rank");
       }
       r.gloo = connect_gloo(r.store, env, options, timeout, deadline);

@@ -51,6 +51,7 @@ void FSDPState::check_boundary(Boundary b, int64_t a, int64_t c, const std::stri
   CallLog& log = comm.log();
   std::ostringstream os;
   os << description << ", after " << log.count << " collective(s) of this model since the previous check";
+  if (log.count > 0) os << " (" << log.summary() << ")";
   const std::array<int64_t, 6> code{static_cast<int64_t>(b), a, c, log.count, static_cast<int64_t>(log.hash), 0};
   try {
     comm.check_same_call(code, os.str());

@@ -2,6 +2,10 @@
 // Each says what, where and on which rank, and none hangs.
 #include "tests/models.h"
 
+#include "fsdp/monitor.h"
+
+#include <thread>
+
 #include <cstdlib>
 
 namespace fsdp::testing {
@@ -314,6 +318,22 @@ TEST(ProcessGroup, TcpStoreRendezvousFromEnvironment) {
         EXPECT_TRUE(t.equal(torch::full({2}, 6.0f)));
       },
       opts);
+}
+
+// Gloo's transport thread aborts the process on a collective of mismatched size, outside any try
+// block; the library's terminate handler says first what happened and what to do.
+TEST(GlooAbort, IsExplainedBeforeTheAbort) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_DEATH(
+      {
+        fsdp::detail::explain_gloo_aborts(3);
+        std::thread([] {
+          throw std::runtime_error(
+              "[enforce fail at pair.cc:456] op.preamble.length <= op.nbytes. 32 vs 4. Is there a distributed "
+              "collective mismatch in your code?");
+        }).join();
+      },
+      "fsdp: Gloo aborts this process \\(rank 3\\).*FSDP_VERIFY_COLLECTIVES=1");
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <torch/nn/functional/loss.h>
 
 #include <csignal>
+#include <thread>
 
 namespace fsdp::testing {
 namespace {
@@ -65,6 +66,7 @@ struct TwoUnitsImpl : torch::nn::Module {
         b(register_module("b", fsdp::Sharded<torch::nn::LinearImpl>(8, 8))),
         head(register_module("head", torch::nn::Linear(8, 1))) {}
   torch::Tensor forward(const torch::Tensor& x) {
+    if (b_first) return head(torch::tanh(a(torch::tanh(b(x)))));
     auto h = a(x);
     if (on_a_output) on_a_output(h);
     return head(torch::tanh(b(torch::tanh(h))));
@@ -72,6 +74,7 @@ struct TwoUnitsImpl : torch::nn::Module {
   fsdp::Sharded<torch::nn::LinearImpl> a, b;
   torch::nn::Linear head;
   std::function<void(torch::Tensor&)> on_a_output;
+  bool b_first = false;  // the units in the other order (they have the same shapes)
 };
 
 // A peer stopped (SIGSTOP) while the others wait in a reduce-scatter. The process group's own
@@ -108,7 +111,7 @@ TEST(Faults, StoppedPeerFailsTheReduceScatterWithinTheOptionsTimeout) {
         ASSERT_FALSE(msg.empty()) << "backward did not fail";
         EXPECT_GT(waited, 2.5) << msg;
         EXPECT_LT(waited, 3.0 + 1.5) << "the option's 3 s timeout, plus the peer check\n" << msg;
-        EXPECT_NE(msg.find("reduce-scatter of gradients of unit 'a'"), std::string::npos) << msg;
+        EXPECT_NE(msg.find("reduce-scatter of gradients of unit '"), std::string::npos) << msg;
         EXPECT_NE(msg.find("failed on global rank 0 of 2"), std::string::npos) << msg;
         EXPECT_NE(msg.find("(timeout 3000 ms)"), std::string::npos) << msg;
         EXPECT_NE(msg.find("Peer rank 1 ("), std::string::npos) << msg;
@@ -228,6 +231,55 @@ TEST(Faults, SkippedUnitIsNamedWithVerifyCollectives) {
     EXPECT_NE(msg.find("global rank 0: forward #2 of the wrapped model"), std::string::npos) << msg;
     EXPECT_NE(msg.find("global rank 1: all-gather of unit 'a'"), std::string::npos) << msg;
   });
+}
+
+/// Units of equal sizes run in another order on one rank: every collective pairs up, with the
+/// other unit's data. Caught at the start of backward (the collectives since the last check name
+/// other units), before any gradient is reduced, instead of training on mixed weights.
+TEST(Faults, UnitsInAnotherOrderAreCaughtBeforeBackward) {
+  run_ranks(2, [](Rank& r) {
+    torch::manual_seed(0);
+    auto net = std::make_shared<TwoUnitsImpl>();
+    auto model = fsdp::fully_shard(net, r.pg, test_options().prefetch(0));
+    auto x = torch::randn({4, 8});
+    model(x).sum().backward();
+    net->b_first = r.rank == 1;
+    auto loss = model(x).sum();  // no error yet: the gathers paired, unit a's with unit b's
+    const int64_t reduces = model.comm_stats().reduce_scatters;
+    auto msg = error_of([&] { loss.backward(); });
+    std::cout << "error: " << msg << std::endl;
+    EXPECT_NE(msg.find("the ranks took different paths"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("global rank 0: the start of backward #2 (gradient sync on), after 3 collective(s) of this "
+                       "model since the previous check (all-gather of unit '<root>', all-gather of unit 'a', "
+                       "all-gather of unit 'b')"),
+              std::string::npos)
+        << msg;
+    EXPECT_NE(msg.find("global rank 1: the start of backward #2 (gradient sync on), after 3 collective(s) of this "
+                       "model since the previous check (all-gather of unit '<root>', all-gather of unit 'b', "
+                       "all-gather of unit 'a')"),
+              std::string::npos)
+        << msg;
+    EXPECT_EQ(model.comm_stats().reduce_scatters, reduces) << "no gradient was reduced";
+  });
+}
+
+/// A peer that returned from main (it ran fewer steps: uneven data) says so in its last heartbeat.
+TEST(Faults, PeerThatExitedIsToldApart) {
+  RunOptions opts;
+  opts.collective_timeout = std::chrono::seconds(10);
+  run_ranks(
+      2,
+      [](Rank& r) {
+        auto model = fsdp::fully_shard(gpt::make_gpt<true>(kCfg), r.pg, test_options());
+        loss_of(model, r, 1).backward();
+        if (r.rank == 1) return;  // one step fewer
+        std::this_thread::sleep_for(std::chrono::milliseconds(500));
+        auto msg = error_of([&] { loss_of(model, r, 2).backward(); });
+        std::cout << "error: " << msg << std::endl;
+        EXPECT_NE(msg.find("Peer rank 1 ("), std::string::npos) << msg;
+        EXPECT_NE(msg.find("has exited: its process exited (it returned from main"), std::string::npos) << msg;
+      },
+      opts);
 }
 
 }  // namespace
