@@ -85,4 +85,22 @@ inline std::string json_number(double v, const char* format = "%.9g") {
   return buf;
 }
 
+/// `s` as a JSON string literal (quotes, backslashes and control characters escaped).
+inline std::string json_string(const std::string& s) {
+  std::string out = "\"";
+  for (unsigned char c : s) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += static_cast<char>(c);
+    } else if (c < 0x20) {
+      char buf[8];
+      std::snprintf(buf, sizeof(buf), "\\u%04x", c);
+      out += buf;
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  return out + "\"";
+}
+
 }  // namespace cli

@@ -86,6 +86,7 @@ const char* const kUsage =
 
 /// "train_gpt (rank R)" for messages; the rank from the launcher's RANK until the group exists.
 int g_rank = -1;
+bool g_json = false;  // --json: an error also ends stdout with {"error": ...}
 std::string who() {
   if (g_rank >= 0) return "train_gpt (rank " + std::to_string(g_rank) + ")";
   const char* env = std::getenv("RANK");
@@ -418,11 +419,21 @@ int run(const Args& args) {
 
 }  // namespace
 
+// On stderr; with --json also as the last line of stdout, so that a reader of the JSON stream
+// sees why it ended (a NaN stop, a failed collective) and on which rank.
+void report_error(const std::string& message) {
+  std::cerr << who() << ": " << message << "\n";
+  if (g_json) {
+    std::cout << "{\"error\": " << cli::json_string(message) << ", \"rank\": " << g_rank << "}" << std::endl;
+  }
+}
+
 int main(int argc, char** argv) {
   fsdp::memory::enable_cpu_counting();  // first: count every allocation from here on
   // Every error ends here with a message and an exit status, never an abort with a backtrace.
   try {
     const Args args = parse(argc, argv);
+    g_json = args.json;
     if (args.help) {
       std::cout << kUsage;
       return 0;
@@ -433,11 +444,11 @@ int main(int argc, char** argv) {
     if (e.show_usage) std::cerr << kUsage;
     return cli::kUsageExit;
   } catch (const c10::Error& e) {
-    std::cerr << who() << ": " << without_backtrace(e.what_without_backtrace()) << "\n";
+    report_error(without_backtrace(e.what_without_backtrace()));
   } catch (const std::exception& e) {
-    std::cerr << who() << ": " << without_backtrace(e.what()) << "\n";
+    report_error(without_backtrace(e.what()));
   } catch (...) {
-    std::cerr << who() << ": stopped by an unknown exception\n";
+    report_error("stopped by an unknown exception");
   }
   return cli::kErrorExit;
 }

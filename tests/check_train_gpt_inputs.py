@@ -192,10 +192,13 @@ def main():
         c.expect(f"--lr 1e30 {' '.join(extra)}: exit 1, '{fn}' names the norm and a parameter on stderr",
                  rc == 1 and "train_gpt (rank 0): " + fn in err and "not finite" in err and
                  "first parameter with a non-finite gradient is '" in err and "frame #" not in err, detail)
-        if "--json" in extra:
+        if "--json" in extra:  # step lines, then {"error": ..., "rank": 0} as the last line
             try:
                 rows = json_lines(out)
-                ok, why = len(rows) >= 1, "no step line before the stop"
+                ok, why = len(rows) >= 2, "no step line before the stop"
+                last = rows[-1] if rows else {}
+                if ok and not ("not finite" in str(last.get("error", "")) and last.get("rank") == 0):
+                    ok, why = False, f"the last line is not the error record {{\"error\": ..., \"rank\": 0}}: {last}"
             except ValueError as e:
                 ok, why = False, str(e)
             c.expect(f"--lr 1e30 {' '.join(extra)}: every stdout line is strict JSON", ok, why + "\n" + detail)
