@@ -22,7 +22,8 @@ using std::chrono::milliseconds;
 
 enum Kind : int64_t { kAllGather = 1, kReduceScatter = 2, kAllReduce = 3, kBroadcast = 4 };
 constexpr int64_t kMagic = 0x46534450434b31;  // "FSDPCK1": a check paired with anything else shows
-constexpr int64_t kCheckWords = 8;            // magic, six words of the call's code, description length
+constexpr int64_t kCheckWords = 7;            // magic, six words of the call's code
+constexpr int64_t kCheckText = 4096;          // bytes of each rank's description, when the calls differ
 
 uint64_t fnv(uint64_t h, uint64_t v) {
   for (int i = 0; i < 8; ++i) {
@@ -197,6 +198,17 @@ void Comm::fail(const Pending& p, const std::string& cause, milliseconds waited)
               "--max-restarts, or the scheduler's requeue). See docs/usage.md, 'When a collective fails'.");
 }
 
+Pending Comm::launch(const std::string& what, const at::Tensor& t,
+                     const std::function<c10::intrusive_ptr<c10d::Work>(c10d::Backend&)>& start) const {
+  Pending p{nullptr, what, t.is_cpu(), backend(t)};
+  try {
+    p.work = start(*p.backend);
+  } catch (const std::exception& e) {
+    fail(p, error_text(e), milliseconds(0));
+  }
+  return p;
+}
+
 Pending Comm::all_gather_async(at::Tensor& out, at::Tensor& in, const std::string& what) {
   TORCH_INTERNAL_ASSERT(out.numel() == in.numel() * world_size_);
   ++stats().all_gathers;
@@ -208,15 +220,11 @@ Pending Comm::all_gather_async(at::Tensor& out, at::Tensor& in, const std::strin
   }
   if (verify_)
     check_same_call({kAllGather, out.numel(), static_cast<int64_t>(in.scalar_type()), hash_text(what)}, what);
-  Pending p{nullptr, what, in.is_cpu(), backend(in)};
-  c10d::AllgatherOptions opts;
-  opts.timeout = timeout_;  // Gloo's own bound inside its worker thread
-  try {
-    p.work = p.backend->_allgather_base(out, in, opts);
-  } catch (const std::exception& e) {
-    fail(p, error_text(e), milliseconds(0));
-  }
-  return p;
+  return launch(what, in, [&](c10d::Backend& b) {
+    c10d::AllgatherOptions opts;
+    opts.timeout = timeout_;  // Gloo's own bound inside its worker thread
+    return b._allgather_base(out, in, opts);
+  });
 }
 
 void Comm::all_gather(at::Tensor& out, at::Tensor& in, const std::string& what) {
@@ -236,16 +244,12 @@ Pending Comm::reduce_scatter_sum_async(at::Tensor& out, at::Tensor& in, const st
   if (verify_) {
     check_same_call({kReduceScatter, in.numel(), static_cast<int64_t>(in.scalar_type()), hash_text(what)}, what);
   }
-  Pending p{nullptr, what, in.is_cpu(), backend(in)};
-  c10d::ReduceScatterOptions opts;
-  opts.reduceOp = c10d::ReduceOp::SUM;
-  opts.timeout = timeout_;
-  try {
-    p.work = p.backend->_reduce_scatter_base(out, in, opts);
-  } catch (const std::exception& e) {
-    fail(p, error_text(e), milliseconds(0));
-  }
-  return p;
+  return launch(what, in, [&](c10d::Backend& b) {
+    c10d::ReduceScatterOptions opts;
+    opts.reduceOp = c10d::ReduceOp::SUM;
+    opts.timeout = timeout_;
+    return b._reduce_scatter_base(out, in, opts);
+  });
 }
 
 Pending Comm::all_reduce_async(at::Tensor& t, c10d::ReduceOp op, const std::string& what) {
@@ -256,17 +260,13 @@ Pending Comm::all_reduce_async(at::Tensor& t, c10d::ReduceOp op, const std::stri
   if (verify_) {
     check_same_call({kAllReduce, t.numel(), static_cast<int64_t>(t.scalar_type()), hash_text(what), op.op_}, what);
   }
-  Pending p{nullptr, what, t.is_cpu(), backend(t)};
-  std::vector<at::Tensor> ts{t};
-  c10d::AllreduceOptions opts;
-  opts.reduceOp = std::move(op);
-  opts.timeout = timeout_;
-  try {
-    p.work = p.backend->allreduce(ts, opts);
-  } catch (const std::exception& e) {
-    fail(p, error_text(e), milliseconds(0));
-  }
-  return p;
+  return launch(what, t, [&](c10d::Backend& b) {
+    std::vector<at::Tensor> ts{t};
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = std::move(op);
+    opts.timeout = timeout_;
+    return b.allreduce(ts, opts);
+  });
 }
 
 void Comm::all_reduce(at::Tensor& t, c10d::ReduceOp op, const std::string& what) {
@@ -274,25 +274,26 @@ void Comm::all_reduce(at::Tensor& t, c10d::ReduceOp op, const std::string& what)
   wait(p);
 }
 
-void Comm::broadcast(at::Tensor& t, int root, const std::string& what) {
+void Comm::broadcast(const at::Tensor& t, int root, const std::string& what) {
   ++stats().broadcasts;
   log().add(kBroadcast, t.numel(), what);
   if (world_size_ == 1) return;
   if (verify_) check_same_call({kBroadcast, t.numel(), static_cast<int64_t>(t.scalar_type()), hash_text(what)}, what);
-  Pending p{nullptr, what, t.is_cpu(), backend(t)};
-  std::vector<at::Tensor> ts{t};
-  c10d::BroadcastOptions opts;
-  opts.rootRank = root;
-  opts.timeout = timeout_;
-  try {
-    p.work = p.backend->broadcast(ts, opts);
-  } catch (const std::exception& e) {
-    fail(p, error_text(e), milliseconds(0));
-  }
+  // The backend needs contiguous memory: a strided tensor goes through a copy, written back.
+  at::Tensor buf = t.is_contiguous() ? t : t.contiguous();
+  Pending p = launch(what, buf, [&](c10d::Backend& b) {
+    std::vector<at::Tensor> ts{buf};
+    c10d::BroadcastOptions opts;
+    opts.rootRank = root;
+    opts.timeout = timeout_;
+    return b.broadcast(ts, opts);
+  });
   wait(p);
+  if (!buf.is_same(t)) t.copy_(buf);
 }
 
-void Comm::check_same_call(const std::array<int64_t, 6>& code, const std::string& description) {
+void Comm::check_same_call(const std::array<int64_t, 6>& code, const std::string& what,
+                           const std::function<std::string()>& details) {
   if (world_size_ == 1) return;
   ++stats().checks;
   const int64_t W = world_size_;
@@ -300,44 +301,39 @@ void Comm::check_same_call(const std::array<int64_t, 6>& code, const std::string
   int64_t* m = mine.data_ptr<int64_t>();
   m[0] = kMagic;
   for (size_t i = 0; i < code.size(); ++i) m[1 + i] = code[i];
-  m[7] = static_cast<int64_t>(description.size());
   at::Tensor all = at::empty({W * kCheckWords}, at::kLong);
-  const std::string what = "the cross-rank check before " + description;
-  Pending p{nullptr, what, true, backend(mine)};
-  c10d::AllgatherOptions opts;
-  opts.timeout = timeout_;
-  try {
-    p.work = p.backend->_allgather_base(all, mine, opts);
-  } catch (const std::exception& e) {
-    fail(p, error_text(e), milliseconds(0));
-  }
+  Pending p = launch("the cross-rank check before " + what, mine, [&](c10d::Backend& b) {
+    c10d::AllgatherOptions opts;
+    opts.timeout = timeout_;
+    return b._allgather_base(all, mine, opts);
+  });
   wait(p);
   const int64_t* a = all.data_ptr<int64_t>();
   bool same = true;
-  int64_t max_len = 1;
   for (int64_t q = 0; q < W; ++q) {
     same = same && a[q * kCheckWords] == kMagic && std::equal(a + q * kCheckWords + 1, a + q * kCheckWords + 7, m + 1);
-    max_len = std::max(max_len, std::min<int64_t>(a[q * kCheckWords + 7], 4096));
   }
   if (same) return;
   // Every rank saw the same gathered words, so every rank is here: one more all-gather (of the
   // same size everywhere) brings each rank's description, for an error that says what each did.
-  at::Tensor text = at::zeros({max_len}, at::kByte);
-  std::memcpy(text.data_ptr(), description.data(), std::min<size_t>(description.size(), max_len));
-  at::Tensor texts = at::empty({W * max_len}, at::kByte);
-  Pending t{nullptr, what, true, backend(text)};
-  try {
-    t.work = t.backend->_allgather_base(texts, text, opts);
-  } catch (const std::exception& e) {
-    fail(t, error_text(e), milliseconds(0));
-  }
+  // The details are put into words only now: the checks that agree, every step, cost no text.
+  const std::string description = details ? what + details() : what;
+  at::Tensor text = at::zeros({kCheckText}, at::kByte);
+  std::memcpy(text.data_ptr(), description.data(), std::min<size_t>(description.size(), kCheckText));
+  at::Tensor texts = at::empty({W * kCheckText}, at::kByte);
+  Pending t = launch(p.what, text, [&](c10d::Backend& b) {
+    c10d::AllgatherOptions opts;
+    opts.timeout = timeout_;
+    return b._allgather_base(texts, text, opts);
+  });
   wait(t);
   std::map<std::string, std::vector<int>> by_call;
   std::vector<std::string> order;
   const char* base = static_cast<const char*>(texts.data_ptr());
   for (int64_t q = 0; q < W; ++q) {
+    const char* d0 = base + q * kCheckText;
     std::string d = a[q * kCheckWords] == kMagic
-                        ? std::string(base + q * max_len, std::min<int64_t>(a[q * kCheckWords + 7], max_len))
+                        ? std::string(d0, strnlen(d0, kCheckText))
                         : std::string("something else (not a check of this library: another collective)");
     if (by_call.count(d) == 0) order.push_back(d);
     by_call[d].push_back(group_.global_ranks[q]);

@@ -9,6 +9,7 @@
 #include <array>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -97,12 +98,15 @@ class Comm {
   void wait(Pending& pending) const;
   void all_reduce(at::Tensor& t, c10d::ReduceOp op, const std::string& what);
   Pending all_reduce_async(at::Tensor& t, c10d::ReduceOp op, const std::string& what);
-  void broadcast(at::Tensor& t, int root, const std::string& what);
+  /// Broadcasts `t` in place from group rank `root` (a strided tensor goes through a copy).
+  void broadcast(const at::Tensor& t, int root, const std::string& what);
 
   /// Fails every rank of the group alike unless all of them are at the same call: `code` (a kind
-  /// and up to five numbers) identifies the call and `description` says it in words (it appears
-  /// in the error, one line per distinct call). One small all-gather; nothing when alone.
-  void check_same_call(const std::array<int64_t, 6>& code, const std::string& description);
+  /// and up to five numbers) identifies the call and `what` says it in words, followed in the
+  /// error by `details()` (called only when the calls differ); one line per distinct call. One
+  /// small all-gather; nothing when alone.
+  void check_same_call(const std::array<int64_t, 6>& code, const std::string& what,
+                       const std::function<std::string()>& details = {});
 
   /// The same group without the check before every collective: for the model check, which must
   /// pair up on every rank even when the ranks disagree about `verify` itself.
@@ -120,7 +124,9 @@ class Comm {
 
  private:
   c10::intrusive_ptr<c10d::Backend> backend(const at::Tensor& t) const;
-  Pending issue(int64_t kind, const at::Tensor& t, int64_t numel, const std::string& what);
+  /// Starts a collective on `t`'s backend with `start`; a backend that throws fails like a wait.
+  Pending launch(const std::string& what, const at::Tensor& t,
+                 const std::function<c10::intrusive_ptr<c10d::Work>(c10d::Backend&)>& start) const;
   [[noreturn]] void fail(const Pending& p, const std::string& cause, std::chrono::milliseconds waited) const;
 
   std::shared_ptr<CommShared> shared_;

@@ -7,16 +7,12 @@
 #include <cstdlib>
 
 namespace fsdp {
-namespace {
+namespace detail {
 
 const char* getenv_or_null(const char* name) {
   const char* v = std::getenv(name);
   return (v != nullptr && *v != '\0') ? v : nullptr;
 }
-
-}  // namespace
-
-namespace detail {
 
 std::chrono::milliseconds parse_timeout_seconds(const std::string& value, const std::string& what) {
   // Decimal only ("20", "0.5", "1e3"), surrounding blanks allowed: no hex, no inf or nan.
@@ -51,13 +47,13 @@ std::string job_id() {
 }  // namespace detail
 
 std::chrono::milliseconds default_timeout() {
-  const char* v = getenv_or_null("FSDP_TIMEOUT");
+  const char* v = detail::getenv_or_null("FSDP_TIMEOUT");
   if (v == nullptr) return std::chrono::minutes(10);
   return detail::parse_timeout_seconds(v, "FSDP_TIMEOUT");
 }
 
 bool verify_collectives_from_env() {
-  const char* v = getenv_or_null("FSDP_VERIFY_COLLECTIVES");
+  const char* v = detail::getenv_or_null("FSDP_VERIFY_COLLECTIVES");
   if (v == nullptr) return false;
   const std::string s = v;
   TORCH_CHECK(s == "0" || s == "1", "fsdp: FSDP_VERIFY_COLLECTIVES='", s, "' must be 1 (check) or 0 (off).");

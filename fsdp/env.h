@@ -26,6 +26,9 @@ bool verify_collectives_from_env();
 
 namespace detail {
 
+/// The variable's value, or null when it is unset or empty (an empty variable counts as unset).
+const char* getenv_or_null(const char* name);
+
 /// This job's identity (see above); "" when the launcher gave none.
 std::string job_id();
 

@@ -1,5 +1,7 @@
 #include "fsdp/launcher.h"
 
+#include "fsdp/env.h"
+
 #include <c10/util/Exception.h>
 
 #include <csignal>
@@ -14,13 +16,13 @@
 namespace fsdp::detail {
 
 void arm_parent_death_signal(const LaunchEnv& env) {
-  const char* v = std::getenv("FSDP_PARENT_DEATH_SIGNAL");
+  const char* v = getenv_or_null("FSDP_PARENT_DEATH_SIGNAL");
   const std::string setting = v != nullptr ? v : "";
   int sig = 0;
   if (setting.empty()) {
     // torchrun's workers are its direct children (TORCHELASTIC_RUN_ID is its environment). Under
     // Slurm, slurmstepd already ends a step's tasks when srun dies.
-    if (env.launcher == "torchrun" && std::getenv("TORCHELASTIC_RUN_ID") != nullptr) sig = SIGTERM;
+    if (env.launcher == "torchrun" && getenv_or_null("TORCHELASTIC_RUN_ID") != nullptr) sig = SIGTERM;
   } else if (setting == "TERM" || setting == "SIGTERM") {
     sig = SIGTERM;
   } else if (setting == "KILL" || setting == "SIGKILL") {

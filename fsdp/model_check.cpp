@@ -126,11 +126,9 @@ void broadcast_buffers(Comm& comm, torch::nn::Module& root) {
   if (comm.world_size() == 1) return;
   at::NoGradGuard no_grad;
   for (const auto& kv : root.named_buffers()) {
-    at::Tensor b = kv.value();
-    if (!b.defined() || b.numel() == 0) continue;
-    at::Tensor buf = b.is_contiguous() ? b : b.contiguous();
-    comm.broadcast(buf, 0, "broadcast of rank 0's buffer '" + kv.key() + "'");
-    if (!buf.is_same(b)) b.copy_(buf);
+    if (kv.value().defined() && kv.value().numel() > 0) {
+      comm.broadcast(kv.value(), 0, "broadcast of rank 0's buffer '" + kv.key() + "'");
+    }
   }
 }
 

@@ -34,12 +34,6 @@ int64_t unix_ms() {
   return std::chrono::duration_cast<milliseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
-std::string host_and_pid() {
-  char host[256] = {0};
-  if (gethostname(host, sizeof(host) - 1) != 0) std::snprintf(host, sizeof(host), "?");
-  return std::string(host) + ":" + std::to_string(getpid());
-}
-
 // Shared by one heartbeat thread and the rest of the process; the thread keeps it alive.
 struct Beat {
   std::mutex mu;
@@ -157,6 +151,12 @@ std::string doing(const PeerBeat& b, int64_t now) {
 }
 
 }  // namespace
+
+std::string host_and_pid() {
+  char host[256] = {0};
+  if (gethostname(host, sizeof(host) - 1) != 0) std::snprintf(host, sizeof(host), "?");
+  return std::string(host) + ":" + std::to_string(getpid());
+}
 
 void start_heartbeat(const c10::intrusive_ptr<c10d::Store>& store, const std::string& prefix, int rank) {
   Monitor& m = monitor();

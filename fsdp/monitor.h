@@ -21,6 +21,9 @@
 
 namespace fsdp::detail {
 
+/// "host:pid" of this process, as the heartbeat and the rank claims name it.
+std::string host_and_pid();
+
 /// Starts (or restarts, for a new process group) this process's heartbeat as global rank `rank`,
 /// under `prefix` in `store`. `store` must be a connection of its own (a clone): the heartbeat
 /// thread blocks in it when the store does not answer.

@@ -158,12 +158,7 @@ void ParamGroup::init() {
   // sharding a unit costs its own size once (what lets a model be sharded while it is built).
   if (state_->options.sync_module_states() && world.world_size() > 1) {
     const std::string what = describe("broadcast of rank 0's weights");
-    for (auto& s : slots_) {
-      at::Tensor d = s.param.detach();
-      at::Tensor buf = d.is_contiguous() ? d : d.contiguous();
-      world.broadcast(buf, 0, what);
-      if (!buf.is_same(d)) d.copy_(buf);
-    }
+    for (auto& s : slots_) world.broadcast(s.param.detach(), 0, what);
   }
 
   auto local_shape = [](const ParamSlot& s) {

@@ -2,6 +2,7 @@
 
 #include "fsdp/collectives.h"
 #include "fsdp/cuda_backend.h"
+#include "fsdp/env.h"
 #include "fsdp/fake_process_group.h"
 #include "fsdp/launcher.h"
 #include "fsdp/monitor.h"
@@ -17,10 +18,7 @@
 namespace fsdp {
 namespace {
 
-const char* getenv_or_null(const char* name) {
-  const char* v = std::getenv(name);
-  return (v != nullptr && *v != '\0') ? v : nullptr;
-}
+using detail::getenv_or_null;
 
 int parse_int(const char* name, const char* value, int lo, int hi) {
   char* end = nullptr;

@@ -2,6 +2,7 @@
 
 #include "fsdp/collectives.h"
 #include "fsdp/env.h"
+#include "fsdp/monitor.h"
 
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
@@ -32,12 +33,6 @@ using std::chrono::milliseconds;
 
 milliseconds left(clock::time_point deadline) {
   return std::max(milliseconds(1), std::chrono::duration_cast<milliseconds>(deadline - clock::now()));
-}
-
-std::string me() {
-  char host[256] = {0};
-  if (gethostname(host, sizeof(host) - 1) != 0) std::snprintf(host, sizeof(host), "?");
-  return std::string(host) + ":" + std::to_string(getpid());
 }
 
 std::vector<uint8_t> bytes(const std::string& s) {
@@ -113,7 +108,7 @@ void claim(c10d::Store& store, const std::string& prefix, const LaunchEnv& env, 
               ", which belongs to another job (", owner,
               "). Two jobs share MASTER_ADDR/MASTER_PORT: give each job its own MASTER_PORT (and each rank of one "
               "job the same FSDP_JOB_ID, or none).");
-  const std::string self = me();
+  const std::string self = host_and_pid();
   const std::string holder = text(store.compareSet(prefix + "rank/" + std::to_string(env.rank), {}, bytes(self)));
   TORCH_CHECK(holder == self, "fsdp::init_process_group: ", where(env), " (process ", self,
               ") is already taken by process ", holder, " at ", at,
@@ -150,7 +145,7 @@ c10::intrusive_ptr<c10d::Backend> connect_gloo(const c10::intrusive_ptr<c10d::St
   auto gloo_opts = c10d::ProcessGroupGloo::Options::create(left(deadline));
   std::string iface = options.gloo_interface();
   if (iface.empty()) {
-    if (const char* e = std::getenv("GLOO_SOCKET_IFNAME"); e != nullptr && *e != '\0') iface = e;
+    if (const char* e = getenv_or_null("GLOO_SOCKET_IFNAME")) iface = e;
   }
   if (!iface.empty()) {
     gloo_opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(iface));
@@ -221,8 +216,8 @@ Rendezvous rendezvous(const LaunchEnv& env, const InitOptions& options, millisec
   const std::string at = endpoint(env, options.init_method());
   const bool tcp = options.init_method().rfind("file://", 0) != 0 && env.world_size > 1;
   // torchrun's restarts may reuse its store: each restart claims ranks afresh.
-  const char* restart = std::getenv("TORCHELASTIC_RESTART_COUNT");
-  const std::string prefix = std::string("fsdp/") + (restart != nullptr && *restart ? restart : "0") + "/";
+  const char* restart = getenv_or_null("TORCHELASTIC_RESTART_COUNT");
+  const std::string prefix = std::string("fsdp/") + (restart != nullptr ? restart : "0") + "/";
 
   if (env.world_size == 1 && options.init_method().rfind("file://", 0) != 0) {
     // One process: an in-memory store and a loopback Gloo device, nothing that can block.

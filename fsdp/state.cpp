@@ -49,12 +49,14 @@ void FSDPState::init_hybrid(int group_size) {
 
 void FSDPState::check_boundary(Boundary b, int64_t a, int64_t c, const std::string& description) {
   CallLog& log = comm.log();
-  std::ostringstream os;
-  os << description << ", after " << log.count << " collective(s) of this model since the previous check";
-  if (log.count > 0) os << " (" << log.summary() << ")";
   const std::array<int64_t, 6> code{static_cast<int64_t>(b), a, c, log.count, static_cast<int64_t>(log.hash), 0};
   try {
-    comm.check_same_call(code, os.str());
+    comm.check_same_call(code, description, [&log] {
+      std::ostringstream os;
+      os << ", after " << log.count << " collective(s) of this model since the previous check";
+      if (log.count > 0) os << " (" << log.summary() << ")";
+      return os.str();
+    });
   } catch (const std::exception& e) {
     mark_broken(error_text(e));
     throw;

@@ -14,31 +14,10 @@ import subprocess
 import sys
 import time
 
-
-def children(pid):
-    """Direct children of `pid` (from /proc)."""
-    out = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            if int(fields[1]) == pid:
-                out.append(int(d))
-        except (OSError, IndexError, ValueError):
-            pass
-    return out
-
-
-def alive(pid):
-    """Running or stopped; a zombie (exited, not yet reaped by whoever adopted it) is not alive."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-        return state not in ("Z", "X")
-    except OSError:
-        return False
+# /proc helpers shared with scripts/inject_faults.py (alive: running or stopped; a zombie, exited
+# but not yet reaped by whoever adopted it, is not).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
+from faults.runner import alive, children  # noqa: E402
 
 
 def run_and_kill_launcher(train_gpt, torchrun, env_extra, wait_s):

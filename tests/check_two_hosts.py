@@ -20,6 +20,9 @@ import time
 
 SKIP = 77
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
+from faults.runner import connect_namespaces  # noqa: E402 (shared with scripts/inject_faults.py)
+
 
 def sh(*args, check=True):
     return subprocess.run(list(args), capture_output=True, text=True, check=check)
@@ -46,11 +49,7 @@ def main():
             if sh("ip", "netns", "add", n, check=False).returncode != 0:
                 print(f"SKIPPED: cannot create network namespace {n}")
                 sys.exit(SKIP)
-            sh("ip", "-n", n, "link", "set", "lo", "up")
-        sh("ip", "link", "add", veth[0], "netns", ns[0], "type", "veth", "peer", "name", veth[1], "netns", ns[1])
-        for i in range(2):
-            sh("ip", "-n", ns[i], "addr", "add", f"{addr[i]}/24", "dev", veth[i])
-            sh("ip", "-n", ns[i], "link", "set", veth[i], "up")
+        connect_namespaces(ns, veth, addr)
         sh("ip", "netns", "exec", ns[0], "ping", "-c", "1", "-W", "2", addr[1], check=False)
 
         procs, logs = [], [[], []]

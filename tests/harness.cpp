@@ -199,6 +199,9 @@ void run_ranks(int world_size, const std::function<void(Rank&)>& body, const Run
   using clock = std::chrono::steady_clock;
   const auto start = clock::now();
   auto deadline = start + options.timeout;
+  auto may_die = [&](int r) {
+    return std::find(options.may_die.begin(), options.may_die.end(), r) != options.may_die.end();
+  };
   std::vector<int> status(world_size, 0);
   std::vector<bool> done(world_size, false);
   std::vector<std::string> verdict(world_size);
@@ -211,8 +214,7 @@ void run_ranks(int world_size, const std::function<void(Rank&)>& body, const Run
         pids[r] = -1;  // reaped
         done[r] = true;
         --remaining;
-        const bool may_die = std::find(options.may_die.begin(), options.may_die.end(), r) != options.may_die.end();
-        if (may_die && !(WIFEXITED(status[r]) && WEXITSTATUS(status[r]) == 0)) continue;
+        if (may_die(r) && !(WIFEXITED(status[r]) && WEXITSTATUS(status[r]) == 0)) continue;
         if (WIFEXITED(status[r]) && WEXITSTATUS(status[r]) == 0) {
           if (access(done_files[r].c_str(), F_OK) == 0) continue;
           verdict[r] = "exited 0 without running the test body";
@@ -230,28 +232,15 @@ void run_ranks(int world_size, const std::function<void(Rank&)>& body, const Run
     // Ranks that may die may also be stopped (SIGSTOP) or hang on purpose: once every other rank
     // is done, they are killed without blame.
     bool others_done = true;
-    for (int r = 0; r < world_size; ++r) {
-      const bool may_die = std::find(options.may_die.begin(), options.may_die.end(), r) != options.may_die.end();
-      others_done = others_done && (done[r] || may_die);
-    }
-    if (others_done) {
+    for (int r = 0; r < world_size; ++r) others_done = others_done && (done[r] || may_die(r));
+    if (others_done || clock::now() > deadline) {
       for (int r = 0; r < world_size; ++r) {
         if (done[r]) continue;
         kill(-pids[r], SIGKILL);
         waitpid(pids[r], &status[r], 0);
         pids[r] = -1;
         done[r] = true;
-      }
-      break;
-    }
-    if (clock::now() > deadline) {
-      for (int r = 0; r < world_size; ++r) {
-        if (done[r]) continue;
-        kill(-pids[r], SIGKILL);
-        waitpid(pids[r], &status[r], 0);
-        pids[r] = -1;
-        done[r] = true;
-        verdict[r] = "did not finish in time (killed)";
+        if (!others_done) verdict[r] = "did not finish in time (killed)";
       }
       break;
     }

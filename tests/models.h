@@ -9,6 +9,7 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
+#include <cstdlib>
 #include <map>
 
 namespace fsdp::testing {
@@ -94,6 +95,22 @@ inline void expect_shards_match(const Rank& r, const detail::RootHandle& model, 
         << (grads ? "gradient of " : "parameter ") << kv.key() << " on rank " << r.rank;
   }
 }
+
+/// In-process tests of the launcher environment: every variable the library reads at start-up is
+/// unset before and after each test (each ctest entry is its own process).
+class LauncherEnv : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    for (const char* v : kVars) unsetenv(v);
+  }
+  void TearDown() override {
+    for (const char* v : kVars) unsetenv(v);
+  }
+  static constexpr const char* kVars[] = {"RANK",         "WORLD_SIZE",          "LOCAL_RANK",
+                                          "MASTER_ADDR",  "MASTER_PORT",         "SLURM_PROCID",
+                                          "SLURM_NTASKS", "SLURM_LOCALID",       "FSDP_TIMEOUT",
+                                          "FSDP_JOB_ID",  "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE"};
+};
 
 /// Runs `fn` and returns the message of the c10::Error it throws ("" if none).
 template <typename Fn>

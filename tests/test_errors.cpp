@@ -212,18 +212,7 @@ TEST(Errors, WrappingTwice) {
 
 // ---- Launcher environment (in-process: each ctest entry is its own process) --------------------
 
-class Env : public ::testing::Test {
- protected:
-  void SetUp() override {
-    for (const char* v : kVars) unsetenv(v);
-  }
-  void TearDown() override {
-    for (const char* v : kVars) unsetenv(v);
-  }
-  static constexpr const char* kVars[] = {"RANK",         "WORLD_SIZE",    "LOCAL_RANK",
-                                          "MASTER_ADDR",  "MASTER_PORT",   "SLURM_PROCID",
-                                          "SLURM_NTASKS", "SLURM_LOCALID", "TORCHELASTIC_USE_AGENT_STORE"};
-};
+class Env : public LauncherEnv {};
 
 TEST_F(Env, NoLauncherIsOneProcess) {
   auto env = read_launch_env();

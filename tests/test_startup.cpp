@@ -47,14 +47,8 @@ struct LoopbackPort {
   int port = 0;
 };
 
-class Startup : public ::testing::Test {
+class Startup : public LauncherEnv {
  protected:
-  void SetUp() override {
-    for (const char* v : kVars) unsetenv(v);
-  }
-  void TearDown() override {
-    for (const char* v : kVars) unsetenv(v);
-  }
   static void master(const std::string& addr, int port) {
     setenv("MASTER_ADDR", addr.c_str(), 1);
     setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
@@ -62,9 +56,6 @@ class Startup : public ::testing::Test {
   static InitOptions rank_of(int rank, int world) {
     return InitOptions().rank(rank).world_size(world).gloo_interface("lo").nccl(false);
   }
-  static constexpr const char* kVars[] = {"RANK",        "WORLD_SIZE",         "LOCAL_RANK",   "MASTER_ADDR",
-                                          "MASTER_PORT", "SLURM_PROCID",       "SLURM_NTASKS", "FSDP_TIMEOUT",
-                                          "FSDP_JOB_ID", "TORCHELASTIC_RUN_ID"};
 };
 
 // A service holds the store's port and never speaks (with Slurm's default port this is what every

@@ -109,6 +109,22 @@ def alive(pid):
     return st is not None and st[1] not in ("Z", "X")
 
 
+def children(pid):
+    """Direct children of `pid`."""
+    return [p for p, (pp, _) in proc_table().items() if pp == pid]
+
+
+def connect_namespaces(ns, veth, addr):
+    """Two network namespaces `ns` (created already) as two hosts: loopback up in each, and a veth
+    pair, veth[i] in ns[i] with address addr[i]/24, up."""
+    for n in ns:
+        sh("ip", "-n", n, "link", "set", "lo", "up")
+    sh("ip", "link", "add", veth[0], "netns", ns[0], "type", "veth", "peer", "name", veth[1], "netns", ns[1])
+    for i in range(2):
+        sh("ip", "-n", ns[i], "addr", "add", f"{addr[i]}/24", "dev", veth[i])
+        sh("ip", "-n", ns[i], "link", "set", veth[i], "up")
+
+
 def environ_of(pid):
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:

@@ -14,7 +14,8 @@ import tempfile
 import time
 
 from .gtest_torchrun import s10, s11, s12
-from .runner import (LONG, SMALL, START_LIMIT, STEPS_BEFORE_FAULT, fmt_s, free_port, message_lines, now, sh)
+from .runner import (LONG, SMALL, START_LIMIT, STEPS_BEFORE_FAULT, connect_namespaces, fmt_s, free_port, message_lines,
+                     now, sh)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -162,11 +163,7 @@ def s4b(sc):
     addr = [f"{net}.1", f"{net}.2"]
     for n in ns:
         sc.add_netns(n)
-        sh("ip", "-n", n, "link", "set", "lo", "up")
-    sh("ip", "link", "add", veth[0], "netns", ns[0], "type", "veth", "peer", "name", veth[1], "netns", ns[1])
-    for i in range(2):
-        sh("ip", "-n", ns[i], "addr", "add", f"{addr[i]}/24", "dev", veth[i])
-        sh("ip", "-n", ns[i], "link", "set", veth[i], "up")
+    connect_namespaces(ns, veth, addr)
     sc.setup += f" (namespaces {ns[0]} {addr[0]} on {veth[0]}, {ns[1]} {addr[1]} on {veth[1]})"
     port = 29555
     ps = [sc.start_rank(r, 2, port, SMALL + LONG + ["--timeout", f"{T:g}"], addr=addr[0], netns=ns[r],
