@@ -94,12 +94,12 @@ Report run_rank(const RunOptions& o, const c10::intrusive_ptr<c10d::ProcessGroup
   r["params"] = static_cast<double>(shape.psi);
   r["comm_expected"] = static_cast<double>(expected_comm_elements(model.units(), world));
 
-  torch::optim::AdamW opt(model.sharded_parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
+  torch::optim::AdamW opt(model.parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
   if (o.steps == 1) {
     // A single measured step (simulated ranks): allocate the optimizer state first, with one
     // AdamW step on zero gradients, so that the step holds it throughout, as every step after the
     // first does in training.
-    for (auto& p : model.sharded_parameters()) p.mutable_grad() = torch::zeros_like(p);
+    for (auto& p : model.parameters()) p.mutable_grad() = torch::zeros_like(p);
     opt.step();
   }
   const int64_t T = o.model.block_size, rows = o.batch_size / world;
@@ -120,7 +120,7 @@ Report run_rank(const RunOptions& o, const c10::intrusive_ptr<c10d::ProcessGroup
     loss.backward();
     opt.step();
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-    const auto at_step = fsdp::optim::state_bytes(model.sharded_parameters(), &opt);
+    const auto at_step = fsdp::optim::state_bytes(model.parameters(), &opt);
     model.track_state_peak(false);
     r["loss"] = loss.item<double>();
     r["state_bytes_at_step"] = static_cast<double>(at_step.total());

@@ -35,10 +35,10 @@ int main(int argc, char** argv) {
   auto pg = fsdp::init_process_group();
   torch::manual_seed(0);
   auto model = fsdp::fully_shard(gpt::make_gpt<true>(cfg), pg);
-  for (const auto& p : model.sharded_parameters()) p.mutable_grad() = torch::randn_like(p) * 1e-3;
+  for (const auto& p : model.parameters()) p.mutable_grad() = torch::randn_like(p) * 1e-3;
   const auto opts = torch::optim::AdamWOptions(1e-4).weight_decay(0.1);
   fsdp::optim::FusedAdamW fused(model, opts);
-  torch::optim::AdamW plain(model.sharded_parameters(), opts);
+  torch::optim::AdamW plain(model.parameters(), opts);
   auto time_steps = [&](torch::optim::Optimizer& o) {
     const auto t0 = std::chrono::steady_clock::now();
     for (int s = 0; s < steps; ++s) o.step();

@@ -296,11 +296,11 @@ int run(const Args& args) {
     opt = std::make_unique<fsdp::optim::FusedAdamW>(
         model, torch::optim::AdamWOptions(args.lr).weight_decay(args.weight_decay));
   } else if (args.optimizer == "adamw") {
-    opt = std::make_unique<torch::optim::AdamW>(model.sharded_parameters(),
+    opt = std::make_unique<torch::optim::AdamW>(model.parameters(),
                                                 torch::optim::AdamWOptions(args.lr).weight_decay(args.weight_decay));
   } else {
     opt = std::make_unique<torch::optim::SGD>(
-        model.sharded_parameters(), torch::optim::SGDOptions(args.lr).momentum(0.9).weight_decay(args.weight_decay));
+        model.parameters(), torch::optim::SGDOptions(args.lr).momentum(0.9).weight_decay(args.weight_decay));
   }
 
   if (rank == 0 && !args.json) {
@@ -342,7 +342,7 @@ int run(const Args& args) {
     opt->step();
 
     // Model state at the optimizer step: sharded parameters, gradients, optimizer state.
-    const int64_t state = fsdp::optim::state_bytes(model.sharded_parameters(), opt.get()).total();
+    const int64_t state = fsdp::optim::state_bytes(model.parameters(), opt.get()).total();
     const int64_t peak = fsdp::memory::stats().peak_bytes;
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     if (step > 0) total_ms += ms;

@@ -6,6 +6,7 @@
 #include "fsdp/memory.h"
 #include "fsdp/options.h"
 #include "fsdp/process_group.h"
+#include "fsdp/shard_layout.h"
 #include "fsdp/sharded.h"
 #include "fsdp/sharding_scope.h"
 #include "optim/clip_grad_norm.h"

@@ -4,6 +4,7 @@
 
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 
 namespace fsdp::detail {
 
@@ -21,6 +22,7 @@ RootHandle::RootHandle(std::shared_ptr<torch::nn::Module> module, ShardingScope&
 
 void RootHandle::root_pre_forward() {
   root_->state().begin_forward();
+  root_->state().in_root_forward = true;
   root_->pre_forward();
 }
 
@@ -29,31 +31,106 @@ void RootHandle::root_post_forward(const std::vector<at::Tensor>& outputs) {
   root_->state().end_forward();
 }
 
-torch::OrderedDict<std::string, at::Tensor> RootHandle::named_sharded_parameters() const {
-  std::unordered_map<const c10::TensorImpl*, at::Tensor> sharded;
-  for (auto& w : root_->state().groups) {
-    if (auto g = w.lock()) {
-      for (const auto& s : g->slots()) sharded.emplace(s.param.unsafeGetTensorImpl(), s.sharded);
-    }
-  }
-  torch::OrderedDict<std::string, at::Tensor> out;
-  for (const auto& kv : module_->named_parameters()) {
-    auto it = sharded.find(kv.value().unsafeGetTensorImpl());
-    TORCH_INTERNAL_ASSERT(it != sharded.end(), "parameter ", kv.key(), " has no shard");
-    out.insert(kv.key(), it->second);
-  }
-  return out;
+void RootHandle::root_forward_ended() {
+  root_->state().in_root_forward = false;
 }
 
-std::vector<at::Tensor> RootHandle::sharded_parameters() const {
+void RootHandle::begin_access() const {
+  ++root_->state().direct_access;
+}
+void RootHandle::end_access(bool threw) const {
+  FSDPState& state = root_->state();
+  --state.direct_access;
+  // Between steps the module's parameters are shards: a forward called on the module itself
+  // (model->forward(x)) fails in its first operation that needs a full shape, with an error that
+  // says nothing of the wrapper. Said here, as the error leaves the call.
+  const bool refused = std::exchange(state.direct_call_refused, false);
+  if (threw && !refused && state.direct_access == 0 && !state.in_root_forward) {
+    TORCH_WARN("fsdp (rank ", state.comm.rank(),
+               "): an error left a call through the handle's operator->. If that call was the module's own "
+               "forward (model->forward(x)), it ran around the wrapper on this rank's shards; call the handle "
+               "itself: model(x) or model.forward(x).");
+  }
+}
+
+torch::OrderedDict<std::string, at::Tensor> RootHandle::named_parameters(bool recurse) const {
+  return module_->named_parameters(recurse);
+}
+
+std::vector<at::Tensor> RootHandle::parameters(bool recurse) const {
   // Once each: a weight tied inside a unit appears under two names but is one tensor, and an
   // optimizer given it twice would step it twice.
   std::vector<at::Tensor> out;
   std::unordered_set<const c10::TensorImpl*> seen;
-  for (const auto& t : named_sharded_parameters().values()) {
+  for (const auto& t : module_->parameters(recurse)) {
     if (seen.insert(t.unsafeGetTensorImpl()).second) out.push_back(t);
   }
   return out;
+}
+
+torch::OrderedDict<std::string, at::Tensor> RootHandle::named_buffers(bool recurse) const {
+  return module_->named_buffers(recurse);
+}
+std::vector<at::Tensor> RootHandle::buffers(bool recurse) const {
+  return module_->buffers(recurse);
+}
+
+void RootHandle::train(bool on) {
+  module_->train(on);
+}
+bool RootHandle::is_training() const {
+  return module_->is_training();
+}
+
+void RootHandle::to(at::Device device, at::ScalarType dtype) {
+  for (auto& w : root_->state().groups) {
+    if (auto g = w.lock()) g->check_conversion(device, dtype);
+  }
+}
+void RootHandle::to(at::ScalarType dtype) {
+  for (auto& w : root_->state().groups) {
+    if (auto g = w.lock()) g->check_conversion(std::nullopt, dtype);
+  }
+}
+void RootHandle::to(at::Device device) {
+  for (auto& w : root_->state().groups) {
+    if (auto g = w.lock()) g->check_conversion(device, std::nullopt);
+  }
+}
+
+torch::OrderedDict<std::string, at::Tensor> RootHandle::full_state_dict(bool rank0_only) const {
+  FSDPState& state = root_->state();
+  state.check_not_broken();
+  TORCH_CHECK(!state.in_backward(), "fsdp::full_state_dict (", state.comm.where(),
+              "): called during backward; call it between steps.");
+  state.check_boundary(FSDPState::Boundary::kFullStateDict, rank0_only ? 1 : 0, 0,
+                       std::string("full_state_dict(rank0_only=") + (rank0_only ? "true" : "false") + ")");
+  const bool keep = !rank0_only || state.comm.rank() == 0;
+  std::unordered_map<const c10::TensorImpl*, at::Tensor> full;
+  for (auto& w : state.groups) {
+    auto g = w.lock();
+    if (!g) continue;
+    // A unit left gathered by a forward whose backward never ran: back to its shards first (the
+    // same on every rank, which ran the same forwards).
+    g->reshard();
+    std::vector<at::Tensor> gathered;
+    g->gather_full(gathered, at::kCPU);
+    if (!keep) continue;
+    for (size_t i = 0; i < gathered.size(); ++i) full.emplace(g->slots()[i].param.unsafeGetTensorImpl(), gathered[i]);
+  }
+  torch::OrderedDict<std::string, at::Tensor> out;
+  if (!keep) return out;
+  for (const auto& kv : module_->named_parameters()) out.insert(kv.key(), full.at(kv.value().unsafeGetTensorImpl()));
+  for (const auto& kv : module_->named_buffers()) {
+    out.insert(kv.key(), kv.value().to(at::kCPU, kv.value().scalar_type(), false, /*copy=*/true));
+  }
+  return out;
+}
+
+void RootHandle::mark_shards_written() {
+  for (auto& w : root_->state().groups) {
+    if (auto g = w.lock()) g->mark_shards_written();
+  }
 }
 
 std::vector<UnitInfo> RootHandle::units() const {
@@ -75,16 +152,8 @@ std::vector<UnitInfo> RootHandle::units() const {
 }
 
 void RootHandle::zero_grad(bool set_to_none) {
-  for (auto& p : sharded_parameters()) {
-    at::Tensor& g = p.mutable_grad();
-    if (!g.defined()) continue;
-    if (set_to_none) {
-      g = at::Tensor();
-    } else {
-      g.detach_();
-      g.zero_();
-    }
-  }
+  root_->state().check_no_unsynced_grads("model.zero_grad()");
+  module_->zero_grad(set_to_none);
 }
 
 void RootHandle::set_requires_gradient_sync(bool sync) {
@@ -98,7 +167,7 @@ int64_t RootHandle::num_parameters() const {
   int64_t n = 0;
   for (auto& w : root_->state().groups) {
     if (auto g = w.lock()) {
-      for (const auto& s : g->slots()) n += s.rows * s.row_numel;
+      for (const auto& s : g->slots()) n += s.layout.numel();
     }
   }
   return n;

@@ -2,13 +2,16 @@
 //
 //   auto pg = fsdp::init_process_group();
 //   auto model = fsdp::fully_shard(GPT(cfg), pg);
-//   torch::optim::AdamW opt(model.sharded_parameters(), torch::optim::AdamWOptions(3e-4));
+//   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(3e-4));
 //   auto loss = torch::nn::functional::cross_entropy(model(x), y);
 //   loss.backward();   // gradients are reduce-scattered inside backward
 //   opt.step();
+//   opt.zero_grad();
 //
 // The returned handle is the root: call the model through it (its forward gathers the root's own
-// parameters). Parameter names are those of the unwrapped model.
+// parameters). Between steps the module's parameters are this rank's shards, with the sharded
+// gradients (PyTorch FSDP2's semantics): optimizers, zero_grad, torch::save / torch::load of the
+// module work on them as on any LibTorch module. Parameter names are those of the unwrapped model.
 #pragma once
 
 #include "fsdp/options.h"
@@ -20,6 +23,7 @@
 #include <torch/nn/pimpl.h>
 #include <torch/ordered_dict.h>
 
+#include <exception>
 #include <memory>
 #include <string>
 #include <vector>
@@ -45,15 +49,41 @@ class RootHandle {
              const FullyShardOptions& options);
   RootHandle(std::shared_ptr<torch::nn::Module> module, ShardingScope& scope);
 
-  std::vector<at::Tensor> sharded_parameters() const;
-  torch::OrderedDict<std::string, at::Tensor> named_sharded_parameters() const;
+  /// This rank's parameters, each once (a tied weight is one tensor): between steps, each is
+  /// this rank's rows of the module's parameter, and its .grad the sharded gradient. The same
+  /// tensors as model->parameters(), which lists a tied weight under each of its names.
+  std::vector<at::Tensor> parameters(bool recurse = true) const;
+  torch::OrderedDict<std::string, at::Tensor> named_parameters(bool recurse = true) const;
+  std::vector<at::Tensor> buffers(bool recurse = true) const;
+  torch::OrderedDict<std::string, at::Tensor> named_buffers(bool recurse = true) const;
+  /// Earlier names of parameters() and named_parameters().
+  std::vector<at::Tensor> sharded_parameters() const { return parameters(); }
+  torch::OrderedDict<std::string, at::Tensor> named_sharded_parameters() const { return named_parameters(); }
+  void train(bool on = true);
+  void eval() { train(false); }
+  bool is_training() const;
+  /// A wrapped model's dtype and device are fixed (its shards and collectives are laid out for
+  /// them): these accept the model's own device and dtype and refuse any other with an error.
+  /// Convert the model before fsdp::fully_shard.
+  void to(at::Device device, at::ScalarType dtype);
+  void to(at::ScalarType dtype);
+  void to(at::Device device);
   std::vector<UnitInfo> units() const;
   /// Elements of all parameters of the full (unsharded) model.
   int64_t num_parameters() const;
-  /// Drops (or zeroes) the sharded gradients, like an optimizer's zero_grad(). The model's own
-  /// `model->zero_grad()` reaches only the unsharded parameters, which hold no gradient between
-  /// steps.
+  /// Drops (or zeroes) the sharded gradients: model->zero_grad() and an optimizer's zero_grad()
+  /// do the same. Throws when gradients accumulated with sync off were never reduced (see
+  /// set_requires_gradient_sync).
   void zero_grad(bool set_to_none = true);
+  /// The full (unsharded) parameters and the buffers, by name, as new CPU tensors: gathered unit by
+  /// unit, so this rank holds at most one unit's gathered buffer beyond the result. Collective:
+  /// every rank calls it, between steps. With `rank0_only`, ranks other than 0 get an empty dict
+  /// (and keep no more than one unit at a time).
+  torch::OrderedDict<std::string, at::Tensor> full_state_dict(bool rank0_only = false) const;
+  /// Tells the library that the shards were written in a way it cannot see (for example values
+  /// copied into the parameters' data by a checkpoint loader): the next forward gathers them.
+  /// Writes through the parameters (optimizers) and torch::load of the module are noticed without it.
+  void mark_shards_written();
 
   /// Gradient accumulation without communication (FSDP2's set_requires_gradient_sync): while
   /// false, backward leaves each unit's unsharded gradients on its parameters (full size: memory
@@ -86,6 +116,13 @@ class RootHandle {
  protected:
   void root_pre_forward();
   void root_post_forward(const std::vector<at::Tensor>& outputs);
+  /// Ends the root forward (also when it threw).
+  void root_forward_ended();
+  /// The handle's operator-> in progress (see FSDPState::direct_access); `threw`: the call is
+  /// ending with an exception, which a direct call of the module's forward causes (a warning then
+  /// names the likely cause).
+  void begin_access() const;
+  void end_access(bool threw) const;
 
   std::shared_ptr<torch::nn::Module> module_;
   std::shared_ptr<ParamGroup> root_;
@@ -104,6 +141,10 @@ class FullyShardedModule : public detail::RootHandle {
   template <typename... Args>
   decltype(auto) forward(Args&&... args) {
     root_pre_forward();
+    struct Ended {
+      FullyShardedModule* handle;
+      ~Ended() { handle->root_forward_ended(); }
+    } ended{this};
     auto out = impl_->forward(std::forward<Args>(args)...);
     std::vector<at::Tensor> tensors;
     detail::collect_tensors(out, tensors);
@@ -115,7 +156,25 @@ class FullyShardedModule : public detail::RootHandle {
     return forward(std::forward<Args>(args)...);
   }
 
-  Impl* operator->() const { return impl_.get(); }
+  /// What operator-> returns: the module, with the call marked so that a unit reached by calling
+  /// the module's forward directly (model->forward(x), around the wrapper) is refused with a hint.
+  class Access {
+   public:
+    Access(Impl* impl, const FullyShardedModule& handle)
+        : impl_(impl), handle_(handle), exceptions_(std::uncaught_exceptions()) {
+      handle_.begin_access();
+    }
+    ~Access() { handle_.end_access(std::uncaught_exceptions() > exceptions_); }
+    Access(const Access&) = delete;
+    Access& operator=(const Access&) = delete;
+    Impl* operator->() const { return impl_; }
+
+   private:
+    Impl* impl_;
+    const FullyShardedModule& handle_;
+    int exceptions_;
+  };
+  Access operator->() const { return Access(impl_.get(), *this); }
   Impl& operator*() const { return *impl_; }
   const std::shared_ptr<Impl>& module() const { return impl_; }
 

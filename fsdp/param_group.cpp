@@ -13,7 +13,9 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
 #include <sstream>
+#include <utility>
 
 namespace fsdp::detail {
 namespace {
@@ -139,16 +141,16 @@ void ParamGroup::init() {
   const int64_t S = S_;
   const int64_t r = shard_rank_;
 
-  // Layout: per parameter, c = ceil(rows / S) rows per rank, padded at the tail.
+  // Layout (fsdp/shard_layout.h): per parameter, c = ceil(rows / S) rows per rank, padded.
+  std::vector<RowLayout> layouts;
   for (auto& s : slots_) {
-    s.rows = s.shape.empty() ? 1 : s.shape[0];
-    s.row_numel = 1;
-    for (size_t d = 1; d < s.shape.size(); ++d) s.row_numel *= s.shape[d];
-    s.chunk_rows = (s.rows + S - 1) / S;
-    s.local_rows = std::max<int64_t>(0, std::min(s.chunk_rows, s.rows - r * s.chunk_rows));
-    s.offset = shard_numel_;
-    shard_numel_ += s.padded_numel();
+    s.layout = row_layout(s.shape, S);
+    s.local_rows = s.layout.local_rows(r);
+    layouts.push_back(s.layout);
   }
+  const std::vector<int64_t> offsets = flat_offsets(layouts);
+  for (size_t i = 0; i < slots_.size(); ++i) slots_[i].offset = offsets[i];
+  shard_numel_ = offsets.back();
 
   // Named once: every collective carries its description for error messages.
   name_collectives();
@@ -161,27 +163,16 @@ void ParamGroup::init() {
     for (auto& s : slots_) world.broadcast(s.param.detach(), 0, what);
   }
 
-  auto local_shape = [](const ParamSlot& s) {
-    std::vector<int64_t> shape = s.shape;
-    if (shape.empty()) {
-      if (s.local_rows == 0) shape = {0};
-    } else {
-      shape[0] = s.local_rows;
-    }
-    return shape;
-  };
-
   if (strategy_ == ShardingStrategy::kShardOptimizerState) {
     // Full parameters stay, in one parameter-major buffer (as the gathered layout of the sharded
     // strategies); this rank's rows of each are a contiguous slice of it, which the optimizer
     // updates in place and the next forward all-gathers.
     unsharded_ = at::zeros({S * shard_numel_}, opts);
     for (auto& s : slots_) {
-      s.unsharded = unsharded_.narrow(0, S * s.offset, s.rows * s.row_numel).view(s.shape);
+      s.unsharded = unsharded_.narrow(0, S * s.offset, s.layout.numel()).view(s.shape);
       s.unsharded.copy_(s.param);
       s.param.set_data(s.unsharded);
-      s.sharded = alias_rows(unsharded_, S * s.offset + r * s.padded_numel(), local_shape(s));
-      s.sharded.set_requires_grad(s.requires_grad);
+      s.sharded = alias_rows(unsharded_, S * s.offset + r * s.padded_numel(), local_shape(s.shape, s.layout, r));
     }
   } else {
     // This rank's rows of every parameter, padded, in one flat buffer. Replicated (S = 1), that is
@@ -190,10 +181,9 @@ void ParamGroup::init() {
     flat_shard_ = at::zeros({shard_numel_}, opts);
     for (auto& s : slots_) {
       at::Tensor p = s.param.detach().contiguous();
-      flat_shard_.narrow(0, s.offset, s.local_rows * s.row_numel)
-          .copy_(flat_rows(p, r * s.chunk_rows, s.local_rows, s.row_numel));
-      s.sharded = alias_rows(flat_shard_, s.offset, local_shape(s));
-      s.sharded.set_requires_grad(s.requires_grad);
+      flat_shard_.narrow(0, s.offset, s.local_rows * s.layout.row_numel)
+          .copy_(flat_rows(p, s.layout.begin(r), s.local_rows, s.layout.row_numel));
+      s.sharded = alias_rows(flat_shard_, s.offset, local_shape(s.shape, s.layout, r));
     }
     if (strategy_ == ShardingStrategy::kNoShard) {
       unsharded_ = flat_shard_;
@@ -218,8 +208,8 @@ void ParamGroup::init() {
       ++grads_expected_;
     }
   }
-  placeholder_ = at::empty({0}, opts);
   unsharded_now_ = true;
+  full_views_ = true;
   reshard();
 }
 
@@ -263,6 +253,7 @@ bool ParamGroup::needs_gather() const {
 
 void ParamGroup::begin_unshard() {
   if (gathering_ || !needs_gather()) return;
+  if (!full_views_) adopt_replaced_shards();  // the gather reads the shards
   // Only the all-gather output is allocated now; the unsharded storage is allocated when the
   // gather is waited for, so a unit in flight costs its size once, not twice.
   gathered_ = at::empty({S_ * shard_numel_}, unsharded_.options());
@@ -280,13 +271,14 @@ void ParamGroup::begin_unshard() {
 
 void ParamGroup::unshard() {
   if (slots_.empty()) return;
-  if (strategy_ != ShardingStrategy::kShardOptimizerState && unsharded_now_) return;
-  if (shard_numel_ == 0) {  // only empty parameters: nothing to gather (same on every rank)
-    for (auto& s : slots_) s.param.set_data(s.unsharded);
-    unsharded_now_ = true;
-    return;
-  }
-  if (!gathering_ && !needs_gather()) return;
+  if (!full_views_) adopt_replaced_shards();
+  // Only empty parameters (shard_numel_ == 0, the same on every rank): nothing to gather.
+  if (shard_numel_ > 0 && (gathering_ || needs_gather())) gather();
+  if (!keeps_full_params()) unsharded_now_ = true;
+  use_full_views();
+}
+
+void ParamGroup::gather() {
   const int64_t W = S_;
   begin_unshard();
   wait_gather();
@@ -306,8 +298,6 @@ void ParamGroup::unshard() {
     at::split_with_sizes_copy_out(outs, gathered_.view({W, shard_numel_}), sizes, 1);
   }
   gathered_ = at::Tensor();
-  for (auto& s : slots_) s.param.set_data(s.unsharded);
-  unsharded_now_ = true;
 }
 
 void ParamGroup::reshard() {
@@ -316,15 +306,71 @@ void ParamGroup::reshard() {
     gathered_ = at::Tensor();
     gather_in_ = at::Tensor();
   }
+  use_shard_views();
   if (!unsharded_now_ || keeps_full_params()) return;
-  // The parameter itself points at an empty tensor, so code that reaches it around the wrapper
-  // gets a shape error instead of reading freed memory.
-  for (auto& s : slots_) s.param.set_data(placeholder_);
   resize_storage(unsharded_, 0);
   unsharded_now_ = false;
 }
 
+void ParamGroup::use_full_views() {
+  if (full_views_) return;
+  for (auto& s : slots_) {
+    s.shard_grad = std::exchange(s.param.mutable_grad(), at::Tensor());
+    s.param.set_data(s.unsharded);
+    s.param.mutable_grad() = std::exchange(s.full_grad, at::Tensor());
+  }
+  full_views_ = true;
+}
+
+void ParamGroup::use_shard_views() {
+  if (!full_views_) return;
+  for (auto& s : slots_) {
+    s.full_grad = std::exchange(s.param.mutable_grad(), at::Tensor());
+    s.param.set_data(s.sharded);
+    s.param.mutable_grad() = std::exchange(s.shard_grad, at::Tensor());
+  }
+  full_views_ = false;
+}
+
+void ParamGroup::adopt_replaced_shards() {
+  bool replaced = false;
+  for (auto& s : slots_) {
+    const at::Tensor& p = s.param;
+    const bool same = p.has_storage() &&
+                      p.storage().unsafeGetStorageImpl() == s.sharded.storage().unsafeGetStorageImpl() &&
+                      p.storage_offset() == s.sharded.storage_offset() && p.sizes() == s.sharded.sizes() &&
+                      p.dtype() == s.sharded.dtype();
+    if (same) continue;
+    TORCH_CHECK(p.dtype() == s.sharded.dtype() && p.device() == s.sharded.device(), "fsdp (rank ", state_->comm.rank(),
+                "): parameter '", s.name, "' of unit '", is_root_ ? "<root>" : name_, "' was converted to ", p.dtype(),
+                " on ", p.device(), " after fsdp::fully_shard (it is sharded as ", s.sharded.dtype(), " on ",
+                s.sharded.device(),
+                "). Convert the model (model->to(...)) before wrapping it; a wrapped model's dtype and device are "
+                "fixed.");
+    TORCH_CHECK(p.sizes() == s.sharded.sizes(), "fsdp (rank ", state_->comm.rank(), "): parameter '", s.name,
+                "' of unit '", is_root_ ? "<root>" : name_, "' has shape ", p.sizes(), ", but this rank's shard is ",
+                s.sharded.sizes(), " (rows ", s.layout.begin(shard_rank_), " to ", s.layout.end(shard_rank_), " of ",
+                s.layout.rows, " over ", S_,
+                " ranks). Something replaced the parameter with a tensor of another shape, such as torch::load of a "
+                "file saved at another world size or strategy, or of a full (unwrapped) model. Load what this rank "
+                "saved from the same wrapped model, or gather full weights with model.full_state_dict().");
+    {
+      at::NoGradGuard no_grad;
+      s.sharded.copy_(p);
+    }
+    s.param.set_data(s.sharded);
+    replaced = true;
+  }
+  if (replaced) mark_shards_written();
+}
+
 void ParamGroup::pre_forward() {
+  const bool direct = state_->direct_access > 0 && !state_->in_root_forward;
+  state_->direct_call_refused = direct;  // said here: no second hint as the error leaves the handle
+  TORCH_CHECK(!direct, "fsdp (rank ", state_->comm.rank(), "): unit '", is_root_ ? "<root>" : name_,
+              "' ran its forward inside a call through the handle's operator-> (such as model->forward(x)), which "
+              "calls the module's own forward around the wrapper: the root's parameters stay sharded and nothing "
+              "is prepared for backward. Call the handle itself: model(x) or model.forward(x).");
   unshard();
   state_->after_unit_unsharded(*this, /*backward=*/false);
   state_->sample_state();
@@ -347,7 +393,15 @@ void ParamGroup::post_forward(const std::vector<at::Tensor>& outputs) {
   // The root stays gathered into its backward (it is the first to need its parameters again).
   const bool regather = strategy_ == ShardingStrategy::kFullShard || strategy_ == ShardingStrategy::kHybridShard;
   const bool reshard_now = !grad || (!is_root_ && regather);
-  if (reshard_now) reshard();
+  if (reshard_now) {
+    reshard();
+  } else {
+    // Gathered memory kept for backward, but the parameters are the shards again: between
+    // forward and backward a user may zero the gradients or step (a forward whose backward never
+    // comes), and must find the shards. Autograd saved the parameter itself, whose full view
+    // pre_backward() restores before any of the unit's gradients are computed.
+    use_shard_views();
+  }
 }
 
 void ParamGroup::pre_backward() {
@@ -370,7 +424,7 @@ void ParamGroup::pre_backward() {
     holds_reduced_ = false;
     finish_reduce();
     for (auto& s : slots_) {
-      if (s.sharded.grad().defined()) s.sharded.mutable_grad() = s.sharded.grad().clone();
+      if (s.shard_grad.defined()) s.shard_grad = s.shard_grad.clone();
       s.param.mutable_grad() = at::Tensor();
     }
   }
@@ -418,16 +472,16 @@ void ParamGroup::launch_buckets(bool all) {
     for (size_t i = b.first; i < b.last; ++i) {
       auto& s = slots_[i];
       at::Tensor dst = reduce_out_.narrow(0, s.offset, s.padded_numel());
-      reduce_has_grad_[i] = s.param.grad().defined();
+      reduce_has_grad_[i] = full_grad(s).defined();
       if (reduce_has_grad_[i]) {
-        dst.view(s.shape).copy_(s.param.grad());
+        dst.view(s.shape).copy_(full_grad(s));
       } else {
         dst.zero_();
       }
     }
     state_->sample_state();  // the bucket's gradients and their copy, both alive
     for (size_t i = b.first; i < b.last; ++i) {
-      slots_[i].param.mutable_grad() = at::Tensor();  // the bucket holds it now
+      full_grad(slots_[i]) = at::Tensor();  // the bucket holds it now
     }
     at::Tensor chunk = reduce_out_.narrow(0, b.offset, b.numel);
     bucket_work_.push_back(state_->comm.all_reduce_async(chunk, c10d::ReduceOp::SUM, reduce_what_));
@@ -441,7 +495,7 @@ void ParamGroup::launch_buckets(bool all) {
 
 void ParamGroup::reduce_grads() {
   if (shard_numel_ == 0) {
-    for (auto& s : slots_) s.param.mutable_grad() = at::Tensor();
+    for (auto& s : slots_) full_grad(s) = at::Tensor();
     return;
   }
   if (strategy_ == ShardingStrategy::kNoShard) {
@@ -463,9 +517,9 @@ void ParamGroup::reduce_grads() {
   reduce_has_grad_.assign(slots_.size(), false);
   for (size_t i = 0; i < slots_.size(); ++i) {
     auto& s = slots_[i];
-    reduce_has_grad_[i] = s.param.grad().defined();
+    reduce_has_grad_[i] = full_grad(s).defined();
     if (s.padded_numel() == 0) continue;  // no elements (e.g. a [0, k] parameter): nothing to send
-    at::Tensor g = s.param.grad();
+    at::Tensor g = full_grad(s);
     if (!g.defined()) g = at::zeros(s.shape, opts);
     grads.push_back(s.shape.empty() ? g.view({1}) : g);
   }
@@ -476,7 +530,7 @@ void ParamGroup::reduce_grads() {
   if (strategy_ == ShardingStrategy::kShardOptimizerState) {
     holds_reduced_ = true;  // the full gradients stay; they are no longer pending
   } else {
-    for (auto& s : slots_) s.param.mutable_grad() = at::Tensor();  // unsharded gradients freed here
+    for (auto& s : slots_) full_grad(s) = at::Tensor();  // unsharded gradients freed here
   }
   reduce_out_ = at::empty({shard_numel_}, opts);
   at::Tensor flat_in = reduce_in_.view({-1});
@@ -491,9 +545,8 @@ void ParamGroup::append_held_tensors(std::vector<at::Tensor>& out) const {
     out.push_back(*t);
   }
   for (const auto& s : slots_) {
-    out.push_back(s.sharded);
-    out.push_back(s.sharded.grad());
-    if (s.param.defined()) out.push_back(s.param.grad());
+    for (const at::Tensor* t : {&s.param, &s.sharded, &s.shard_grad, &s.full_grad}) out.push_back(*t);
+    out.push_back(s.param.grad());
   }
 }
 
@@ -557,7 +610,7 @@ void ParamGroup::set_sharded_grads(const at::Tensor& flat_grad) {
     if (!reduce_has_grad_[i]) continue;
     auto& s = slots_[i];
     at::Tensor view = alias_rows(flat_grad, s.offset, s.sharded.sizes());
-    at::Tensor& g = s.sharded.mutable_grad();
+    at::Tensor& g = shard_grad(s);
     if (g.defined()) {
       g.add_(view);  // accumulating across backward passes
     } else {
@@ -573,14 +626,63 @@ void ParamGroup::set_full_grad_rows(const at::Tensor& flat_grad) {
   for (size_t i = 0; i < slots_.size(); ++i) {
     auto& s = slots_[i];
     if (!reduce_has_grad_[i]) continue;
-    at::Tensor& full = s.param.mutable_grad();
+    at::Tensor& full = full_grad(s);
     if (!full.is_contiguous()) full = full.contiguous();
-    at::Tensor rows = flat_rows(full, shard_rank_ * s.chunk_rows, s.local_rows, s.row_numel);
+    at::Tensor rows = flat_rows(full, s.layout.begin(shard_rank_), s.local_rows, s.layout.row_numel);
     rows.copy_(flat_grad.narrow(0, s.offset, rows.numel()));
     // A gradient carried over from before this backward (see pre_backward) is added.
-    if (s.sharded.grad().defined()) rows.add_(s.sharded.grad().reshape({-1}));
-    const int64_t start = std::min(full.numel(), shard_rank_ * s.chunk_rows * s.row_numel);
-    s.sharded.mutable_grad() = alias_rows(full, start, s.sharded.sizes());
+    if (shard_grad(s).defined()) rows.add_(shard_grad(s).reshape({-1}));
+    const int64_t start = s.layout.begin(shard_rank_) * s.layout.row_numel;
+    shard_grad(s) = alias_rows(full, start, s.sharded.sizes());
+  }
+}
+
+bool ParamGroup::holds_unsynced_grads() const {
+  if (holds_reduced_) return false;  // kShardOptimizerState's full gradients after their reduction
+  return std::any_of(slots_.begin(), slots_.end(),
+                     [&](const ParamSlot& s) { return (full_views_ ? s.param.grad() : s.full_grad).defined(); });
+}
+
+void ParamGroup::check_conversion(const std::optional<at::Device>& device,
+                                  const std::optional<at::ScalarType>& dtype) const {
+  for (const auto& s : slots_) {
+    const bool same_device = !device || *device == s.sharded.device();
+    const bool same_dtype = !dtype || *dtype == s.sharded.scalar_type();
+    TORCH_CHECK(same_device && same_dtype, "fsdp (rank ", state_->comm.rank(), "): .to(",
+                device ? device->str() : std::string(), device && dtype ? ", " : "", dtype ? c10::toString(*dtype) : "",
+                ") on the wrapped model would convert parameter '", s.name, "' of unit '", is_root_ ? "<root>" : name_,
+                "' (", s.sharded.scalar_type(), " on ", s.sharded.device(),
+                ") after fsdp::fully_shard. A wrapped model's dtype and device are fixed: convert the model "
+                "before wrapping it (model->to(...), then fsdp::fully_shard).");
+  }
+}
+
+void ParamGroup::gather_full(std::vector<at::Tensor>& out, const at::Device& device) {
+  TORCH_INTERNAL_ASSERT(!full_views_ && !gathering_, "gather_full of unit '", name_, "' while it is unsharded");
+  adopt_replaced_shards();
+  at::NoGradGuard no_grad;
+  auto copy_out = [&](const at::Tensor& t) { out.push_back(t.to(device, t.scalar_type(), false, /*copy=*/true)); };
+  if (shard_numel_ == 0 || S_ == 1) {  // nothing to gather: the shard is the whole parameter
+    for (const auto& s : slots_) copy_out(s.sharded.reshape(s.shape));
+    return;
+  }
+  at::Tensor in = flat_shard_;
+  if (strategy_ == ShardingStrategy::kShardOptimizerState) {
+    in = at::zeros({shard_numel_}, unsharded_.options());
+    for (auto& s : slots_) in.narrow(0, s.offset, s.sharded.numel()).copy_(s.sharded.reshape({-1}));
+  }
+  at::Tensor gathered = at::empty({S_ * shard_numel_}, in.options());
+  Pending p = shard_comm_->all_gather_async(gathered, in, describe("all-gather of full weights"));
+  try {
+    shard_comm_->wait(p);
+  } catch (const std::exception& e) {
+    state_->mark_broken(error_text(e));
+    throw;
+  }
+  const at::Tensor rank_major = gathered.view({S_, shard_numel_});
+  for (const auto& s : slots_) {
+    copy_out(
+        rank_major.narrow(1, s.offset, s.padded_numel()).reshape({-1}).narrow(0, 0, s.layout.numel()).view(s.shape));
   }
 }
 
@@ -604,11 +706,27 @@ void ParamGroup::reset_after_failed_backward() {
   if (!in_backward_) return;
   in_backward_ = false;
   grads_ready_ = 0;
+  // The failed backward left the parameters full, with partial full gradients that the user saw
+  // (and may have zeroed) instead of the sharded ones, which wait aside. Those follow what the
+  // user did: kept if some partial gradient is still there and not zero, dropped otherwise (the
+  // documented recovery is zero_grad() before the next backward).
+  bool zeroed = true;
+  for (auto& s : slots_) {
+    const at::Tensor& g = full_grad(s);
+    zeroed = zeroed && (!g.defined() || !g.any().item<bool>());
+  }
   for (auto& s : slots_) {
     s.grad_ready = false;
-    s.param.mutable_grad() = at::Tensor();
+    if (zeroed && full_views_ && s.shard_grad.defined()) {
+      if (full_grad(s).defined()) {
+        s.shard_grad.zero_();  // zero_grad(set_to_none=false)
+      } else {
+        s.shard_grad = at::Tensor();
+      }
+    }
+    full_grad(s) = at::Tensor();
   }
-  if (!is_root_) reshard();
+  reshard();
 }
 
 void ParamGroup::finalize_backward() {
@@ -619,7 +737,7 @@ void ParamGroup::finalize_backward() {
     // kNoShard: buckets launched while others wait for gradients that never came (unused
     // parameters) are pending too; the rest go out now, with zeros for the missing ones.
     bool pending = next_bucket_ > 0 && next_bucket_ < buckets_.size();
-    for (const auto& s : slots_) pending = pending || s.param.grad().defined();
+    pending = pending || holds_unsynced_grads();
     if (pending) reduce_grads();
   }
   in_backward_ = false;

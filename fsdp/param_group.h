@@ -5,11 +5,13 @@
 
 #include "fsdp/collectives.h"
 #include "fsdp/options.h"
+#include "fsdp/shard_layout.h"
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/autograd/function.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -17,21 +19,25 @@ namespace fsdp::detail {
 
 class FSDPState;
 
-/// Where one parameter lives in its unit. Sharded over S ranks (the world, a hybrid group, or 1 when
-/// replicated) with c = ceil(rows / S), shard rank r owns rows [r*c, min((r+1)*c, rows)), possibly
-/// none; its shard is padded to c rows in the flat buffer.
+/// Where one parameter lives in its unit, sharded over S ranks (the world, a hybrid group, or 1
+/// when replicated) by the row layout of fsdp/shard_layout.h.
 struct ParamSlot {
-  std::string name;      ///< fully qualified name in the root module
-  at::Tensor param;      ///< the user's parameter: a view into the unsharded buffer, or empty
-  at::Tensor sharded;    ///< this rank's rows: a leaf that optimizers update in place
-  at::Tensor unsharded;  ///< the view `param` points at while unsharded
+  std::string name;  ///< fully qualified name in the root module
+  /// The user's parameter (the module's own tensor): between steps it points at `sharded` and its
+  /// .grad is the sharded gradient (what an optimizer on model->parameters() updates); while its
+  /// unit is unsharded (forward, backward) it points at `unsharded` and its .grad is the full one.
+  at::Tensor param;
+  at::Tensor sharded;    ///< this rank's rows (a plain alias of the unit's shard memory)
+  at::Tensor unsharded;  ///< the full view `param` points at while unsharded
+  /// Where the gradient of the other shape waits: the sharded gradient while `param` is full
+  /// (forward, backward), the full gradient (accumulated without sync, or ZeRO-1's) while `param`
+  /// is its shard.
+  at::Tensor shard_grad, full_grad;
   std::vector<int64_t> shape;
-  int64_t rows = 0;        ///< dim 0 (1 for a scalar)
-  int64_t row_numel = 0;   ///< elements per row
-  int64_t chunk_rows = 0;  ///< c
-  int64_t local_rows = 0;  ///< rows this rank owns
-  int64_t offset = 0;      ///< start of this parameter's shard in the flat shard buffer
-  int64_t padded_numel() const { return chunk_rows * row_numel; }
+  RowLayout layout;        ///< its rows over the unit's shard ranks (fsdp/shard_layout.h)
+  int64_t local_rows = 0;  ///< rows this rank holds: layout.local_rows(shard rank)
+  int64_t offset = 0;      ///< start of this parameter's c rows in the flat shard
+  int64_t padded_numel() const { return layout.padded_numel(); }
   bool requires_grad = false;
   bool grad_ready = false;
   /// Kept alive on purpose: autograd holds a parameter's AccumulateGrad node only weakly, and a
@@ -58,11 +64,12 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   int64_t shard_rank() const { return shard_rank_; }
   /// How many ranks hold each element of the sharded gradients (1 unless replicated or hybrid).
   int64_t replication() const;
-  bool is_unsharded() const { return unsharded_now_; }
+  /// Whether the parameters point at their full views now (forward, backward), not their shards.
+  bool is_unsharded() const { return full_views_; }
   const std::vector<ParamSlot>& slots() const { return slots_; }
   int64_t shard_numel() const { return shard_numel_; }
-  /// This rank's rows of every parameter, padded: what the sharded parameters alias. Undefined for
-  /// kShardOptimizerState, whose shards alias the full parameters.
+  /// This rank's rows of every parameter, padded: what the parameters alias between steps.
+  /// Undefined for kShardOptimizerState, whose shards alias the full parameters.
   const at::Tensor& flat_shard() const { return flat_shard_; }
 
   /// Issues the all-gather without waiting (prefetch); unshard() completes it.
@@ -70,8 +77,22 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   /// All-gathers the parameters (or completes a prefetched gather) and points every user parameter
   /// at its full view.
   void unshard();
-  /// Frees the unsharded storage (0 bytes) and points every user parameter at an empty tensor.
+  /// Frees the unsharded storage (0 bytes, sharded strategies) and points every user parameter at
+  /// its shard, with the sharded gradient.
   void reshard();
+  /// The sharded gradient of a slot, wherever it is now (on the parameter between steps).
+  at::Tensor& shard_grad(ParamSlot& s) { return full_views_ ? s.shard_grad : s.param.mutable_grad(); }
+  const at::Tensor& shard_grad(const ParamSlot& s) const { return full_views_ ? s.shard_grad : s.param.grad(); }
+  /// Whether gradients accumulated with gradient sync off wait to be reduced.
+  bool holds_unsynced_grads() const;
+  /// Refuses a conversion of the unit's parameters to another dtype or device after wrapping.
+  void check_conversion(const std::optional<at::Device>& device, const std::optional<at::ScalarType>& dtype) const;
+  /// kShardOptimizerState: the shards were written by something the library cannot see (a loaded
+  /// checkpoint): the next forward gathers them. Other strategies always gather from the shards.
+  void mark_shards_written() { stale_ = strategy_ == ShardingStrategy::kShardOptimizerState; }
+  /// Appends this unit's full parameters, gathered from the shards, as new tensors on `device`
+  /// (one all-gather; needs the unit resharded). The same call on every rank of the unit.
+  void gather_full(std::vector<at::Tensor>& out, const at::Device& device);
 
   // Forward: unshard before, reshard after (unless told otherwise) and hook the outputs so the
   // unit is gathered again when its backward begins.
@@ -100,6 +121,7 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   std::string describe(const char* op) const;
   void name_collectives();  // sets gather_what_ and reduce_what_ from the name and layout
   void wait_gather();
+  void gather();  // completes (or issues and completes) the all-gather into the unsharded storage
   bool keeps_full_params() const {
     return strategy_ == ShardingStrategy::kShardOptimizerState || strategy_ == ShardingStrategy::kNoShard;
   }
@@ -109,6 +131,14 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   void make_buckets();
   void launch_buckets(bool all);
   void set_sharded_grads(const at::Tensor& flat_grad);
+  /// Points the parameters at their full views (moving the sharded gradients aside) or back at
+  /// their shards (the full gradients aside). Only the pointers move; no memory is gathered.
+  void use_full_views();
+  void use_shard_views();
+  /// Between steps: a parameter whose storage was replaced (torch::load uses set_) is copied into
+  /// its shard and pointed back at it; one of another shape, dtype or device is refused.
+  void adopt_replaced_shards();
+  at::Tensor& full_grad(ParamSlot& s) { return full_views_ ? s.param.mutable_grad() : s.full_grad; }
   void set_full_grad_rows(const at::Tensor& flat_grad);
   Comm* shard_comm_ = nullptr;      // the S ranks this unit is sharded over
   Comm* replicate_comm_ = nullptr;  // kHybridShard: the N/S ranks holding the same shard
@@ -122,10 +152,10 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   bool is_root_;
   ShardingStrategy strategy_;
   int64_t shard_numel_ = 0;
-  at::Tensor flat_shard_;   // [shard_numel]: this rank's rows of every parameter, padded
-  at::Tensor unsharded_;    // [W * shard_numel], parameter-major; storage resized to 0 when resharded
-  at::Tensor placeholder_;  // what parameters point at while resharded
-  bool unsharded_now_ = true;
+  at::Tensor flat_shard_;      // [shard_numel]: this rank's rows of every parameter, padded
+  at::Tensor unsharded_;       // [W * shard_numel], parameter-major; storage resized to 0 when resharded
+  bool unsharded_now_ = true;  // the unsharded storage holds the gathered parameters
+  bool full_views_ = true;     // the parameters point at their full views
   // An all-gather in flight (prefetch): its output buffer stays alive until unshard() waits.
   Pending gather_;
   at::Tensor gathered_;

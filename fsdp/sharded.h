@@ -48,6 +48,7 @@ void collect_tensors(const std::pair<A, B>& p, std::vector<at::Tensor>& out) {
 template <typename T, typename = std::enable_if_t<std::is_arithmetic_v<T>>>
 void collect_tensors(const T&, std::vector<at::Tensor>&) {}
 
+class ParamGroup;
 }  // namespace detail
 
 /// The non-template part of every sharded module: the unit it belongs to once fully_shard ran.
@@ -86,6 +87,9 @@ class ShardedUnit {
 };
 
 namespace detail {
+void unit_zero_grad(ParamGroup& unit);
+void unit_to(ParamGroup& unit, const std::optional<at::Device>& device, const std::optional<at::ScalarType>& dtype);
+
 // &Impl::forward when it names one function, else void.
 template <typename T, typename = void>
 struct forward_ptr {
@@ -97,27 +101,60 @@ struct forward_ptr<T, std::void_t<decltype(&T::forward)>> {
 };
 }  // namespace detail
 
+namespace detail {
+/// What every sharded module overrides of torch::nn::Module: zero_grad reports gradients
+/// accumulated without sync and never reduced; to() refuses a change of dtype or device once the
+/// unit is sharded. Before fsdp::fully_shard both behave as Impl's.
+template <typename Impl>
+class UnitModule : public Impl, public ShardedUnit {
+ public:
+  using Impl::Impl;
+  void zero_grad(bool set_to_none = true) override {
+    if (fsdp_unit_) unit_zero_grad(*fsdp_unit_);
+    Impl::zero_grad(set_to_none);
+  }
+  void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override {
+    if (!fsdp_unit_) return Impl::to(device, dtype, non_blocking);
+    unit_to(*fsdp_unit_, device, dtype);
+  }
+  void to(torch::Dtype dtype, bool non_blocking = false) override {
+    if (!fsdp_unit_) return Impl::to(dtype, non_blocking);
+    unit_to(*fsdp_unit_, std::nullopt, dtype);
+  }
+  void to(torch::Device device, bool non_blocking = false) override {
+    if (!fsdp_unit_) return Impl::to(device, non_blocking);
+    unit_to(*fsdp_unit_, device, std::nullopt);
+  }
+};
+}  // namespace detail
+
 /// Impl with its forward intercepted. When Impl has a single forward(), the wrapper's forward has
 /// exactly its signature (so ModuleList, Sequential and AnyModule can hold it); otherwise forward is
 /// a template that accepts whatever Impl::forward does.
 template <typename Impl, typename F = typename detail::forward_ptr<Impl>::type>
-class ShardedImpl : public Impl, public ShardedUnit {
+class ShardedImpl : public detail::UnitModule<Impl> {
  public:
-  using Impl::Impl;
+  using detail::UnitModule<Impl>::UnitModule;
   template <typename... Args>
   auto forward(Args&&... args) {
-    return run_unit([&] { return Impl::forward(std::forward<Args>(args)...); });
+    return this->run_unit([&] { return Impl::forward(std::forward<Args>(args)...); });
   }
 };
 
 template <typename Impl, typename C, typename R, typename... A>
-class ShardedImpl<Impl, R (C::*)(A...)> : public Impl, public ShardedUnit {
+class ShardedImpl<Impl, R (C::*)(A...)> : public detail::UnitModule<Impl> {
  public:
-  using Impl::Impl;
+  using detail::UnitModule<Impl>::UnitModule;
   R forward(A... args) {
-    return run_unit([&]() -> R { return Impl::forward(std::forward<A>(args)...); });
+    return this->run_unit([&]() -> R { return Impl::forward(std::forward<A>(args)...); });
   }
 };
+
+/// The unit behind a module held as a plain torch::nn::Module pointer (a Sequential's or
+/// ModuleList's entry, a child from named_children()), for its per-unit settings:
+///   fsdp::as_unit(seq->ptr(2)).set_sharding_strategy(fsdp::ShardingStrategy::kNoShard);
+/// Throws when the module is not an fsdp::Sharded unit.
+ShardedUnit& as_unit(const std::shared_ptr<torch::nn::Module>& module);
 
 namespace detail {
 /// Inside an fsdp::ShardingScope: shards the unit just built (see sharding_scope.h).

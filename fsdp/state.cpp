@@ -115,6 +115,23 @@ int64_t FSDPState::held_state_bytes() const {
   return bytes;
 }
 
+void FSDPState::check_no_unsynced_grads(const char* caller) const {
+  std::vector<std::string> units;
+  for (const auto& w : groups) {
+    auto g = w.lock();
+    if (g && g->holds_unsynced_grads()) units.push_back(g->is_root() ? "<root>" : g->name());
+  }
+  if (units.empty()) return;
+  std::ostringstream names;
+  for (size_t i = 0; i < units.size() && i < 3; ++i) names << (i ? ", '" : "'") << units[i] << "'";
+  if (units.size() > 3) names << " and " << units.size() - 3 << " more";
+  TORCH_CHECK(false, caller, " (", comm.where(), "): ", units.size(),
+              " unit(s) hold gradients accumulated with gradient sync off (", names.str(),
+              ") that were never reduced into the sharded gradients, so the optimizer cannot see them: those "
+              "micro-batches would train nothing. Turn sync back on before the backward of the last micro-batch "
+              "of each step: model.set_requires_gradient_sync(true) (docs/usage.md, 'Gradient accumulation').");
+}
+
 void FSDPState::mark_broken(const std::string& why) {
   if (broken_.empty()) broken_ = why;
 }

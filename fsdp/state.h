@@ -36,6 +36,15 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   bool in_backward() const { return callback_queued_; }
   /// False while accumulating gradients without communication (set_requires_gradient_sync).
   bool sync_gradients = true;
+  /// Calls through the handle's operator-> in progress (model->...), and whether the handle's own
+  /// forward runs: a unit's forward under the first but not the second was reached by calling the
+  /// module's forward directly, around the wrapper.
+  int direct_access = 0;
+  bool in_root_forward = false;
+  bool direct_call_refused = false;
+  /// Throws, naming `caller`, when units hold gradients accumulated with gradient sync off and never
+  /// reduced: zeroing them, clipping or stepping now would silently drop those micro-batches.
+  void check_no_unsynced_grads(const char* caller) const;
 
   /// Every unit, root first then in module order. Units are owned by their modules (and the root
   /// unit by the FullyShardedModule handle); the state only observes them.
@@ -55,7 +64,13 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   /// The cross-rank checks at the boundaries of the step (see docs/design.md, "Ranks on the same
   /// path"): every rank must be at the same call, with the same collectives issued since the last
   /// check. A difference fails every rank, names what each was doing, and marks the model broken.
-  enum class Boundary : int64_t { kForward = 101, kBackwardBegin = 102, kBackwardEnd = 103, kClip = 104 };
+  enum class Boundary : int64_t {
+    kForward = 101,
+    kBackwardBegin = 102,
+    kBackwardEnd = 103,
+    kClip = 104,
+    kFullStateDict = 105
+  };
   void check_boundary(Boundary b, int64_t a, int64_t c, const std::string& description);
   /// Records the unit's place in the forward order and issues the prefetch of the next units
   /// (forward order in forward, reverse order in backward), at most options.prefetch() of them.

@@ -25,6 +25,7 @@ struct ShardGrad {
 /// `grads` with this rank's gradients (for clipping). `caller` names the function in errors.
 double global_norm(const detail::RootHandle& model, double norm_type, bool error_if_nonfinite, const char* caller,
                    std::vector<ShardGrad>& grads) {
+  model.state().check_no_unsynced_grads(caller);
   // Each sharded parameter once (a tied weight is one tensor).
   std::unordered_set<const c10::TensorImpl*> seen;
   for (auto& w : model.state().groups) {
@@ -32,7 +33,8 @@ double global_norm(const detail::RootHandle& model, double norm_type, bool error
     if (!unit) continue;
     for (const auto& s : unit->slots()) {
       if (!seen.insert(s.sharded.unsafeGetTensorImpl()).second) continue;
-      if (s.sharded.grad().defined()) grads.push_back({s.sharded.grad(), unit->replication(), &s.name});
+      const at::Tensor& g = unit->shard_grad(s);
+      if (g.defined()) grads.push_back({g, unit->replication(), &s.name});
     }
   }
   const bool inf = std::isinf(norm_type);

@@ -31,6 +31,9 @@ at::Tensor FusedAdamW::step(LossClosure closure) {
     at::AutoGradMode grad(true);
     loss = closure();
   }
+  if (!units_.empty()) {
+    if (auto g = units_.front().group.lock()) g->state().check_no_unsynced_grads("fsdp::optim::FusedAdamW::step");
+  }
   const auto& o = static_cast<const torch::optim::AdamWOptions&>(param_groups()[0].options());
   std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, steps;
   for (auto& u : units_) {
@@ -53,7 +56,7 @@ at::Tensor FusedAdamW::step(LossClosure closure) {
     at::Tensor first_grad;
     for (size_t i = 0; i < slots.size() && whole; ++i) {
       const auto& s = slots[i];
-      const at::Tensor& gr = s.sharded.grad();
+      const at::Tensor& gr = g->shard_grad(s);
       if (!gr.defined()) {
         whole = s.padded_numel() == 0;
         continue;
@@ -76,12 +79,12 @@ at::Tensor FusedAdamW::step(LossClosure closure) {
     }
     for (size_t i = 0; i < slots.size(); ++i) {
       const auto& s = slots[i];
-      if (!s.sharded.grad().defined()) continue;
+      if (!g->shard_grad(s).defined()) continue;
       u.steps[i].add_(1);  // also for a rank's empty shard, so step counts stay equal
       ++u.counts[i];
       if (s.sharded.numel() == 0) continue;
       params.push_back(s.sharded);
-      grads.push_back(s.sharded.grad());
+      grads.push_back(g->shard_grad(s));
       exp_avgs.push_back(alias(u.exp_avg, s.offset, s.sharded.sizes()));
       exp_avg_sqs.push_back(alias(u.exp_avg_sq, s.offset, s.sharded.sizes()));
       steps.push_back(u.steps[i]);

@@ -104,6 +104,12 @@ bool in_rank_process() {
   return env_or_null("FSDP_TEST_RANK") != nullptr;
 }
 
+std::string shared_dir() {
+  const char* d = env_or_null("FSDP_TEST_DIR");
+  TORCH_CHECK(d != nullptr, "shared_dir() is for the body of run_ranks");
+  return d;
+}
+
 std::chrono::milliseconds collective_timeout() {
   const char* v = env_or_null("FSDP_TEST_COLLECTIVE_TIMEOUT_MS");
   return std::chrono::milliseconds(v ? std::atol(v) : 30000);
@@ -157,6 +163,7 @@ void run_ranks(int world_size, const std::function<void(Rank&)>& body, const Run
     env["FSDP_TEST_COLLECTIVE_TIMEOUT_MS"] =
         std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(options.collective_timeout).count());
     env["OMP_NUM_THREADS"] = "1";
+    env["FSDP_TEST_DIR"] = dir;
     if (options.rendezvous == "env") {
       env["RANK"] = std::to_string(rank);
       env["WORLD_SIZE"] = std::to_string(world_size);

@@ -50,6 +50,9 @@ void run_ranks(int world_size, const std::function<void(Rank&)>& body, const Run
 /// True inside a rank process.
 bool in_rank_process();
 
+/// A directory shared by the ranks of this test (files between them), removed after the test.
+std::string shared_dir();
+
 /// The per-collective timeout of this rank process (RunOptions::collective_timeout).
 std::chrono::milliseconds collective_timeout();
 

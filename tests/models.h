@@ -56,12 +56,9 @@ inline ::testing::AssertionResult close(const torch::Tensor& a, const torch::Ten
 
 /// The reference rows this rank owns of a full parameter (dim-0 sharding, c = ceil(rows / W)).
 inline torch::Tensor owned_rows(const torch::Tensor& full, int rank, int world_size) {
-  if (full.dim() == 0) return rank == 0 ? full : full.view({1}).narrow(0, 0, 0);
-  const int64_t rows = full.size(0);
-  const int64_t c = (rows + world_size - 1) / world_size;
-  const int64_t start = std::min(rows, rank * c);
-  const int64_t n = std::max<int64_t>(0, std::min(c, rows - start));
-  return full.narrow(0, start, n);
+  const RowLayout l = row_layout(full.sizes(), world_size);
+  if (full.dim() == 0) return l.local_rows(rank) == 1 ? full : full.view({1}).narrow(0, 0, 0);
+  return full.narrow(0, l.begin(rank), l.local_rows(rank));
 }
 
 inline FullyShardOptions test_options() {
@@ -72,16 +69,22 @@ inline FullyShardOptions test_options() {
 /// the same-named parameter (gradient) of the plain reference model. With full sharding a rank's
 /// place is its rank among all; a hybrid unit shards over groups of S consecutive ranks (rank % S
 /// of S), a replicated one holds all rows.
-inline void expect_shards_match(const Rank& r, const detail::RootHandle& model, torch::nn::Module& ref,
-                                bool grads = false) {
-  auto want = ref.named_parameters();
-  std::map<std::string, std::pair<int, int>> place;  // parameter -> (shard rank, shard world size)
+/// Each parameter's place: (shard rank, shard world size) of its unit on this rank.
+inline std::map<std::string, std::pair<int, int>> shard_places(const Rank& r, const detail::RootHandle& model) {
+  std::map<std::string, std::pair<int, int>> place;
   for (const auto& u : model.units()) {
     int shard_world = r.world_size;
     if (u.strategy == ShardingStrategy::kNoShard) shard_world = 1;
     if (u.strategy == ShardingStrategy::kHybridShard) shard_world = static_cast<int>(u.shard_world_size);
     for (const auto& p : u.params) place[p] = {r.rank % shard_world, shard_world};
   }
+  return place;
+}
+
+inline void expect_shards_match(const Rank& r, const detail::RootHandle& model, torch::nn::Module& ref,
+                                bool grads = false) {
+  auto want = ref.named_parameters();
+  const auto place = shard_places(r, model);
   for (const auto& kv : model.named_sharded_parameters()) {
     const auto [rank, world] = place.at(kv.key());
     const torch::Tensor& mine = grads ? kv.value().grad() : kv.value();
@@ -93,6 +96,21 @@ inline void expect_shards_match(const Rank& r, const detail::RootHandle& model, 
     ASSERT_TRUE(mine.defined()) << (grads ? "gradient of " : "") << kv.key() << " on rank " << r.rank;
     EXPECT_TRUE(close(mine.detach(), owned_rows(theirs.detach(), rank, world)))
         << (grads ? "gradient of " : "parameter ") << kv.key() << " on rank " << r.rank;
+  }
+}
+
+/// Between steps: no unit is gathered, and every parameter of the module (model->parameters())
+/// is this rank's rows of the same-named parameter of the plain reference model, with a gradient
+/// of that shape when it has one.
+inline void expect_between_steps(const Rank& r, const detail::RootHandle& model, torch::nn::Module& ref) {
+  for (const auto& u : model.units()) EXPECT_FALSE(u.unsharded) << "unit '" << u.name << "' on rank " << r.rank;
+  auto want = ref.named_parameters();
+  const auto place = shard_places(r, model);
+  for (const auto& kv : model.named_parameters()) {
+    const auto [rank, world] = place.at(kv.key());
+    const auto shape = owned_rows(want[kv.key()], rank, world).sizes();
+    EXPECT_EQ(kv.value().sizes(), shape) << kv.key() << " on rank " << r.rank;
+    if (kv.value().grad().defined()) EXPECT_EQ(kv.value().grad().sizes(), shape) << "gradient of " << kv.key();
   }
 }
 
@@ -110,6 +128,21 @@ class LauncherEnv : public ::testing::Test {
                                           "MASTER_ADDR",  "MASTER_PORT",         "SLURM_PROCID",
                                           "SLURM_NTASKS", "SLURM_LOCALID",       "FSDP_TIMEOUT",
                                           "FSDP_JOB_ID",  "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE"};
+};
+
+/// Collects the warnings (TORCH_WARN) issued on this thread while it lives.
+class WarningCapture : public c10::WarningHandler {
+ public:
+  WarningCapture() : previous_(c10::WarningUtils::get_warning_handler()) {
+    c10::WarningUtils::set_warning_handler(this);
+  }
+  ~WarningCapture() override { c10::WarningUtils::set_warning_handler(previous_); }
+  void process(const c10::Warning& w) override { text_ += w.msg() + "\n"; }
+  const std::string& text() const { return text_; }
+
+ private:
+  c10::WarningHandler* previous_;
+  std::string text_;
 };
 
 /// Runs `fn` and returns the message of the c10::Error it throws ("" if none).

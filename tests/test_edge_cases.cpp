@@ -38,7 +38,7 @@ TEST(EdgeCases, EvalForwardsBetweenSteps) {
         auto [vx, vy] = batch(900 + step);
         auto eval_loss = ce(model(local_rows(vx, r.rank, r.world_size)), local_rows(vy, r.rank, r.world_size));
         EXPECT_TRUE(std::isfinite(eval_loss.item<double>()));
-        for (const auto& p : model->parameters()) EXPECT_EQ(p.numel(), 0) << "freed after a no-grad forward";
+        expect_between_steps(r, model, *ref);  // nothing left gathered by a no-grad forward
         model->train();
       }
       auto [x, y] = batch(100 + step);
@@ -71,7 +71,7 @@ TEST(EdgeCases, SeveralForwardsBeforeOneBackward) {
       auto l1 = ce(model(local_rows(x1, r.rank, r.world_size)), local_rows(y1, r.rank, r.world_size));
       auto l2 = ce(model(local_rows(x2, r.rank, r.world_size)), local_rows(y2, r.rank, r.world_size));
       (l1 + l2).backward();
-      for (const auto& p : model->parameters()) EXPECT_EQ(p.numel(), 0);
+      expect_between_steps(r, model, *ref);
       opt.step();
     }
     expect_shards_match(r, model, *ref);
@@ -114,7 +114,7 @@ TEST(EdgeCases, UnusedParameters) {
       model(local_rows(x, r.rank, r.world_size)).square().mean().backward();
       EXPECT_FALSE(model.named_sharded_parameters()["unit.unused.weight"].grad().defined());
       EXPECT_TRUE(model.named_sharded_parameters()["unit.used.weight"].grad().defined());
-      for (const auto& p : model->parameters()) EXPECT_EQ(p.numel(), 0);
+      expect_between_steps(r, model, *ref);
       opt.step();
     }
     expect_shards_match(r, model, *ref);
@@ -133,18 +133,33 @@ TEST(EdgeCases, ClippingOrFusedStepBeforeBackwardIsAnError) {
   });
 }
 
-// Calling a block directly (around its wrapper) between steps finds empty parameters: an error
-// from the first operation, never a read of freed memory.
+// Calling the model's own forward (model->forward, around the handle) is refused with a hint as
+// soon as it reaches a unit; a block's own forward (around its wrapper) between steps finds its
+// shards: an error from the first operation that needs the full shape, never a read of freed memory.
 TEST(EdgeCases, BlockCalledAroundItsWrapper) {
   run_ranks(2, [](Rank& r) {
     auto model = fsdp::fully_shard(gpt::make_gpt<true>(kCfg), r.pg, test_options());
     auto x = torch::randn({2, kCfg.block_size, kCfg.n_embd});
     gpt::BlockImpl& plain = *model->blocks[0];  // the user's BlockImpl inside the wrapper
     EXPECT_THROW(plain.forward(x), c10::Error);
-    auto msg = error_of([&] { model->lm_head->forward(x); });  // a root module outside the handle
-    EXPECT_FALSE(msg.empty());
-    // The wrapper itself still works.
-    EXPECT_EQ(model->blocks[0](x).sizes(), x.sizes());
+    // The root's own embeddings fail first here (positions past this rank's rows): the error is
+    // the operation's, and a warning names the cause as it leaves the call.
+    auto idx = torch::zeros({2, kCfg.block_size}, torch::kLong);
+    std::string warned;
+    {
+      WarningCapture capture;
+      EXPECT_FALSE(error_of([&] { model->forward(idx); }).empty());
+      warned = capture.text();
+    }
+    EXPECT_NE(warned.find("model->forward(x)"), std::string::npos) << warned;
+    EXPECT_NE(warned.find("call the handle itself: model(x)"), std::string::npos) << warned;
+    // A model whose root computes nothing of its own before its first unit reaches the unit's check.
+    auto chain = fsdp::fully_shard(std::make_shared<UnevenMLPImpl<true>>(), r.pg, test_options());
+    auto msg = error_of([&] { chain->forward(torch::randn({2, 7})); });
+    EXPECT_NE(msg.find("such as model->forward(x)"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("Call the handle itself: model(x)"), std::string::npos) << msg;
+    // The handle still works, with nothing left half done by the refused call.
+    EXPECT_EQ(model(idx).sizes(), (std::vector<int64_t>{2, kCfg.block_size, kCfg.vocab_size}));
   });
 }
 

@@ -222,7 +222,7 @@ TEST(Faults, SkippedUnitIsNamedWithVerifyCollectives) {
     model(x).sum().backward();
     auto msg = error_of([&] {
       if (r.rank == 1) {
-        model->a(x);  // unit a alone: a different forward than rank 0's
+        net->a(x);  // unit a alone: a different forward than rank 0's
       }
       model(x).sum().backward();
     });

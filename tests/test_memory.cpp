@@ -119,8 +119,7 @@ struct WideChainImpl : torch::nn::Module {
 
 /// Unsharded bytes of a Linear(in, out) unit at W ranks: each parameter padded to W * ceil(rows/W) rows.
 int64_t unit_bytes(int64_t in, int64_t out, int W) {
-  const int64_t c = (out + W - 1) / W;
-  return W * c * (in + 1) * 4;
+  return W * (row_layout({out, in}, W).padded_numel() + row_layout({out}, W).padded_numel()) * 4;
 }
 
 // DESIGN.md section 4: in forward, memory beyond the shards stays within the root unit plus the

@@ -9,8 +9,7 @@ namespace fsdp::testing {
 namespace {
 
 int64_t expected_rows(int64_t rows, int rank, int world) {
-  const int64_t c = (rows + world - 1) / world;
-  return std::max<int64_t>(0, std::min(c, rows - rank * c));
+  return row_layout({rows}, world).local_rows(rank);
 }
 
 TEST(Sharding, RowsPerRankIncludingEmptyShards) {
@@ -42,9 +41,10 @@ TEST(Sharding, RowsPerRankIncludingEmptyShards) {
     EXPECT_EQ(model.named_sharded_parameters()["fc2.weight"].size(0), expected_rows(5, r.rank, 4));
     // Every unit's shards share one flat buffer, padded per parameter to c rows.
     EXPECT_EQ(fsdp::optim::state_bytes(model.sharded_parameters()).params, flat_bytes_expected);
-    // Outside forward and backward no parameter holds memory.
-    for (const auto& p : model->parameters()) {
-      EXPECT_EQ(p.numel(), 0);
+    // Between steps the module's own parameters are those shards.
+    const auto named = model->named_parameters();
+    for (const auto& kv : model.named_parameters()) {
+      EXPECT_TRUE(named[kv.key()].is_same(kv.value())) << kv.key();
     }
   });
 }
@@ -81,7 +81,7 @@ TEST(Sharding, UnshardedStorageIsFreedBetweenUnits) {
     for (int i = 0; i < 3; ++i) {
       chain->units[i]->probe = [&, i] {
         for (int j = 0; j < 3; ++j) {
-          seen[i].emplace_back(j, chain->units[j]->fc->weight.storage().nbytes());
+          seen[i].emplace_back(j, chain->units[j]->fsdp_unit()->slots()[0].unsharded.storage().nbytes());
         }
       };
     }
@@ -100,14 +100,19 @@ TEST(Sharding, UnshardedStorageIsFreedBetweenUnits) {
         }
       }
     }
-    // After forward only the root is gathered; after backward nothing is.
-    for (auto& u : chain->units) EXPECT_EQ(u->fc->weight.storage().nbytes(), 0u);
-    EXPECT_GT(chain->head->weight.storage().nbytes(), 0u);
+    // After forward only the root keeps its gathered memory (for backward), though its parameters
+    // are the shards again; after backward nothing is gathered, and every parameter is its shard,
+    // with a sharded gradient.
+    auto unsharded_bytes = [](auto& u) { return u->fsdp_unit()->slots()[0].unsharded.storage().nbytes(); };
+    for (auto& u : chain->units) EXPECT_EQ(unsharded_bytes(u), 0u);
+    EXPECT_EQ(chain->head->weight.size(0), 1);
     loss.backward();
-    for (auto& u : chain->units) EXPECT_EQ(u->fc->weight.storage().nbytes(), 0u);
-    EXPECT_EQ(chain->head->weight.storage().nbytes(), 0u);
-    for (const auto& p : chain->parameters()) EXPECT_FALSE(p.grad().defined()) << "unsharded gradient kept";
-    for (const auto& p : model.sharded_parameters()) EXPECT_TRUE(p.grad().defined());
+    for (auto& u : chain->units) EXPECT_EQ(unsharded_bytes(u), 0u);
+    EXPECT_EQ(chain->head->weight.size(0), 1);  // 2 rows over 2 ranks
+    for (const auto& p : chain->parameters()) {
+      ASSERT_TRUE(p.grad().defined());
+      EXPECT_EQ(p.grad().sizes(), p.sizes()) << "the sharded gradient";
+    }
   });
 }
 
@@ -128,10 +133,7 @@ TEST_P(CollectivesPerStep, GPT) {
     const int W = r.world_size;
     int64_t root = 0, blocks = 0;
     for (const auto& kv : full->named_parameters()) {
-      const auto& p = kv.value();
-      const int64_t rows = p.dim() == 0 ? 1 : p.size(0);
-      const int64_t padded = (rows + W - 1) / W * (p.numel() / std::max<int64_t>(rows, 1));
-      (kv.key().rfind("h.", 0) == 0 ? blocks : root) += padded;
+      (kv.key().rfind("h.", 0) == 0 ? blocks : root) += row_layout(kv.value().sizes(), W).padded_numel();
     }
     auto model = fsdp::fully_shard(gpt::make_gpt<true>(cfg), r.pg, test_options().strategy(strategy));
     for (int step = 0; step < 2; ++step) {
@@ -219,7 +221,7 @@ TEST(Sharding, FrozenAndEmptyParametersInAUnit) {
     }
     expect_shards_match(r, model, *ref);
     EXPECT_FALSE(model.named_sharded_parameters()["lr.base"].grad().defined());
-    EXPECT_EQ(model->lr->base.numel(), 0);  // freed at the end of backward
+    expect_between_steps(r, model, *ref);  // resharded at the end of backward
   });
 }
 
@@ -254,7 +256,7 @@ TEST(Sharding, StepAfterAFailedBackward) {
       ASSERT_TRUE(kv.value().grad().defined()) << kv.key();
       EXPECT_TRUE(close(kv.value().grad(), owned_rows(want[kv.key()].grad(), r.rank, r.world_size))) << kv.key();
     }
-    for (const auto& p : model->parameters()) EXPECT_EQ(p.numel(), 0);
+    expect_between_steps(r, model, *ref);
   });
 }
 

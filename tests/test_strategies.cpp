@@ -141,8 +141,7 @@ TEST(MixedStrategies, AllFiveInOneGPT) {
 
 /// Padded elements per shard rank of every parameter sharded over `S` ranks: ceil(rows/S) * row.
 int64_t padded(const torch::Tensor& p, int64_t S) {
-  const int64_t rows = p.dim() == 0 ? 1 : p.size(0);
-  return (rows + S - 1) / S * (p.numel() / std::max<int64_t>(rows, 1));
+  return row_layout(p.sizes(), S).padded_numel();
 }
 
 // What each strategy sends in one step, in the ZeRO paper's unit (all-gather outputs +

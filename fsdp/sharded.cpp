@@ -1,0 +1,29 @@
+#include "fsdp/sharded.h"
+
+#include "fsdp/state.h"
+
+#include <c10/util/Exception.h>
+
+namespace fsdp {
+
+ShardedUnit& as_unit(const std::shared_ptr<torch::nn::Module>& module) {
+  TORCH_CHECK(module != nullptr, "fsdp::as_unit: the module is null");
+  auto* unit = dynamic_cast<ShardedUnit*>(module.get());
+  TORCH_CHECK(unit != nullptr, "fsdp::as_unit: module '", module->name(),
+              "' is not an fsdp::Sharded unit. Build it as fsdp::Sharded<ItsImpl>(...) to give it per-unit settings; "
+              "a plain module belongs to the unit that contains it.");
+  return *unit;
+}
+
+namespace detail {
+
+void unit_zero_grad(ParamGroup& unit) {
+  unit.state().check_no_unsynced_grads("model->zero_grad()");
+}
+
+void unit_to(ParamGroup& unit, const std::optional<at::Device>& device, const std::optional<at::ScalarType>& dtype) {
+  unit.check_conversion(device, dtype);
+}
+
+}  // namespace detail
+}  // namespace fsdp
