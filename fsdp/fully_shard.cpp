@@ -6,13 +6,16 @@
 #include <unordered_set>
 #include <utility>
 
-namespace fsdp::detail {
+namespace fsdp {
 
-RootHandle::RootHandle(std::shared_ptr<torch::nn::Module> module, const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
+using detail::FSDPState;
+using detail::shard_model;
+
+FSDPModule::FSDPModule(std::shared_ptr<torch::nn::Module> module, const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
                        const FullyShardOptions& options)
     : module_(std::move(module)), root_(shard_model(module_, pg, options)) {}
 
-RootHandle::RootHandle(std::shared_ptr<torch::nn::Module> module, ShardingScope& scope) : module_(std::move(module)) {
+FSDPModule::FSDPModule(std::shared_ptr<torch::nn::Module> module, ShardingScope& scope) : module_(std::move(module)) {
   TORCH_CHECK(scope.state() != nullptr, "fsdp::fully_shard: the ShardingScope has no state");
   TORCH_CHECK(scope.state()->groups.empty(), "fsdp::fully_shard (rank ", scope.state()->comm.rank(),
               "): this ShardingScope already wrapped a model; open one scope per model.");
@@ -20,25 +23,25 @@ RootHandle::RootHandle(std::shared_ptr<torch::nn::Module> module, ShardingScope&
   root_ = shard_model(module_, scope.process_group(), scope.state()->options, scope.state());
 }
 
-void RootHandle::root_pre_forward() {
+void FSDPModule::root_pre_forward() {
   root_->state().begin_forward();
   root_->state().in_root_forward = true;
   root_->pre_forward();
 }
 
-void RootHandle::root_post_forward(const std::vector<at::Tensor>& outputs) {
+void FSDPModule::root_post_forward(const std::vector<at::Tensor>& outputs) {
   root_->post_forward(outputs);
   root_->state().end_forward();
 }
 
-void RootHandle::root_forward_ended() {
+void FSDPModule::root_forward_ended() {
   root_->state().in_root_forward = false;
 }
 
-void RootHandle::begin_access() const {
+void FSDPModule::begin_access() const {
   ++root_->state().direct_access;
 }
-void RootHandle::end_access(bool threw) const {
+void FSDPModule::end_access(bool threw) const {
   FSDPState& state = root_->state();
   --state.direct_access;
   // Between steps the module's parameters are shards: a forward called on the module itself
@@ -53,11 +56,11 @@ void RootHandle::end_access(bool threw) const {
   }
 }
 
-torch::OrderedDict<std::string, at::Tensor> RootHandle::named_parameters(bool recurse) const {
+torch::OrderedDict<std::string, at::Tensor> FSDPModule::named_parameters(bool recurse) const {
   return module_->named_parameters(recurse);
 }
 
-std::vector<at::Tensor> RootHandle::parameters(bool recurse) const {
+std::vector<at::Tensor> FSDPModule::parameters(bool recurse) const {
   // Once each: a weight tied inside a unit appears under two names but is one tensor, and an
   // optimizer given it twice would step it twice.
   std::vector<at::Tensor> out;
@@ -68,37 +71,37 @@ std::vector<at::Tensor> RootHandle::parameters(bool recurse) const {
   return out;
 }
 
-torch::OrderedDict<std::string, at::Tensor> RootHandle::named_buffers(bool recurse) const {
+torch::OrderedDict<std::string, at::Tensor> FSDPModule::named_buffers(bool recurse) const {
   return module_->named_buffers(recurse);
 }
-std::vector<at::Tensor> RootHandle::buffers(bool recurse) const {
+std::vector<at::Tensor> FSDPModule::buffers(bool recurse) const {
   return module_->buffers(recurse);
 }
 
-void RootHandle::train(bool on) {
+void FSDPModule::train(bool on) {
   module_->train(on);
 }
-bool RootHandle::is_training() const {
+bool FSDPModule::is_training() const {
   return module_->is_training();
 }
 
-void RootHandle::to(at::Device device, at::ScalarType dtype) {
+void FSDPModule::to(at::Device device, at::ScalarType dtype) {
   for (auto& w : root_->state().groups) {
     if (auto g = w.lock()) g->check_conversion(device, dtype);
   }
 }
-void RootHandle::to(at::ScalarType dtype) {
+void FSDPModule::to(at::ScalarType dtype) {
   for (auto& w : root_->state().groups) {
     if (auto g = w.lock()) g->check_conversion(std::nullopt, dtype);
   }
 }
-void RootHandle::to(at::Device device) {
+void FSDPModule::to(at::Device device) {
   for (auto& w : root_->state().groups) {
     if (auto g = w.lock()) g->check_conversion(device, std::nullopt);
   }
 }
 
-torch::OrderedDict<std::string, at::Tensor> RootHandle::full_state_dict(bool rank0_only) const {
+torch::OrderedDict<std::string, at::Tensor> FSDPModule::full_state_dict(bool rank0_only) const {
   FSDPState& state = root_->state();
   state.check_not_broken();
   TORCH_CHECK(!state.in_backward(), "fsdp::full_state_dict (", state.comm.where(),
@@ -127,14 +130,15 @@ torch::OrderedDict<std::string, at::Tensor> RootHandle::full_state_dict(bool ran
   return out;
 }
 
-void RootHandle::mark_shards_written() {
+void FSDPModule::mark_shards_written() {
   for (auto& w : root_->state().groups) {
     if (auto g = w.lock()) g->mark_shards_written();
   }
 }
 
-std::vector<UnitInfo> RootHandle::units() const {
+std::vector<UnitInfo> FSDPModule::units() const {
   std::vector<UnitInfo> out;
+  size_t spec = 0;
   for (auto& w : root_->state().groups) {
     if (auto g = w.lock()) {
       UnitInfo u;
@@ -144,26 +148,80 @@ std::vector<UnitInfo> RootHandle::units() const {
       u.shard_rank = g->shard_rank();
       u.shard_world_size = g->shard_world_size();
       u.unsharded = g->is_unsharded();
-      for (const auto& s : g->slots()) u.params.push_back(s.name);
+      for (const auto& s : g->slots()) {
+        u.params.push_back(s.name);
+        u.specs.push_back(spec++);
+      }
+      u.flat_shard = g->flat_shard();
+      u.flat_grad = g->flat_grad();
       out.push_back(std::move(u));
     }
   }
   return out;
 }
 
-void RootHandle::zero_grad(bool set_to_none) {
+std::vector<ShardSpec> FSDPModule::shard_specs() const {
+  const FSDPState& state = root_->state();
+  const int rank = state.comm.rank();
+  std::vector<ShardSpec> out;
+  size_t unit = 0;
+  for (const auto& w : state.groups) {
+    auto g = w.lock();
+    if (!g) continue;
+    TORCH_CHECK(!g->is_unsharded(), "fsdp::shard_specs (", state.comm.where(), "): unit '",
+                g->is_root() ? "<root>" : g->name(),
+                "' is unsharded (inside its forward or backward); ask for the shard contract between steps.");
+    const int S = static_cast<int>(g->shard_world_size());
+    for (const auto& s : g->slots()) {
+      ShardSpec p;
+      p.name = s.name;
+      p.global_shape = s.shape;
+      p.dtype = s.sharded.scalar_type();
+      p.strategy = g->strategy();
+      p.unit = unit;
+      p.layout = s.layout;
+      p.shard_rank = static_cast<int>(g->shard_rank());
+      p.shard_world_size = S;
+      p.replica_rank = rank / S;
+      p.replicas = static_cast<int>(g->replication());
+      p.row_begin = s.layout.begin(p.shard_rank);
+      p.row_end = s.layout.end(p.shard_rank);
+      p.local = s.param;
+      p.flat_offset = s.offset;
+      out.push_back(std::move(p));
+    }
+    ++unit;
+  }
+  return out;
+}
+
+void FSDPModule::check_gradients_reduced(const char* caller) const {
+  root_->state().check_no_unsynced_grads(caller);
+}
+
+void FSDPModule::all_reduce(at::Tensor& tensor, c10d::ReduceOp op, const std::string& what) const {
+  FSDPState& state = root_->state();
+  state.check_not_broken();
+  // Every rank must be at this call: one rank reducing while another runs its next forward would
+  // pair this all-reduce with a collective of another size.
+  const auto name = static_cast<int64_t>(std::hash<std::string>{}(what) >> 1);
+  state.check_boundary(FSDPState::Boundary::kModelCollective, name, tensor.numel(), what);
+  state.comm.all_reduce(tensor, std::move(op), what);
+}
+
+void FSDPModule::zero_grad(bool set_to_none) {
   root_->state().check_no_unsynced_grads("model.zero_grad()");
   module_->zero_grad(set_to_none);
 }
 
-void RootHandle::set_requires_gradient_sync(bool sync) {
+void FSDPModule::set_requires_gradient_sync(bool sync) {
   root_->state().sync_gradients = sync;
 }
-bool RootHandle::requires_gradient_sync() const {
+bool FSDPModule::requires_gradient_sync() const {
   return root_->state().sync_gradients;
 }
 
-int64_t RootHandle::num_parameters() const {
+int64_t FSDPModule::num_parameters() const {
   int64_t n = 0;
   for (auto& w : root_->state().groups) {
     if (auto g = w.lock()) {
@@ -173,26 +231,26 @@ int64_t RootHandle::num_parameters() const {
   return n;
 }
 
-const CommStats& RootHandle::comm_stats() const {
+const CommStats& FSDPModule::comm_stats() const {
   return root_->state().comm.stats();
 }
-int64_t RootHandle::held_state_bytes() const {
+int64_t FSDPModule::held_state_bytes() const {
   return root_->state().held_state_bytes();
 }
-void RootHandle::track_state_peak(bool on) {
+void FSDPModule::track_state_peak(bool on) {
   root_->state().track_state_peak(on);
 }
-int64_t RootHandle::state_peak_bytes() const {
+int64_t FSDPModule::state_peak_bytes() const {
   return root_->state().state_peak();
 }
-void RootHandle::reset_comm_stats() {
+void FSDPModule::reset_comm_stats() {
   root_->state().comm.stats() = CommStats{};
 }
-int RootHandle::rank() const {
+int FSDPModule::rank() const {
   return root_->state().comm.rank();
 }
-int RootHandle::world_size() const {
+int FSDPModule::world_size() const {
   return root_->state().comm.world_size();
 }
 
-}  // namespace fsdp::detail
+}  // namespace fsdp

@@ -16,6 +16,7 @@
 
 #include "fsdp/options.h"
 #include "fsdp/param_group.h"
+#include "fsdp/shard_spec.h"
 #include "fsdp/sharded.h"
 #include "fsdp/sharding_scope.h"
 #include "fsdp/state.h"
@@ -30,24 +31,14 @@
 
 namespace fsdp {
 
-/// A unit's layout on this rank, for inspection and tests.
-struct UnitInfo {
-  std::string name;  ///< module path of the unit ("" for the root unit)
-  ShardingStrategy strategy = ShardingStrategy::kFullShard;
-  int64_t shard_numel = 0;       ///< elements of this rank's flat shard, padding included
-  int64_t shard_rank = 0;        ///< this rank's place among the ranks the unit is sharded over
-  int64_t shard_world_size = 1;  ///< those ranks: N, S (hybrid) or 1 (replicated)
-  bool unsharded = false;
-  std::vector<std::string> params;
-};
-
-namespace detail {
-/// The non-template part of FullyShardedModule.
-class RootHandle {
+/// The handle of a wrapped model, the non-template part of FullyShardedModule<Impl>: what the
+/// library's functions (fsdp::optim) and the user's code take to mean "the wrapped model". Copies
+/// share the model.
+class FSDPModule {
  public:
-  RootHandle(std::shared_ptr<torch::nn::Module> module, const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
+  FSDPModule(std::shared_ptr<torch::nn::Module> module, const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
              const FullyShardOptions& options);
-  RootHandle(std::shared_ptr<torch::nn::Module> module, ShardingScope& scope);
+  FSDPModule(std::shared_ptr<torch::nn::Module> module, ShardingScope& scope);
 
   /// This rank's parameters, each once (a tied weight is one tensor): between steps, each is
   /// this rank's rows of the module's parameter, and its .grad the sharded gradient. The same
@@ -68,7 +59,11 @@ class RootHandle {
   void to(at::Device device, at::ScalarType dtype);
   void to(at::ScalarType dtype);
   void to(at::Device device);
+  /// Every unit, root first then in module order, with its flat buffers (fsdp/shard_spec.h).
   std::vector<UnitInfo> units() const;
+  /// What this rank holds of every parameter, units in units() order and each unit's parameters in
+  /// flat-shard order (fsdp/shard_spec.h). Between steps.
+  std::vector<ShardSpec> shard_specs() const;
   /// Elements of all parameters of the full (unsharded) model.
   int64_t num_parameters() const;
   /// Drops (or zeroes) the sharded gradients: model->zero_grad() and an optimizer's zero_grad()
@@ -80,6 +75,13 @@ class RootHandle {
   /// every rank calls it, between steps. With `rank0_only`, ranks other than 0 get an empty dict
   /// (and keep no more than one unit at a time).
   torch::OrderedDict<std::string, at::Tensor> full_state_dict(bool rank0_only = false) const;
+  /// Throws, naming `caller`, while gradients accumulated with gradient sync off wait unreduced
+  /// (see set_requires_gradient_sync): stepping or clipping now would miss those micro-batches.
+  void check_gradients_reduced(const char* caller) const;
+  /// Reduces `tensor` in place over every rank of the model, bounded by its timeout, after
+  /// checking that every rank is at the same call (`what` names it in errors; equal on all ranks).
+  /// For what is computed from shards (a global norm, a count): fsdp::optim uses it.
+  void all_reduce(at::Tensor& tensor, c10d::ReduceOp op, const std::string& what) const;
   /// Tells the library that the shards were written in a way it cannot see (for example values
   /// copied into the parameters' data by a checkpoint loader): the next forward gathers them.
   /// Writes through the parameters (optimizers) and torch::load of the module are noticed without it.
@@ -110,8 +112,6 @@ class RootHandle {
   int64_t state_peak_bytes() const;
   int rank() const;
   int world_size() const;
-  /// The shared state of all units (the library's own use: clipping, optimizers).
-  FSDPState& state() const { return root_->state(); }
 
  protected:
   void root_pre_forward();
@@ -125,18 +125,17 @@ class RootHandle {
   void end_access(bool threw) const;
 
   std::shared_ptr<torch::nn::Module> module_;
-  std::shared_ptr<ParamGroup> root_;
+  std::shared_ptr<detail::ParamGroup> root_;
 };
-}  // namespace detail
 
 template <typename Impl>
-class FullyShardedModule : public detail::RootHandle {
+class FullyShardedModule : public FSDPModule {
  public:
   FullyShardedModule(std::shared_ptr<Impl> module, const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
                      const FullyShardOptions& options)
-      : RootHandle(module, pg, options), impl_(std::move(module)) {}
+      : FSDPModule(module, pg, options), impl_(std::move(module)) {}
   FullyShardedModule(std::shared_ptr<Impl> module, ShardingScope& scope)
-      : RootHandle(module, scope), impl_(std::move(module)) {}
+      : FSDPModule(module, scope), impl_(std::move(module)) {}
 
   template <typename... Args>
   decltype(auto) forward(Args&&... args) {

@@ -637,6 +637,25 @@ void ParamGroup::set_full_grad_rows(const at::Tensor& flat_grad) {
   }
 }
 
+at::Tensor ParamGroup::flat_grad() const {
+  if (!flat_shard_.defined() || shard_numel_ == 0) return {};
+  const at::Tensor* first = nullptr;  // the first gradient with elements, and where the flat base is
+  int64_t base = 0;
+  for (const auto& s : slots_) {
+    if (s.padded_numel() == 0) continue;
+    const at::Tensor& g = shard_grad(s);
+    if (!g.defined() || !g.is_contiguous() || g.scalar_type() != flat_shard_.scalar_type()) return {};
+    if (first == nullptr) {
+      first = &g;
+      base = g.storage_offset() - s.offset;
+    }
+    if (!g.is_alias_of(*first) || g.storage_offset() != base + s.offset) return {};
+  }
+  const int64_t bytes = (base + shard_numel_) * flat_shard_.element_size();
+  if (first == nullptr || base < 0 || static_cast<int64_t>(first->storage().nbytes()) < bytes) return {};
+  return alias_rows(*first, base - first->storage_offset(), {shard_numel_});
+}
+
 bool ParamGroup::holds_unsynced_grads() const {
   if (holds_reduced_) return false;  // kShardOptimizerState's full gradients after their reduction
   return std::any_of(slots_.begin(), slots_.end(),

@@ -83,6 +83,9 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   /// The sharded gradient of a slot, wherever it is now (on the parameter between steps).
   at::Tensor& shard_grad(ParamSlot& s) { return full_views_ ? s.shard_grad : s.param.mutable_grad(); }
   const at::Tensor& shard_grad(const ParamSlot& s) const { return full_views_ ? s.shard_grad : s.param.grad(); }
+  /// The sharded gradients as one flat buffer in the flat shard's layout, when every parameter
+  /// with elements has its gradient there at its offset; undefined otherwise.
+  at::Tensor flat_grad() const;
   /// Whether gradients accumulated with gradient sync off wait to be reduced.
   bool holds_unsynced_grads() const;
   /// Refuses a conversion of the unit's parameters to another dtype or device after wrapping.

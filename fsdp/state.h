@@ -68,7 +68,7 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
     kForward = 101,
     kBackwardBegin = 102,
     kBackwardEnd = 103,
-    kClip = 104,
+    kModelCollective = 104,
     kFullStateDict = 105
   };
   void check_boundary(Boundary b, int64_t a, int64_t c, const std::string& description);
@@ -85,7 +85,7 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   void check_not_broken() const;
 
   /// Bytes of parameters and gradients all units hold now (each storage once); see
-  /// RootHandle::held_state_bytes.
+  /// FSDPModule::held_state_bytes.
   int64_t held_state_bytes() const;
   /// While tracking, units call this where their holdings are largest: right after a unit is
   /// gathered (its prefetch issued) and when its gradients are packed for reduction.

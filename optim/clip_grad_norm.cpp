@@ -8,34 +8,25 @@
 #include <limits>
 #include <sstream>
 #include <string>
-#include <unordered_set>
 
 namespace fsdp::optim {
 namespace {
 
 /// One sharded gradient: how many ranks hold the same rows (replicated and hybrid units count each
-/// rank's part 1/replication times in the sum), and its parameter's name, for messages.
+/// rank's part 1/replicas times in the sum), and its parameter's name, for messages.
 struct ShardGrad {
   at::Tensor grad;
-  int64_t replication;
-  const std::string* name;
+  int64_t replicas;
+  std::string name;
 };
 
 /// The global `norm_type` norm of every sharded gradient of `model`, in one all-reduce; fills
 /// `grads` with this rank's gradients (for clipping). `caller` names the function in errors.
-double global_norm(const detail::RootHandle& model, double norm_type, bool error_if_nonfinite, const char* caller,
+double global_norm(const FSDPModule& model, double norm_type, bool error_if_nonfinite, const char* caller,
                    std::vector<ShardGrad>& grads) {
-  model.state().check_no_unsynced_grads(caller);
-  // Each sharded parameter once (a tied weight is one tensor).
-  std::unordered_set<const c10::TensorImpl*> seen;
-  for (auto& w : model.state().groups) {
-    auto unit = w.lock();
-    if (!unit) continue;
-    for (const auto& s : unit->slots()) {
-      if (!seen.insert(s.sharded.unsafeGetTensorImpl()).second) continue;
-      const at::Tensor& g = unit->shard_grad(s);
-      if (g.defined()) grads.push_back({g, unit->replication(), &s.name});
-    }
+  model.check_gradients_reduced(caller);
+  for (const auto& p : model.shard_specs()) {  // each parameter once (a tied weight is one tensor)
+    if (p.local.grad().defined()) grads.push_back({p.local.grad(), p.replicas, p.name});
   }
   const bool inf = std::isinf(norm_type);
   // This rank's part: the largest |g|, or the sum of |g|^p, over its own rows (shards hold no
@@ -48,7 +39,7 @@ double global_norm(const detail::RootHandle& model, double norm_type, bool error
     const double n = g.grad.norm(norm_type).item<double>();
     nonfinite = nonfinite || !std::isfinite(n);
     if (!inf) {
-      local += std::pow(n, norm_type) / static_cast<double>(g.replication);
+      local += std::pow(n, norm_type) / static_cast<double>(g.replicas);
     } else if (std::isnan(n) || std::isnan(local)) {
       local = std::numeric_limits<double>::quiet_NaN();
     } else {
@@ -62,18 +53,12 @@ double global_norm(const detail::RootHandle& model, double norm_type, bool error
   t[0] = local;
   t[1] = static_cast<double>(grads.size());
   t[2] = nonfinite ? 1.0 : 0.0;
-  auto& comm = model.state().comm;
-  // Every rank must be here: one rank clipping while another runs its next forward would pair
-  // this all-reduce with a collective of another size.
-  double bits = norm_type;
-  int64_t code = 0;
-  std::memcpy(&code, &bits, sizeof(code));
+  // MAX for the inf norm; counting with MAX still tells "none anywhere" from "some". Every rank
+  // must be here (the model checks that first).
   std::ostringstream call;
   call << caller << " (norm_type " << norm_type << ")";
-  model.state().check_boundary(detail::FSDPState::Boundary::kClip, code, 0, call.str());
-  // MAX for the inf norm; counting with MAX still tells "none anywhere" from "some".
-  comm.all_reduce(t, inf ? c10d::ReduceOp::MAX : c10d::ReduceOp::SUM, std::string(caller) + "'s all-reduce");
-  TORCH_CHECK(t[1].item<double>() > 0, caller, " (rank ", comm.rank(), " of ", comm.world_size(),
+  model.all_reduce(t, inf ? c10d::ReduceOp::MAX : c10d::ReduceOp::SUM, call.str());
+  TORCH_CHECK(t[1].item<double>() > 0, caller, " (rank ", model.rank(), " of ", model.world_size(),
               "): no sharded parameter has a gradient on any rank. Call it after loss.backward() and before "
               "the optimizer step.");
   double total = inf ? t[0].item<double>() : std::pow(t[0].item<double>(), 1.0 / norm_type);
@@ -83,7 +68,7 @@ double global_norm(const detail::RootHandle& model, double norm_type, bool error
     std::ostringstream mine;
     for (const auto& g : grads) {
       if (g.grad.numel() > 0 && !g.grad.isfinite().all().item<bool>()) {
-        mine << "this rank's first parameter with a non-finite gradient is '" << *g.name << "'";
+        mine << "this rank's first parameter with a non-finite gradient is '" << g.name << "'";
         break;
       }
     }
@@ -91,7 +76,7 @@ double global_norm(const detail::RootHandle& model, double norm_type, bool error
       mine << "every gradient on this rank is finite (the non-finite values are on another rank, or the sum of "
               "their powers overflowed)";
     }
-    TORCH_CHECK(false, caller, " (rank ", comm.rank(), " of ", comm.world_size(), "): the total gradient norm ",
+    TORCH_CHECK(false, caller, " (rank ", model.rank(), " of ", model.world_size(), "): the total gradient norm ",
                 "(norm_type ", norm_type, ") is ", total, ", not finite; ", mine.str(),
                 ". Training has diverged or the data holds bad values: lower the learning rate, check the input "
                 "data, or clip the gradients (a smaller max_norm); error_if_nonfinite=false returns the norm "
@@ -102,7 +87,7 @@ double global_norm(const detail::RootHandle& model, double norm_type, bool error
 
 }  // namespace
 
-double clip_grad_norm(const detail::RootHandle& model, double max_norm, double norm_type, bool error_if_nonfinite) {
+double clip_grad_norm(const FSDPModule& model, double max_norm, double norm_type, bool error_if_nonfinite) {
   std::vector<ShardGrad> grads;
   const double total = global_norm(model, norm_type, error_if_nonfinite, "fsdp::optim::clip_grad_norm", grads);
   const double coef = max_norm / (total + 1e-6);
@@ -112,7 +97,7 @@ double clip_grad_norm(const detail::RootHandle& model, double max_norm, double n
   return total;
 }
 
-double grad_norm(const detail::RootHandle& model, double norm_type, bool error_if_nonfinite) {
+double grad_norm(const FSDPModule& model, double norm_type, bool error_if_nonfinite) {
   std::vector<ShardGrad> grads;
   return global_norm(model, norm_type, error_if_nonfinite, "fsdp::optim::grad_norm", grads);
 }

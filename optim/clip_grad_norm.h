@@ -14,11 +14,11 @@ namespace fsdp::optim {
 /// throws a c10::Error on every rank alike (they all see the same reduced norm), before anything is
 /// scaled, naming the norm and this rank's first parameter whose gradient is not finite. Without
 /// it, a non-finite norm is returned: NaN scales nothing, infinity zeroes the gradients.
-double clip_grad_norm(const detail::RootHandle& model, double max_norm, double norm_type = 2.0,
+double clip_grad_norm(const FSDPModule& model, double max_norm, double norm_type = 2.0,
                       bool error_if_nonfinite = false);
 
 /// The same global norm as clip_grad_norm, gradients left as they are (for logging, or to detect
 /// a diverging run without clipping). One all-reduce; call it on every rank.
-double grad_norm(const detail::RootHandle& model, double norm_type = 2.0, bool error_if_nonfinite = false);
+double grad_norm(const FSDPModule& model, double norm_type = 2.0, bool error_if_nonfinite = false);
 
 }  // namespace fsdp::optim

@@ -1,6 +1,7 @@
 #include "optim/fused_adamw.h"
 
 #include <ATen/ops/_fused_adamw.h>
+#include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/strides.h>
 
@@ -13,15 +14,42 @@ at::Tensor alias(const at::Tensor& base, int64_t offset, at::IntArrayRef shape) 
   return t;
 }
 
+bool aliases(const at::Tensor& t, const at::Tensor& view) {
+  return t.defined() && t.is_alias_of(view) && t.storage_offset() == view.storage_offset() && t.sizes() == view.sizes();
+}
+
 }  // namespace
 
-FusedAdamW::FusedAdamW(const detail::RootHandle& model, const torch::optim::AdamWOptions& options)
-    : Optimizer({torch::optim::OptimizerParamGroup(model.sharded_parameters())},
-                std::make_unique<torch::optim::AdamWOptions>(options)) {
+FusedAdamW::FusedAdamW(const FSDPModule& model, const torch::optim::AdamWOptions& options)
+    : AdamW(model.parameters(), options), model_(model) {
   TORCH_CHECK(!options.amsgrad(), "fsdp::optim::FusedAdamW: amsgrad is not supported; use torch::optim::AdamW");
-  for (auto& w : model.state().groups) {
-    if (auto g = w.lock()) units_.push_back(UnitState{g, {}, {}, {}});
+}
+
+torch::optim::AdamWParamState& FusedAdamW::param_state(const ShardSpec& p, size_t unit) {
+  const Moments& m = moments_[unit];
+  const at::Tensor exp_avg = alias(m.exp_avg, p.flat_offset, p.local.sizes());
+  const at::Tensor exp_avg_sq = alias(m.exp_avg_sq, p.flat_offset, p.local.sizes());
+  auto& slot = state_[p.local.unsafeGetTensorImpl()];
+  if (!slot) {
+    auto st = std::make_unique<torch::optim::AdamWParamState>();
+    st->step(0);
+    st->exp_avg(exp_avg);
+    st->exp_avg_sq(exp_avg_sq);
+    slot = std::move(st);
   }
+  auto& st = static_cast<torch::optim::AdamWParamState&>(*slot);
+  // Loaded (torch::load of the optimizer) or otherwise replaced: into the flat buffers.
+  for (auto [mine, flat] : {std::pair{st.exp_avg(), exp_avg}, std::pair{st.exp_avg_sq(), exp_avg_sq}}) {
+    if (aliases(mine, flat)) continue;
+    TORCH_CHECK(mine.sizes() == flat.sizes(), "fsdp::optim::FusedAdamW (rank ", model_.rank(),
+                "): the loaded state of parameter '", p.name, "' has shape ", mine.sizes(),
+                ", but this rank's rows of it are ", flat.sizes(),
+                ". Load the optimizer state this rank saved from the same wrapped model and world size.");
+    flat.copy_(mine);
+  }
+  st.exp_avg(exp_avg);
+  st.exp_avg_sq(exp_avg_sq);
+  return st;
 }
 
 at::Tensor FusedAdamW::step(LossClosure closure) {
@@ -31,67 +59,57 @@ at::Tensor FusedAdamW::step(LossClosure closure) {
     at::AutoGradMode grad(true);
     loss = closure();
   }
-  if (!units_.empty()) {
-    if (auto g = units_.front().group.lock()) g->state().check_no_unsynced_grads("fsdp::optim::FusedAdamW::step");
-  }
+  model_.check_gradients_reduced("fsdp::optim::FusedAdamW::step");
   const auto& o = static_cast<const torch::optim::AdamWOptions&>(param_groups()[0].options());
+  const std::vector<ShardSpec> specs = model_.shard_specs();
+  const std::vector<UnitInfo> units = model_.units();
+  moments_.resize(units.size());
   std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, steps;
-  for (auto& u : units_) {
-    auto g = u.group.lock();
-    if (!g || g->shard_numel() == 0) continue;
-    const auto& slots = g->slots();
-    // kShardOptimizerState has no flat shard (its shards are slices of the full parameters): it
-    // is updated per parameter.
-    const at::Tensor& flat = g->flat_shard();
-    const auto opts = slots.front().sharded.options().requires_grad(false);
-    if (!u.exp_avg.defined()) {
-      u.exp_avg = at::zeros({g->shard_numel()}, opts);
-      u.exp_avg_sq = at::zeros({g->shard_numel()}, opts);
-      for (size_t i = 0; i < slots.size(); ++i) u.steps.push_back(at::zeros({}, opts.dtype(at::kFloat)));
-      u.counts.assign(slots.size(), 0);
+  bool any_grad = false;
+  for (size_t k = 0; k < units.size(); ++k) {
+    const UnitInfo& u = units[k];
+    if (u.shard_numel == 0) continue;
+    const auto opts = specs[u.specs.front()].local.options().requires_grad(false);
+    if (!moments_[k].exp_avg.defined()) {
+      moments_[k].exp_avg = at::zeros({u.shard_numel}, opts);
+      moments_[k].exp_avg_sq = at::zeros({u.shard_numel}, opts);
     }
-    // One flat update when every parameter's gradient is where the reduce-scatter put it: one
-    // buffer, each at its parameter's offset, and every parameter has stepped equally so far.
-    bool whole = flat.defined();
-    at::Tensor first_grad;
-    for (size_t i = 0; i < slots.size() && whole; ++i) {
-      const auto& s = slots[i];
-      const at::Tensor& gr = g->shard_grad(s);
-      if (!gr.defined()) {
-        whole = s.padded_numel() == 0;
-        continue;
-      }
-      if (!first_grad.defined()) first_grad = gr;
-      whole = gr.storage().unsafeGetStorageImpl() == first_grad.storage().unsafeGetStorageImpl() &&
-              gr.storage_offset() == s.offset && gr.is_contiguous() && u.counts[i] == u.counts[0];
+    // One flat update when every gradient is where the reduce-scatter put it and every parameter
+    // has stepped equally so far (the flat buffer's padding then stays 0).
+    std::vector<torch::optim::AdamWParamState*> state;
+    bool whole = u.flat_shard.defined() && u.flat_grad.defined();
+    for (size_t i : u.specs) {
+      auto* st = &param_state(specs[i], k);
+      state.push_back(st);
+      whole = whole && st->step() == state.front()->step();
     }
-    whole = whole && first_grad.defined() &&
-            first_grad.storage().nbytes() == static_cast<size_t>(g->shard_numel()) * flat.element_size();
     if (whole) {
-      for (auto& st : u.steps) st.add_(1);
-      for (auto& c : u.counts) ++c;
-      params.push_back(alias(flat, 0, {g->shard_numel()}));
-      grads.push_back(alias(first_grad, -first_grad.storage_offset(), {g->shard_numel()}));
-      exp_avgs.push_back(u.exp_avg);
-      exp_avg_sqs.push_back(u.exp_avg_sq);
-      steps.push_back(u.steps[0]);
+      const int64_t n = state.front()->step() + 1;
+      for (auto* st : state) st->step(n);
+      params.push_back(u.flat_shard);
+      grads.push_back(u.flat_grad);
+      exp_avgs.push_back(moments_[k].exp_avg);
+      exp_avg_sqs.push_back(moments_[k].exp_avg_sq);
+      steps.push_back(at::full({}, static_cast<double>(n), opts.dtype(at::kFloat)));
+      any_grad = true;
       continue;
     }
-    for (size_t i = 0; i < slots.size(); ++i) {
-      const auto& s = slots[i];
-      if (!g->shard_grad(s).defined()) continue;
-      u.steps[i].add_(1);  // also for a rank's empty shard, so step counts stay equal
-      ++u.counts[i];
-      if (s.sharded.numel() == 0) continue;
-      params.push_back(s.sharded);
-      grads.push_back(g->shard_grad(s));
-      exp_avgs.push_back(alias(u.exp_avg, s.offset, s.sharded.sizes()));
-      exp_avg_sqs.push_back(alias(u.exp_avg_sq, s.offset, s.sharded.sizes()));
-      steps.push_back(u.steps[i]);
+    for (size_t j = 0; j < u.specs.size(); ++j) {
+      const ShardSpec& p = specs[u.specs[j]];
+      if (!p.local.grad().defined()) continue;
+      auto* st = state[j];
+      st->step(st->step() + 1);  // also for a rank's empty shard, so step counts stay equal
+      any_grad = true;
+      if (p.local.numel() == 0) continue;
+      params.push_back(p.local);
+      grads.push_back(p.local.grad());
+      exp_avgs.push_back(st->exp_avg());
+      exp_avg_sqs.push_back(st->exp_avg_sq());
+      steps.push_back(at::full({}, static_cast<double>(st->step()), opts.dtype(at::kFloat)));
     }
   }
   tensors_last_step_ = params.size();
-  TORCH_CHECK(!params.empty() || units_.empty(),
+  TORCH_CHECK(any_grad || units.empty(),
               "fsdp::optim::FusedAdamW::step: no sharded parameter has a gradient. Call step() after "
               "loss.backward() (and zero_grad() after step()).");
   if (!params.empty()) {
@@ -104,11 +122,10 @@ at::Tensor FusedAdamW::step(LossClosure closure) {
 
 std::vector<at::Tensor> FusedAdamW::state_tensors() const {
   std::vector<at::Tensor> out;
-  for (const auto& u : units_) {
-    if (!u.exp_avg.defined()) continue;
-    out.push_back(u.exp_avg);
-    out.push_back(u.exp_avg_sq);
-    out.insert(out.end(), u.steps.begin(), u.steps.end());
+  for (const auto& m : moments_) {
+    if (!m.exp_avg.defined()) continue;
+    out.push_back(m.exp_avg);
+    out.push_back(m.exp_avg_sq);
   }
   return out;
 }

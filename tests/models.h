@@ -70,7 +70,7 @@ inline FullyShardOptions test_options() {
 /// place is its rank among all; a hybrid unit shards over groups of S consecutive ranks (rank % S
 /// of S), a replicated one holds all rows.
 /// Each parameter's place: (shard rank, shard world size) of its unit on this rank.
-inline std::map<std::string, std::pair<int, int>> shard_places(const Rank& r, const detail::RootHandle& model) {
+inline std::map<std::string, std::pair<int, int>> shard_places(const Rank& r, const FSDPModule& model) {
   std::map<std::string, std::pair<int, int>> place;
   for (const auto& u : model.units()) {
     int shard_world = r.world_size;
@@ -81,8 +81,7 @@ inline std::map<std::string, std::pair<int, int>> shard_places(const Rank& r, co
   return place;
 }
 
-inline void expect_shards_match(const Rank& r, const detail::RootHandle& model, torch::nn::Module& ref,
-                                bool grads = false) {
+inline void expect_shards_match(const Rank& r, const FSDPModule& model, torch::nn::Module& ref, bool grads = false) {
   auto want = ref.named_parameters();
   const auto place = shard_places(r, model);
   for (const auto& kv : model.named_sharded_parameters()) {
@@ -102,7 +101,7 @@ inline void expect_shards_match(const Rank& r, const detail::RootHandle& model, 
 /// Between steps: no unit is gathered, and every parameter of the module (model->parameters())
 /// is this rank's rows of the same-named parameter of the plain reference model, with a gradient
 /// of that shape when it has one.
-inline void expect_between_steps(const Rank& r, const detail::RootHandle& model, torch::nn::Module& ref) {
+inline void expect_between_steps(const Rank& r, const FSDPModule& model, torch::nn::Module& ref) {
   for (const auto& u : model.units()) EXPECT_FALSE(u.unsharded) << "unit '" << u.name << "' on rank " << r.rank;
   auto want = ref.named_parameters();
   const auto place = shard_places(r, model);

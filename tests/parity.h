@@ -21,7 +21,7 @@ inline std::unique_ptr<torch::optim::Optimizer> make_optimizer(Opt o, const std:
 }
 
 /// The sharded side's optimizer: FusedAdamW works on the model's units, the others on its shards.
-inline std::unique_ptr<torch::optim::Optimizer> make_sharded_optimizer(Opt o, const detail::RootHandle& model) {
+inline std::unique_ptr<torch::optim::Optimizer> make_sharded_optimizer(Opt o, const FSDPModule& model) {
   if (o == Opt::kFusedAdamW) {
     return std::make_unique<fsdp::optim::FusedAdamW>(model, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
   }
