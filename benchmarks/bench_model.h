@@ -4,7 +4,7 @@
 
 #include "examples/gpt.h"
 #include "examples/strategy_flags.h"
-#include "fsdp/options.h"
+#include "fsdp/strategy.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -29,47 +29,34 @@ inline ModelShape gpt_shape(const gpt::Config& c) {
   return {root + c.n_layer * block, root, block};
 }
 
-/// Model-state bytes per rank at the optimizer step (DESIGN.md section 4; fp32 with Adam: 4
-/// parameter + 4 gradient + 8 optimizer bytes per parameter). N ranks; S: hybrid's group size.
-inline double formula_at_step(const std::string& strategy, const ModelShape& m, int N, int S) {
-  const double psi = static_cast<double>(m.psi);
-  if (strategy == "full" || strategy == "grad-op") return 16 * psi / N;
-  if (strategy == "optimizer") return 8 * psi + 8 * psi / N;
-  if (strategy == "replicate") return 16 * psi;
-  return 16 * psi / S;  // hybrid
+/// The formulas' inputs for `strategy` (a flag name) at N ranks, hybrid groups of S.
+inline fsdp::FormulaInputs formula_inputs(const std::string& strategy, const ModelShape& m, int N, int S) {
+  const bool hybrid = gpt::strategy_flags().at(strategy) == fsdp::ShardingStrategy::kHybridShard;
+  return {static_cast<double>(m.psi), static_cast<double>(m.root), static_cast<double>(m.largest_unit), N,
+          hybrid ? S : N};
 }
 
-/// Model-state bytes per rank at their peak during the step (DESIGN.md section 4): SHARD_GRAD_OP
-/// holds every parameter unsharded from forward to the end of backward, 4Ψ + 12Ψ/N; full sharding
-/// (and hybrid, over its S ranks) holds its shards plus what is unsharded at once: the root (kept
-/// from its forward into backward) and two of the largest other units (the one computing and the
-/// one prefetched). ZeRO-1 and replicated hold at the step what they hold throughout.
+/// Model-state bytes per rank at the optimizer step, from the strategy's traits (fsdp/strategy.h).
+inline double formula_at_step(const std::string& strategy, const ModelShape& m, int N, int S) {
+  return fsdp::state_bytes_at_step(gpt::strategy_flags().at(strategy), formula_inputs(strategy, m, N, S));
+}
+
+/// Model-state bytes per rank at their peak during the step (traits: SHARD_GRAD_OP holds every
+/// parameter unsharded from forward to the end of backward; full sharding and hybrid hold their
+/// shards plus the units gathered at once).
 inline double formula_peak(const std::string& strategy, const ModelShape& m, int N, int S) {
-  const double psi = static_cast<double>(m.psi);
-  const double unsharded = 4.0 * static_cast<double>(m.root + 2 * m.largest_unit);
-  if (strategy == "full") return 16 * psi / N + unsharded;
-  if (strategy == "hybrid") return 16 * psi / S + unsharded;
-  if (strategy == "grad-op") return 4 * psi + 12 * psi / N;
-  return formula_at_step(strategy, m, N, S);
+  return fsdp::state_bytes_peak(gpt::strategy_flags().at(strategy), formula_inputs(strategy, m, N, S));
 }
 
 inline const char* formula_text(const std::string& strategy, bool peak) {
-  if (strategy == "full") return peak ? "16Ψ/N+4(Ψr+2Ψu)" : "16Ψ/N";
-  if (strategy == "grad-op") return peak ? "4Ψ+12Ψ/N" : "16Ψ/N";
-  if (strategy == "optimizer") return "8Ψ+8Ψ/N";
-  if (strategy == "replicate") return "16Ψ";
-  return peak ? "16Ψ/S+4(Ψr+2Ψu)" : "16Ψ/S";
+  const fsdp::StrategyTraits& t = fsdp::traits(gpt::strategy_flags().at(strategy));
+  return peak ? t.formula_peak : t.formula_at_step;
 }
 
-/// The ZeRO paper's communication volume per step, in elements: 3Ψ when parameters are gathered
-/// in forward and again in backward, 2Ψ otherwise (hybrid adds the all-reduce across groups of
-/// its Ψ/S shard: 3Ψ + 2Ψ/S). Counted at one rank too: the library still issues the collectives
-/// (the process group's copy).
+/// The ZeRO paper's communication volume per step, in elements (traits). Counted at one rank too:
+/// the library still issues the collectives (the process group's copy).
 inline double comm_formula(const std::string& strategy, const ModelShape& m, int N, int S) {
-  const double psi = static_cast<double>(m.psi);
-  if (strategy == "full") return 3 * psi;
-  if (strategy == "hybrid") return 3 * psi + (N > S ? 2 * psi / S : 0);
-  return 2 * psi;
+  return fsdp::comm_elements(gpt::strategy_flags().at(strategy), formula_inputs(strategy, m, N, S));
 }
 
 /// Activations of one rank's forward, fp32, as autograd keeps them: about 34·C + 5·heads·T values

@@ -7,16 +7,9 @@ import os
 import subprocess
 import sys
 
-# Model-state bytes per rank with fp32 weights and AdamW (4 param + 4 grad + 8 optimizer bytes per
-# parameter), psi parameters on n ranks (s: hybrid's group size): DESIGN.md section 4.
-FORMULAS = {
-    "full": lambda psi, n, s: 16 * psi / n,
-    "grad-op": lambda psi, n, s: 16 * psi / n,
-    "optimizer": lambda psi, n, s: 8 * psi + 8 * psi / n,
-    "replicate": lambda psi, n, s: 16 * psi,
-    "hybrid": lambda psi, n, s: 16 * psi / s,
-}
-FORMULA_TEXT = {"full": "16Ψ/N", "grad-op": "16Ψ/N", "optimizer": "8Ψ + 8Ψ/N", "replicate": "16Ψ", "hybrid": "16Ψ/S"}
+# The strategies train_gpt takes (--strategy); their formulas come from train_gpt's summary row
+# (formula_state_bytes, formula_text), computed from the library's strategy traits (fsdp/strategy.h).
+STRATEGIES = ("full", "grad-op", "optimizer", "replicate", "hybrid")
 
 
 def command(train_gpt, torchrun, ranks, args):

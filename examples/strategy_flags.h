@@ -9,14 +9,13 @@
 
 namespace gpt {
 
+/// Flag -> strategy, from the strategies' traits (fsdp/strategy.h).
 inline const std::map<std::string, fsdp::ShardingStrategy>& strategy_flags() {
-  static const std::map<std::string, fsdp::ShardingStrategy> m = {
-      {"full", fsdp::ShardingStrategy::kFullShard},
-      {"grad-op", fsdp::ShardingStrategy::kShardGradOp},
-      {"optimizer", fsdp::ShardingStrategy::kShardOptimizerState},
-      {"replicate", fsdp::ShardingStrategy::kNoShard},
-      {"hybrid", fsdp::ShardingStrategy::kHybridShard},
-  };
+  static const std::map<std::string, fsdp::ShardingStrategy> m = [] {
+    std::map<std::string, fsdp::ShardingStrategy> out;
+    for (const auto& t : fsdp::kStrategies) out[t.flag] = t.strategy;
+    return out;
+  }();
   return m;
 }
 

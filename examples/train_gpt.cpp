@@ -399,11 +399,16 @@ int run(const Args& args) {
       states += sep + std::to_string(per_rank[r][1].item<int64_t>());
       times += sep + cli::json_number(step_ms[r].item<double>(), "%.6f");
     }
+    // The model state the strategy's formula gives (fsdp/strategy.h), for the scripts that check it.
+    const fsdp::FormulaInputs in{static_cast<double>(n_params), 0, 0, world,
+                                 fsdp::traits(strategy).shard_over == fsdp::ShardOver::kGroup ? group : world};
     std::printf(
         "{\"summary\": true, \"world_size\": %d, \"params\": %lld, \"strategy\": \"%s\", \"shard_group_size\": %d, "
-        "\"per_rank_peak_bytes\": [%s], \"per_rank_state_bytes\": [%s], \"per_rank_mean_step_ms\": [%s]}\n",
+        "\"per_rank_peak_bytes\": [%s], \"per_rank_state_bytes\": [%s], \"per_rank_mean_step_ms\": [%s], "
+        "\"formula_state_bytes\": %s, \"formula_text\": %s}\n",
         world, static_cast<long long>(n_params), fsdp::to_string(strategy), group, peaks.c_str(), states.c_str(),
-        times.c_str());
+        times.c_str(), cli::json_number(fsdp::state_bytes_at_step(strategy, in), "%.1f").c_str(),
+        cli::json_string(fsdp::traits(strategy).formula_at_step).c_str());
   } else if (rank == 0) {
     std::printf("per-rank memory (last step): counting CPU allocator peak, model state at the optimizer step\n");
     for (int r = 0; r < world; ++r) {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "fsdp/env.h"
+#include "fsdp/strategy.h"
 
 #include <torch/arg.h>
 
@@ -11,47 +12,6 @@
 #include <optional>
 
 namespace fsdp {
-
-/// How much of the model state is sharded (DeepSpeed's ZeRO stages, FSDP's names).
-enum class ShardingStrategy {
-  /// ZeRO-3: parameters, gradients and optimizer state sharded; each unit gathered for its forward
-  /// and again for its backward. Model state 16Ψ/N with fp32 AdamW; 3Ψ communicated per step.
-  kFullShard,
-  /// ZeRO-2 in FSDP's sense: as kFullShard, but a unit stays gathered from its forward to the end
-  /// of its backward (no second all-gather): model state peaks at 4Ψ + 12Ψ/N during the step,
-  /// 16Ψ/N at the optimizer step; 2Ψ communicated per step.
-  kShardGradOp,
-  /// ZeRO-1 (llm.c's pattern): full parameters and gradients on every rank, optimizer state
-  /// sharded. Backward reduce-scatters each unit's gradients into this rank's rows, the optimizer
-  /// updates those rows, and the unit's next forward all-gathers the updated parameters. Model
-  /// state 8Ψ + 8Ψ/N; 2Ψ communicated per step.
-  kShardOptimizerState,
-  /// Replicated (DDP): nothing sharded; gradients all-reduced in buckets of
-  /// FullyShardOptions::bucket_bytes while backward runs. Model state 16Ψ; 2Ψ per step.
-  kNoShard,
-  /// Full sharding inside groups of FullyShardOptions::shard_group_size (S) consecutive ranks,
-  /// replicated across the N/S groups: all-gathers inside the group, gradients reduce-scattered
-  /// inside it and then all-reduced across groups. Model state 16Ψ/S; 3Ψ + 2Ψ/S per step, of
-  /// which only 2Ψ/S crosses groups (e.g. nodes). S = N is kFullShard, S = 1 is replicated.
-  kHybridShard,
-};
-
-/// "full-shard", "shard-grad-op", "shard-optimizer-state", "no-shard" or "hybrid-shard".
-inline const char* to_string(ShardingStrategy s) {
-  switch (s) {
-    case ShardingStrategy::kFullShard:
-      return "full-shard";
-    case ShardingStrategy::kShardGradOp:
-      return "shard-grad-op";
-    case ShardingStrategy::kShardOptimizerState:
-      return "shard-optimizer-state";
-    case ShardingStrategy::kNoShard:
-      return "no-shard";
-    case ShardingStrategy::kHybridShard:
-      return "hybrid-shard";
-  }
-  return "unknown";
-}
 
 struct FullyShardOptions {
   /// Bound on every collective the library issues, whatever the backend does with it: a peer that
@@ -67,7 +27,9 @@ struct FullyShardOptions {
   /// Broadcast rank 0's initial weights to every rank when wrapping, so that ranks seeded
   /// differently still start from one model.
   TORCH_ARG(bool, sync_module_states) = true;
-  /// See ShardingStrategy. The root unit always stays gathered from its forward to its backward.
+  /// What is sharded and when it is gathered: fsdp/strategy.h's table (kStrategies) says it per
+  /// strategy, with its memory and communication; docs/strategies.md says when to choose which.
+  /// The root unit's gathered memory always stays from its forward to its backward.
   TORCH_ARG(ShardingStrategy, strategy) = ShardingStrategy::kFullShard;
   /// Units whose all-gather is issued ahead of use: the next units in forward order during
   /// forward, the previous ones during backward. 0 gathers each unit only when it runs. Each unit

@@ -83,7 +83,11 @@ at::Tensor flat_rows(const at::Tensor& t, int64_t first, int64_t n, int64_t row_
 
 ParamGroup::ParamGroup(std::string name, const std::vector<std::pair<std::string, at::Tensor>>& params,
                        std::shared_ptr<FSDPState> state, bool is_root, ShardingStrategy strategy)
-    : name_(std::move(name)), state_(std::move(state)), is_root_(is_root), strategy_(strategy) {
+    : name_(std::move(name)),
+      state_(std::move(state)),
+      is_root_(is_root),
+      strategy_(strategy),
+      traits_(traits(strategy)) {
   for (const auto& [pname, p] : params) {
     if (!slots_.empty()) {
       const at::Tensor& first = slots_.front().param;
@@ -118,8 +122,7 @@ void ParamGroup::rename(const std::string& path) {
 
 void ParamGroup::name_collectives() {
   gather_what_ = describe("all-gather");
-  reduce_what_ = strategy_ == ShardingStrategy::kNoShard ? describe("all-reduce of gradients")
-                                                         : describe("reduce-scatter of gradients");
+  reduce_what_ = buckets() ? describe("all-reduce of gradients") : describe("reduce-scatter of gradients");
 }
 
 int64_t ParamGroup::replication() const {
@@ -128,11 +131,11 @@ int64_t ParamGroup::replication() const {
 
 void ParamGroup::init() {
   Comm& world = state_->comm;
-  shard_comm_ = strategy_ == ShardingStrategy::kHybridShard ? state_->shard_comm.get() : &world;
-  replicate_comm_ = strategy_ == ShardingStrategy::kHybridShard ? state_->replicate_comm.get() : nullptr;
+  shard_comm_ = traits_.shard_over == ShardOver::kGroup ? state_->shard_comm.get() : &world;
+  replicate_comm_ = traits_.shard_over == ShardOver::kGroup ? state_->replicate_comm.get() : nullptr;
   TORCH_INTERNAL_ASSERT(shard_comm_ != nullptr, "hybrid sharding without its process groups");
-  S_ = strategy_ == ShardingStrategy::kNoShard ? 1 : shard_comm_->world_size();
-  shard_rank_ = strategy_ == ShardingStrategy::kNoShard ? 0 : shard_comm_->rank();
+  S_ = traits_.shard_over == ShardOver::kNone ? 1 : shard_comm_->world_size();
+  shard_rank_ = traits_.shard_over == ShardOver::kNone ? 0 : shard_comm_->rank();
   if (slots_.empty()) {
     unsharded_now_ = false;
     return;
@@ -163,7 +166,7 @@ void ParamGroup::init() {
     for (auto& s : slots_) world.broadcast(s.param.detach(), 0, what);
   }
 
-  if (strategy_ == ShardingStrategy::kShardOptimizerState) {
+  if (shards_are_rows_of_full()) {
     // Full parameters stay, in one parameter-major buffer (as the gathered layout of the sharded
     // strategies); this rank's rows of each are a contiguous slice of it, which the optimizer
     // updates in place and the next forward all-gathers.
@@ -185,7 +188,7 @@ void ParamGroup::init() {
           .copy_(flat_rows(p, s.layout.begin(r), s.local_rows, s.layout.row_numel));
       s.sharded = alias_rows(flat_shard_, s.offset, local_shape(s.shape, s.layout, r));
     }
-    if (strategy_ == ShardingStrategy::kNoShard) {
+    if (buckets()) {
       unsharded_ = flat_shard_;
       make_buckets();
     } else {
@@ -235,20 +238,17 @@ void ParamGroup::make_buckets() {
 
 bool ParamGroup::needs_gather() const {
   if (shard_numel_ == 0) return false;
-  switch (strategy_) {
-    case ShardingStrategy::kNoShard:
-      return false;
-    case ShardingStrategy::kShardOptimizerState:
-      // After a reduction the optimizer steps the shards, so every forward until the next
-      // backward gathers (the step may come after any of them). Never in backward: the unit is
-      // gathered already. The decision must be the same on every rank, so it rests on this
-      // flag, never on whether this rank's shards changed (a rank may own no rows, and
-      // torch::optim::SGD steps through .data(), which no version counter sees).
-      if (in_backward_ || state_->in_backward()) return false;
-      return stale_;
-    default:
-      return !unsharded_now_;
+  if (traits_.shard_over == ShardOver::kNone) return false;
+  if (shards_are_rows_of_full()) {
+    // After a reduction the optimizer steps the shards, so every forward until the next
+    // backward gathers (the step may come after any of them). Never in backward: the unit is
+    // gathered already. The decision must be the same on every rank, so it rests on this
+    // flag, never on whether this rank's shards changed (a rank may own no rows, and
+    // torch::optim::SGD steps through .data(), which no version counter sees).
+    if (in_backward_ || state_->in_backward()) return false;
+    return stale_;
   }
+  return !unsharded_now_;
 }
 
 void ParamGroup::begin_unshard() {
@@ -258,7 +258,7 @@ void ParamGroup::begin_unshard() {
   // gather is waited for, so a unit in flight costs its size once, not twice.
   gathered_ = at::empty({S_ * shard_numel_}, unsharded_.options());
   at::Tensor in = flat_shard_;
-  if (strategy_ == ShardingStrategy::kShardOptimizerState) {
+  if (shards_are_rows_of_full()) {
     gather_in_ = at::zeros({shard_numel_}, unsharded_.options());
     for (auto& s : slots_) {
       gather_in_.narrow(0, s.offset, s.sharded.numel()).copy_(s.sharded.reshape({-1}));
@@ -391,7 +391,7 @@ void ParamGroup::post_forward(const std::vector<at::Tensor>& outputs) {
     }
   }
   // The root stays gathered into its backward (it is the first to need its parameters again).
-  const bool regather = strategy_ == ShardingStrategy::kFullShard || strategy_ == ShardingStrategy::kHybridShard;
+  const bool regather = traits_.reshard_after_forward;
   const bool reshard_now = !grad || (!is_root_ && regather);
   if (reshard_now) {
     reshard();
@@ -441,7 +441,7 @@ void ParamGroup::on_grad_ready(size_t slot) {
   ++grads_ready_;
   // Replicated: each bucket goes out as soon as its gradients are complete (all of them are out
   // once the unit's last gradient arrives).
-  const bool buckets = strategy_ == ShardingStrategy::kNoShard;
+  const bool buckets = this->buckets();
   if (buckets && state_->sync_gradients) launch_buckets(/*all=*/false);
   if (grads_ready_ == grads_expected_) {
     // Without gradient sync (all but the last micro-batch of an accumulation) the unsharded
@@ -498,7 +498,7 @@ void ParamGroup::reduce_grads() {
     for (auto& s : slots_) full_grad(s) = at::Tensor();
     return;
   }
-  if (strategy_ == ShardingStrategy::kNoShard) {
+  if (buckets()) {
     if (next_bucket_ == buckets_.size()) finish_reduce();  // reduced once already in this backward
     launch_buckets(/*all=*/true);
     return;
@@ -527,7 +527,7 @@ void ParamGroup::reduce_grads() {
   at::_chunk_cat_out(reduce_in_, grads, 0, W);
   grads.clear();
   state_->sample_state();  // the unsharded gradients and their packed copy, both alive
-  if (strategy_ == ShardingStrategy::kShardOptimizerState) {
+  if (shards_are_rows_of_full()) {
     holds_reduced_ = true;  // the full gradients stay; they are no longer pending
   } else {
     for (auto& s : slots_) full_grad(s) = at::Tensor();  // unsharded gradients freed here
@@ -575,7 +575,7 @@ void ParamGroup::finish_reduce() {
   if (!reducing_) return;
   reducing_ = false;
   try {
-    if (strategy_ == ShardingStrategy::kNoShard) {
+    if (buckets()) {
       for (auto& p : bucket_work_) state_->comm.wait(p);
     } else {
       shard_comm_->wait(reduce_);
@@ -598,7 +598,7 @@ void ParamGroup::finish_reduce() {
   next_bucket_ = 0;
   at::Tensor flat_grad = std::move(reduce_out_);
   flat_grad.div_(static_cast<double>(state_->comm.world_size()));
-  if (strategy_ == ShardingStrategy::kShardOptimizerState) {
+  if (shards_are_rows_of_full()) {
     set_full_grad_rows(flat_grad);
   } else {
     set_sharded_grads(flat_grad);
@@ -686,7 +686,7 @@ void ParamGroup::gather_full(std::vector<at::Tensor>& out, const at::Device& dev
     return;
   }
   at::Tensor in = flat_shard_;
-  if (strategy_ == ShardingStrategy::kShardOptimizerState) {
+  if (shards_are_rows_of_full()) {
     in = at::zeros({shard_numel_}, unsharded_.options());
     for (auto& s : slots_) in.narrow(0, s.offset, s.sharded.numel()).copy_(s.sharded.reshape({-1}));
   }

@@ -92,7 +92,7 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   void check_conversion(const std::optional<at::Device>& device, const std::optional<at::ScalarType>& dtype) const;
   /// kShardOptimizerState: the shards were written by something the library cannot see (a loaded
   /// checkpoint): the next forward gathers them. Other strategies always gather from the shards.
-  void mark_shards_written() { stale_ = strategy_ == ShardingStrategy::kShardOptimizerState; }
+  void mark_shards_written() { stale_ = shards_are_rows_of_full(); }
   /// Appends this unit's full parameters, gathered from the shards, as new tensors on `device`
   /// (one all-gather; needs the unit resharded). The same call on every rank of the unit.
   void gather_full(std::vector<at::Tensor>& out, const at::Device& device);
@@ -125,9 +125,11 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   void name_collectives();  // sets gather_what_ and reduce_what_ from the name and layout
   void wait_gather();
   void gather();  // completes (or issues and completes) the all-gather into the unsharded storage
-  bool keeps_full_params() const {
-    return strategy_ == ShardingStrategy::kShardOptimizerState || strategy_ == ShardingStrategy::kNoShard;
-  }
+  bool keeps_full_params() const { return !traits_.params_sharded; }
+  /// kShardOptimizerState: full parameters kept, the shards are this rank's rows of them.
+  bool shards_are_rows_of_full() const { return !traits_.params_sharded && traits_.shard_over != ShardOver::kNone; }
+  /// kNoShard: gradients all-reduced in buckets.
+  bool buckets() const { return traits_.reduction == GradReduction::kAllReduceBuckets; }
   /// Whether an all-gather is due: sharded and not gathered, or (kShardOptimizerState) a shard
   /// was updated in place since the last gather.
   bool needs_gather() const;
@@ -154,6 +156,7 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   std::shared_ptr<FSDPState> state_;
   bool is_root_;
   ShardingStrategy strategy_;
+  const StrategyTraits& traits_;
   int64_t shard_numel_ = 0;
   at::Tensor flat_shard_;      // [shard_numel]: this rank's rows of every parameter, padded
   at::Tensor unsharded_;       // [W * shard_numel], parameter-major; storage resized to 0 when resharded

@@ -232,7 +232,7 @@ void shard_on_construction(const std::shared_ptr<FSDPState>& state, torch::nn::M
          << c10::DeviceTypeName(p.device().type(), true) << ")\n";
   }
   check_same_model_on_all_ranks(state->comm, desc.str());
-  if (strategy == ShardingStrategy::kHybridShard) state->init_hybrid(state->options.shard_group_size());
+  if (traits(strategy).shard_over == ShardOver::kGroup) state->init_hybrid(state->options.shard_group_size());
   auto group = std::make_shared<ParamGroup>("", std::move(unique), state, /*is_root=*/false, strategy);
   group->init();
   unit.fsdp_attach(group);
@@ -329,7 +329,7 @@ std::shared_ptr<ParamGroup> shard_model(const std::shared_ptr<torch::nn::Module>
     }
   }
   bool hybrid = false;
-  for (const auto& f : found) hybrid = hybrid || strategy_of(*f) == ShardingStrategy::kHybridShard;
+  for (const auto& f : found) hybrid = hybrid || traits(strategy_of(*f)).shard_over == ShardOver::kGroup;
   std::ostringstream desc;
   desc << describe_options(options);
   for (const auto& kv : root->named_parameters()) {  // module order: the same on every rank

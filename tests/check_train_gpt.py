@@ -12,7 +12,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
-from train_gpt_runs import FORMULA_TEXT, FORMULAS, command, run  # noqa: E402
+from train_gpt_runs import STRATEGIES, command, run  # noqa: E402
 
 
 def main():
@@ -23,11 +23,11 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--timeout", type=int, default=240)
-    ap.add_argument("--strategy", default="full", choices=sorted(FORMULAS))
+    ap.add_argument("--strategy", default="full", choices=STRATEGIES)
     ap.add_argument("--extra", default="", help="more train_gpt flags, for both runs")
     a = ap.parse_args()
     args = ["--steps", str(a.steps), "--seed", str(a.seed), "--json", "--strategy", a.strategy] + a.extra.split()
-    one, _ = run(command(a.train_gpt, a.torchrun, 1, args), a.timeout)
+    one, one_summary = run(command(a.train_gpt, a.torchrun, 1, args), a.timeout)
     many, summary = run(command(a.train_gpt, a.torchrun, a.ranks, args), a.timeout)
     assert len(one) == len(many) == a.steps, (len(one), len(many))
     worst = 0.0
@@ -38,13 +38,13 @@ def main():
             sys.exit(f"FAILED: step {r1['step']}: loss {rn['loss']} on {a.ranks} ranks vs {r1['loss']} on 1 (rel {rel:.2e})")
     # Model state at the optimizer step against the strategy's formula, at 1 rank and at N (the
     # largest rank's value, per step).
-    psi = one[-1]["params"]
+    # The formula is the strategy's traits' (train_gpt prints it with its summary).
     s = summary["shard_group_size"]
-    want1, wantn = FORMULAS[a.strategy](psi, 1, 1), FORMULAS[a.strategy](psi, a.ranks, s)
+    want1, wantn = one_summary["formula_state_bytes"], summary["formula_state_bytes"]
     r1, rn = one[-1]["state_bytes"] / want1, many[-1]["state_bytes"] / wantn
     print(f"[{a.strategy} {a.extra or ''}] losses match over {a.steps} steps (worst relative difference {worst:.2e}); "
-          f"state_bytes {one[-1]['state_bytes']} on 1 rank (16Ψ = {want1:.0f}, ratio {r1:.4f}), "
-          f"{many[-1]['state_bytes']} on {a.ranks} ranks ({FORMULA_TEXT[a.strategy]} = {wantn:.0f}"
+          f"state_bytes {one[-1]['state_bytes']} on 1 rank ({one_summary['formula_text']} = {want1:.0f}, ratio {r1:.4f}), "
+          f"{many[-1]['state_bytes']} on {a.ranks} ranks ({summary['formula_text']} = {wantn:.0f}"
           f"{', S = %d' % s if a.strategy == 'hybrid' else ''}, ratio {rn:.4f}); "
           f"peak_bytes {many[-1]['peak_bytes']} vs {one[-1]['peak_bytes']}")
     if abs(r1 - 1) > 0.05 or abs(rn - 1) > 0.05:

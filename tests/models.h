@@ -73,9 +73,10 @@ inline FullyShardOptions test_options() {
 inline std::map<std::string, std::pair<int, int>> shard_places(const Rank& r, const FSDPModule& model) {
   std::map<std::string, std::pair<int, int>> place;
   for (const auto& u : model.units()) {
-    int shard_world = r.world_size;
-    if (u.strategy == ShardingStrategy::kNoShard) shard_world = 1;
-    if (u.strategy == ShardingStrategy::kHybridShard) shard_world = static_cast<int>(u.shard_world_size);
+    // From the strategy's traits, not from the unit's own bookkeeping (u.shard_world_size).
+    const ShardOver over = traits(u.strategy).shard_over;
+    int shard_world = over == ShardOver::kWorld ? r.world_size : over == ShardOver::kNone ? 1 : 0;
+    if (over == ShardOver::kGroup) shard_world = static_cast<int>(u.shard_world_size);
     for (const auto& p : u.params) place[p] = {r.rank % shard_world, shard_world};
   }
   return place;

@@ -1,0 +1,126 @@
+// Sharding strategies as traits: one table says, per strategy, what it shards, when it gathers,
+// how gradients are reduced, and what it costs (the ZeRO formulas). The library's units, the
+// benchmark, the tests and docs/strategies.md all read it from here.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+
+namespace fsdp {
+
+/// How much of the model state is sharded (DeepSpeed's ZeRO stages, FSDP's names). StrategyTraits
+/// below says exactly what each one does.
+enum class ShardingStrategy {
+  kFullShard,            ///< ZeRO-3
+  kShardGradOp,          ///< ZeRO-2 in FSDP's sense
+  kShardOptimizerState,  ///< ZeRO-1
+  kNoShard,              ///< replicated (DDP)
+  kHybridShard,          ///< ZeRO-3 inside groups of S ranks, replicated across them
+};
+
+/// The ranks a unit's parameters are split over.
+enum class ShardOver {
+  kWorld,  ///< all N ranks
+  kGroup,  ///< groups of S consecutive ranks (FullyShardOptions::shard_group_size)
+  kNone,   ///< not split: every rank holds every row
+};
+
+/// How a unit's gradients are combined over ranks in backward.
+enum class GradReduction {
+  kReduceScatter,           ///< each rank receives the sum of its rows
+  kReduceScatterAllReduce,  ///< reduce-scatter in the group, then all-reduce across groups
+  kAllReduceBuckets,        ///< all-reduce in buckets of FullyShardOptions::bucket_bytes
+};
+
+/// Model-state bytes per parameter on one rank: `full` bytes for each of the Ψ parameters plus
+/// `sharded` bytes for each of the Ψ/D this rank holds (D: the ranks the strategy shards over).
+struct StateCoefficients {
+  double full = 0;
+  double sharded = 0;
+};
+
+struct StrategyTraits {
+  ShardingStrategy strategy;
+  const char* name;  ///< "full-shard", ...: messages and logs
+  const char* flag;  ///< the examples' --strategy value: "full", "grad-op", "optimizer", "replicate", "hybrid"
+  const char* zero;  ///< its name elsewhere: ZeRO stage, PyTorch FSDP
+  ShardOver shard_over;
+  /// Between steps only this rank's rows of each parameter exist (else full parameters are kept
+  /// on every rank and the shard is a slice of them).
+  bool params_sharded;
+  /// Resharded after a unit's forward and gathered again for its backward (else the gathered
+  /// parameters stay from forward to the end of backward).
+  bool reshard_after_forward;
+  /// Sharded gradients only (else each rank keeps full gradients too).
+  bool grads_sharded;
+  /// Optimizer state sharded (the optimizer sees this rank's rows only).
+  bool optimizer_sharded;
+  GradReduction reduction;
+  /// Model state at the optimizer step and at its peak during the step, fp32 with Adam (4
+  /// parameter + 4 gradient + 8 optimizer bytes per parameter). `peak_adds_gathered`: the peak also
+  /// holds the units gathered at once (the root, kept from its forward into backward, and two of
+  /// the largest other units: the one computing and the one prefetched), 4 bytes per parameter.
+  StateCoefficients at_step;
+  StateCoefficients peak;
+  bool peak_adds_gathered;
+  /// Elements sent per step in the ZeRO paper's unit (all-gather outputs + reduce-scatter inputs +
+  /// twice each all-reduce): `comm_psi` times Ψ, plus, for hybrid across its N/S groups, 2Ψ/S.
+  int comm_psi;
+  bool comm_across_groups;
+  const char* formula_at_step;  ///< the formulas as text: "16Ψ/N", ...
+  const char* formula_peak;
+  const char* formula_comm;
+};
+
+// clang-format off
+inline constexpr std::array<StrategyTraits, 5> kStrategies{{
+  {ShardingStrategy::kFullShard, "full-shard", "full", "ZeRO-3, FULL_SHARD / FSDP2 reshard_after_forward=True",
+   ShardOver::kWorld, true, true, true, true, GradReduction::kReduceScatter,
+   {0, 16}, {0, 16}, true, 3, false, "16Ψ/N", "16Ψ/N + 4(Ψr + 2Ψu)", "3Ψ"},
+  {ShardingStrategy::kShardGradOp, "shard-grad-op", "grad-op", "ZeRO-2, SHARD_GRAD_OP / FSDP2 reshard_after_forward=False",
+   ShardOver::kWorld, true, false, true, true, GradReduction::kReduceScatter,
+   {0, 16}, {4, 12}, false, 2, false, "16Ψ/N", "4Ψ + 12Ψ/N", "2Ψ"},
+  {ShardingStrategy::kShardOptimizerState, "shard-optimizer-state", "optimizer", "ZeRO-1 (llm.c's pattern)",
+   ShardOver::kWorld, false, false, false, true, GradReduction::kReduceScatter,
+   {8, 8}, {8, 8}, false, 2, false, "8Ψ + 8Ψ/N", "8Ψ + 8Ψ/N", "2Ψ"},
+  {ShardingStrategy::kNoShard, "no-shard", "replicate", "replicated, DDP / NO_SHARD",
+   ShardOver::kNone, false, false, false, false, GradReduction::kAllReduceBuckets,
+   {16, 0}, {16, 0}, false, 2, false, "16Ψ", "16Ψ", "2Ψ"},
+  {ShardingStrategy::kHybridShard, "hybrid-shard", "hybrid", "ZeRO-3 in groups of S, HYBRID_SHARD / FSDP2 2-D mesh",
+   ShardOver::kGroup, true, true, true, true, GradReduction::kReduceScatterAllReduce,
+   {0, 16}, {0, 16}, true, 3, true, "16Ψ/S", "16Ψ/S + 4(Ψr + 2Ψu)", "3Ψ + 2Ψ/S"},
+}};
+// clang-format on
+
+/// The traits of `s`.
+constexpr const StrategyTraits& traits(ShardingStrategy s) {
+  return kStrategies[static_cast<size_t>(s)];
+}
+
+/// "full-shard", "shard-grad-op", "shard-optimizer-state", "no-shard" or "hybrid-shard".
+constexpr const char* to_string(ShardingStrategy s) {
+  return traits(s).name;
+}
+
+/// The strategy whose `flag` (or `name`) is `text`; false when none is.
+bool strategy_from_string(const std::string& text, ShardingStrategy& out);
+
+/// The sizes the formulas take: Ψ (all parameters), the root unit's and the largest other unit's
+/// parameters, N ranks and hybrid's group size S (N when not hybrid).
+struct FormulaInputs {
+  double psi = 0;
+  double root = 0;
+  double largest_unit = 0;
+  int world_size = 1;
+  int group_size = 1;
+};
+
+/// Model-state bytes per rank at the optimizer step (traits.at_step).
+double state_bytes_at_step(ShardingStrategy s, const FormulaInputs& in);
+/// Model-state bytes per rank at their peak during the step (traits.peak, plus the gathered units).
+double state_bytes_peak(ShardingStrategy s, const FormulaInputs& in);
+/// Elements communicated per step (traits.comm_psi and comm_across_groups).
+double comm_elements(ShardingStrategy s, const FormulaInputs& in);
+
+}  // namespace fsdp

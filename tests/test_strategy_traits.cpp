@@ -1,0 +1,78 @@
+// The strategy traits (fsdp/strategy.h): the formulas against values worked out by hand, and
+// docs/strategies.md's table against the traits.
+#include "fsdp/strategy.h"
+
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace fsdp {
+namespace {
+
+TEST(StrategyTraits, FormulasByHand) {
+  // Ψ = 1000 parameters on N = 4 ranks, hybrid groups of S = 2; root 100, largest unit 200.
+  const FormulaInputs in{1000, 100, 200, 4, 2};
+  EXPECT_DOUBLE_EQ(state_bytes_at_step(ShardingStrategy::kFullShard, in), 16.0 * 1000 / 4);
+  EXPECT_DOUBLE_EQ(state_bytes_at_step(ShardingStrategy::kShardGradOp, in), 16.0 * 1000 / 4);
+  EXPECT_DOUBLE_EQ(state_bytes_at_step(ShardingStrategy::kShardOptimizerState, in), 8.0 * 1000 + 8.0 * 1000 / 4);
+  EXPECT_DOUBLE_EQ(state_bytes_at_step(ShardingStrategy::kNoShard, in), 16.0 * 1000);
+  EXPECT_DOUBLE_EQ(state_bytes_at_step(ShardingStrategy::kHybridShard, in), 16.0 * 1000 / 2);
+  // Peaks: the gathered root and two units (4 bytes each) for full and hybrid; grad-op's whole
+  // gathered model.
+  EXPECT_DOUBLE_EQ(state_bytes_peak(ShardingStrategy::kFullShard, in), 4000 + 4.0 * (100 + 2 * 200));
+  EXPECT_DOUBLE_EQ(state_bytes_peak(ShardingStrategy::kHybridShard, in), 8000 + 4.0 * (100 + 2 * 200));
+  EXPECT_DOUBLE_EQ(state_bytes_peak(ShardingStrategy::kShardGradOp, in), 4.0 * 1000 + 12.0 * 1000 / 4);
+  EXPECT_DOUBLE_EQ(state_bytes_peak(ShardingStrategy::kNoShard, in), 16000);
+  // Communication: 3Ψ when gathered twice, 2Ψ otherwise; hybrid adds 2Ψ/S across its groups, only
+  // when there are several groups.
+  EXPECT_DOUBLE_EQ(comm_elements(ShardingStrategy::kFullShard, in), 3000);
+  EXPECT_DOUBLE_EQ(comm_elements(ShardingStrategy::kShardGradOp, in), 2000);
+  EXPECT_DOUBLE_EQ(comm_elements(ShardingStrategy::kNoShard, in), 2000);
+  EXPECT_DOUBLE_EQ(comm_elements(ShardingStrategy::kHybridShard, in), 3000 + 2.0 * 1000 / 2);
+  EXPECT_DOUBLE_EQ(comm_elements(ShardingStrategy::kHybridShard, FormulaInputs{1000, 0, 0, 2, 2}), 3000);
+}
+
+TEST(StrategyTraits, NamesAndFlags) {
+  for (const auto& t : kStrategies) {
+    EXPECT_EQ(&traits(t.strategy), &t) << t.name;  // the table is indexed by the enum
+    ShardingStrategy s{};
+    ASSERT_TRUE(strategy_from_string(t.flag, s)) << t.flag;
+    EXPECT_EQ(s, t.strategy);
+    ASSERT_TRUE(strategy_from_string(t.name, s)) << t.name;
+    EXPECT_EQ(s, t.strategy);
+  }
+  ShardingStrategy s{};
+  EXPECT_FALSE(strategy_from_string("zero3", s));
+}
+
+// Each strategy's row of docs/strategies.md holds the traits' formulas, cell for cell.
+TEST(StrategyTraits, DocsTableIsTheTraits) {
+  std::ifstream f(FSDP_SOURCE_DIR "/docs/strategies.md");
+  ASSERT_TRUE(f) << "docs/strategies.md";
+  const char* names[] = {"kFullShard", "kShardGradOp", "kShardOptimizerState", "kNoShard", "kHybridShard"};
+  std::vector<std::vector<std::string>> rows(kStrategies.size());
+  for (std::string line; std::getline(f, line);) {
+    for (size_t i = 0; i < kStrategies.size(); ++i) {
+      if (line.rfind(std::string("| `") + names[i] + "`", 0) != 0) continue;
+      std::istringstream cells(line);
+      for (std::string cell; std::getline(cells, cell, '|');) {
+        const auto b = cell.find_first_not_of(' '), e = cell.find_last_not_of(' ');
+        rows[i].push_back(b == std::string::npos ? "" : cell.substr(b, e - b + 1));
+      }
+    }
+  }
+  for (size_t i = 0; i < kStrategies.size(); ++i) {
+    const StrategyTraits& t = traits(static_cast<ShardingStrategy>(i));
+    ASSERT_GE(rows[i].size(), 6u) << "no table row for " << names[i];
+    // cells: "", strategy, names, at the step, peak, communication, ...
+    EXPECT_EQ(rows[i][3], t.formula_at_step) << names[i];
+    EXPECT_EQ(rows[i][4], t.formula_peak) << names[i];
+    EXPECT_EQ(rows[i][5], t.formula_comm) << names[i];
+  }
+}
+
+}  // namespace
+}  // namespace fsdp
