@@ -240,7 +240,7 @@ void write_svg(const std::vector<Row>& rows, const std::string& path) {
       << "</text>\n";
   }
   s << "<text x=\"" << W + left << "\" y=\"" << top + ph + 62
-    << "\">circles: measured, largest rank; dashed lines: the formulas (DESIGN.md section 4)</text>\n"
+    << "\">circles: measured, largest rank; dashed lines: the formulas (fsdp/strategy.h)</text>\n"
     << "<text x=\"" << W + left << "\" y=\"" << top + ph + 80
     << "\">Ψ parameters, Ψr the root unit's, Ψu the largest unit's; N ranks, S hybrid's group</text>\n</svg>\n";
   std::ofstream f(path);

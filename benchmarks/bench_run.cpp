@@ -24,24 +24,25 @@ int64_t proc_status_bytes(const char* key) {
   return -1;
 }
 
-/// Elements the library should send per step, from the units' padded shards: a unit gathered in
-/// forward and again in backward counts 3x its padded size, once (the root, ZeRO-2, ZeRO-1) 2x,
-/// an all-reduce 2x; hybrid adds the all-reduce of its shard across groups.
-int64_t expected_comm_elements(const std::vector<fsdp::UnitInfo>& units, int world_size) {
+/// Elements the library should send per step, from the parameters' shapes through the row layout
+/// (fsdp/shard_layout.h) and the strategies' traits (fsdp/strategy.h): a unit gathered in forward
+/// and again in backward sends 3x its padded size, gathered once (the root, ZeRO-2, ZeRO-1) 2x,
+/// all-reduced 2x; hybrid adds the all-reduce of its shard across groups.
+int64_t expected_comm_elements(const fsdp::FSDPModule& model, int world_size) {
+  const auto specs = model.shard_specs();
   int64_t n = 0;
-  for (const auto& u : units) {
-    const int64_t padded = u.shard_numel * u.shard_world_size;
-    const bool root = u.name.empty();
-    switch (u.strategy) {
-      case fsdp::ShardingStrategy::kFullShard:
-        n += (root ? 2 : 3) * padded;
-        break;
-      case fsdp::ShardingStrategy::kHybridShard:
-        n += (root ? 2 : 3) * padded + (world_size > u.shard_world_size ? 2 * u.shard_numel : 0);
-        break;
-      default:  // ZeRO-2, ZeRO-1: one all-gather and one reduce-scatter; replicated: one all-reduce
-        n += 2 * padded;
+  for (const auto& u : model.units()) {
+    const fsdp::StrategyTraits& t = fsdp::traits(u.strategy);
+    int64_t shard = 0;  // this unit's flat shard, from its parameters' layouts
+    for (size_t i : u.specs) shard += specs[i].layout.padded_numel();
+    const int64_t S = u.shard_world_size, padded = shard * S;
+    if (t.reduction == fsdp::GradReduction::kAllReduceBuckets) {
+      n += 2 * padded;
+      continue;
     }
+    const int64_t gathers = t.reshard_after_forward && !u.name.empty() ? 2 : 1;
+    n += (gathers + 1) * padded;
+    if (t.reduction == fsdp::GradReduction::kReduceScatterAllReduce && world_size > S) n += 2 * shard;
   }
   return n;
 }
@@ -92,7 +93,7 @@ Report run_rank(const RunOptions& o, const c10::intrusive_ptr<c10d::ProcessGroup
   TORCH_CHECK(model.num_parameters() == shape.psi, "fsdp_bench: the GPT has ", model.num_parameters(),
               " parameters but bench::gpt_shape counts ", shape.psi, "; keep them in step");
   r["params"] = static_cast<double>(shape.psi);
-  r["comm_expected"] = static_cast<double>(expected_comm_elements(model.units(), world));
+  r["comm_expected"] = static_cast<double>(expected_comm_elements(model, world));
 
   torch::optim::AdamW opt(model.parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
   if (o.steps == 1) {

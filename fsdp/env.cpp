@@ -1,4 +1,5 @@
 #include "fsdp/env.h"
+#include "fsdp/internal/env.h"
 
 #include <c10/util/Exception.h>
 

@@ -24,16 +24,4 @@ std::chrono::milliseconds default_timeout();
 /// Whether $FSDP_VERIFY_COLLECTIVES asks for a check before every collective.
 bool verify_collectives_from_env();
 
-namespace detail {
-
-/// The variable's value, or null when it is unset or empty (an empty variable counts as unset).
-const char* getenv_or_null(const char* name);
-
-/// This job's identity (see above); "" when the launcher gave none.
-std::string job_id();
-
-/// Parses a timeout in seconds ("20", "0.5") from `what` (a flag or variable name, for messages).
-std::chrono::milliseconds parse_timeout_seconds(const std::string& value, const std::string& what);
-
-}  // namespace detail
 }  // namespace fsdp

@@ -1,5 +1,8 @@
 #include "fsdp/fake_process_group.h"
 
+#include "fsdp/env.h"
+#include "fsdp/internal/comm.h"
+
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
@@ -18,6 +21,9 @@ class FakeBackend final : public c10d::Backend {
  public:
   FakeBackend(int rank, int size) : Backend(rank, size) {}
   const std::string getBackendName() const override { return "fake"; }
+  c10::intrusive_ptr<Options> getBackendOptions() override {
+    return c10::make_intrusive<Options>("fake", default_timeout());
+  }
 
   c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& out, at::Tensor& in,
                                                  const c10d::AllgatherOptions& /*opts*/) override {
@@ -57,5 +63,11 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_fake_process_group(int rank, int wor
   pg->setDefaultBackend(c10d::ProcessGroup::BackendType::CUSTOM);
   return pg;
 }
+
+namespace detail {
+bool is_fake_backend(const c10d::Backend& backend) {
+  return dynamic_cast<const FakeBackend*>(&backend) != nullptr;
+}
+}  // namespace detail
 
 }  // namespace fsdp

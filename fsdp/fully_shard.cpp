@@ -1,5 +1,9 @@
 #include "fsdp/fully_shard.h"
 
+#include "fsdp/internal/run_state.h"
+#include "fsdp/internal/unit.h"
+#include "fsdp/internal/wrap.h"
+
 #include <c10/core/GradMode.h>
 
 #include <unordered_map>
@@ -8,7 +12,7 @@
 
 namespace fsdp {
 
-using detail::FSDPState;
+using detail::RunState;
 using detail::shard_model;
 
 FSDPModule::FSDPModule(std::shared_ptr<torch::nn::Module> module, const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
@@ -42,7 +46,7 @@ void FSDPModule::begin_access() const {
   ++root_->state().direct_access;
 }
 void FSDPModule::end_access(bool threw) const {
-  FSDPState& state = root_->state();
+  RunState& state = root_->state();
   --state.direct_access;
   // Between steps the module's parameters are shards: a forward called on the module itself
   // (model->forward(x)) fails in its first operation that needs a full shape, with an error that
@@ -102,11 +106,11 @@ void FSDPModule::to(at::Device device) {
 }
 
 torch::OrderedDict<std::string, at::Tensor> FSDPModule::full_state_dict(bool rank0_only) const {
-  FSDPState& state = root_->state();
+  RunState& state = root_->state();
   state.check_not_broken();
   TORCH_CHECK(!state.in_backward(), "fsdp::full_state_dict (", state.comm.where(),
               "): called during backward; call it between steps.");
-  state.check_boundary(FSDPState::Boundary::kFullStateDict, rank0_only ? 1 : 0, 0,
+  state.check_boundary(RunState::Boundary::kFullStateDict, rank0_only ? 1 : 0, 0,
                        std::string("full_state_dict(rank0_only=") + (rank0_only ? "true" : "false") + ")");
   const bool keep = !rank0_only || state.comm.rank() == 0;
   std::unordered_map<const c10::TensorImpl*, at::Tensor> full;
@@ -161,7 +165,7 @@ std::vector<UnitInfo> FSDPModule::units() const {
 }
 
 std::vector<ShardSpec> FSDPModule::shard_specs() const {
-  const FSDPState& state = root_->state();
+  const RunState& state = root_->state();
   const int rank = state.comm.rank();
   std::vector<ShardSpec> out;
   size_t unit = 0;
@@ -200,12 +204,12 @@ void FSDPModule::check_gradients_reduced(const char* caller) const {
 }
 
 void FSDPModule::all_reduce(at::Tensor& tensor, c10d::ReduceOp op, const std::string& what) const {
-  FSDPState& state = root_->state();
+  RunState& state = root_->state();
   state.check_not_broken();
   // Every rank must be at this call: one rank reducing while another runs its next forward would
   // pair this all-reduce with a collective of another size.
   const auto name = static_cast<int64_t>(std::hash<std::string>{}(what) >> 1);
-  state.check_boundary(FSDPState::Boundary::kModelCollective, name, tensor.numel(), what);
+  state.check_boundary(RunState::Boundary::kModelCollective, name, tensor.numel(), what);
   state.comm.all_reduce(tensor, std::move(op), what);
 }
 

@@ -14,15 +14,15 @@
 // module work on them as on any LibTorch module. Parameter names are those of the unwrapped model.
 #pragma once
 
+#include "fsdp/comm_stats.h"
 #include "fsdp/options.h"
-#include "fsdp/param_group.h"
 #include "fsdp/shard_spec.h"
 #include "fsdp/sharded.h"
 #include "fsdp/sharding_scope.h"
-#include "fsdp/state.h"
 
 #include <torch/nn/pimpl.h>
 #include <torch/ordered_dict.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <exception>
 #include <memory>
@@ -30,6 +30,9 @@
 #include <vector>
 
 namespace fsdp {
+namespace detail {
+class Unit;
+}  // namespace detail
 
 /// The handle of a wrapped model, the non-template part of FullyShardedModule<Impl>: what the
 /// library's functions (fsdp::optim) and the user's code take to mean "the wrapped model". Copies
@@ -118,14 +121,14 @@ class FSDPModule {
   void root_post_forward(const std::vector<at::Tensor>& outputs);
   /// Ends the root forward (also when it threw).
   void root_forward_ended();
-  /// The handle's operator-> in progress (see FSDPState::direct_access); `threw`: the call is
+  /// The handle's operator-> in progress (see RunState::direct_access); `threw`: the call is
   /// ending with an exception, which a direct call of the module's forward causes (a warning then
   /// names the likely cause).
   void begin_access() const;
   void end_access(bool threw) const;
 
   std::shared_ptr<torch::nn::Module> module_;
-  std::shared_ptr<detail::ParamGroup> root_;
+  std::shared_ptr<detail::Unit> root_;
 };
 
 template <typename Impl>

@@ -1,6 +1,6 @@
 #include "fsdp/memory.h"
 
-#include "fsdp/cuda_backend.h"
+#include "fsdp/internal/cuda_backend.h"
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
@@ -96,7 +96,15 @@ void reset_peak(c10::Device device) {
 
 }  // namespace fsdp::memory
 
+// The same CPU counting from processes that load libtorch_fsdp.so by name, such as Python through
+// ctypes after `import torch` (the library then shares that process's LibTorch): the benchmark
+// measures PyTorch's own FSDP with the allocator it measures this library with. Exported C symbols
+// only, declared nowhere public: they are not part of the C++ API.
 extern "C" {
+__attribute__((visibility("default"))) void fsdp_memory_enable_cpu_counting();
+__attribute__((visibility("default"))) int64_t fsdp_memory_cpu_current_bytes();  // -1 when counting is off
+__attribute__((visibility("default"))) int64_t fsdp_memory_cpu_peak_bytes();     // -1 when counting is off
+__attribute__((visibility("default"))) void fsdp_memory_reset_cpu_peak();
 void fsdp_memory_enable_cpu_counting() {
   fsdp::memory::enable_cpu_counting();
 }

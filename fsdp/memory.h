@@ -24,13 +24,3 @@ Stats stats(c10::Device device = c10::Device(c10::kCPU));
 void reset_peak(c10::Device device = c10::Device(c10::kCPU));
 
 }  // namespace fsdp::memory
-
-// The same CPU counting from processes that load libtorch_fsdp.so by name, such as Python through
-// ctypes after `import torch` (the library then shares that process's LibTorch): benchmarks
-// measure PyTorch's own FSDP with the allocator they measure this library with.
-extern "C" {
-void fsdp_memory_enable_cpu_counting();
-int64_t fsdp_memory_cpu_current_bytes();  ///< -1 when counting is off
-int64_t fsdp_memory_cpu_peak_bytes();     ///< -1 when counting is off
-void fsdp_memory_reset_cpu_peak();
-}

@@ -1,12 +1,13 @@
 #include "fsdp/process_group.h"
+#include "fsdp/internal/env.h"
 
-#include "fsdp/collectives.h"
-#include "fsdp/cuda_backend.h"
 #include "fsdp/env.h"
 #include "fsdp/fake_process_group.h"
-#include "fsdp/launcher.h"
-#include "fsdp/monitor.h"
-#include "fsdp/rendezvous.h"
+#include "fsdp/internal/comm.h"
+#include "fsdp/internal/cuda_backend.h"
+#include "fsdp/internal/launcher.h"
+#include "fsdp/internal/monitor.h"
+#include "fsdp/internal/rendezvous.h"
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
@@ -42,8 +43,6 @@ LaunchEnv& current_env() {
   static LaunchEnv env;
   return env;
 }
-
-std::chrono::milliseconds g_timeout = std::chrono::minutes(10);
 
 void read_master(LaunchEnv& env) {
   if (env.world_size == 1) return;
@@ -145,7 +144,6 @@ c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const InitOptions& opt
     detail::start_heartbeat(beat_store, r.prefix, env.rank);
   }
   current_env() = env;
-  g_timeout = timeout;
   return pg;
 }
 
@@ -156,7 +154,7 @@ c10::intrusive_ptr<c10d::ProcessGroup> new_subgroup(const c10::intrusive_ptr<c10
   const auto it = std::find(ranks.begin(), ranks.end(), me);
   TORCH_CHECK(it != ranks.end(), "fsdp::new_subgroup (rank ", me, "): this rank is not among the ranks of subgroup '",
               name, "'");
-  if (pg->getBackend(c10::DeviceType::CPU)->getBackendName() == "fake") {  // a simulated job's subgroup
+  if (detail::is_fake_backend(*pg->getBackend(c10::DeviceType::CPU))) {  // a simulated job's subgroup
     return make_fake_process_group(static_cast<int>(it - ranks.begin()), static_cast<int>(ranks.size()));
   }
   auto store = pg->getStore();
@@ -195,7 +193,7 @@ c10::intrusive_ptr<c10d::ProcessGroup> new_subgroup(const c10::intrusive_ptr<c10
 void all_reduce(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, at::Tensor& tensor, c10d::ReduceOp op) {
   TORCH_CHECK(pg, "fsdp::all_reduce: the process group is null");
   if (pg->getSize() == 1) return;
-  detail::Comm comm(pg, g_timeout);
+  detail::Comm comm(pg, detail::group_timeout(*pg));
   const std::string what = "fsdp::all_reduce of " + std::to_string(tensor.numel()) + " " +
                            std::string(c10::toString(tensor.scalar_type())) + " element(s)";
   // Every rank must be at this call: one rank reducing a metric while another runs the model would

@@ -1,6 +1,7 @@
 #include "fsdp/sharded.h"
 
-#include "fsdp/state.h"
+#include "fsdp/internal/run_state.h"
+#include "fsdp/internal/unit.h"
 
 #include <c10/util/Exception.h>
 
@@ -17,11 +18,19 @@ ShardedUnit& as_unit(const std::shared_ptr<torch::nn::Module>& module) {
 
 namespace detail {
 
-void unit_zero_grad(ParamGroup& unit) {
+void unit_pre_forward(Unit& unit) {
+  unit.pre_forward();
+}
+
+void unit_post_forward(Unit& unit, const std::vector<at::Tensor>& outputs) {
+  unit.post_forward(outputs);
+}
+
+void unit_zero_grad(Unit& unit) {
   unit.state().check_no_unsynced_grads("model->zero_grad()");
 }
 
-void unit_to(ParamGroup& unit, const std::optional<at::Device>& device, const std::optional<at::ScalarType>& dtype) {
+void unit_to(Unit& unit, const std::optional<at::Device>& device, const std::optional<at::ScalarType>& dtype) {
   unit.check_conversion(device, dtype);
 }
 

@@ -12,7 +12,9 @@
 // Before fsdp::fully_shard has seen the model, a ShardedImpl behaves exactly like Impl.
 #pragma once
 
-#include "fsdp/param_group.h"
+#include "fsdp/options.h"
+
+#include <ATen/core/Tensor.h>
 
 #include <torch/nn/pimpl.h>
 
@@ -48,7 +50,9 @@ void collect_tensors(const std::pair<A, B>& p, std::vector<at::Tensor>& out) {
 template <typename T, typename = std::enable_if_t<std::is_arithmetic_v<T>>>
 void collect_tensors(const T&, std::vector<at::Tensor>&) {}
 
-class ParamGroup;
+class Unit;
+void unit_pre_forward(Unit& unit);
+void unit_post_forward(Unit& unit, const std::vector<at::Tensor>& outputs);
 }  // namespace detail
 
 /// The non-template part of every sharded module: the unit it belongs to once fully_shard ran.
@@ -56,8 +60,8 @@ class ShardedUnit {
  public:
   virtual ~ShardedUnit() = default;
   /// The unit's state; null before fsdp::fully_shard.
-  const std::shared_ptr<detail::ParamGroup>& fsdp_unit() const { return fsdp_unit_; }
-  void fsdp_attach(std::shared_ptr<detail::ParamGroup> unit) { fsdp_unit_ = std::move(unit); }
+  const std::shared_ptr<detail::Unit>& fsdp_unit() const { return fsdp_unit_; }
+  void fsdp_attach(std::shared_ptr<detail::Unit> unit) { fsdp_unit_ = std::move(unit); }
 
   /// This unit's strategy, overriding FullyShardOptions::strategy; set before fsdp::fully_shard:
   ///   blocks.back()->set_sharding_strategy(fsdp::ShardingStrategy::kShardGradOp);
@@ -74,21 +78,21 @@ class ShardedUnit {
   template <typename Fn>
   auto run_unit(Fn&& forward) {
     if (!fsdp_unit_) return forward();
-    fsdp_unit_->pre_forward();
+    detail::unit_pre_forward(*fsdp_unit_);
     auto out = forward();
     std::vector<at::Tensor> tensors;
     detail::collect_tensors(out, tensors);
-    fsdp_unit_->post_forward(tensors);
+    detail::unit_post_forward(*fsdp_unit_, tensors);
     return out;
   }
 
-  std::shared_ptr<detail::ParamGroup> fsdp_unit_;
+  std::shared_ptr<detail::Unit> fsdp_unit_;
   std::optional<ShardingStrategy> strategy_;
 };
 
 namespace detail {
-void unit_zero_grad(ParamGroup& unit);
-void unit_to(ParamGroup& unit, const std::optional<at::Device>& device, const std::optional<at::ScalarType>& dtype);
+void unit_zero_grad(Unit& unit);
+void unit_to(Unit& unit, const std::optional<at::Device>& device, const std::optional<at::ScalarType>& dtype);
 
 // &Impl::forward when it names one function, else void.
 template <typename T, typename = void>

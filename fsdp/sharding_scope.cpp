@@ -1,7 +1,9 @@
 #include "fsdp/sharding_scope.h"
 
+#include "fsdp/internal/wrap.h"
+
+#include "fsdp/internal/run_state.h"
 #include "fsdp/sharded.h"
-#include "fsdp/state.h"
 
 #include <algorithm>
 #include <vector>
@@ -16,7 +18,7 @@ thread_local std::vector<ShardingScope*> g_open;
 ShardingScope::ShardingScope(c10::intrusive_ptr<c10d::ProcessGroup> pg, FullyShardOptions options)
     : pg_(std::move(pg)) {
   TORCH_CHECK(pg_, "fsdp::ShardingScope: the process group is null; create one with fsdp::init_process_group()");
-  state_ = std::make_shared<detail::FSDPState>(pg_, options);
+  state_ = std::make_shared<detail::RunState>(pg_, options);
   g_open.push_back(this);
   open_ = true;
 }

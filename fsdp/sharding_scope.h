@@ -22,7 +22,7 @@
 
 namespace fsdp {
 namespace detail {
-class FSDPState;
+class RunState;
 }
 
 class ShardingScope {
@@ -38,14 +38,14 @@ class ShardingScope {
   bool is_open() const { return open_; }
   const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const { return pg_; }
   /// The state the scope's units and, after fsdp::fully_shard(model, scope), the model share.
-  const std::shared_ptr<detail::FSDPState>& state() const { return state_; }
+  const std::shared_ptr<detail::RunState>& state() const { return state_; }
 
   /// The innermost open scope of this thread, or null.
   static ShardingScope* current();
 
  private:
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
-  std::shared_ptr<detail::FSDPState> state_;
+  std::shared_ptr<detail::RunState> state_;
   bool open_ = false;
 };
 

@@ -42,7 +42,7 @@ inline torch::Tensor local_rows(const torch::Tensor& global, int rank, int world
   return global.narrow(0, rank * n, n);
 }
 
-/// max|a - b| <= rtol * max|b| (the parity tolerance of DESIGN.md section 8).
+/// max|a - b| <= rtol * max|b| (the parity tolerance: reduction order alone).
 inline ::testing::AssertionResult close(const torch::Tensor& a, const torch::Tensor& b, double rtol = 1e-5) {
   if (a.sizes() != b.sizes()) {
     return ::testing::AssertionFailure() << "shape " << a.sizes() << " vs reference " << b.sizes();

@@ -2,7 +2,7 @@
 // Each says what, where and on which rank, and none hangs.
 #include "tests/models.h"
 
-#include "fsdp/monitor.h"
+#include "fsdp/internal/monitor.h"
 
 #include <thread>
 

@@ -62,3 +62,37 @@ TEST(Layout, FlatOffsetsArePaddedChunksInOrder) {
 
 }  // namespace
 }  // namespace fsdp
+
+#include "fsdp/internal/lifecycle.h"
+
+namespace fsdp::detail {
+namespace {
+
+// The unit's lifecycle table: the transitions the library takes are allowed, the others are an
+// internal error naming the unit and both states.
+TEST(Lifecycle, AllowedTransitions) {
+  using S = UnitState;
+  EXPECT_TRUE(allowed(S::kSharded, S::kGathering));
+  EXPECT_TRUE(allowed(S::kSharded, S::kUnsharded));
+  EXPECT_TRUE(allowed(S::kGathering, S::kUnsharded));
+  EXPECT_TRUE(allowed(S::kGathering, S::kSharded));  // a prefetch dropped
+  EXPECT_TRUE(allowed(S::kUnsharded, S::kKeptForBackward));
+  EXPECT_TRUE(allowed(S::kKeptForBackward, S::kUnsharded));
+  EXPECT_TRUE(allowed(S::kKeptForBackward, S::kSharded));
+  EXPECT_FALSE(allowed(S::kUnsharded, S::kGathering));      // gathered already
+  EXPECT_FALSE(allowed(S::kSharded, S::kKeptForBackward));  // nothing gathered to keep
+  EXPECT_FALSE(allowed(S::kGathering, S::kKeptForBackward));
+  S s = S::kSharded;
+  transition(s, S::kGathering, "h.0");
+  EXPECT_EQ(s, S::kGathering);
+  try {
+    transition(s, S::kKeptForBackward, "h.0");
+    FAIL() << "no error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("unit 'h.0' cannot go from gathering to kept for backward"), std::string::npos)
+        << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace fsdp::detail

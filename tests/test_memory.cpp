@@ -122,7 +122,7 @@ int64_t unit_bytes(int64_t in, int64_t out, int W) {
   return W * (row_layout({out, in}, W).padded_numel() + row_layout({out}, W).padded_numel()) * 4;
 }
 
-// DESIGN.md section 4: in forward, memory beyond the shards stays within the root unit plus the
+// In forward, memory beyond the shards stays within the root unit plus the
 // two largest other units (the one computing and the one prefetched), plus activations.
 void check_forward_peak(Rank& r, int prefetch) {
   fsdp::memory::enable_cpu_counting();

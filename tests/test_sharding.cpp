@@ -3,6 +3,8 @@
 // from shapes, not read back from the library's bookkeeping.
 #include "tests/models.h"
 
+#include "fsdp/internal/unit.h"  // the unsharded storage, to see it freed
+
 #include <torch/nn/functional/loss.h>
 
 namespace fsdp::testing {

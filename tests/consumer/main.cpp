@@ -14,12 +14,12 @@ struct NetImpl : torch::nn::Module {
 int main() {
   auto pg = fsdp::init_process_group();
   auto model = fsdp::fully_shard(std::make_shared<NetImpl>(), pg);
-  torch::optim::SGD opt(model.sharded_parameters(), torch::optim::SGDOptions(0.1));
-  auto before = model.named_sharded_parameters()["fc.bias"].clone();
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));  // this rank's shards
+  auto before = model->named_parameters()["fc.bias"].clone();
   model(torch::ones({2, 4})).backward();
   opt.step();
   // d(sum)/d(bias) = 2 per element: the bias moves by -0.2.
-  auto moved = (before - model.named_sharded_parameters()["fc.bias"]).detach();
+  auto moved = (before - model->named_parameters()["fc.bias"]).detach();
   if (!torch::allclose(moved, torch::full({3}, 0.2f))) {
     std::cerr << "consumer: unexpected update " << moved << "\n";
     return 1;

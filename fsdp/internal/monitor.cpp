@@ -1,4 +1,4 @@
-#include "fsdp/monitor.h"
+#include "fsdp/internal/monitor.h"
 
 #include <c10/util/Exception.h>
 

@@ -1,4 +1,5 @@
-#include "fsdp/launcher.h"
+#include "fsdp/internal/launcher.h"
+#include "fsdp/internal/env.h"
 
 #include "fsdp/env.h"
 

@@ -2,7 +2,7 @@
 // pair collectives of different sizes or order later. Internal to the library.
 #pragma once
 
-#include "fsdp/collectives.h"
+#include "fsdp/internal/comm.h"
 #include "fsdp/options.h"
 
 #include <torch/nn/module.h>

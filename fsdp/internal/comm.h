@@ -3,6 +3,8 @@
 // rank, the operation, the unit, the group and the peer. Internal to the library.
 #pragma once
 
+#include "fsdp/comm_stats.h"
+
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
@@ -15,18 +17,6 @@
 #include <vector>
 
 namespace fsdp {
-
-/// What the library sent through the process group since the last reset. `elements` is the ZeRO
-/// paper's communication volume: all-gather output + reduce-scatter input + 2 x all-reduce elements.
-/// The small cross-rank checks (at each forward, backward and clipping call) are counted apart.
-struct CommStats {
-  int64_t all_gathers = 0;
-  int64_t reduce_scatters = 0;
-  int64_t all_reduces = 0;
-  int64_t broadcasts = 0;
-  int64_t elements = 0;
-  int64_t checks = 0;
-};
 
 namespace detail {
 
@@ -138,6 +128,12 @@ class Comm {
   int global_rank_;
   bool verify_;
 };
+
+/// Whether `backend` is the fake backend of fsdp::make_fake_process_group (a simulated rank).
+bool is_fake_backend(const c10d::Backend& backend);
+
+/// The timeout `pg`'s CPU backend was created with (init_process_group's), else default_timeout().
+std::chrono::milliseconds group_timeout(c10d::ProcessGroup& pg);
 
 /// The text of an exception without LibTorch's C++ backtrace.
 std::string error_text(const std::exception& e);

@@ -1,4 +1,4 @@
-#include "fsdp/model_check.h"
+#include "fsdp/internal/model_check.h"
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>

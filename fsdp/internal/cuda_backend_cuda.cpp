@@ -1,5 +1,5 @@
 // Built only when LibTorch has CUDA (see fsdp/CMakeLists.txt). Runs only where a GPU exists.
-#include "fsdp/cuda_backend.h"
+#include "fsdp/internal/cuda_backend.h"
 
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>

@@ -2,7 +2,7 @@
 // counts, and the end-of-backward callback. Internal to the library.
 #pragma once
 
-#include "fsdp/collectives.h"
+#include "fsdp/internal/comm.h"
 #include "fsdp/options.h"
 
 #include <ATen/core/Tensor.h>
@@ -14,16 +14,16 @@
 
 namespace fsdp::detail {
 
-class ParamGroup;
+class Unit;
 }  // namespace fsdp::detail
 namespace fsdp {
 class ShardedUnit;
 }
 namespace fsdp::detail {
 
-class FSDPState : public std::enable_shared_from_this<FSDPState> {
+class RunState : public std::enable_shared_from_this<RunState> {
  public:
-  FSDPState(c10::intrusive_ptr<c10d::ProcessGroup> pg, FullyShardOptions options);
+  RunState(c10::intrusive_ptr<c10d::ProcessGroup> pg, FullyShardOptions options);
 
   const FullyShardOptions options;
   Comm comm;
@@ -48,7 +48,7 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
 
   /// Every unit, root first then in module order. Units are owned by their modules (and the root
   /// unit by the FullyShardedModule handle); the state only observes them.
-  std::vector<std::weak_ptr<ParamGroup>> groups;
+  std::vector<std::weak_ptr<Unit>> groups;
 
   /// Called by the first pre-backward hook of a backward pass: queues finalize_backward() on the
   /// autograd engine, so that backward() returns with every sharded gradient final.
@@ -74,9 +74,9 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   void check_boundary(Boundary b, int64_t a, int64_t c, const std::string& description);
   /// Records the unit's place in the forward order and issues the prefetch of the next units
   /// (forward order in forward, reverse order in backward), at most options.prefetch() of them.
-  void after_unit_unsharded(ParamGroup& unit, bool backward);
+  void after_unit_unsharded(Unit& unit, bool backward);
   /// Records `unit`'s reduction in flight (any other was completed before it was packed).
-  void after_reduce_issued(ParamGroup& unit);
+  void after_reduce_issued(Unit& unit);
   /// Completes every reduce-scatter still in flight.
   void finish_reduces();
   /// A collective failed: ranks no longer agree on the sequence of collectives, so every later
@@ -104,27 +104,9 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   bool track_state_ = false;
   int64_t state_peak_ = 0;
   std::string broken_;
-  std::vector<std::weak_ptr<ParamGroup>> order_;      // units in the order of the last forward
-  std::vector<std::weak_ptr<ParamGroup>> recording_;  // ... and of the forward in progress
-  std::vector<std::weak_ptr<ParamGroup>> reducing_;   // reduce-scatters in flight, oldest first
+  std::vector<std::weak_ptr<Unit>> order_;      // units in the order of the last forward
+  std::vector<std::weak_ptr<Unit>> recording_;  // ... and of the forward in progress
+  std::vector<std::weak_ptr<Unit>> reducing_;   // reduce-scatters in flight, oldest first
 };
-
-/// Marks `root` sharded: one unit per module deriving from fsdp::ShardedUnit, one root unit for
-/// the remaining parameters. Checks that every rank has the same model, broadcasts rank 0's
-/// weights, shards, and returns the root unit (which also holds the shared state).
-/// With `scope_state` (fsdp::ShardingScope), units sharded while the model was built join as they
-/// are, and the options are the scope's.
-std::shared_ptr<ParamGroup> shard_model(const std::shared_ptr<torch::nn::Module>& root,
-                                        const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
-                                        const FullyShardOptions& options,
-                                        const std::shared_ptr<FSDPState>& scope_state = nullptr);
-
-/// Shards one unit right after its constructor returned (inside an fsdp::ShardingScope): checks
-/// that every rank built the same unit, shards it with the scope's options and attaches it.
-void shard_on_construction(const std::shared_ptr<FSDPState>& state, torch::nn::Module& module, ShardedUnit& unit);
-
-/// Throws on every rank, naming the first parameter whose name, shape or dtype differs between
-/// ranks. `description` lists this rank's parameters, one "name dtype shape" line each.
-void check_same_model_on_all_ranks(Comm& comm, const std::string& description);
 
 }  // namespace fsdp::detail

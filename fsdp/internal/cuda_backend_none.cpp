@@ -1,5 +1,5 @@
 // Built when LibTorch has no CUDA: there is no NCCL backend and no CUDA memory to report.
-#include "fsdp/cuda_backend.h"
+#include "fsdp/internal/cuda_backend.h"
 
 namespace fsdp::detail {
 

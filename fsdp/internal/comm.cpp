@@ -1,6 +1,8 @@
-#include "fsdp/collectives.h"
+#include "fsdp/internal/comm.h"
 
-#include "fsdp/monitor.h"
+#include "fsdp/env.h"
+
+#include "fsdp/internal/monitor.h"
 
 #include <ATen/core/ivalue.h>
 #include <ATen/ops/empty.h>
@@ -347,6 +349,14 @@ void Comm::check_same_call(const std::array<int64_t, 6>& code, const std::string
               "same library calls (the same micro-batches, gradient sync on or off alike, clipping on every rank or "
               "none).",
               verify_ ? "" : " For the first collective that differs, run with FSDP_VERIFY_COLLECTIVES=1.");
+}
+
+std::chrono::milliseconds group_timeout(c10d::ProcessGroup& pg) {
+  try {
+    return pg.getBackend(c10::DeviceType::CPU)->getBackendOptions()->timeout;
+  } catch (const std::exception&) {
+    return default_timeout();  // a backend that does not say
+  }
 }
 
 }  // namespace fsdp::detail

@@ -1,8 +1,9 @@
-#include "fsdp/rendezvous.h"
+#include "fsdp/internal/rendezvous.h"
+#include "fsdp/internal/env.h"
 
-#include "fsdp/collectives.h"
 #include "fsdp/env.h"
-#include "fsdp/monitor.h"
+#include "fsdp/internal/comm.h"
+#include "fsdp/internal/monitor.h"
 
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>

@@ -1,0 +1,95 @@
+#include "fsdp/internal/reduce.h"
+
+#include <ATen/ops/_chunk_cat.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+
+namespace fsdp::detail {
+
+std::vector<Bucket> make_buckets(const std::vector<ParamSlot>& slots, int64_t cap) {
+  std::vector<Bucket> out;
+  size_t last = slots.size();
+  while (last > 0) {
+    Bucket b;
+    b.last = last;
+    b.first = last;
+    int64_t numel = 0;
+    // At least one parameter per bucket; then add earlier ones while the bucket stays under the cap.
+    do {
+      --b.first;
+      numel += slots[b.first].padded_numel();
+    } while (b.first > 0 && numel + slots[b.first - 1].padded_numel() <= cap);
+    b.offset = slots[b.first].offset;
+    b.numel = numel;
+    out.push_back(b);
+    last = b.first;
+  }
+  return out;
+}
+
+at::Tensor pack_grads(const std::vector<ParamSlot>& slots, bool full_views, int64_t W, int64_t shard_numel,
+                      const at::TensorOptions& opts, std::vector<bool>& has_grad) {
+  // One copy into rank-major [W, shard_numel]: chunk-cat pads each parameter's W chunks.
+  std::vector<at::Tensor> grads;
+  grads.reserve(slots.size());
+  has_grad.assign(slots.size(), false);
+  for (size_t i = 0; i < slots.size(); ++i) {
+    const auto& s = slots[i];
+    has_grad[i] = full_grad_of(s, full_views).defined();
+    if (s.padded_numel() == 0) continue;  // no elements (e.g. a [0, k] parameter): nothing to send
+    at::Tensor g = full_grad_of(s, full_views);
+    if (!g.defined()) g = at::zeros(s.shape, opts);
+    grads.push_back(s.shape.empty() ? g.view({1}) : g);
+  }
+  at::Tensor packed = at::empty({W, shard_numel}, opts);
+  at::_chunk_cat_out(packed, grads, 0, W);
+  return packed;
+}
+
+void pack_bucket(const std::vector<ParamSlot>& slots, bool full_views, const Bucket& b, const at::Tensor& flat,
+                 std::vector<bool>& has_grad) {
+  for (size_t i = b.first; i < b.last; ++i) {
+    const auto& s = slots[i];
+    at::Tensor dst = flat.narrow(0, s.offset, s.padded_numel());
+    const at::Tensor& g = full_grad_of(s, full_views);
+    has_grad[i] = g.defined();
+    if (has_grad[i]) {
+      dst.view(s.shape).copy_(g);
+    } else {
+      dst.zero_();
+    }
+  }
+}
+
+void add_to_sharded_grads(std::vector<ParamSlot>& slots, bool full_views, const at::Tensor& reduced,
+                          const std::vector<bool>& has_grad) {
+  for (size_t i = 0; i < slots.size(); ++i) {
+    if (!has_grad[i]) continue;
+    auto& s = slots[i];
+    at::Tensor view = alias_rows(reduced, s.offset, s.sharded.sizes());
+    at::Tensor& g = shard_grad_of(s, full_views);
+    if (g.defined()) {
+      g.add_(view);  // accumulating across backward passes
+    } else {
+      g = view;
+    }
+  }
+}
+
+void write_rows_into_full_grads(std::vector<ParamSlot>& slots, bool full_views, const at::Tensor& reduced,
+                                const std::vector<bool>& has_grad, int64_t shard_rank) {
+  for (size_t i = 0; i < slots.size(); ++i) {
+    auto& s = slots[i];
+    if (!has_grad[i]) continue;
+    at::Tensor& full = full_grad_of(s, full_views);
+    if (!full.is_contiguous()) full = full.contiguous();
+    at::Tensor rows = flat_rows(full, s.layout.begin(shard_rank), s.local_rows, s.layout.row_numel);
+    rows.copy_(reduced.narrow(0, s.offset, rows.numel()));
+    // A gradient carried over from before this backward (see Unit::pre_backward) is added.
+    at::Tensor& sharded = shard_grad_of(s, full_views);
+    if (sharded.defined()) rows.add_(sharded.reshape({-1}));
+    sharded = alias_rows(full, s.layout.begin(shard_rank) * s.layout.row_numel, s.sharded.sizes());
+  }
+}
+
+}  // namespace fsdp::detail

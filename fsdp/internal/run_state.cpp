@@ -1,0 +1,204 @@
+#include "fsdp/internal/run_state.h"
+
+#include "fsdp/internal/model_check.h"
+#include "fsdp/internal/unit.h"
+#include "fsdp/process_group.h"
+#include "fsdp/sharded.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/autograd/engine.h>
+
+#include <cstring>
+#include <random>
+#include <sstream>
+#include <unordered_map>
+#include <unordered_set>
+
+namespace fsdp::detail {
+
+RunState::RunState(c10::intrusive_ptr<c10d::ProcessGroup> pg, FullyShardOptions options)
+    : options(options),
+      comm(std::move(pg), this->options.timeout(), std::make_shared<CommShared>(), GroupInfo{},
+           this->options.verify_collectives()) {}
+
+void RunState::init_hybrid(int group_size) {
+  if (shard_comm) return;
+  const int W = comm.world_size();
+  const int r = comm.rank();
+  TORCH_CHECK(group_size >= 1 && W % group_size == 0, "fsdp::fully_shard (rank ", r, " of ", W,
+              "): kHybridShard needs FullyShardOptions::shard_group_size to divide the world size, but it is ",
+              group_size, ". Set it to the ranks of one group, e.g. the processes of one node.");
+  // A fresh name per model for the subgroups' store keys: rank 0's random id, broadcast (no
+  // process-wide counter that would have to agree between ranks).
+  at::Tensor id = at::empty({1}, at::kLong);
+  id[0] = static_cast<int64_t>(std::random_device{}() >> 1) << 31 ^ static_cast<int64_t>(std::random_device{}());
+  comm.broadcast(id, 0, "broadcast of the hybrid subgroups' name");
+  const std::string name = "hybrid-" + std::to_string(id.item<int64_t>());
+  std::vector<int> shard_ranks, replicate_ranks;
+  for (int i = 0; i < group_size; ++i) shard_ranks.push_back(r / group_size * group_size + i);
+  for (int g = 0; g < W / group_size; ++g) replicate_ranks.push_back(g * group_size + r % group_size);
+  // Shard groups first on every rank, then replicate groups: no member waits for one busy elsewhere.
+  auto shard_pg = new_subgroup(comm.process_group(), shard_ranks, name + "/shard" + std::to_string(r / group_size));
+  auto replicate_pg =
+      new_subgroup(comm.process_group(), replicate_ranks, name + "/replicate" + std::to_string(r % group_size));
+  // Errors on these groups name global ranks: the groups' members are listed in their messages.
+  shard_comm = std::make_unique<Comm>(shard_pg, comm.timeout(), comm.shared(),
+                                      GroupInfo{"hybrid shard group " + std::to_string(r / group_size), shard_ranks, W},
+                                      comm.verify());
+  replicate_comm = std::make_unique<Comm>(
+      replicate_pg, comm.timeout(), comm.shared(),
+      GroupInfo{"hybrid replicate group " + std::to_string(r % group_size), replicate_ranks, W}, comm.verify());
+}
+
+void RunState::check_boundary(Boundary b, int64_t a, int64_t c, const std::string& description) {
+  CallLog& log = comm.log();
+  const std::array<int64_t, 6> code{static_cast<int64_t>(b), a, c, log.count, static_cast<int64_t>(log.hash), 0};
+  try {
+    comm.check_same_call(code, description, [&log] {
+      std::ostringstream os;
+      os << ", after " << log.count << " collective(s) of this model since the previous check";
+      if (log.count > 0) os << " (" << log.summary() << ")";
+      return os.str();
+    });
+  } catch (const std::exception& e) {
+    mark_broken(error_text(e));
+    throw;
+  }
+  log.reset();
+}
+
+void RunState::on_backward_begin() {
+  if (callback_queued_) return;
+  ++backwards_;
+  check_boundary(Boundary::kBackwardBegin, backwards_, sync_gradients ? 1 : 0,
+                 "the start of backward #" + std::to_string(backwards_) + " (gradient sync " +
+                     (sync_gradients ? "on" : "off") + ")");
+  callback_queued_ = true;
+  std::weak_ptr<RunState> self = weak_from_this();
+  torch::autograd::Engine::get_default_engine().queue_callback([self] {
+    if (auto s = self.lock()) s->finalize_backward();
+  });
+}
+
+void RunState::finalize_backward() {
+  callback_queued_ = false;
+  for (auto& w : groups) {
+    if (auto g = w.lock()) g->finalize_backward();
+  }
+  finish_reduces();
+  // Ranks whose backwards issued different collectives of equal sizes are stopped here, before an
+  // optimizer uses what they reduced.
+  check_boundary(Boundary::kBackwardEnd, backwards_, 0, "the end of backward #" + std::to_string(backwards_));
+}
+
+void RunState::end_forward() {
+  if (!recording_.empty()) order_ = std::move(recording_);
+  recording_.clear();
+  // A unit prefetched but skipped by this forward must not keep reading its shard (which the
+  // optimizer may update next) nor hold its gathered buffer.
+  for (auto& w : groups) {
+    if (auto g = w.lock()) g->drop_prefetch();
+  }
+}
+
+int64_t RunState::held_state_bytes() const {
+  std::vector<at::Tensor> held;
+  for (const auto& w : groups) {
+    if (auto g = w.lock()) g->append_held_tensors(held);
+  }
+  // Shards alias their unit's flat buffer, ZeRO-1's shards and gradients alias the full ones:
+  // each storage is counted once, at its allocated size (padding included).
+  std::unordered_set<const c10::StorageImpl*> seen;
+  int64_t bytes = 0;
+  for (const auto& t : held) {
+    if (!t.defined() || !t.has_storage()) continue;
+    const c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
+    if (seen.insert(impl).second) bytes += static_cast<int64_t>(impl->nbytes());
+  }
+  return bytes;
+}
+
+void RunState::check_no_unsynced_grads(const char* caller) const {
+  std::vector<std::string> units;
+  for (const auto& w : groups) {
+    auto g = w.lock();
+    if (g && g->holds_unsynced_grads()) units.push_back(g->is_root() ? "<root>" : g->name());
+  }
+  if (units.empty()) return;
+  std::ostringstream names;
+  for (size_t i = 0; i < units.size() && i < 3; ++i) names << (i ? ", '" : "'") << units[i] << "'";
+  if (units.size() > 3) names << " and " << units.size() - 3 << " more";
+  TORCH_CHECK(false, caller, " (", comm.where(), "): ", units.size(),
+              " unit(s) hold gradients accumulated with gradient sync off (", names.str(),
+              ") that were never reduced into the sharded gradients, so the optimizer cannot see them: those "
+              "micro-batches would train nothing. Turn sync back on before the backward of the last micro-batch "
+              "of each step: model.set_requires_gradient_sync(true) (docs/usage.md, 'Gradient accumulation').");
+}
+
+void RunState::mark_broken(const std::string& why) {
+  if (broken_.empty()) broken_ = why;
+}
+
+void RunState::check_not_broken() const {
+  TORCH_CHECK(broken_.empty(), "fsdp (", comm.where(),
+              "): an earlier collective of this model failed, so the ranks no longer agree on which collective "
+              "comes next. Exit and restart the job from its last checkpoint (docs/usage.md, 'When a collective "
+              "fails'). The first failure was:\n",
+              broken_);
+}
+
+void RunState::after_unit_unsharded(Unit& unit, bool backward) {
+  if (!backward && !unit.is_root()) recording_.push_back(unit.weak_from_this());
+  const int depth = options.prefetch();
+  if (depth <= 0) return;
+  // The root comes before the first unit in forward and after the last one in backward.
+  std::ptrdiff_t i = backward ? static_cast<std::ptrdiff_t>(order_.size()) : -1;
+  if (!unit.is_root()) {
+    auto it = std::find_if(order_.begin(), order_.end(), [&](const auto& w) { return w.lock().get() == &unit; });
+    if (it == order_.end()) return;  // not seen in the last forward: no order to follow yet
+    i = it - order_.begin();
+  }
+  for (int k = 1; k <= depth; ++k) {
+    const auto j = backward ? i - k : i + k;
+    if (j < 0 || j >= static_cast<std::ptrdiff_t>(order_.size())) break;
+    if (auto next = order_[j].lock()) next->begin_unshard();
+  }
+}
+
+void RunState::after_reduce_issued(Unit& unit) {
+  while (!reducing_.empty()) {
+    auto oldest = reducing_.front().lock();
+    reducing_.erase(reducing_.begin());
+    if (oldest && oldest.get() != &unit) oldest->finish_reduce();
+  }
+  reducing_.push_back(unit.weak_from_this());
+}
+
+void RunState::finish_reduces() {
+  auto in_flight = std::move(reducing_);
+  reducing_.clear();
+  for (auto& w : in_flight) {
+    if (auto g = w.lock()) g->finish_reduce();
+  }
+}
+
+void RunState::begin_forward() {
+  check_not_broken();
+  ++forwards_;
+  const bool grad = c10::GradMode::is_enabled();
+  check_boundary(
+      Boundary::kForward, forwards_, grad ? 1 : 0,
+      "forward #" + std::to_string(forwards_) + " of the wrapped model (" + (grad ? "gradients on" : "no grad") + ")");
+  recording_.clear();
+  for (auto& w : groups) {
+    if (auto g = w.lock()) g->drop_prefetch();  // left by a forward that threw
+  }
+  if (!callback_queued_) return;
+  callback_queued_ = false;
+  for (auto& w : groups) {
+    if (auto g = w.lock()) g->reset_after_failed_backward();
+  }
+}
+
+}  // namespace fsdp::detail

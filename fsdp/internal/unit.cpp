@@ -1,0 +1,498 @@
+#include "fsdp/internal/unit.h"
+
+#include "fsdp/internal/gather.h"
+#include "fsdp/internal/run_state.h"
+
+#include <ATen/ops/empty.h>
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <algorithm>
+#include <sstream>
+#include <utility>
+
+namespace fsdp::detail {
+namespace {
+
+// Runs after autograd accumulated a parameter's gradient into its .grad.
+class GradReadyHook final : public torch::autograd::FunctionPostHook {
+ public:
+  GradReadyHook(std::weak_ptr<Unit> unit, size_t slot) : unit_(std::move(unit)), slot_(slot) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list& /*inputs*/) override {
+    if (auto u = unit_.lock()) u->on_grad_ready(slot_);
+    return outputs;
+  }
+
+ private:
+  std::weak_ptr<Unit> unit_;
+  size_t slot_;
+};
+
+}  // namespace
+
+Unit::Unit(std::string name, const std::vector<std::pair<std::string, at::Tensor>>& params,
+           std::shared_ptr<RunState> run, bool is_root, ShardingStrategy strategy)
+    : name_(std::move(name)), run_(std::move(run)), is_root_(is_root), strategy_(strategy), traits_(traits(strategy)) {
+  for (const auto& [pname, p] : params) {
+    if (!slots_.empty()) {
+      const at::Tensor& first = slots_.front().param;
+      TORCH_CHECK(p.dtype() == first.dtype() && p.device() == first.device(), "fsdp::fully_shard (rank ",
+                  run_->comm.rank(), "): unit '", name_, "' mixes parameter '", slots_.front().name, "' (",
+                  first.dtype(), ", ", first.device(), ") with '", pname, "' (", p.dtype(), ", ", p.device(),
+                  "). A unit's parameters share one flat buffer: give them one dtype and device, or put them in "
+                  "separate fsdp::Sharded units.");
+    }
+    ParamSlot s;
+    s.name = pname;
+    s.param = p;
+    s.shape = s.param.sizes().vec();
+    s.requires_grad = s.param.requires_grad();
+    slots_.push_back(std::move(s));
+  }
+}
+
+std::string Unit::describe(const char* op) const {
+  std::ostringstream os;
+  os << op << " of unit '" << label() << "' (" << to_string(strategy_) << ", " << slots_.size() << " parameters, "
+     << shard_numel() << " elements per rank)";
+  return os.str();
+}
+
+void Unit::rename(const std::string& path) {
+  if (path.empty() || name_ == path) return;
+  name_ = path;
+  for (auto& s : slots_) s.name = path + "." + s.name;
+  name_collectives();
+}
+
+void Unit::name_collectives() {
+  gather_what_ = describe("all-gather");
+  reduce_what_ = buckets() ? describe("all-reduce of gradients") : describe("reduce-scatter of gradients");
+}
+
+void Unit::init() {
+  Comm& world = run_->comm;
+  const bool grouped = traits_.shard_over == ShardOver::kGroup;
+  shard_comm_ = grouped ? run_->shard_comm.get() : &world;
+  replicate_comm_ = grouped ? run_->replicate_comm.get() : nullptr;
+  TORCH_INTERNAL_ASSERT(shard_comm_ != nullptr, "hybrid sharding without its process groups");
+  S_ = traits_.shard_over == ShardOver::kNone ? 1 : shard_comm_->world_size();
+  shard_rank_ = traits_.shard_over == ShardOver::kNone ? 0 : shard_comm_->rank();
+  world_size_ = world.world_size();
+  if (slots_.empty()) {
+    state_ = UnitState::kSharded;
+    return;
+  }
+  buffers_.shard_numel = lay_out(slots_, S_, shard_rank_);
+  name_collectives();  // every collective carries its description, for error messages
+
+  at::NoGradGuard no_grad;
+  // Rank 0's weights everywhere, one parameter at a time and in place: no flat copy, so that
+  // sharding a unit costs its own size once (what lets a model be sharded while it is built).
+  if (run_->options.sync_module_states() && world.world_size() > 1) {
+    const std::string what = describe("broadcast of rank 0's weights");
+    for (auto& s : slots_) world.broadcast(s.param.detach(), 0, what);
+  }
+  const BufferKind kind = shards_are_rows_of_full() ? BufferKind::kRowsOfFull
+                          : buckets()               ? BufferKind::kWhole
+                                                    : BufferKind::kShards;
+  buffers_ = make_buffers(slots_, buffers_.shard_numel, S_, shard_rank_, kind,
+                          slots_.front().param.options().requires_grad(false));
+  if (buckets()) {
+    buckets_ =
+        make_buckets(slots_, std::max<int64_t>(1, run_->options.bucket_bytes() / buffers_.flat_shard.element_size()));
+  }
+
+  std::weak_ptr<Unit> self = weak_from_this();
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    auto& s = slots_[i];
+    s.param.mutable_grad() = at::Tensor();  // a gradient from before wrapping is not this model's
+    if (s.requires_grad) {
+      // Created now, while the parameter has its full shape, and kept (see ParamSlot).
+      s.grad_accumulator = torch::autograd::impl::grad_accumulator(s.param);
+      s.grad_accumulator->add_post_hook(std::make_unique<GradReadyHook>(self, i));
+      ++grads_expected_;
+    }
+  }
+  state_ = UnitState::kUnsharded;  // make_buffers pointed the parameters at their full views
+  reshard();
+}
+
+bool Unit::needs_gather() const {
+  if (shard_numel() == 0 || traits_.shard_over == ShardOver::kNone) return false;
+  if (shards_are_rows_of_full()) {
+    // After a reduction the optimizer steps the shards, so every forward until the next backward
+    // gathers (the step may come after any of them). Never in backward: the unit is gathered
+    // already. The decision must be the same on every rank, so it rests on this flag, never on
+    // whether this rank's shards changed (a rank may own no rows, and torch::optim::SGD steps
+    // through .data(), which no version counter sees).
+    if (backward_ == BackwardPhase::kRunning || run_->in_backward()) return false;
+    return stale_;
+  }
+  return !memory_gathered();
+}
+
+void Unit::begin_unshard() {
+  if (state_ == UnitState::kGathering || state_ == UnitState::kUnsharded || !needs_gather()) return;
+  adopt_replaced_shards();  // the gather reads the shards
+  // Only the all-gather output is allocated now; the unsharded storage is allocated when the
+  // gather is waited for, so a unit in flight costs its size once, not twice.
+  gathered_ = at::empty({S_ * shard_numel()}, buffers_.unsharded.options());
+  at::Tensor in = buffers_.flat_shard;
+  if (shards_are_rows_of_full()) {
+    gather_in_ = pack_rows(slots_, shard_numel(), buffers_.unsharded.options());
+    in = gather_in_;
+  }
+  gather_ = shard_comm_->all_gather_async(gathered_, in, gather_what_);
+  enter(UnitState::kGathering);
+}
+
+void Unit::unshard() {
+  if (slots_.empty() || state_ == UnitState::kUnsharded) return;
+  if (state_ != UnitState::kGathering) adopt_replaced_shards();
+  // Only empty parameters (shard_numel == 0, the same on every rank): nothing to gather.
+  if (shard_numel() > 0 && (state_ == UnitState::kGathering || needs_gather())) gather();
+  use_full_views();
+}
+
+void Unit::gather() {
+  begin_unshard();
+  wait_gather();
+  gather_in_ = at::Tensor();
+  if (!keeps_full_params()) {
+    resize_storage(buffers_.unsharded, static_cast<size_t>(S_ * shard_numel()) * buffers_.unsharded.element_size());
+  }
+  // One copy-out fills every parameter, and the output is freed right after, before any further
+  // prefetch is issued.
+  copy_out(gathered_, buffers_.unsharded, slots_, S_, shard_numel());
+  gathered_ = at::Tensor();
+}
+
+void Unit::reshard() {
+  if (state_ == UnitState::kGathering) {  // prefetched but not used: Gloo may still be writing into the buffer
+    drop_prefetch();
+    return;
+  }
+  const bool gathered = state_ == UnitState::kUnsharded || state_ == UnitState::kKeptForBackward;
+  use_shard_views();
+  if (gathered && !keeps_full_params()) resize_storage(buffers_.unsharded, 0);
+  enter(UnitState::kSharded);
+}
+
+void Unit::use_full_views() {
+  if (state_ == UnitState::kUnsharded) return;
+  point_at_full_views(slots_);
+  enter(UnitState::kUnsharded);
+}
+
+void Unit::use_shard_views() {
+  if (state_ == UnitState::kUnsharded) point_at_shards(slots_);
+}
+
+void Unit::adopt_replaced_shards() {
+  if (state_ == UnitState::kUnsharded) return;  // the parameters are the full views
+  if (adopt_replaced(slots_, shard_rank_, run_->comm.rank(), label())) mark_shards_written();
+}
+
+void Unit::pre_forward() {
+  const bool direct = run_->direct_access > 0 && !run_->in_root_forward;
+  run_->direct_call_refused = direct;  // said here: no second hint as the error leaves the handle
+  TORCH_CHECK(!direct, "fsdp (rank ", run_->comm.rank(), "): unit '", label(),
+              "' ran its forward inside a call through the handle's operator-> (such as model->forward(x)), which "
+              "calls the module's own forward around the wrapper: the root's parameters stay sharded and nothing "
+              "is prepared for backward. Call the handle itself: model(x) or model.forward(x).");
+  unshard();
+  run_->after_unit_unsharded(*this, /*backward=*/false);
+  run_->sample_state();
+}
+
+void Unit::post_forward(const std::vector<at::Tensor>& outputs) {
+  const bool grad = c10::GradMode::is_enabled();
+  if (grad) {
+    std::weak_ptr<Unit> self = weak_from_this();
+    for (const auto& t : outputs) {
+      if (!t.defined() || !t.requires_grad()) continue;
+      // Fires when the gradient w.r.t. this output is complete, i.e. right before this unit's
+      // backward: the unit's pre-backward.
+      const_cast<at::Tensor&>(t).register_hook([self](const at::Tensor&) {
+        if (auto u = self.lock()) u->pre_backward();
+      });
+      backward_ = BackwardPhase::kAwaiting;
+    }
+  }
+  // The root keeps its gathered memory into its backward (it is the first to need it again).
+  if (!grad || (!is_root_ && traits_.reshard_after_forward)) {
+    reshard();
+  } else if (state_ == UnitState::kUnsharded) {
+    // Gathered memory kept for backward, but the parameters are the shards again: between
+    // forward and backward a user may zero the gradients or step (a forward whose backward never
+    // comes), and must find the shards. Autograd saved the parameter itself, whose full view
+    // pre_backward() restores before any of the unit's gradients are computed.
+    use_shard_views();
+    enter(UnitState::kKeptForBackward);
+  }
+}
+
+void Unit::pre_backward() {
+  if (backward_ != BackwardPhase::kAwaiting) return;
+  backward_ = BackwardPhase::kIdle;
+  run_->on_backward_begin();
+  unshard();
+  run_->after_unit_unsharded(*this, /*backward=*/true);
+  run_->sample_state();
+  backward_ = BackwardPhase::kRunning;
+  grads_ready_ = 0;
+  for (auto& s : slots_) s.grad_ready = false;
+  stale_ = false;  // kShardOptimizerState: the shards were gathered by the forward that led here
+  if (holds_reduced_) {
+    // kShardOptimizerState: the full gradients hold the last reduction (this rank's rows) and
+    // stale local values (the other rows). Rows the optimizer has not consumed (no zero_grad)
+    // become a gradient of their own (a copy, so the old full gradients are freed) that the next
+    // reduction adds to; the full gradients start from nothing, as for an unwrapped model.
+    holds_reduced_ = false;
+    finish_reduce();
+    for (auto& s : slots_) {
+      if (s.shard_grad.defined()) s.shard_grad = s.shard_grad.clone();
+      s.param.mutable_grad() = at::Tensor();
+    }
+  }
+}
+
+void Unit::on_grad_ready(size_t slot) {
+  ParamSlot& s = slots_[slot];
+  TORCH_CHECK(backward_ == BackwardPhase::kRunning, "fsdp (rank ", run_->comm.rank(), "): parameter '", s.name,
+              "' received a gradient although the backward of its unit '", label(),
+              "' never began. Was the module called directly instead of through its fsdp::Sharded wrapper "
+              "(or the root through the handle fsdp::fully_shard returned)?");
+  if (s.grad_ready) return;
+  s.grad_ready = true;
+  ++grads_ready_;
+  // Replicated: each bucket goes out as soon as its gradients are complete (all of them are out
+  // once the unit's last gradient arrives).
+  if (buckets() && run_->sync_gradients) launch_buckets(/*all=*/false);
+  if (grads_ready_ == grads_expected_) {
+    // Without gradient sync (all but the last micro-batch of an accumulation) the unsharded
+    // gradients keep accumulating beside the parameters; nothing is communicated.
+    if (run_->sync_gradients && !buckets()) reduce_grads();
+    backward_ = BackwardPhase::kIdle;
+    // A frozen parameter's last reader may still be ahead in the graph (autograd runs gradient
+    // accumulation as soon as it can): such a unit stays gathered until the end of backward.
+    if (grads_expected_ == slots_.size()) reshard();
+  }
+}
+
+void Unit::launch_buckets(bool all) {
+  // Buckets go out in one fixed order on every rank (Gloo pairs collectives by order): bucket b
+  // only after b - 1, and only once backward produced all of its gradients (or at the end).
+  while (next_bucket_ < buckets_.size()) {
+    const Bucket& b = buckets_[next_bucket_];
+    if (!all) {
+      for (size_t i = b.first; i < b.last; ++i) {
+        if (slots_[i].requires_grad && !slots_[i].grad_ready) return;
+      }
+    }
+    if (next_bucket_ == 0) {
+      reduce_out_ = at::empty({shard_numel()}, buffers_.flat_shard.options());
+      reduce_has_grad_.assign(slots_.size(), false);
+      bucket_work_.clear();
+    }
+    pack_bucket(slots_, is_unsharded(), b, reduce_out_, reduce_has_grad_);
+    run_->sample_state();  // the bucket's gradients and their copy, both alive
+    for (size_t i = b.first; i < b.last; ++i) full_grad(slots_[i]) = at::Tensor();  // the bucket holds it now
+    at::Tensor chunk = reduce_out_.narrow(0, b.offset, b.numel);
+    bucket_work_.push_back(run_->comm.all_reduce_async(chunk, c10d::ReduceOp::SUM, reduce_what_));
+    ++next_bucket_;
+    if (next_bucket_ == buckets_.size()) {
+      reducing_ = true;
+      run_->after_reduce_issued(*this);
+    }
+  }
+}
+
+void Unit::reduce_grads() {
+  if (shard_numel() == 0) {
+    for (auto& s : slots_) full_grad(s) = at::Tensor();
+    return;
+  }
+  if (buckets()) {
+    if (next_bucket_ == buckets_.size()) finish_reduce();  // reduced once already in this backward
+    launch_buckets(/*all=*/true);
+    return;
+  }
+  finish_reduce();  // a unit reduced twice in one backward (partly used, then flushed)
+  // The previous unit's reduction had this unit's whole backward to complete; finishing it before
+  // packing frees its buffers first, so one unit's packed gradients are in flight at a time (as in
+  // FSDP2), not two.
+  run_->finish_reduces();
+  const auto opts = buffers_.unsharded.options();
+  reduce_in_ = pack_grads(slots_, is_unsharded(), S_, shard_numel(), opts, reduce_has_grad_);
+  run_->sample_state();  // the unsharded gradients and their packed copy, both alive
+  if (shards_are_rows_of_full()) {
+    holds_reduced_ = true;  // the full gradients stay; they are no longer pending
+  } else {
+    for (auto& s : slots_) full_grad(s) = at::Tensor();  // unsharded gradients freed here
+  }
+  // The reduce-scatter writes this rank's summed rows straight into the flat gradient shard.
+  reduce_out_ = at::empty({shard_numel()}, opts);
+  at::Tensor flat_in = reduce_in_.view({-1});
+  reduce_ = shard_comm_->reduce_scatter_sum_async(reduce_out_, flat_in, reduce_what_);
+  reducing_ = true;
+  // Runs while the rest of backward computes; the run state bounds how many are in flight.
+  run_->after_reduce_issued(*this);
+}
+
+void Unit::append_held_tensors(std::vector<at::Tensor>& out) const {
+  for (const at::Tensor* t :
+       {&buffers_.flat_shard, &buffers_.unsharded, &gathered_, &gather_in_, &reduce_in_, &reduce_out_}) {
+    out.push_back(*t);
+  }
+  for (const auto& s : slots_) {
+    for (const at::Tensor* t : {&s.param, &s.sharded, &s.shard_grad, &s.full_grad}) out.push_back(*t);
+    out.push_back(s.param.grad());
+  }
+}
+
+void Unit::wait_gather() {
+  try {
+    shard_comm_->wait(gather_);
+  } catch (const std::exception& e) {
+    // The backend keeps its own reference to the buffer; ours is dropped so that nothing ever
+    // reads a gather that did not complete, and the run state refuses further steps.
+    gathered_ = at::Tensor();
+    gather_in_ = at::Tensor();
+    enter(UnitState::kSharded);
+    run_->mark_broken(error_text(e));
+    throw;
+  }
+}
+
+void Unit::drop_prefetch() {
+  if (state_ != UnitState::kGathering) return;
+  wait_gather();
+  gathered_ = at::Tensor();
+  gather_in_ = at::Tensor();  // kShardOptimizerState: not copied out, so the unit stays due
+  enter(UnitState::kSharded);
+}
+
+void Unit::finish_reduce() {
+  if (!reducing_) return;
+  reducing_ = false;
+  try {
+    if (buckets()) {
+      for (auto& p : bucket_work_) run_->comm.wait(p);
+    } else {
+      shard_comm_->wait(reduce_);
+      reduce_in_ = at::Tensor();
+      if (replicate_comm_ != nullptr && replicate_comm_->world_size() > 1) {
+        // Hybrid: the group's sum of this shard, summed again over the groups holding it.
+        replicate_comm_->all_reduce(reduce_out_, c10d::ReduceOp::SUM,
+                                    describe("all-reduce of gradients across groups"));
+      }
+    }
+  } catch (const std::exception& e) {
+    reduce_in_ = at::Tensor();
+    reduce_out_ = at::Tensor();
+    bucket_work_.clear();
+    next_bucket_ = 0;
+    run_->mark_broken(error_text(e));
+    throw;
+  }
+  bucket_work_.clear();
+  next_bucket_ = 0;
+  at::Tensor reduced = std::move(reduce_out_);
+  reduced.div_(static_cast<double>(run_->comm.world_size()));
+  if (shards_are_rows_of_full()) {
+    stale_ = true;  // the optimizer steps the shards next
+    write_rows_into_full_grads(slots_, is_unsharded(), reduced, reduce_has_grad_, shard_rank_);
+  } else {
+    add_to_sharded_grads(slots_, is_unsharded(), reduced, reduce_has_grad_);
+  }
+}
+
+at::Tensor Unit::flat_grad() const {
+  return detail::flat_grad(slots_, buffers_.flat_shard, shard_numel(), is_unsharded());
+}
+
+bool Unit::holds_unsynced_grads() const {
+  if (holds_reduced_) return false;  // kShardOptimizerState's full gradients after their reduction
+  return std::any_of(slots_.begin(), slots_.end(),
+                     [&](const ParamSlot& s) { return full_grad_of(s, is_unsharded()).defined(); });
+}
+
+void Unit::check_conversion(const std::optional<at::Device>& device, const std::optional<at::ScalarType>& dtype) const {
+  detail::check_conversion(slots_, device, dtype, run_->comm.rank(), label());
+}
+
+void Unit::gather_full(std::vector<at::Tensor>& out, const at::Device& device) {
+  TORCH_INTERNAL_ASSERT(state_ == UnitState::kSharded, "gather_full of unit '", label(), "' while it is ",
+                        to_string(state_));
+  adopt_replaced_shards();
+  try {
+    detail::gather_full(slots_, buffers_, shards_are_rows_of_full(), S_, *shard_comm_,
+                        describe("all-gather of full weights"), device, out);
+  } catch (const std::exception& e) {
+    run_->mark_broken(error_text(e));
+    throw;
+  }
+}
+
+void Unit::reset_after_failed_backward() {
+  // Reductions of the failed backward still in flight: waited for (the backend uses their
+  // buffers) and thrown away. This runs at the next forward, after the user's zero_grad(), which
+  // they must not undo.
+  if (reducing_ || next_bucket_ > 0) {
+    reducing_ = false;
+    try {
+      shard_comm_->wait(reduce_);
+      for (auto& p : bucket_work_) run_->comm.wait(p);
+    } catch (const std::exception& e) {
+      run_->mark_broken(error_text(e));
+    }
+    bucket_work_.clear();
+    next_bucket_ = 0;
+    reduce_in_ = at::Tensor();
+    reduce_out_ = at::Tensor();
+  }
+  if (backward_ != BackwardPhase::kRunning) return;
+  backward_ = BackwardPhase::kIdle;
+  grads_ready_ = 0;
+  // The failed backward left the parameters full, with partial full gradients that the user saw
+  // (and may have zeroed) instead of the sharded ones, which wait aside. Those follow what the
+  // user did: kept if some partial gradient is still there and not zero, dropped otherwise (the
+  // documented recovery is zero_grad() before the next backward).
+  bool zeroed = true;
+  for (auto& s : slots_) {
+    const at::Tensor& g = full_grad(s);
+    zeroed = zeroed && (!g.defined() || !g.any().item<bool>());
+  }
+  for (auto& s : slots_) {
+    s.grad_ready = false;
+    if (zeroed && is_unsharded() && s.shard_grad.defined()) {
+      if (full_grad(s).defined()) {
+        s.shard_grad.zero_();  // zero_grad(set_to_none=false)
+      } else {
+        s.shard_grad = at::Tensor();
+      }
+    }
+    full_grad(s) = at::Tensor();
+  }
+  reshard();
+}
+
+void Unit::finalize_backward() {
+  // Gradients not reduced yet: a unit only partly used in this backward, or one that accumulated
+  // without sync in earlier micro-batches and was not used in this one. (kShardOptimizerState
+  // keeps its full gradients after reducing them; those are not pending.)
+  if (run_->sync_gradients && !holds_reduced_) {
+    // kNoShard: buckets launched while others wait for gradients that never came (unused
+    // parameters) are pending too; the rest go out now, with zeros for the missing ones.
+    const bool pending = (next_bucket_ > 0 && next_bucket_ < buckets_.size()) || holds_unsynced_grads();
+    if (pending) reduce_grads();
+  }
+  backward_ = BackwardPhase::kIdle;
+  reshard();
+}
+
+}  // namespace fsdp::detail

@@ -1,0 +1,159 @@
+// One sharding unit: the parameters of a module marked fsdp::Sharded (or of the root, minus its
+// units) and their lifecycle: gathered before forward and backward, resharded after, gradients
+// reduced as soon as backward has produced them. Its buffers are in unit_buffers.h, what goes
+// into and out of its collectives in gather.h and reduce.h, its states in lifecycle.h, and what
+// differs between strategies in fsdp/strategy.h's traits.
+#pragma once
+
+#include "fsdp/internal/comm.h"
+#include "fsdp/internal/lifecycle.h"
+#include "fsdp/internal/reduce.h"
+#include "fsdp/internal/unit_buffers.h"
+#include "fsdp/options.h"
+
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace fsdp::detail {
+
+class RunState;
+
+class Unit : public std::enable_shared_from_this<Unit> {
+ public:
+  Unit(std::string name, const std::vector<std::pair<std::string, at::Tensor>>& params, std::shared_ptr<RunState> run,
+       bool is_root, ShardingStrategy strategy);
+
+  /// Shards the parameters (after rank 0's values were broadcast), installs the hooks, frees the
+  /// unsharded storage. Called once by fully_shard.
+  void init();
+
+  const std::string& name() const { return name_; }
+  /// Gives a unit sharded while it was built its place in the model: module path and parameter names.
+  void rename(const std::string& path);
+  bool is_root() const { return is_root_; }
+  ShardingStrategy strategy() const { return strategy_; }
+  /// Ranks the unit is sharded over (S) and this rank's place among them.
+  int64_t shard_world_size() const { return S_; }
+  int64_t shard_rank() const { return shard_rank_; }
+  /// How many ranks hold each element of the sharded gradients (1 unless replicated or hybrid).
+  int64_t replication() const { return world_size_ / S_; }
+  /// Whether the parameters point at their full views now (forward, backward), not their shards.
+  bool is_unsharded() const { return state_ == UnitState::kUnsharded; }
+  const std::vector<ParamSlot>& slots() const { return slots_; }
+  int64_t shard_numel() const { return buffers_.shard_numel; }
+  /// This rank's rows of every parameter, padded: what the parameters alias between steps.
+  /// Undefined for kShardOptimizerState, whose shards alias the full parameters.
+  const at::Tensor& flat_shard() const { return buffers_.flat_shard; }
+  /// The sharded gradients as one flat buffer (see unit_buffers.h: flat_grad).
+  at::Tensor flat_grad() const;
+  /// The sharded gradient of a slot, wherever it is now (on the parameter between steps).
+  const at::Tensor& shard_grad(const ParamSlot& s) const { return shard_grad_of(s, is_unsharded()); }
+  /// Whether gradients accumulated with gradient sync off wait to be reduced.
+  bool holds_unsynced_grads() const;
+  /// Refuses a conversion of the unit's parameters to another dtype or device after wrapping.
+  void check_conversion(const std::optional<at::Device>& device, const std::optional<at::ScalarType>& dtype) const;
+  /// kShardOptimizerState: the shards were written by something the library cannot see (a loaded
+  /// checkpoint): the next forward gathers them. Other strategies always gather from the shards.
+  void mark_shards_written() { stale_ = shards_are_rows_of_full(); }
+  /// Appends this unit's full parameters, gathered from the shards, as new tensors on `device`
+  /// (one all-gather; needs the unit resharded). The same call on every rank of the unit.
+  void gather_full(std::vector<at::Tensor>& out, const at::Device& device);
+  RunState& state() const { return *run_; }
+
+  /// Issues the all-gather without waiting (prefetch); unshard() completes it.
+  void begin_unshard();
+  /// All-gathers the parameters (or completes a prefetched gather) and points every user parameter
+  /// at its full view.
+  void unshard();
+  /// Frees the unsharded storage (0 bytes, sharded strategies) and points every user parameter at
+  /// its shard, with the sharded gradient.
+  void reshard();
+
+  // Forward: unshard before, reshard after (or keep the memory for backward) and hook the
+  // outputs so the unit is gathered again when its backward begins.
+  void pre_forward();
+  void post_forward(const std::vector<at::Tensor>& outputs);
+
+  // Backward.
+  void pre_backward();
+  void on_grad_ready(size_t slot);
+  /// At the end of backward: reduce what a partly used unit has, reshard, clear the flags.
+  void finalize_backward();
+  /// A backward that threw never reached its end: drop its half-done state (next forward).
+  void reset_after_failed_backward();
+  /// Waits for this unit's reduce-scatter in flight, if any, and sets the sharded gradients.
+  void finish_reduce();
+  /// Waits for and drops an all-gather prefetched but not used (the unit stays sharded).
+  void drop_prefetch();
+
+  /// Appends every tensor of this unit's parameters and gradients that holds memory now: shards,
+  /// unsharded parameters and gradients, and the buffers of collectives in flight. Tensors may
+  /// share storage (RunState::held_state_bytes counts each storage once).
+  void append_held_tensors(std::vector<at::Tensor>& out) const;
+
+ private:
+  std::string label() const { return is_root_ ? "<root>" : name_; }
+  std::string describe(const char* op) const;
+  void name_collectives();  // sets gather_what_ and reduce_what_ from the name and layout
+  void enter(UnitState to) { transition(state_, to, label()); }
+  bool keeps_full_params() const { return !traits_.params_sharded; }
+  /// kShardOptimizerState: full parameters kept, the shards are this rank's rows of them.
+  bool shards_are_rows_of_full() const { return !traits_.params_sharded && traits_.shard_over != ShardOver::kNone; }
+  /// kNoShard: gradients all-reduced in buckets.
+  bool buckets() const { return traits_.reduction == GradReduction::kAllReduceBuckets; }
+  /// Whether the unsharded buffer holds the parameters now.
+  bool memory_gathered() const {
+    return keeps_full_params() || state_ == UnitState::kUnsharded || state_ == UnitState::kKeptForBackward;
+  }
+  /// Whether an all-gather is due: sharded and not gathered, or (kShardOptimizerState) a shard
+  /// was updated in place since the last gather.
+  bool needs_gather() const;
+  void wait_gather();
+  void gather();  // completes (or issues and completes) the all-gather into the unsharded storage
+  void use_full_views();
+  void use_shard_views();
+  /// Between steps: a parameter whose storage was replaced (torch::load uses set_) is copied into
+  /// its shard and pointed back at it; one of another shape, dtype or device is refused.
+  void adopt_replaced_shards();
+  at::Tensor& full_grad(ParamSlot& s) { return full_grad_of(s, is_unsharded()); }
+  at::Tensor& shard_grad(ParamSlot& s) { return shard_grad_of(s, is_unsharded()); }
+  void launch_buckets(bool all);
+  void reduce_grads();
+
+  std::string name_;
+  std::vector<ParamSlot> slots_;
+  std::shared_ptr<RunState> run_;
+  bool is_root_;
+  ShardingStrategy strategy_;
+  const StrategyTraits& traits_;
+  Comm* shard_comm_ = nullptr;      // the S ranks this unit is sharded over
+  Comm* replicate_comm_ = nullptr;  // kHybridShard: the N/S ranks holding the same shard
+  int64_t S_ = 1, shard_rank_ = 0, world_size_ = 1;
+  std::string gather_what_, reduce_what_;  // descriptions of this unit's collectives
+  UnitBuffers buffers_;
+
+  UnitState state_ = UnitState::kUnsharded;  // at wrap time the parameters are full
+  BackwardPhase backward_ = BackwardPhase::kIdle;
+  // An all-gather in flight (prefetch): its output buffer stays alive until unshard() waits.
+  Pending gather_;
+  at::Tensor gathered_;
+  at::Tensor gather_in_;  // kShardOptimizerState: this rank's rows, packed for the all-gather
+  // A reduction in flight: its input, its output and which parameters had a gradient.
+  Pending reduce_;
+  at::Tensor reduce_in_, reduce_out_;
+  std::vector<bool> reduce_has_grad_;
+  bool reducing_ = false;
+  bool stale_ = false;           // kShardOptimizerState: reduced; gathered by forwards until the next backward
+  bool holds_reduced_ = false;   // kShardOptimizerState: the full gradients were reduced (or are being)
+  std::vector<Bucket> buckets_;  // kNoShard
+  std::vector<Pending> bucket_work_;
+  size_t next_bucket_ = 0;
+  size_t grads_expected_ = 0;
+  size_t grads_ready_ = 0;
+};
+
+}  // namespace fsdp::detail

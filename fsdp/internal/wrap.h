@@ -1,0 +1,35 @@
+// Wrapping: the walk over the user's module tree that finds the units (fsdp::Sharded modules and
+// the root's remaining parameters), checks ties and that every rank built the same model, then
+// creates and shards each unit. Used by fsdp::fully_shard and fsdp::ShardingScope.
+#pragma once
+
+#include "fsdp/options.h"
+
+#include <torch/nn/module.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <memory>
+
+namespace fsdp {
+class ShardedUnit;
+}  // namespace fsdp
+
+namespace fsdp::detail {
+
+class RunState;
+class Unit;
+
+/// Marks `root` sharded: one unit per module deriving from fsdp::ShardedUnit, one root unit for
+/// the remaining parameters. Checks that every rank has the same model, broadcasts rank 0's
+/// weights, shards, and returns the root unit (which also holds the shared state).
+/// With `scope_state` (fsdp::ShardingScope), units sharded while the model was built join as they
+/// are, and the options are the scope's.
+std::shared_ptr<Unit> shard_model(const std::shared_ptr<torch::nn::Module>& root,
+                                  const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const FullyShardOptions& options,
+                                  const std::shared_ptr<RunState>& scope_state = nullptr);
+
+/// Shards one unit right after its constructor returned (inside an fsdp::ShardingScope): checks
+/// that every rank built the same unit, shards it with the scope's options and attaches it.
+void shard_on_construction(const std::shared_ptr<RunState>& state, torch::nn::Module& module, ShardedUnit& unit);
+
+}  // namespace fsdp::detail
