@@ -94,6 +94,37 @@ void train_and_compare(Rank& r, Opt opt, int steps, Ref& ref, Model& model, Batc
   expect_shards_match(r, model, *ref);
 }
 
+/// The loop of the tests whose step is not one forward of one batch (several forwards, an extra
+/// evaluation, a custom loss): `steps` steps of plain LibTorch `ref` with `ref_opt` and of the
+/// wrapped `model` with `opt`, the global loss compared every step (the caller compares the
+/// shards at the end). `loss(forward, rows, step, wrapped)` computes one step's loss once for
+/// both sides: `forward(x)` runs the side's model and `rows(t)` is the side's share of a global
+/// tensor (all of it for the reference, this rank's rows for the wrapped model). `between(step)`
+/// runs after the wrapped model's backward, before its optimizer step.
+template <typename Ref, typename Model, typename LossFn, typename Between>
+void compare_steps(Rank& r, Ref& ref, Model& model, torch::optim::Optimizer& ref_opt, torch::optim::Optimizer& opt,
+                   int steps, LossFn loss, Between between) {
+  auto all = [](const torch::Tensor& t) { return t; };
+  auto mine = [&](const torch::Tensor& t) { return local_rows(t, r.rank, r.world_size); };
+  for (int step = 0; step < steps; ++step) {
+    ref_opt.zero_grad();
+    auto ref_loss = loss([&](const torch::Tensor& x) { return ref->forward(x); }, all, step, false);
+    ref_loss.backward();
+    ref_opt.step();
+
+    opt.zero_grad();
+    auto local = loss([&](const torch::Tensor& x) { return model(x); }, mine, step, true);
+    local.backward();
+    between(step);
+    opt.step();
+    // The global loss is the mean of the ranks' local means (equal shares).
+    auto global = local.detach().clone();
+    all_reduce_sum(r, global);
+    global.div_(r.world_size);
+    EXPECT_TRUE(close(global, ref_loss.detach())) << "loss at step " << step;
+  }
+}
+
 /// train_and_compare with both models built here from seed 0 (`make_ref` / `make_sharded`), the
 /// sharded one wrapped with `options`.
 template <typename Ref, typename Sharded, typename Batch, typename LossFn>

@@ -1,7 +1,7 @@
 // What real training code does around the plain loop: eval forwards, several forwards before one
 // backward, unused parameters, misuse (clipping or stepping before backward, calling a block
 // around its wrapper). Faults (peers that die or stop) are in test_faults.cpp.
-#include "tests/models.h"
+#include "tests/parity.h"
 
 #include <torch/nn/functional/loss.h>
 
@@ -30,25 +30,23 @@ TEST(EdgeCases, EvalForwardsBetweenSteps) {
     auto ref = gpt::make_gpt<false>(kCfg);
     torch::manual_seed(0);
     auto model = fsdp::fully_shard(gpt::make_gpt<true>(kCfg), r.pg, test_options());
-    torch::optim::SGD ref_opt(ref->parameters(), 0.1), opt(model.sharded_parameters(), 0.1);
-    for (int step = 0; step < 3; ++step) {
-      {
-        torch::NoGradGuard no_grad;
-        model->eval();
-        auto [vx, vy] = batch(900 + step);
-        auto eval_loss = ce(model(local_rows(vx, r.rank, r.world_size)), local_rows(vy, r.rank, r.world_size));
-        EXPECT_TRUE(std::isfinite(eval_loss.item<double>()));
-        expect_between_steps(r, model, *ref);  // nothing left gathered by a no-grad forward
-        model->train();
-      }
-      auto [x, y] = batch(100 + step);
-      ref_opt.zero_grad();
-      ce(ref->forward(x), y).backward();
-      ref_opt.step();
-      model.zero_grad();  // the handle's zero_grad: the sharded gradients
-      ce(model(local_rows(x, r.rank, r.world_size)), local_rows(y, r.rank, r.world_size)).backward();
-      opt.step();
-    }
+    torch::optim::SGD ref_opt(ref->parameters(), 0.1), opt(model->parameters(), 0.1);
+    compare_steps(
+        r, ref, model, ref_opt, opt, 3,
+        [&](auto forward, auto rows, int step, bool wrapped) {
+          if (wrapped) {
+            torch::NoGradGuard no_grad;
+            model.eval();
+            auto [vx, vy] = batch(900 + step);
+            torch::Tensor eval_loss = ce(model(rows(vx)), rows(vy));
+            EXPECT_TRUE(std::isfinite(eval_loss.item<double>()));
+            expect_between_steps(r, model, *ref);  // nothing left gathered by a no-grad forward
+            model.train();
+          }
+          auto [x, y] = batch(100 + step);
+          return ce(forward(rows(x)), rows(y));
+        },
+        [](int) {});
     expect_shards_match(r, model, *ref);
   });
 }
@@ -60,20 +58,15 @@ TEST(EdgeCases, SeveralForwardsBeforeOneBackward) {
     auto ref = gpt::make_gpt<false>(kCfg);
     torch::manual_seed(0);
     auto model = fsdp::fully_shard(gpt::make_gpt<true>(kCfg), r.pg, test_options());
-    torch::optim::SGD ref_opt(ref->parameters(), 0.1), opt(model.sharded_parameters(), 0.1);
-    for (int step = 0; step < 3; ++step) {
-      auto [x1, y1] = batch(200 + step);
-      auto [x2, y2] = batch(300 + step);
-      ref_opt.zero_grad();
-      (ce(ref->forward(x1), y1) + ce(ref->forward(x2), y2)).backward();
-      ref_opt.step();
-      opt.zero_grad();
-      auto l1 = ce(model(local_rows(x1, r.rank, r.world_size)), local_rows(y1, r.rank, r.world_size));
-      auto l2 = ce(model(local_rows(x2, r.rank, r.world_size)), local_rows(y2, r.rank, r.world_size));
-      (l1 + l2).backward();
-      expect_between_steps(r, model, *ref);
-      opt.step();
-    }
+    torch::optim::SGD ref_opt(ref->parameters(), 0.1), opt(model->parameters(), 0.1);
+    compare_steps(
+        r, ref, model, ref_opt, opt, 3,
+        [&](auto forward, auto rows, int step, bool /*wrapped*/) {
+          auto [x1, y1] = batch(200 + step);
+          auto [x2, y2] = batch(300 + step);
+          return ce(forward(rows(x1)), rows(y1)) + ce(forward(rows(x2)), rows(y2));
+        },
+        [&](int) { expect_between_steps(r, model, *ref); });
     expect_shards_match(r, model, *ref);
   });
 }
@@ -103,20 +96,18 @@ TEST(EdgeCases, UnusedParameters) {
     torch::manual_seed(1);
     auto model = fsdp::fully_shard(std::make_shared<WithUnusedImpl<true>>(), r.pg, test_options());
     torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
-    torch::optim::SGD opt(model.sharded_parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
-    for (int step = 0; step < 3; ++step) {
-      torch::manual_seed(60 + step);
-      auto x = torch::randn({kGlobalBatch, 4});
-      ref_opt.zero_grad();
-      ref->forward(x).square().mean().backward();
-      ref_opt.step();
-      opt.zero_grad();
-      model(local_rows(x, r.rank, r.world_size)).square().mean().backward();
-      EXPECT_FALSE(model.named_sharded_parameters()["unit.unused.weight"].grad().defined());
-      EXPECT_TRUE(model.named_sharded_parameters()["unit.used.weight"].grad().defined());
-      expect_between_steps(r, model, *ref);
-      opt.step();
-    }
+    torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    compare_steps(
+        r, ref, model, ref_opt, opt, 3,
+        [&](auto forward, auto rows, int step, bool /*wrapped*/) {
+          torch::manual_seed(60 + step);
+          return forward(rows(torch::randn({kGlobalBatch, 4}))).square().mean();
+        },
+        [&](int) {
+          EXPECT_FALSE(model->named_parameters()["unit.unused.weight"].grad().defined());
+          EXPECT_TRUE(model->named_parameters()["unit.used.weight"].grad().defined());
+          expect_between_steps(r, model, *ref);
+        });
     expect_shards_match(r, model, *ref);
   });
 }
@@ -200,17 +191,14 @@ TEST(EdgeCases, WeightSharedInsideOneUnit) {
     auto model = fsdp::fully_shard(std::make_shared<TiedNetImpl<true>>(), r.pg, test_options());
     ASSERT_EQ(model.sharded_parameters().size(), 1u);  // one tensor, under two names
     ASSERT_EQ(model.named_sharded_parameters().size(), 2u);
-    torch::optim::SGD ref_opt({ref->unit->a->weight}, 0.1), opt(model.sharded_parameters(), 0.1);
-    for (int step = 0; step < 3; ++step) {
-      torch::manual_seed(70 + step);
-      auto x = torch::randn({kGlobalBatch, 5});
-      ref_opt.zero_grad();
-      ref->forward(x).square().mean().backward();
-      ref_opt.step();
-      opt.zero_grad();
-      model(local_rows(x, r.rank, r.world_size)).square().mean().backward();
-      opt.step();
-    }
+    torch::optim::SGD ref_opt({ref->unit->a->weight}, 0.1), opt(model.parameters(), 0.1);
+    compare_steps(
+        r, ref, model, ref_opt, opt, 3,
+        [&](auto forward, auto rows, int step, bool /*wrapped*/) {
+          torch::manual_seed(70 + step);
+          return forward(rows(torch::randn({kGlobalBatch, 5}))).square().mean();
+        },
+        [](int) {});
     EXPECT_TRUE(close(model.named_sharded_parameters()["unit.b.weight"].detach(),
                       owned_rows(ref->unit->a->weight.detach(), r.rank, r.world_size)));
   });

@@ -1,7 +1,7 @@
 // Sharding really happens: rows per rank per parameter, unsharded storage at 0 bytes between
 // units, and the number and size of the collectives per step. Expected values are computed here
 // from shapes, not read back from the library's bookkeeping.
-#include "tests/models.h"
+#include "tests/parity.h"
 
 #include "fsdp/internal/unit.h"  // the unsharded storage, to see it freed
 
@@ -211,16 +211,13 @@ TEST(Sharding, FrozenAndEmptyParametersInAUnit) {
       if (p.requires_grad()) trainable.push_back(p);
     }
     torch::optim::SGD ref_opt(ref_trainable, 0.1), opt(trainable, 0.1);
-    for (int step = 0; step < 3; ++step) {
-      torch::manual_seed(50 + step);
-      auto x = torch::randn({kGlobalBatch, 4});
-      ref_opt.zero_grad();
-      ref->forward(x).square().mean().backward();
-      ref_opt.step();
-      opt.zero_grad();
-      model(local_rows(x, r.rank, r.world_size)).square().mean().backward();
-      opt.step();
-    }
+    compare_steps(
+        r, ref, model, ref_opt, opt, 3,
+        [&](auto forward, auto rows, int step, bool /*wrapped*/) {
+          torch::manual_seed(50 + step);
+          return forward(rows(torch::randn({kGlobalBatch, 4}))).square().mean();
+        },
+        [](int) {});
     expect_shards_match(r, model, *ref);
     EXPECT_FALSE(model.named_sharded_parameters()["lr.base"].grad().defined());
     expect_between_steps(r, model, *ref);  // resharded at the end of backward
