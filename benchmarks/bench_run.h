@@ -4,6 +4,7 @@
 #pragma once
 
 #include "benchmarks/bench_model.h"
+#include "examples/run_flags.h"
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
@@ -14,19 +15,10 @@
 
 namespace bench {
 
-struct RunOptions {
-  gpt::Config model;
-  std::string strategy = "full";
-  int shard_group_size = 1;  // hybrid
-  int64_t batch_size = 8;    // global rows of block_size tokens
-  int64_t steps = 4;         // the first warms up (and allocates the optimizer state); one: that one,
-                             // after allocating the optimizer state
-  uint64_t seed = 1;
-  int prefetch = 1;
-  double bucket_mb = 25;
-  bool build_sharded = false;                        // construction-time sharding (fsdp::ShardingScope)
-  std::optional<std::chrono::milliseconds> timeout;  // FullyShardOptions::timeout; unset: the library's default
-};
+/// One run's flags: the ones shared with train_gpt (examples/run_flags.h), with fsdp_bench's
+/// defaults (fsdp_bench.cpp: parse). shard_group_size is hybrid's S; timeout_s the collective
+/// timeout (unset: the library's default).
+struct RunOptions : cli::RunFlags {};
 
 /// What one rank measured, by name: written as one "name value" line each, so that the driver
 /// reads C++ and Python workers alike.

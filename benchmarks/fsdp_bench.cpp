@@ -46,13 +46,11 @@ struct Args {
   std::vector<int> world_sizes = {1, 2, 4};  // and 8 where it fits (8 cores or more, and memory)
   bool world_sizes_given = false;
   std::vector<std::string> strategies = {"full", "grad-op", "optimizer", "replicate", "hybrid"};
-  int shard_group_size = 0;  // hybrid; 0: N/2, at least 1
   bool fsdp2 = true;
   std::string python = FSDP_BENCH_PYTHON;
   bool json = false;
   std::string out, plot;
   int run_timeout_s = 0;  // wall clock per run; 0: 900 s, or 3600 s simulated (70B at 1024 ranks: 29 minutes here)
-  std::string timeout;    // the ranks' collective timeout in seconds, as given; "": the library's default
   bool simulate = false;
   std::vector<std::string> sim_models = {"7b", "70b"};
   std::vector<int> sim_world_sizes = {8, 64, 1024};
@@ -103,69 +101,48 @@ Args parse(int argc, char** argv) {
   a.run.model.n_layer = 16;
   a.run.model.n_head = 8;
   a.run.model.n_embd = 512;
+  a.run.batch_size = 8;
+  a.run.steps = 4;
+  a.run.seed = 1;
   for (int i = 1; i < argc; ++i) {
     const std::string k = argv[i];
     if (k == "--help" || k == "-h") usage("help");
-    if (k == "--json" || k == "--no-fsdp2" || k == "--simulate" || k == "--build-sharded") {
-      (k == "--json"            ? a.json
-       : k == "--simulate"      ? a.simulate
-       : k == "--build-sharded" ? a.run.build_sharded
-                                : a.fsdp2) = k != "--no-fsdp2";
+    if (k == "--json" || k == "--no-fsdp2" || k == "--simulate") {
+      (k == "--json" ? a.json : k == "--simulate" ? a.simulate : a.fsdp2) = k != "--no-fsdp2";
       continue;
     }
-    if (i + 1 >= argc) usage("missing value after " + k);
-    const std::string v = argv[++i];
+    // The value of a flag; never the next flag (a negative number has one dash).
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc || std::string(argv[i + 1]).rfind("--", 0) == 0) usage("missing value after " + k);
+      return argv[++i];
+    };
     try {
+      // The flags shared with train_gpt: examples/run_flags.h.
+      if (cli::parse_run_flag(k, value, a.run)) continue;
       if (k == "--world-sizes")
-        a.world_sizes = split<int>(v, to_int), a.world_sizes_given = true;
+        a.world_sizes = split<int>(value(), to_int), a.world_sizes_given = true;
       else if (k == "--strategies")
-        a.strategies = split<std::string>(v, to_str);
-      else if (k == "--shard-group-size")
-        a.shard_group_size = std::stoi(v);
-      else if (k == "--n-layer")
-        a.run.model.n_layer = std::stoll(v);
-      else if (k == "--n-head")
-        a.run.model.n_head = std::stoll(v);
-      else if (k == "--n-embd")
-        a.run.model.n_embd = std::stoll(v);
-      else if (k == "--block-size")
-        a.run.model.block_size = std::stoll(v);
-      else if (k == "--batch-size")
-        a.run.batch_size = std::stoll(v);
-      else if (k == "--steps")
-        a.run.steps = std::stoll(v);
-      else if (k == "--seed")
-        a.run.seed = std::stoull(v);
-      else if (k == "--prefetch")
-        a.run.prefetch = std::stoi(v);
-      else if (k == "--bucket-mb")
-        a.run.bucket_mb = std::stod(v);
+        a.strategies = split<std::string>(value(), to_str);
       else if (k == "--python")
-        a.python = v;
+        a.python = value();
       else if (k == "--out")
-        a.out = v;
+        a.out = value();
       else if (k == "--plot")
-        a.plot = v;
+        a.plot = value();
       else if (k == "--run-timeout")
-        a.run_timeout_s = static_cast<int>(cli::parse_int(k, v, 1, int64_t{30} * 86400));
-      else if (k == "--timeout") {
-        const double seconds = cli::parse_double(k, v, 0, false, 365 * 86400.0);
-        a.timeout = v;  // passed on to the ranks as given
-        a.run.timeout = std::chrono::milliseconds(std::max<int64_t>(1, std::llround(seconds * 1000.0)));
-      } else if (k == "--sim-models")
-        a.sim_models = split<std::string>(v, to_str);
+        a.run_timeout_s = static_cast<int>(cli::parse_int(k, value(), 1, int64_t{30} * 86400));
+      else if (k == "--sim-models")
+        a.sim_models = split<std::string>(value(), to_str);
       else if (k == "--sim-world-sizes")
-        a.sim_world_sizes = split<int>(v, to_int);
-      else if (k == "--strategy")
-        a.run.strategy = v;  // worker
+        a.sim_world_sizes = split<int>(value(), to_int);
       else if (k == "--worker")
-        a.worker = v;
+        a.worker = value();
       else if (k == "--report")
-        a.report = v;
+        a.report = value();
       else
         usage("unknown flag " + k);
     } catch (const std::logic_error&) {
-      usage("bad value '" + v + "' for " + k);  // NOLINT(performance-inefficient-string-concatenation)
+      usage("bad value for " + k);
     } catch (const cli::InputError& e) {
       usage(e.what());
     }
@@ -175,20 +152,22 @@ Args parse(int argc, char** argv) {
   }
   for (int n : a.world_sizes) {
     if (n < 1) usage("--world-sizes must be positive");
-    if (a.shard_group_size > 0 && std::count(a.strategies.begin(), a.strategies.end(), "hybrid") > 0 &&
-        n % std::min(a.shard_group_size, n) != 0) {
-      usage("--shard-group-size " + std::to_string(a.shard_group_size) + " does not divide world size " +
-            std::to_string(n) + " (hybrid's groups must tile the ranks)");
+    const int S = a.run.shard_group_size;
+    if (S > 0 && std::count(a.strategies.begin(), a.strategies.end(), "hybrid") > 0 && n % std::min(S, n) != 0) {
+      usage("--shard-group-size " + std::to_string(S) + " does not divide world size " + std::to_string(n) +
+            " (hybrid's groups must tile the ranks)");
     }
   }
   for (int n : a.sim_world_sizes) {
     if (n < 1) usage("--sim-world-sizes must be positive");
   }
   if (a.run_timeout_s == 0) a.run_timeout_s = a.simulate ? 3600 : 900;
-  if (a.run.model.n_embd % a.run.model.n_head != 0) usage("--n-embd must be a multiple of --n-head");
-  if (a.run.steps < 1 || a.run.batch_size < 1) usage("--steps and --batch-size must be positive");
+  try {
+    cli::check_run_flags(a.run);
+  } catch (const cli::InputError& e) {
+    usage(e.what());
+  }
   if (a.run.steps < 2 && a.worker.empty()) usage("--steps must be at least 2 (the first warms up)");
-  if (a.shard_group_size < 0) usage("--shard-group-size must be positive");
   return a;
 }
 
@@ -203,12 +182,12 @@ std::vector<std::string> model_args(const Args& a) {
 
 /// --timeout for the ranks, C++ and Python alike, when one was given.
 std::vector<std::string> timeout_args(const Args& a) {
-  if (a.timeout.empty()) return {};
-  return {"--timeout", a.timeout};
+  if (!a.run.timeout_s) return {};
+  return {"--timeout", cli::json_number(*a.run.timeout_s, "%.17g")};
 }
 
 int hybrid_group(const Args& a, int N) {
-  return a.shard_group_size > 0 ? std::min(a.shard_group_size, N) : std::max(1, N / 2);
+  return a.run.shard_group_size > 0 ? std::min(a.run.shard_group_size, N) : std::max(1, N / 2);
 }
 
 bench::Row aggregate(const std::string& impl, const std::string& strategy, int N, int S, const bench::ModelShape& m,
@@ -381,13 +360,14 @@ std::vector<bench::Row> run_all(const Args& a) {
     }
   }
   const int total = static_cast<int>(worlds.size() * (a.strategies.size() + (fsdp2 ? 1 : 0)));
-  std::fprintf(stderr,
-               "fsdp_bench: GPT of %lld parameters (%lld blocks x %lld wide), global batch %lld x %lld, "
-               "%lld steps (the first warms up), %d runs%s\n",
-               static_cast<long long>(m.psi), static_cast<long long>(a.run.model.n_layer),
-               static_cast<long long>(a.run.model.n_embd), static_cast<long long>(a.run.batch_size),
-               static_cast<long long>(a.run.model.block_size), static_cast<long long>(a.run.steps), total,
-               a.timeout.empty() ? "" : (", collective timeout " + a.timeout + " s").c_str());
+  std::fprintf(
+      stderr,
+      "fsdp_bench: GPT of %lld parameters (%lld blocks x %lld wide), global batch %lld x %lld, "
+      "%lld steps (the first warms up), %d runs%s\n",
+      static_cast<long long>(m.psi), static_cast<long long>(a.run.model.n_layer),
+      static_cast<long long>(a.run.model.n_embd), static_cast<long long>(a.run.batch_size),
+      static_cast<long long>(a.run.model.block_size), static_cast<long long>(a.run.steps), total,
+      a.run.timeout_s ? (", collective timeout " + cli::json_number(*a.run.timeout_s, "%g") + " s").c_str() : "");
   // One run: its ranks launched, their reports aggregated into a row.
   int k = 0;
   auto run = [&](const std::string& impl, const std::string& s, int N, int S, std::vector<std::string> argv) {
@@ -441,13 +421,12 @@ int run_worker(const Args& a) {
     o.batch_size = N;  // one row on this rank
     o.steps = 1;
     o.build_sharded = true;
-    o.timeout = a.run.timeout;
+    o.timeout_s = a.run.timeout_s;
     rep = bench::run_rank(o, fsdp::make_fake_process_group(0, N));
   } else {
     bench::RunOptions o = a.run;
-    o.shard_group_size = a.shard_group_size;
     fsdp::InitOptions init;
-    if (o.timeout) init.timeout(*o.timeout);
+    if (o.timeout_s) init.timeout(std::chrono::milliseconds(std::max<int64_t>(1, std::llround(*o.timeout_s * 1000.0))));
     rep = bench::run_rank(o, fsdp::init_process_group(init));
   }
   bench::write_report(rep, a.report);

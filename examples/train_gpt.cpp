@@ -12,6 +12,7 @@
 // timed out, a peer died), printed as "train_gpt (rank R): <message>".
 #include "examples/cli.h"
 #include "examples/gpt.h"
+#include "examples/run_flags.h"
 #include "examples/strategy_flags.h"
 #include "fsdp/fsdp.h"
 
@@ -43,27 +44,19 @@
 
 namespace {
 
-struct Args {
-  gpt::Config model;
-  int64_t steps = 50;
-  int64_t batch_size = 12;  // global
-  uint64_t seed = 1;
+// The flags shared with fsdp_bench (model, batch, steps, seed, prefetch, strategy, ...) are
+// examples/run_flags.h's; these are train_gpt's own.
+struct Args : cli::RunFlags {
   double lr = 1e-3;
   double weight_decay = 0.1;
   std::string optimizer = "adamw";
   std::string data = FSDP_EXAMPLE_CORPUS;
   double max_data_mb = 64;  // bound on the corpus read (each byte becomes an 8-byte token)
   bool json = false;
-  int prefetch = 1;
-  int64_t grad_accum = 1;           // micro-batches per step
-  bool no_sync = false;             // communicate only in the last micro-batch
-  double clip = 0;                  // max global gradient norm (0: no clipping)
-  bool fused = false;               // fsdp::optim::FusedAdamW instead of torch::optim::AdamW
-  std::string strategy = "full";    // full (ZeRO-3) | grad-op (ZeRO-2) | optimizer (ZeRO-1) | replicate | hybrid
-  int shard_group_size = 0;         // hybrid: ranks per sharding group (default: half the ranks, at least 1)
-  double bucket_mb = 25;            // replicate: all-reduce bucket size
-  bool build_sharded = false;       // shard each block as it is built (fsdp::ShardingScope)
-  std::optional<double> timeout_s;  // collective timeout; unset: the library's default
+  int64_t grad_accum = 1;  // micro-batches per step
+  bool no_sync = false;    // communicate only in the last micro-batch
+  double clip = 0;         // max global gradient norm (0: no clipping)
+  bool fused = false;      // fsdp::optim::FusedAdamW instead of torch::optim::AdamW
   bool help = false;
 };
 
@@ -100,15 +93,14 @@ std::string who() {
 
 Args parse(int argc, char** argv) {
   Args a;
-  constexpr int64_t kIntMax = INT_MAX;
   for (int i = 1; i < argc; ++i) {
     const std::string k = argv[i];
     if (k == "--help" || k == "-h") {
       a.help = true;
       continue;
     }
-    if (k == "--json" || k == "--no-sync" || k == "--fused" || k == "--build-sharded") {
-      (k == "--json" ? a.json : k == "--no-sync" ? a.no_sync : k == "--fused" ? a.fused : a.build_sharded) = true;
+    if (k == "--json" || k == "--no-sync" || k == "--fused") {
+      (k == "--json" ? a.json : k == "--no-sync" ? a.no_sync : a.fused) = true;
       continue;
     }
     // The value of a flag; never the next flag (a negative number has one dash).
@@ -116,55 +108,26 @@ Args parse(int argc, char** argv) {
       if (i + 1 >= argc || std::string(argv[i + 1]).rfind("--", 0) == 0) usage_error("missing value after " + k);
       return argv[++i];
     };
-    if (k == "--steps")
-      a.steps = cli::parse_int(k, value(), 1);
-    else if (k == "--batch-size")
-      a.batch_size = cli::parse_int(k, value(), 1);
-    else if (k == "--seed")
-      a.seed = cli::parse_uint64(k, value());
-    else if (k == "--lr")
+    if (cli::parse_run_flag(k, value, a)) continue;
+    if (k == "--lr")
       a.lr = cli::parse_double(k, value(), 0, false);
     else if (k == "--weight-decay")
       a.weight_decay = cli::parse_double(k, value(), 0, true);
     else if (k == "--optimizer")
       a.optimizer = value();
-    else if (k == "--n-layer")
-      a.model.n_layer = cli::parse_int(k, value(), 1, kIntMax);
-    else if (k == "--n-head")
-      a.model.n_head = cli::parse_int(k, value(), 1, kIntMax);
-    else if (k == "--n-embd")
-      a.model.n_embd = cli::parse_int(k, value(), 1, kIntMax);
-    else if (k == "--block-size")
-      a.model.block_size = cli::parse_int(k, value(), 1, kIntMax);
     else if (k == "--data")
       a.data = value();
     else if (k == "--max-data-mb")
       a.max_data_mb = cli::parse_double(k, value(), 0, false, 1 << 20);
-    else if (k == "--prefetch")
-      a.prefetch = static_cast<int>(cli::parse_int(k, value(), 0, kIntMax));
     else if (k == "--grad-accum")
       a.grad_accum = cli::parse_int(k, value(), 1);
     else if (k == "--clip")
       a.clip = cli::parse_double(k, value(), 0, true);
-    else if (k == "--strategy")
-      a.strategy = value();
-    else if (k == "--shard-group-size")
-      a.shard_group_size = static_cast<int>(cli::parse_int(k, value(), 1, kIntMax));
-    else if (k == "--bucket-mb")
-      a.bucket_mb = cli::parse_double(k, value(), 0, false, 1 << 20);
-    else if (k == "--timeout")
-      a.timeout_s = cli::parse_double(k, value(), 0, false, 365 * 86400.0);
     else
       usage_error("unknown flag '" + k + "'");
   }
   if (a.optimizer != "adamw" && a.optimizer != "sgd") usage_error("--optimizer must be adamw or sgd");
-  if (a.model.n_embd % a.model.n_head != 0) {
-    usage_error("--n-embd " + std::to_string(a.model.n_embd) + " must be a multiple of --n-head " +
-                std::to_string(a.model.n_head));
-  }
-  if (gpt::strategy_flags().count(a.strategy) == 0) {
-    usage_error("--strategy must be full, grad-op, optimizer, replicate or hybrid, not '" + a.strategy + "'");
-  }
+  cli::check_run_flags(a);
   if (a.fused && a.optimizer != "adamw") usage_error("--fused is an AdamW; it cannot be used with --optimizer sgd");
   return a;
 }

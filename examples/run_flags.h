@@ -1,0 +1,81 @@
+// The flags train_gpt and fsdp_bench share (the model, the batch, the run and how it is sharded),
+// parsed and checked one way, with examples/cli.h's strict value parsers: a value out of range, a
+// trailing character or a missing value is the same error in both programs.
+#pragma once
+
+#include "examples/cli.h"
+#include "examples/gpt.h"
+#include "examples/strategy_flags.h"
+
+#include <climits>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+
+namespace cli {
+
+struct RunFlags {
+  gpt::Config model;
+  int64_t steps = 50;
+  int64_t batch_size = 12;  // global rows
+  uint64_t seed = 1;
+  int prefetch = 1;
+  std::string strategy = "full";    // full | grad-op | optimizer | replicate | hybrid (fsdp/strategy.h's flags)
+  int shard_group_size = 0;         // hybrid: ranks per group; 0: the program's default
+  double bucket_mb = 25;            // replicate: all-reduce bucket size
+  bool build_sharded = false;       // shard each block while it is built (fsdp::ShardingScope)
+  std::optional<double> timeout_s;  // collective timeout; unset: the library's default
+};
+
+/// Takes `flag` when it is one of RunFlags' (its value from `value()`, which the program gives;
+/// --build-sharded takes none) and returns true; false for any other flag.
+inline bool parse_run_flag(const std::string& flag, const std::function<std::string()>& value, RunFlags& f) {
+  constexpr int64_t kIntMax = INT_MAX;
+  const std::string& k = flag;
+  if (k == "--build-sharded") {
+    f.build_sharded = true;
+  } else if (k == "--steps") {
+    f.steps = parse_int(k, value(), 1);
+  } else if (k == "--batch-size") {
+    f.batch_size = parse_int(k, value(), 1);
+  } else if (k == "--seed") {
+    f.seed = parse_uint64(k, value());
+  } else if (k == "--n-layer") {
+    f.model.n_layer = parse_int(k, value(), 1, kIntMax);
+  } else if (k == "--n-head") {
+    f.model.n_head = parse_int(k, value(), 1, kIntMax);
+  } else if (k == "--n-embd") {
+    f.model.n_embd = parse_int(k, value(), 1, kIntMax);
+  } else if (k == "--block-size") {
+    f.model.block_size = parse_int(k, value(), 1, kIntMax);
+  } else if (k == "--prefetch") {
+    f.prefetch = static_cast<int>(parse_int(k, value(), 0, kIntMax));
+  } else if (k == "--strategy") {
+    f.strategy = value();
+  } else if (k == "--shard-group-size") {
+    f.shard_group_size = static_cast<int>(parse_int(k, value(), 1, kIntMax));
+  } else if (k == "--bucket-mb") {
+    f.bucket_mb = parse_double(k, value(), 0, false, 1 << 20);
+  } else if (k == "--timeout") {
+    f.timeout_s = parse_double(k, value(), 0, false, 365 * 86400.0);
+  } else {
+    return false;
+  }
+  return true;
+}
+
+/// What single values cannot say: the embedding a multiple of the heads, a known strategy.
+inline void check_run_flags(const RunFlags& f) {
+  if (f.model.n_embd % f.model.n_head != 0) {
+    throw InputError("--n-embd " + std::to_string(f.model.n_embd) + " must be a multiple of --n-head " +
+                         std::to_string(f.model.n_head),
+                     true);
+  }
+  if (gpt::strategy_flags().count(f.strategy) == 0) {
+    throw InputError("--strategy must be full, grad-op, optimizer, replicate or hybrid, not '" + f.strategy + "'",
+                     true);
+  }
+}
+
+}  // namespace cli
