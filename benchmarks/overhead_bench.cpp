@@ -1,0 +1,122 @@
+// What the wrapper costs at world size 1: one training step of the example GPT, plain LibTorch
+// against the same model wrapped (full sharding over a one-rank group), at several sizes.
+//
+//   build/benchmarks/overhead_bench [--sizes small,1m,4m] [--rounds 20] [--batch-size 4] [--json]
+//
+// Method: one process, both models built from the same seed, each with its own torch::optim::AdamW;
+// after warm-up steps, the two step alternately (plain, wrapped, plain, ...) for --rounds rounds,
+// so machine noise reaches both alike; each step is timed alone (forward, backward, optimizer step,
+// zero_grad) and the medians are compared. Reported: the ratio wrapped / plain and the difference in
+// ms per step. The step includes everything the library does at world size 1: its collectives
+// over the one-rank group (copies), its hooks, its boundary checks and its allocations.
+#include "examples/cli.h"
+#include "examples/gpt.h"
+#include "fsdp/fsdp.h"
+
+#include <torch/nn/functional/loss.h>
+#include <torch/optim/adamw.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace {
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  // Sizes of the example GPT (vocabulary 256, block 64): about 0.3M, 1.1M and 4.5M parameters.
+  const std::map<std::string, gpt::Config> kSizes = {
+      {"small", gpt::Config{256, 64, 2, 4, 64, true}},
+      {"1m", gpt::Config{256, 64, 4, 4, 128, true}},
+      {"4m", gpt::Config{256, 64, 6, 4, 224, true}},
+  };
+  std::vector<std::string> sizes = {"small", "1m", "4m"};
+  int rounds = 20;
+  int64_t batch = 4;
+  bool json = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string k = argv[i];
+    if (k == "--json") {
+      json = true;
+      continue;
+    }
+    if (i + 1 >= argc) throw cli::InputError("missing value after " + k, true);
+    const std::string v = argv[++i];
+    if (k == "--rounds") {
+      rounds = static_cast<int>(cli::parse_int(k, v, 3, 100000));
+    } else if (k == "--batch-size") {
+      batch = cli::parse_int(k, v, 1, 4096);
+    } else if (k == "--sizes") {
+      sizes.clear();
+      for (size_t p = 0; p <= v.size();) {
+        const size_t q = std::min(v.find(',', p), v.size());
+        sizes.push_back(v.substr(p, q - p));
+        if (kSizes.count(sizes.back()) == 0) throw cli::InputError("unknown size '" + sizes.back() + "'", true);
+        p = q + 1;
+      }
+    } else {
+      throw cli::InputError("unknown flag " + k, true);
+    }
+  }
+  auto pg = fsdp::init_process_group();
+  if (json) std::printf("[\n");
+  for (size_t n = 0; n < sizes.size(); ++n) {
+    const gpt::Config& cfg = kSizes.at(sizes[n]);
+    torch::manual_seed(0);
+    auto plain = gpt::make_gpt<false>(cfg);
+    torch::manual_seed(0);
+    auto wrapped = fsdp::fully_shard(gpt::make_gpt<true>(cfg), pg);
+    torch::optim::AdamW plain_opt(plain->parameters(), torch::optim::AdamWOptions(1e-4));
+    torch::optim::AdamW wrapped_opt(wrapped->parameters(), torch::optim::AdamWOptions(1e-4));
+    torch::manual_seed(1);
+    auto tok = torch::randint(cfg.vocab_size, {batch, cfg.block_size + 1}, torch::kLong);
+    auto x = tok.narrow(1, 0, cfg.block_size), y = tok.narrow(1, 1, cfg.block_size).flatten();
+    auto step = [&](auto&& forward, torch::optim::Optimizer& opt) {
+      const auto t0 = std::chrono::steady_clock::now();
+      torch::nn::functional::cross_entropy(forward(x).flatten(0, 1), y).backward();
+      opt.step();
+      opt.zero_grad();
+      return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    };
+    auto plain_step = [&] { return step([&](const torch::Tensor& t) { return plain->forward(t); }, plain_opt); };
+    auto wrapped_step = [&] { return step([&](const torch::Tensor& t) { return wrapped(t); }, wrapped_opt); };
+    for (int w = 0; w < 3; ++w) {
+      plain_step();
+      wrapped_step();
+    }
+    std::vector<double> p, f;
+    for (int r = 0; r < rounds; ++r) {
+      p.push_back(plain_step());
+      f.push_back(wrapped_step());
+    }
+    const double mp = median(p), mf = median(f);
+    const long long params = static_cast<long long>(wrapped.num_parameters());
+    if (json) {
+      std::printf(
+          "  {\"size\": \"%s\", \"params\": %lld, \"rounds\": %d, \"plain_ms\": %.4f, \"wrapped_ms\": %.4f, "
+          "\"ratio\": %.4f, \"diff_ms\": %.4f}%s\n",
+          sizes[n].c_str(), params, rounds, mp, mf, mf / mp, mf - mp, n + 1 < sizes.size() ? "," : "");
+    } else {
+      std::printf("%-6s %9lld params: plain %8.3f ms/step, wrapped %8.3f ms/step, ratio %.3f, +%.3f ms\n",
+                  sizes[n].c_str(), params, mp, mf, mf / mp, mf - mp);
+    }
+  }
+  if (json) std::printf("]\n");
+  return 0;
+} catch (const cli::InputError& e) {
+  std::cerr << "overhead_bench: " << e.what() << "\n";
+  return cli::kUsageExit;
+} catch (const c10::Error& e) {
+  std::cerr << "overhead_bench: " << e.what_without_backtrace() << "\n";
+  return 1;
+}
