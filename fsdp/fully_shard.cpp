@@ -51,7 +51,7 @@ void FSDPModule::end_access(bool threw) const {
   // Between steps the module's parameters are shards: a forward called on the module itself
   // (model->forward(x)) fails in its first operation that needs a full shape, with an error that
   // says nothing of the wrapper. Said here, as the error leaves the call.
-  const bool refused = std::exchange(state.direct_call_refused, false);
+  const bool refused = std::exchange(state.access_error_explained, false);
   if (threw && !refused && state.direct_access == 0 && !state.in_root_forward) {
     TORCH_WARN("fsdp (rank ", state.comm.rank(),
                "): an error left a call through the handle's operator->. If that call was the module's own "
@@ -197,6 +197,14 @@ std::vector<ShardSpec> FSDPModule::shard_specs() const {
     ++unit;
   }
   return out;
+}
+
+void FSDPModule::discard_unsynced_gradients() {
+  TORCH_CHECK(!root_->state().in_backward(), "fsdp::discard_unsynced_gradients (", root_->state().comm.where(),
+              "): called during backward; call it between steps.");
+  for (auto& w : root_->state().groups) {
+    if (auto g = w.lock()) g->drop_unsynced_grads();
+  }
 }
 
 void FSDPModule::check_gradients_reduced(const char* caller) const {

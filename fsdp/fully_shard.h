@@ -78,6 +78,10 @@ class FSDPModule {
   /// every rank calls it, between steps. With `rank0_only`, ranks other than 0 get an empty dict
   /// (and keep no more than one unit at a time).
   torch::OrderedDict<std::string, at::Tensor> full_state_dict(bool rank0_only = false) const;
+  /// Drops the gradients accumulated with gradient sync off and not reduced yet (they live inside
+  /// the library, not in the parameters' .grad, so an optimizer's zero_grad() does not reach them):
+  /// the micro-batches since the last backward with sync on are discarded. Between steps.
+  void discard_unsynced_gradients();
   /// Throws, naming `caller`, while gradients accumulated with gradient sync off wait unreduced
   /// (see set_requires_gradient_sync): stepping or clipping now would miss those micro-batches.
   void check_gradients_reduced(const char* caller) const;

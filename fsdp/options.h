@@ -13,6 +13,14 @@
 
 namespace fsdp {
 
+struct FullyShardOptions;
+namespace detail {
+/// Throws, naming `caller` and the option, when a value cannot be used: an unknown strategy, a
+/// negative prefetch, a bucket size that is not positive. (Group sizes are checked against the
+/// world size when the groups are made.)
+void check_options(const FullyShardOptions& options, const char* caller);
+}  // namespace detail
+
 struct FullyShardOptions {
   /// Bound on every collective the library issues, whatever the backend does with it: a peer that
   /// does not answer in time makes this rank throw an error naming the operation, the unit, the

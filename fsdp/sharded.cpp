@@ -27,11 +27,21 @@ void unit_post_forward(Unit& unit, const std::vector<at::Tensor>& outputs) {
 }
 
 void unit_zero_grad(Unit& unit) {
-  unit.state().check_no_unsynced_grads("model->zero_grad()");
+  try {
+    unit.state().check_no_unsynced_grads("model->zero_grad()");
+  } catch (...) {
+    unit.state().access_error_explained = true;  // no "was it model->forward?" hint after it
+    throw;
+  }
 }
 
 void unit_to(Unit& unit, const std::optional<at::Device>& device, const std::optional<at::ScalarType>& dtype) {
-  unit.check_conversion(device, dtype);
+  try {
+    unit.check_conversion(device, dtype);
+  } catch (...) {
+    unit.state().access_error_explained = true;
+    throw;
+  }
 }
 
 }  // namespace detail

@@ -18,6 +18,7 @@ thread_local std::vector<ShardingScope*> g_open;
 ShardingScope::ShardingScope(c10::intrusive_ptr<c10d::ProcessGroup> pg, FullyShardOptions options)
     : pg_(std::move(pg)) {
   TORCH_CHECK(pg_, "fsdp::ShardingScope: the process group is null; create one with fsdp::init_process_group()");
+  detail::check_options(options, "fsdp::ShardingScope");
   state_ = std::make_shared<detail::RunState>(pg_, options);
   g_open.push_back(this);
   open_ = true;

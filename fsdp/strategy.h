@@ -93,9 +93,14 @@ inline constexpr std::array<StrategyTraits, 5> kStrategies{{
 }};
 // clang-format on
 
-/// The traits of `s`.
+/// Whether `s` is one of the strategies above (an integer cast to the enum may not be).
+constexpr bool is_valid(ShardingStrategy s) {
+  return static_cast<size_t>(s) < kStrategies.size();
+}
+
+/// The traits of `s` (a valid strategy: fully_shard checks the options' and units' first).
 constexpr const StrategyTraits& traits(ShardingStrategy s) {
-  return kStrategies[static_cast<size_t>(s)];
+  return kStrategies[is_valid(s) ? static_cast<size_t>(s) : 0];
 }
 
 /// "full-shard", "shard-grad-op", "shard-optimizer-state", "no-shard" or "hybrid-shard".

@@ -138,6 +138,17 @@ TEST(ModuleSemantics, AccumulationNeverSyncedIsReported) {
           << msg;
       EXPECT_NE(msg.find("model.set_requires_gradient_sync(true)"), std::string::npos) << msg;
     }
+    // The refusal through operator-> is the library's own message: no "was it model->forward?" hint.
+    {
+      WarningCapture capture;
+      EXPECT_FALSE(error_of([&] { model->zero_grad(); }).empty());
+      EXPECT_EQ(capture.text(), "");
+    }
+    // Dropping them on purpose: the micro-batch is gone, the next backward starts afresh.
+    model.discard_unsynced_gradients();
+    model->zero_grad();
+    model.set_requires_gradient_sync(false);
+    gpt_loss(model(local_rows(x, r.rank, r.world_size)), local_rows(y, r.rank, r.world_size)).backward();
     // Sync on for the last micro-batch: everything accumulated is reduced, and zero_grad works.
     model.set_requires_gradient_sync(true);
     gpt_loss(model(local_rows(x, r.rank, r.world_size)), local_rows(y, r.rank, r.world_size)).backward();
@@ -216,6 +227,26 @@ TEST(ModuleSemantics, FullStateDict) {
       }
       expect_between_steps(r, model, *ref);  // the shards are untouched
     }
+  });
+}
+
+// Option values that cannot be used are refused when wrapping, naming the option.
+TEST(ModuleSemantics, BadOptionValuesAreRefused) {
+  run_ranks(1, [](Rank& r) {
+    auto wrap = [&](const FullyShardOptions& o) {
+      return error_of([&] { fsdp::fully_shard(std::make_shared<UnevenMLPImpl<true>>(), r.pg, o); });
+    };
+    EXPECT_NE(wrap(test_options().prefetch(-1)).find("FullyShardOptions::prefetch is -1"), std::string::npos);
+    EXPECT_NE(wrap(test_options().strategy(ShardingStrategy::kNoShard).bucket_bytes(0))
+                  .find("FullyShardOptions::bucket_bytes is 0"),
+              std::string::npos);
+    EXPECT_NE(wrap(test_options().strategy(static_cast<ShardingStrategy>(7))).find("not a ShardingStrategy"),
+              std::string::npos);
+    auto net = std::make_shared<UnevenMLPImpl<true>>();
+    EXPECT_NE(error_of([&] {
+                net->fc1->set_sharding_strategy(static_cast<ShardingStrategy>(9));
+              }).find("not a ShardingStrategy"),
+              std::string::npos);
   });
 }
 

@@ -133,7 +133,8 @@ void RunState::check_no_unsynced_grads(const char* caller) const {
               " unit(s) hold gradients accumulated with gradient sync off (", names.str(),
               ") that were never reduced into the sharded gradients, so the optimizer cannot see them: those "
               "micro-batches would train nothing. Turn sync back on before the backward of the last micro-batch "
-              "of each step: model.set_requires_gradient_sync(true) (docs/usage.md, 'Gradient accumulation').");
+              "of each step: model.set_requires_gradient_sync(true); to drop them on purpose, call "
+              "model.discard_unsynced_gradients() (docs/usage.md, 'Gradient accumulation').");
 }
 
 void RunState::mark_broken(const std::string& why) {

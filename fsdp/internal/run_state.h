@@ -41,7 +41,7 @@ class RunState : public std::enable_shared_from_this<RunState> {
   /// module's forward directly, around the wrapper.
   int direct_access = 0;
   bool in_root_forward = false;
-  bool direct_call_refused = false;
+  bool access_error_explained = false;  // the library's own error, raised under operator->, says enough
   /// Throws, naming `caller`, when units hold gradients accumulated with gradient sync off and never
   /// reduced: zeroing them, clipping or stepping now would silently drop those micro-batches.
   void check_no_unsynced_grads(const char* caller) const;

@@ -198,7 +198,7 @@ void Unit::adopt_replaced_shards() {
 
 void Unit::pre_forward() {
   const bool direct = run_->direct_access > 0 && !run_->in_root_forward;
-  run_->direct_call_refused = direct;  // said here: no second hint as the error leaves the handle
+  run_->access_error_explained = direct;  // said here: no second hint as the error leaves the handle
   TORCH_CHECK(!direct, "fsdp (rank ", run_->comm.rank(), "): unit '", label(),
               "' ran its forward inside a call through the handle's operator-> (such as model->forward(x)), which "
               "calls the module's own forward around the wrapper: the root's parameters stay sharded and nothing "
@@ -413,6 +413,11 @@ void Unit::finish_reduce() {
 
 at::Tensor Unit::flat_grad() const {
   return detail::flat_grad(slots_, buffers_.flat_shard, shard_numel(), is_unsharded());
+}
+
+void Unit::drop_unsynced_grads() {
+  if (holds_reduced_) return;
+  for (auto& s : slots_) full_grad(s) = at::Tensor();
 }
 
 bool Unit::holds_unsynced_grads() const {

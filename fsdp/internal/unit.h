@@ -54,6 +54,8 @@ class Unit : public std::enable_shared_from_this<Unit> {
   const at::Tensor& shard_grad(const ParamSlot& s) const { return shard_grad_of(s, is_unsharded()); }
   /// Whether gradients accumulated with gradient sync off wait to be reduced.
   bool holds_unsynced_grads() const;
+  /// Drops them (FSDPModule::discard_unsynced_gradients).
+  void drop_unsynced_grads();
   /// Refuses a conversion of the unit's parameters to another dtype or device after wrapping.
   void check_conversion(const std::optional<at::Device>& device, const std::optional<at::ScalarType>& dtype) const;
   /// kShardOptimizerState: the shards were written by something the library cannot see (a loaded

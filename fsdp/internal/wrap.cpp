@@ -57,6 +57,7 @@ std::shared_ptr<Unit> shard_model(const std::shared_ptr<torch::nn::Module>& root
                                   const FullyShardOptions& given_options,
                                   const std::shared_ptr<RunState>& scope_state) {
   TORCH_CHECK(root != nullptr, "fsdp::fully_shard: the model is null");
+  check_options(scope_state ? scope_state->options : given_options, "fsdp::fully_shard");
   TORCH_CHECK(pg, "fsdp::fully_shard: the process group is null; create one with fsdp::init_process_group()");
   TORCH_CHECK(dynamic_cast<ShardedUnit*>(root.get()) == nullptr,
               "fsdp::fully_shard: the root module is itself an fsdp::Sharded unit. Pass the plain root module: "
