@@ -411,15 +411,6 @@ void Unit::finish_reduce() {
   }
 }
 
-at::Tensor Unit::flat_grad() const {
-  return detail::flat_grad(slots_, buffers_.flat_shard, shard_numel(), is_unsharded());
-}
-
-void Unit::drop_unsynced_grads() {
-  if (holds_reduced_) return;
-  for (auto& s : slots_) full_grad(s) = at::Tensor();
-}
-
 bool Unit::holds_unsynced_grads() const {
   if (holds_reduced_) return false;  // kShardOptimizerState's full gradients after their reduction
   return std::any_of(slots_.begin(), slots_.end(),

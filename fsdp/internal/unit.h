@@ -49,13 +49,16 @@ class Unit : public std::enable_shared_from_this<Unit> {
   /// Undefined for kShardOptimizerState, whose shards alias the full parameters.
   const at::Tensor& flat_shard() const { return buffers_.flat_shard; }
   /// The sharded gradients as one flat buffer (see unit_buffers.h: flat_grad).
-  at::Tensor flat_grad() const;
+  at::Tensor flat_grad() const { return detail::flat_grad(slots_, buffers_.flat_shard, shard_numel(), is_unsharded()); }
   /// The sharded gradient of a slot, wherever it is now (on the parameter between steps).
   const at::Tensor& shard_grad(const ParamSlot& s) const { return shard_grad_of(s, is_unsharded()); }
   /// Whether gradients accumulated with gradient sync off wait to be reduced.
   bool holds_unsynced_grads() const;
-  /// Drops them (FSDPModule::discard_unsynced_gradients).
-  void drop_unsynced_grads();
+  /// Drops them (FSDPModule::discard_unsynced_gradients); ZeRO-1's reduced full gradients stay.
+  void drop_unsynced_grads() {
+    if (holds_reduced_) return;
+    for (auto& s : slots_) full_grad(s) = at::Tensor();
+  }
   /// Refuses a conversion of the unit's parameters to another dtype or device after wrapping.
   void check_conversion(const std::optional<at::Device>& device, const std::optional<at::ScalarType>& dtype) const;
   /// kShardOptimizerState: the shards were written by something the library cannot see (a loaded
