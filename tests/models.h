@@ -65,6 +65,20 @@ inline FullyShardOptions test_options() {
   return FullyShardOptions().timeout(collective_timeout());
 }
 
+/// test_options() with `strategy` and, for kHybridShard, its group size S (0: not given).
+inline FullyShardOptions test_options(ShardingStrategy strategy, int group) {
+  auto o = test_options().strategy(strategy);
+  if (group > 0) o.shard_group_size(group);
+  return o;
+}
+
+/// A parameterized case's name for a strategy at W ranks (and S): "HybridShard_W4_S2".
+inline std::string strategy_case_label(ShardingStrategy strategy, int world_size, int group) {
+  const char* names[] = {"FullShard", "ShardGradOp", "ShardOptimizerState", "NoShard", "HybridShard"};
+  std::string s = std::string(names[static_cast<int>(strategy)]) + "_W" + std::to_string(world_size);
+  return group > 0 ? s + "_S" + std::to_string(group) : s;
+}
+
 /// Every sharded parameter of `model` (or, with `grads`, its gradient) equals this rank's rows of
 /// the same-named parameter (gradient) of the plain reference model. With full sharding a rank's
 /// place is its rank among all; a hybrid unit shards over groups of S consecutive ranks (rank % S

@@ -17,10 +17,7 @@ struct ModuleCase {
 };
 
 std::string module_case_name(const ::testing::TestParamInfo<ModuleCase>& i) {
-  const char* names[] = {"FullShard", "ShardGradOp", "ShardOptimizerState", "NoShard", "HybridShard"};
-  std::string s = std::string(names[static_cast<int>(i.param.strategy)]) + "_W" + std::to_string(i.param.world_size);
-  if (i.param.group > 0) s += "_S" + std::to_string(i.param.group);
-  return s;
+  return strategy_case_label(i.param.strategy, i.param.world_size, i.param.group);
 }
 
 const gpt::Config kCfg{31, 8, 2, 2, 12, true};
@@ -41,8 +38,7 @@ class PlainLibTorchProgram : public ::testing::TestWithParam<ModuleCase> {};
 TEST_P(PlainLibTorchProgram, TrainsAsPlainLibTorch) {
   const ModuleCase c = GetParam();
   run_ranks(c.world_size, [&](Rank& r) {
-    auto options = test_options().strategy(c.strategy);
-    if (c.group > 0) options.shard_group_size(c.group);
+    const auto options = test_options(c.strategy, c.group);
     torch::manual_seed(0);
     auto ref = gpt::make_gpt<false>(kAdamCfg);
     torch::manual_seed(0);

@@ -15,15 +15,12 @@ struct StrategyCase {
 
 std::string strategy_case_name(const ::testing::TestParamInfo<StrategyCase>& i) {
   const char* opts[] = {"SGD", "AdamW", "FusedAdamW"};
-  const char* names[] = {"FullShard", "ShardGradOp", "ShardOptimizerState", "NoShard", "HybridShard"};
-  std::string s = std::string(names[static_cast<int>(i.param.strategy)]) + "_W" + std::to_string(i.param.world_size);
-  if (i.param.group > 0) s += "_S" + std::to_string(i.param.group);
-  return s + "_" + opts[static_cast<int>(i.param.opt)];
+  return strategy_case_label(i.param.strategy, i.param.world_size, i.param.group) + "_" +
+         opts[static_cast<int>(i.param.opt)];
 }
 
 FullyShardOptions strategy_options(const StrategyCase& c) {
-  auto o = test_options().strategy(c.strategy);
-  if (c.group > 0) o.shard_group_size(c.group);
+  auto o = test_options(c.strategy, c.group);
   // Replicated: buckets of 256 bytes, so that every unit has several and most are all-reduced
   // while backward still runs.
   if (c.strategy == ShardingStrategy::kNoShard) o.bucket_bytes(256);
