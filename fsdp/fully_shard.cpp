@@ -4,8 +4,6 @@
 #include "fsdp/internal/unit.h"
 #include "fsdp/internal/wrap.h"
 
-#include <c10/core/GradMode.h>
-
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -89,20 +87,24 @@ bool FSDPModule::is_training() const {
   return module_->is_training();
 }
 
-void FSDPModule::to(at::Device device, at::ScalarType dtype) {
-  for (auto& w : root_->state().groups) {
+namespace {
+// The handle's to(): every unit refuses a change (a wrapped model's dtype and device are fixed).
+void check_conversion(const RunState& state, const std::optional<at::Device>& device,
+                      const std::optional<at::ScalarType>& dtype) {
+  for (const auto& w : state.groups) {
     if (auto g = w.lock()) g->check_conversion(device, dtype);
   }
 }
+}  // namespace
+
+void FSDPModule::to(at::Device device, at::ScalarType dtype) {
+  check_conversion(root_->state(), device, dtype);
+}
 void FSDPModule::to(at::ScalarType dtype) {
-  for (auto& w : root_->state().groups) {
-    if (auto g = w.lock()) g->check_conversion(std::nullopt, dtype);
-  }
+  check_conversion(root_->state(), std::nullopt, dtype);
 }
 void FSDPModule::to(at::Device device) {
-  for (auto& w : root_->state().groups) {
-    if (auto g = w.lock()) g->check_conversion(device, std::nullopt);
-  }
+  check_conversion(root_->state(), device, std::nullopt);
 }
 
 torch::OrderedDict<std::string, at::Tensor> FSDPModule::full_state_dict(bool rank0_only) const {

@@ -26,22 +26,26 @@ void unit_post_forward(Unit& unit, const std::vector<at::Tensor>& outputs) {
   unit.post_forward(outputs);
 }
 
-void unit_zero_grad(Unit& unit) {
+namespace {
+// Runs one of the library's checks reached through the handle's operator->: its error says
+// enough, so no "was it model->forward?" hint follows it.
+template <typename Check>
+void explained_check(Unit& unit, Check&& check) {
   try {
-    unit.state().check_no_unsynced_grads("model->zero_grad()");
-  } catch (...) {
-    unit.state().access_error_explained = true;  // no "was it model->forward?" hint after it
-    throw;
-  }
-}
-
-void unit_to(Unit& unit, const std::optional<at::Device>& device, const std::optional<at::ScalarType>& dtype) {
-  try {
-    unit.check_conversion(device, dtype);
+    check();
   } catch (...) {
     unit.state().access_error_explained = true;
     throw;
   }
+}
+}  // namespace
+
+void unit_zero_grad(Unit& unit) {
+  explained_check(unit, [&] { unit.state().check_no_unsynced_grads("model->zero_grad()"); });
+}
+
+void unit_to(Unit& unit, const std::optional<at::Device>& device, const std::optional<at::ScalarType>& dtype) {
+  explained_check(unit, [&] { unit.check_conversion(device, dtype); });
 }
 
 }  // namespace detail

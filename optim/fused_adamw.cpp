@@ -120,14 +120,4 @@ at::Tensor FusedAdamW::step(LossClosure closure) {
   return loss;
 }
 
-std::vector<at::Tensor> FusedAdamW::state_tensors() const {
-  std::vector<at::Tensor> out;
-  for (const auto& m : moments_) {
-    if (!m.exp_avg.defined()) continue;
-    out.push_back(m.exp_avg);
-    out.push_back(m.exp_avg_sq);
-  }
-  return out;
-}
-
 }  // namespace fsdp::optim

@@ -28,8 +28,6 @@ class FusedAdamW : public torch::optim::AdamW {
 
   at::Tensor step(LossClosure closure = nullptr) override;
 
-  /// Every state tensor (the flat moments of each unit), for memory accounting.
-  std::vector<at::Tensor> state_tensors() const;
   /// Tensors the last step() handed to the fused kernel: one per unit when every unit took the
   /// flat path.
   size_t tensors_last_step() const { return tensors_last_step_; }

@@ -1,7 +1,5 @@
 #include "optim/state_bytes.h"
 
-#include "optim/fused_adamw.h"
-
 #include <torch/optim/adagrad.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
@@ -44,9 +42,9 @@ StateBytes state_bytes(const std::vector<at::Tensor>& params, const torch::optim
   StateBytes out;
   for (const auto& p : params) out.params += counter.add(p);
   for (const auto& p : params) out.grads += counter.add(p.grad());
-  if (auto* fused = dynamic_cast<const FusedAdamW*>(optimizer)) {
-    for (const auto& t : fused->state_tensors()) out.optimizer += counter.add(t);
-  } else if (optimizer != nullptr) {
+  // fsdp::optim::FusedAdamW is an AdamW: its per-parameter state views its flat moments, each
+  // storage counted once below.
+  if (optimizer != nullptr) {
     for (const auto& p : params) {
       auto it = optimizer->state().find(p.unsafeGetTensorImpl());
       if (it == optimizer->state().end()) continue;

@@ -19,7 +19,8 @@ struct StateBytes {
 
 /// Bytes of the storages behind `params`, their .grad and the optimizer's state for them, each
 /// storage counted once (a unit's shards share one flat buffer, padding included). Knows the state
-/// of torch::optim::SGD, Adam, AdamW, Adagrad and RMSprop; other optimizers' state is not counted.
+/// of torch::optim::SGD, Adam, AdamW (and so fsdp::optim::FusedAdamW), Adagrad and RMSprop; other
+/// optimizers' state is not counted.
 StateBytes state_bytes(const std::vector<at::Tensor>& params, const torch::optim::Optimizer* optimizer = nullptr);
 
 }  // namespace fsdp::optim

@@ -16,10 +16,7 @@ struct SpecCase {
 };
 
 std::string spec_case_name(const ::testing::TestParamInfo<SpecCase>& i) {
-  const char* names[] = {"FullShard", "ShardGradOp", "ShardOptimizerState", "NoShard", "HybridShard"};
-  std::string s = std::string(names[static_cast<int>(i.param.strategy)]) + "_W" + std::to_string(i.param.world_size);
-  if (i.param.group > 0) s += "_S" + std::to_string(i.param.group);
-  return s + (i.param.mixed ? "_Mixed" : "");
+  return strategy_case_label(i.param.strategy, i.param.world_size, i.param.group) + (i.param.mixed ? "_Mixed" : "");
 }
 
 class ShardContract : public ::testing::TestWithParam<SpecCase> {};
@@ -27,8 +24,7 @@ class ShardContract : public ::testing::TestWithParam<SpecCase> {};
 TEST_P(ShardContract, DescribesWhatEachRankHolds) {
   const SpecCase c = GetParam();
   run_ranks(c.world_size, [&](Rank& r) {
-    auto options = test_options().strategy(c.strategy);
-    if (c.group > 0) options.shard_group_size(c.group);
+    const auto options = test_options(c.strategy, c.group);
     torch::manual_seed(0);
     auto ref = std::make_shared<UnevenMLPImpl<false>>();
     torch::manual_seed(0);
@@ -145,6 +141,11 @@ TEST(FusedAdamWState, SavedAndLoadedLikeAdamW) {
       EXPECT_EQ(st.step(), 2) << p.name;
       EXPECT_EQ(st.exp_avg().sizes(), p.local.sizes()) << p.name;
     }
+    // Its state in bytes, as fsdp::optim::state_bytes counts AdamW's: two flat fp32 moments per unit,
+    // padding included.
+    int64_t moments = 0;
+    for (const auto& u : a.units()) moments += 2 * u.shard_numel * 4;
+    EXPECT_EQ(fsdp::optim::state_bytes(a.parameters(), &opt_a).optimizer, moments);
     const std::string model_file = shared_dir() + "/model" + std::to_string(r.rank) + ".pt";
     const std::string opt_file = shared_dir() + "/opt" + std::to_string(r.rank) + ".pt";
     torch::save(a.module(), model_file);
