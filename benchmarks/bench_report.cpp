@@ -43,23 +43,26 @@ const char* kColours[] = {"#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e",
 }  // namespace
 
 void print_table(const std::vector<Row>& rows) {
-  std::printf("%-13s %-9s %2s %2s | %9s %9s | %9s %9s %6s | %9s %9s %6s | %9s | %7s %6s\n", "impl", "strategy", "N",
-              "S", "peak MiB", "RSS MiB", "state@step", "formula", "ratio", "statepeak", "formula", "ratio", "step ms",
-              "comm/Ψ", "ratio");
+  std::printf("%-13s %-9s %2s %2s | %9s %9s %9s | %9s %9s %6s | %9s %9s %6s | %9s | %7s %6s\n", "impl", "strategy", "N",
+              "S", "peak MiB", "RSS MiB", "cache MiB", "state@step", "formula", "ratio", "statepeak", "formula",
+              "ratio", "step ms", "comm/Ψ", "ratio");
   for (const auto& r : rows) {
     if (r.impl == "simulated") continue;
     const double psi = static_cast<double>(r.params);
-    std::printf("%-13s %-9s %2d %2s | %9s %9s | %10s %9s %6s | %9s %9s %6s | %9s | %7s %6s\n", r.impl.c_str(),
+    std::printf("%-13s %-9s %2d %2s | %9s %9s %9s | %10s %9s %6s | %9s %9s %6s | %9s | %7s %6s\n", r.impl.c_str(),
                 r.strategy.c_str(), r.world_size,
                 r.strategy == "hybrid" ? std::to_string(r.shard_group_size).c_str() : "", mib(r.peak_bytes).c_str(),
-                mib(r.peak_rss_bytes).c_str(), mib(r.state_bytes_at_step).c_str(), mib(r.formula_at_step).c_str(),
-                ratio(r.state_bytes_at_step, r.formula_at_step).c_str(), mib(r.state_bytes_peak).c_str(),
-                mib(r.formula_peak).c_str(), ratio(r.state_bytes_peak, r.formula_peak).c_str(),
-                num(r.step_ms, "%.1f").c_str(), r.comm_elements < 0 ? "-" : num(r.comm_elements / psi, "%.4f").c_str(),
+                mib(r.peak_rss_bytes).c_str(), mib(r.cached_bytes).c_str(), mib(r.state_bytes_at_step).c_str(),
+                mib(r.formula_at_step).c_str(), ratio(r.state_bytes_at_step, r.formula_at_step).c_str(),
+                mib(r.state_bytes_peak).c_str(), mib(r.formula_peak).c_str(),
+                ratio(r.state_bytes_peak, r.formula_peak).c_str(), num(r.step_ms, "%.1f").c_str(),
+                r.comm_elements < 0 ? "-" : num(r.comm_elements / psi, "%.4f").c_str(),
                 ratio(r.comm_elements, r.comm_formula).c_str());
   }
   std::printf(
-      "peak: counting allocator, largest rank; RSS: VmHWM; state: parameters + gradients + AdamW state (at the step; "
+      "peak: counting allocator, largest rank; RSS: VmHWM; cache: buffers kept for reuse after the step (not model "
+      "state; at most 2 x (prefetch + 2) of the largest unit's); state: parameters + gradients + AdamW state (at the "
+      "step; "
       "at its peak in the step); comm/Ψ: elements sent per step / Ψ, ratio to 3Ψ (full, hybrid +2Ψ/S) or 2Ψ.\n");
 }
 
@@ -146,7 +149,8 @@ std::string to_json(const std::vector<Row>& rows) {
       << ", \"peak_rss_bytes\": " << val(r.peak_rss_bytes) << ", \"base_rss_bytes\": " << val(r.base_rss_bytes)
       << ", \"construction_peak_bytes\": " << val(r.construction_peak_bytes)
       << ",\n  \"state_bytes_at_step\": " << val(r.state_bytes_at_step)
-      << ", \"state_bytes_peak\": " << val(r.state_bytes_peak) << ", \"formula_at_step\": " << val(r.formula_at_step)
+      << ", \"state_bytes_peak\": " << val(r.state_bytes_peak) << ", \"cached_bytes\": " << val(r.cached_bytes)
+      << ", \"cached_cap_bytes\": " << val(r.cached_cap_bytes) << ", \"formula_at_step\": " << val(r.formula_at_step)
       << ", \"formula_peak\": " << val(r.formula_peak)
       << ", \"formula_at_step_text\": " << str(formula_text(r.strategy, false))
       << ", \"formula_peak_text\": " << str(formula_text(r.strategy, true)) << ",\n  \"step_ms\": " << val(r.step_ms)

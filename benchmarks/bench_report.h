@@ -20,6 +20,9 @@ struct Row {
   // Largest over ranks (step time: the slowest rank's mean); -1 where not measured.
   double peak_bytes = -1, peak_rss_bytes = -1, base_rss_bytes = -1, construction_peak_bytes = -1;
   double state_bytes_at_step = -1, state_bytes_peak = -1;
+  /// Buffers kept for reuse beyond the model state (FSDPModule::buffer_cache_stats, largest after a
+  /// step), and their cap.
+  double cached_bytes = -1, cached_cap_bytes = -1;
   double formula_at_step = 0, formula_peak = 0;
   double step_ms = -1;
   double comm_elements = -1, comm_formula = 0, comm_expected = -1;

@@ -107,7 +107,7 @@ Report run_rank(const RunOptions& o, const c10::intrusive_ptr<c10d::ProcessGroup
     opt.step();
   }
   const int64_t T = o.model.block_size, rows = o.batch_size / world;
-  double total_ms = 0, peak = 0, state_peak = 0;
+  double total_ms = 0, peak = 0, state_peak = 0, cached = 0;
   auto token = torch::zeros({1});
   for (int64_t step = 0; step < o.steps; ++step) {
     fsdp::all_reduce(pg, token);  // every rank starts the step together (a barrier)
@@ -138,12 +138,15 @@ Report run_rank(const RunOptions& o, const c10::intrusive_ptr<c10d::ProcessGroup
       total_ms += ms;
       peak = std::max(peak, static_cast<double>(fsdp::memory::stats().peak_bytes));
       state_peak = std::max(state_peak, step_state);
+      cached = std::max(cached, static_cast<double>(model.buffer_cache_stats().cached_bytes));
     }
   }
   const int64_t measured_steps = o.steps > 1 ? o.steps - 1 : 1;
   r["step_ms"] = total_ms / static_cast<double>(measured_steps);
   r["peak_bytes"] = peak;
   r["state_bytes_peak"] = state_peak;
+  r["cached_bytes"] = cached;
+  r["cached_cap_bytes"] = static_cast<double>(model.buffer_cache_stats().cap_bytes);
   r["peak_rss_bytes"] = static_cast<double>(peak_rss_bytes());
   return r;
 }

@@ -213,6 +213,8 @@ bench::Row aggregate(const std::string& impl, const std::string& strategy, int N
   r.construction_peak_bytes = largest("construction_peak_bytes");
   r.state_bytes_at_step = largest("state_bytes_at_step");
   r.state_bytes_peak = largest("state_bytes_peak");
+  r.cached_bytes = largest("cached_bytes");
+  r.cached_cap_bytes = largest("cached_cap_bytes");
   r.step_ms = largest("step_ms");
   r.comm_elements = largest("comm_elements");
   r.comm_expected = largest("comm_expected");

@@ -81,18 +81,33 @@ int main(int argc, char** argv) try {
     torch::manual_seed(1);
     auto tok = torch::randint(cfg.vocab_size, {batch, cfg.block_size + 1}, torch::kLong);
     auto x = tok.narrow(1, 0, cfg.block_size), y = tok.narrow(1, 1, cfg.block_size).flatten();
-    auto step = [&](auto&& forward, torch::optim::Optimizer& opt) {
-      const auto t0 = std::chrono::steady_clock::now();
-      torch::nn::functional::cross_entropy(forward(x).flatten(0, 1), y).backward();
+    using Clock = std::chrono::steady_clock;
+    auto ms = [](Clock::time_point a, Clock::time_point b) {
+      return std::chrono::duration<double, std::milli>(b - a).count();
+    };
+    std::vector<double> phases[2][3];  // [plain, wrapped][forward, backward, optimizer]
+    auto step = [&](auto&& forward, torch::optim::Optimizer& opt, int which) {
+      const auto t0 = Clock::now();
+      auto loss = torch::nn::functional::cross_entropy(forward(x).flatten(0, 1), y);
+      const auto t1 = Clock::now();
+      loss.backward();
+      const auto t2 = Clock::now();
       opt.step();
       opt.zero_grad();
-      return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      const auto t3 = Clock::now();
+      phases[which][0].push_back(ms(t0, t1));
+      phases[which][1].push_back(ms(t1, t2));
+      phases[which][2].push_back(ms(t2, t3));
+      return ms(t0, t3);
     };
-    auto plain_step = [&] { return step([&](const torch::Tensor& t) { return plain->forward(t); }, plain_opt); };
-    auto wrapped_step = [&] { return step([&](const torch::Tensor& t) { return wrapped(t); }, wrapped_opt); };
+    auto plain_step = [&] { return step([&](const torch::Tensor& t) { return plain->forward(t); }, plain_opt, 0); };
+    auto wrapped_step = [&] { return step([&](const torch::Tensor& t) { return wrapped(t); }, wrapped_opt, 1); };
     for (int w = 0; w < 3; ++w) {
       plain_step();
       wrapped_step();
+    }
+    for (auto& side : phases) {
+      for (auto& v : side) v.clear();  // warm-up steps are not measured
     }
     std::vector<double> p, f;
     for (int r = 0; r < rounds; ++r) {
@@ -101,14 +116,24 @@ int main(int argc, char** argv) try {
     }
     const double mp = median(p), mf = median(f);
     const long long params = static_cast<long long>(wrapped.num_parameters());
+    // Where the difference is: the medians of forward, backward and optimizer step + zero_grad.
+    double ph[2][3];
+    for (int w = 0; w < 2; ++w) {
+      for (int k = 0; k < 3; ++k) ph[w][k] = median(phases[w][k]);
+    }
     if (json) {
       std::printf(
           "  {\"size\": \"%s\", \"params\": %lld, \"rounds\": %d, \"plain_ms\": %.4f, \"wrapped_ms\": %.4f, "
-          "\"ratio\": %.4f, \"diff_ms\": %.4f}%s\n",
-          sizes[n].c_str(), params, rounds, mp, mf, mf / mp, mf - mp, n + 1 < sizes.size() ? "," : "");
+          "\"ratio\": %.4f, \"diff_ms\": %.4f, \"plain_phases_ms\": [%.4f, %.4f, %.4f], "
+          "\"wrapped_phases_ms\": [%.4f, %.4f, %.4f]}%s\n",
+          sizes[n].c_str(), params, rounds, mp, mf, mf / mp, mf - mp, ph[0][0], ph[0][1], ph[0][2], ph[1][0], ph[1][1],
+          ph[1][2], n + 1 < sizes.size() ? "," : "");
     } else {
-      std::printf("%-6s %9lld params: plain %8.3f ms/step, wrapped %8.3f ms/step, ratio %.3f, +%.3f ms\n",
-                  sizes[n].c_str(), params, mp, mf, mf / mp, mf - mp);
+      std::printf(
+          "%-6s %9lld params: plain %8.3f ms/step, wrapped %8.3f ms/step, ratio %.3f, %+.3f ms (forward/backward/"
+          "optimizer: plain %.2f/%.2f/%.2f, wrapped %.2f/%.2f/%.2f)\n",
+          sizes[n].c_str(), params, mp, mf, mf / mp, mf - mp, ph[0][0], ph[0][1], ph[0][2], ph[1][0], ph[1][1],
+          ph[1][2]);
     }
   }
   if (json) std::printf("]\n");

@@ -15,7 +15,9 @@ using detail::shard_model;
 
 FSDPModule::FSDPModule(std::shared_ptr<torch::nn::Module> module, const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
                        const FullyShardOptions& options)
-    : module_(std::move(module)), root_(shard_model(module_, pg, options)) {}
+    : module_(std::move(module)), root_(shard_model(module_, pg, options)) {
+  reset_comm_stats();  // what wrapping sent (the model check, rank 0's weights) is not training's
+}
 
 FSDPModule::FSDPModule(std::shared_ptr<torch::nn::Module> module, ShardingScope& scope) : module_(std::move(module)) {
   TORCH_CHECK(scope.state() != nullptr, "fsdp::fully_shard: the ShardingScope has no state");
@@ -23,6 +25,7 @@ FSDPModule::FSDPModule(std::shared_ptr<torch::nn::Module> module, ShardingScope&
               "): this ShardingScope already wrapped a model; open one scope per model.");
   scope.close();
   root_ = shard_model(module_, scope.process_group(), scope.state()->options, scope.state());
+  reset_comm_stats();
 }
 
 void FSDPModule::root_pre_forward() {
@@ -250,6 +253,12 @@ const CommStats& FSDPModule::comm_stats() const {
 }
 int64_t FSDPModule::held_state_bytes() const {
   return root_->state().held_state_bytes();
+}
+BufferCacheStats FSDPModule::buffer_cache_stats() const {
+  return root_->state().pool.stats();
+}
+void FSDPModule::release_cached_buffers() {
+  root_->state().pool.release();
 }
 void FSDPModule::track_state_peak(bool on) {
   root_->state().track_state_peak(on);

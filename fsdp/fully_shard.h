@@ -117,6 +117,12 @@ class FSDPModule {
   /// track_state_peak(false) keeps the peak seen.
   void track_state_peak(bool on);
   int64_t state_peak_bytes() const;
+  /// The buffers the library keeps for reuse, beyond held_state_bytes(): all-gather outputs,
+  /// unsharded storage and packed gradients of units no longer in flight, kept so that the next
+  /// step does not allocate them again (see BufferCacheStats).
+  BufferCacheStats buffer_cache_stats() const;
+  /// Frees the kept buffers (the next step allocates again), as torch.cuda.empty_cache() does.
+  void release_cached_buffers();
   int rank() const;
   int world_size() const;
 

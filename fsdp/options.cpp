@@ -13,6 +13,8 @@ void check_options(const FullyShardOptions& o, const char* caller) {
   TORCH_CHECK(o.bucket_bytes() > 0, caller, ": FullyShardOptions::bucket_bytes is ", o.bucket_bytes(),
               "; replicated units all-reduce their gradients in buckets of that many bytes, so it must be "
               "positive (PyTorch DDP's default is 25 MiB).");
+  TORCH_CHECK(o.timeout().count() > 0, caller, ": FullyShardOptions::timeout is ", o.timeout().count(),
+              " ms; it bounds every wait for a collective, so it must be positive (the default is 10 minutes).");
 }
 }  // namespace detail
 

@@ -65,8 +65,9 @@ struct UnitInfo {
   /// the full parameters.
   at::Tensor flat_shard;
   /// The sharded gradients in the same layout, when every parameter with elements has its
-  /// gradient in one such buffer at its offset (the usual case after a backward): a fused
-  /// optimizer may then update flat_shard in one pass. Undefined otherwise.
+  /// gradient in one such buffer at its offset (the usual case after a backward that reduced
+  /// them): a fused optimizer may then update flat_shard in one pass. Undefined otherwise, and at
+  /// world size 1, where nothing is reduced and each gradient stays the tensor autograd produced.
   at::Tensor flat_grad;
 };
 

@@ -65,14 +65,7 @@ class ShardedUnit {
 
   /// This unit's strategy, overriding FullyShardOptions::strategy; set before fsdp::fully_shard:
   ///   blocks.back()->set_sharding_strategy(fsdp::ShardingStrategy::kShardGradOp);
-  void set_sharding_strategy(ShardingStrategy strategy) {
-    TORCH_CHECK(!fsdp_unit_,
-                "fsdp: set_sharding_strategy must be called before fsdp::fully_shard (a unit built inside an "
-                "fsdp::ShardingScope is sharded already: give the strategy to the scope's options)");
-    TORCH_CHECK(is_valid(strategy), "fsdp: set_sharding_strategy(", static_cast<int>(strategy),
-                "): not a ShardingStrategy; use one of fsdp::ShardingStrategy's values (fsdp/strategy.h).");
-    strategy_ = strategy;
-  }
+  void set_sharding_strategy(ShardingStrategy strategy);
   const std::optional<ShardingStrategy>& sharding_strategy() const { return strategy_; }
 
  protected:

@@ -86,7 +86,11 @@ TEST(Errors, StrategyDiffersOnOneRank) {
     auto wrapped = std::make_shared<DifferentMLPImpl>(13);
     fsdp::fully_shard(wrapped, r.pg, test_options());
     auto late = error_of([&] { wrapped->fc1->set_sharding_strategy(ShardingStrategy::kShardGradOp); });
-    EXPECT_NE(late.find("must be called before fsdp::fully_shard"), std::string::npos) << late;
+    EXPECT_NE(late.find("fsdp (rank " + std::to_string(r.rank) +
+                        "): set_sharding_strategy(shard-grad-op) on unit 'fc1', which is sharded already (as "
+                        "full-shard). Call it before fsdp::fully_shard"),
+              std::string::npos)
+        << late;
   });
 }
 

@@ -65,7 +65,14 @@ TEST(Memory, WrappingKeepsOnlyThisRanksPaddedShards) {
     EXPECT_EQ(settled_bytes(c0 + shards) - c0, shards);
     // A forward gathers units and frees them again; the root stays gathered until backward.
     model(tok).sum().backward();
-    // Left: shards + this rank's gradient shards (same padded size).
+    // Left: shards + this rank's gradient shards (same padded size), and the buffers kept for the
+    // next step (not model state), within their cap; released on request.
+    const fsdp::BufferCacheStats cache = model.buffer_cache_stats();
+    EXPECT_GT(cache.cached_bytes, 0);
+    EXPECT_LE(cache.cached_bytes, cache.cap_bytes);
+    EXPECT_EQ(settled_bytes(c0 + 2 * shards + cache.cached_bytes) - c0 - cache.cached_bytes, 2 * shards);
+    model.release_cached_buffers();
+    EXPECT_EQ(model.buffer_cache_stats().cached_bytes, 0);
     EXPECT_EQ(settled_bytes(c0 + 2 * shards) - c0, 2 * shards);
   });
 }
@@ -144,12 +151,19 @@ void check_forward_peak(Rank& r, int prefetch) {
   auto model = fsdp::fully_shard(std::make_shared<WideChainImpl>(), r.pg, test_options().prefetch(prefetch));
   auto x = torch::randn({batch, 8});
   model(x).sum().backward();  // step 1 records the unit order that prefetch follows
-  for (const auto& p : model.sharded_parameters()) p.mutable_grad() = torch::Tensor();
+  for (const auto& p : model.parameters()) p.mutable_grad() = torch::Tensor();
+  // From an empty cache: what the forward allocates is then all there (kept buffers count as
+  // allocated, up to their cap, beyond the live bound).
+  model.release_cached_buffers();
+  const int64_t cap = model.buffer_cache_stats().cap_bytes;
 
   const int64_t base = fsdp::memory::stats().current_bytes;
+  const int64_t held = model.held_state_bytes();
   fsdp::memory::reset_peak();
+  model.track_state_peak(true);
   auto out = model(x);
   const int64_t peak = fsdp::memory::stats().peak_bytes - base;
+  const int64_t live_peak = model.state_peak_bytes() - held;
   // The design bound: a unit's all-gather output and its unsharded storage are alive together
   // during its copy-out (and the next unit's gather output only after that), so beyond the shards
   // at most the root plus twice the largest unit is gathered.
@@ -158,13 +172,15 @@ void check_forward_peak(Rank& r, int prefetch) {
   // worker thread drops the finished work. Comm::wait waits for that (up to 50 ms), so this
   // allowance (two such: the last and the one in flight) only covers a wait that gave up.
   const int64_t gloo_staging = 2 * largest;
-  EXPECT_LE(peak, bound + gloo_staging + activations)
-      << "prefetch " << prefetch << ": peak " << peak << ", bound " << bound << " + Gloo staging " << gloo_staging
-      << " + activations " << activations;
+  EXPECT_LE(live_peak, bound) << "prefetch " << prefetch << ": live peak " << live_peak << ", bound " << bound;
+  EXPECT_EQ(cap, 2 * (prefetch + 2) * largest);
+  EXPECT_LE(peak, bound + cap + gloo_staging + activations)
+      << "prefetch " << prefetch << ": peak " << peak << ", bound " << bound << " + cache cap " << cap
+      << " + Gloo staging " << gloo_staging << " + activations " << activations;
   std::cout << "rank " << r.rank << ", prefetch " << prefetch << ": forward peak above the shards " << peak
-            << " bytes; bound: root " << root << " + 2 x largest unit " << largest << " = " << bound
-            << ", + Gloo staging " << gloo_staging << " + activations (upper bound) " << activations << " = "
-            << bound + gloo_staging + activations << std::endl;
+            << " bytes (live " << live_peak << "); bound: root " << root << " + 2 x largest unit " << largest << " = "
+            << bound << ", + cache cap " << cap << " + Gloo staging " << gloo_staging << " + activations (upper bound) "
+            << activations << " = " << bound + cap + gloo_staging + activations << std::endl;
   // And the gathered memory is really there: at least the root and one unit.
   EXPECT_GE(peak, root + second);
   out.sum().backward();
@@ -175,6 +191,50 @@ TEST(Memory, ForwardPeakWithinBoundWithPrefetch) {
 }
 TEST(Memory, ForwardPeakWithinBoundWithoutPrefetch) {
   run_ranks(2, [](Rank& r) { check_forward_peak(r, 0); });
+}
+
+/// Four units of one size and a smaller root head.
+struct EqualChainImpl : torch::nn::Module {
+  static constexpr int kUnits = 4;
+  EqualChainImpl() : head(register_module("head", torch::nn::Linear(16, 3))) {
+    for (int i = 0; i < kUnits; ++i) {
+      units.push_back(register_module("u" + std::to_string(i), fsdp::Sharded<torch::nn::LinearImpl>(16, 16)));
+    }
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    for (auto& u : units) x = torch::tanh(u(x));
+    return head(x);
+  }
+  std::vector<fsdp::Sharded<torch::nn::LinearImpl>> units;
+  torch::nn::Linear head;
+};
+
+// No per-step reallocation: from the second step on, every buffer a step takes (per non-root unit:
+// the all-gather output and the unsharded storage in forward and again in backward, and the packed
+// gradients; the root, gathered once: three) comes from the cache, and nothing new is allocated.
+TEST(Memory, StepsReuseTheirBuffers) {
+  run_ranks(2, [](Rank& r) {
+    const int U = EqualChainImpl::kUnits;
+    auto model = fsdp::fully_shard(std::make_shared<EqualChainImpl>(), r.pg, test_options());
+    torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+    auto x = torch::randn({2, 16});
+    fsdp::BufferCacheStats last;
+    for (int step = 0; step < 5; ++step) {
+      opt.zero_grad();
+      model(x).sum().backward();
+      opt.step();
+      const fsdp::BufferCacheStats now = model.buffer_cache_stats();
+      EXPECT_EQ(now.reused + now.allocated - last.reused - last.allocated, 3 + 5 * U) << "step " << step;
+      if (step >= 2) {
+        EXPECT_EQ(now.allocated, last.allocated) << "step " << step << " allocated new buffers";
+        EXPECT_EQ(now.reused - last.reused, 3 + 5 * U) << "step " << step;
+      }
+      EXPECT_LE(now.cached_bytes, now.cap_bytes);
+      last = now;
+    }
+    // The cap: 2 x (prefetch + 2) buffers of the largest unit (Linear(16, 16) over 2 ranks).
+    EXPECT_EQ(last.cap_bytes, 2 * 3 * unit_bytes(16, 16, r.world_size));
+  });
 }
 
 }  // namespace

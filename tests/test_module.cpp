@@ -180,10 +180,16 @@ TEST(ModuleSemantics, HandleForwardsModuleCalls) {
     // refuses the converted ones.
     msg = error_of([&] { model->to(torch::kDouble); });
     EXPECT_NE(msg.find("A wrapped model's dtype and device are fixed"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("convert them back, model->to(torch::Device(\"cpu\"), torch::kFloat)"), std::string::npos)
+        << msg;
     auto [x, y] = gpt_batch(kCfg, 3);
     msg = error_of([&] { model(local_rows(x, r.rank, r.world_size)); });
     EXPECT_NE(msg.find("of unit '<root>' was converted to double on cpu after fsdp::fully_shard"), std::string::npos)
         << msg;
+    EXPECT_NE(msg.find("convert it back: model->to(torch::Device(\"cpu\"), torch::kFloat)"), std::string::npos) << msg;
+    // What both messages say to do works: converted back, the model trains again.
+    model->to(torch::Device("cpu"), torch::kFloat);
+    model(local_rows(x, r.rank, r.world_size)).sum().backward();
   });
 }
 

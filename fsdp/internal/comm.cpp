@@ -211,11 +211,27 @@ Pending Comm::launch(const std::string& what, const at::Tensor& t,
   return p;
 }
 
+void Comm::record(Op op, int64_t numel, const std::string& what) const {
+  switch (op) {
+    case Op::kAllGather:
+      ++stats().all_gathers;
+      stats().elements += numel;
+      break;
+    case Op::kReduceScatter:
+      ++stats().reduce_scatters;
+      stats().elements += numel;
+      break;
+    case Op::kAllReduce:
+      ++stats().all_reduces;
+      stats().elements += 2 * numel;
+      break;
+  }
+  log().add(static_cast<int64_t>(op), numel, what);
+}
+
 Pending Comm::all_gather_async(at::Tensor& out, at::Tensor& in, const std::string& what) {
   TORCH_INTERNAL_ASSERT(out.numel() == in.numel() * world_size_);
-  ++stats().all_gathers;
-  stats().elements += out.numel();
-  log().add(kAllGather, out.numel(), what);
+  record(Op::kAllGather, out.numel(), what);
   if (world_size_ == 1) {
     out.copy_(in);
     return {nullptr, what};
@@ -236,9 +252,7 @@ void Comm::all_gather(at::Tensor& out, at::Tensor& in, const std::string& what) 
 
 Pending Comm::reduce_scatter_sum_async(at::Tensor& out, at::Tensor& in, const std::string& what) {
   TORCH_INTERNAL_ASSERT(in.numel() == out.numel() * world_size_);
-  ++stats().reduce_scatters;
-  stats().elements += in.numel();
-  log().add(kReduceScatter, in.numel(), what);
+  record(Op::kReduceScatter, in.numel(), what);
   if (world_size_ == 1) {
     out.copy_(in);
     return {nullptr, what};
@@ -255,9 +269,7 @@ Pending Comm::reduce_scatter_sum_async(at::Tensor& out, at::Tensor& in, const st
 }
 
 Pending Comm::all_reduce_async(at::Tensor& t, c10d::ReduceOp op, const std::string& what) {
-  ++stats().all_reduces;
-  stats().elements += 2 * t.numel();
-  log().add(kAllReduce, t.numel(), what);
+  record(Op::kAllReduce, t.numel(), what);
   if (world_size_ == 1) return {nullptr, what};
   if (verify_) {
     check_same_call({kAllReduce, t.numel(), static_cast<int64_t>(t.scalar_type()), hash_text(what), op.op_}, what);

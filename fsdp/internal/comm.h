@@ -83,6 +83,12 @@ class Comm {
   /// out = (sum over ranks of in)[rank * out.numel(), (rank + 1) * out.numel()).
   /// Gloo may implement this as an all-reduce; SUM is used because some versions turn AVG into SUM.
   Pending reduce_scatter_sum_async(at::Tensor& out, at::Tensor& in, const std::string& what);
+  /// Counts and logs a collective as issued (`numel`: the all-gather's output, the reduce-scatter's
+  /// input, the all-reduce's tensor). The collectives below do this themselves; a unit that skips
+  /// one over a one-rank group (its data already in place, see Unit::gather) calls it, so that the
+  /// statistics and the call log are the algorithm's at every group size.
+  enum class Op : int64_t { kAllGather = 1, kReduceScatter = 2, kAllReduce = 3 };
+  void record(Op op, int64_t numel, const std::string& what) const;
   /// Waits for a pending collective, at most the timeout whatever the backend does; throws naming
   /// the operation, the rank, the group and what is known of the peers on failure.
   void wait(Pending& pending) const;

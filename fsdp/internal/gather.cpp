@@ -8,10 +8,9 @@
 
 namespace fsdp::detail {
 
-at::Tensor pack_rows(const std::vector<ParamSlot>& slots, int64_t shard_numel, const at::TensorOptions& opts) {
-  at::Tensor in = at::zeros({shard_numel}, opts);
+void pack_rows(const std::vector<ParamSlot>& slots, const at::Tensor& in) {
+  in.zero_();
   for (const auto& s : slots) in.narrow(0, s.offset, s.sharded.numel()).copy_(s.sharded.reshape({-1}));
-  return in;
 }
 
 void copy_out(const at::Tensor& gathered, const at::Tensor& unsharded, const std::vector<ParamSlot>& slots, int64_t W,
@@ -36,8 +35,11 @@ void gather_full(const std::vector<ParamSlot>& slots, const UnitBuffers& buffers
     for (const auto& s : slots) copy_to_device(s.sharded.reshape(s.shape));
     return;
   }
-  at::Tensor in =
-      rows_of_full ? pack_rows(slots, buffers.shard_numel, buffers.unsharded.options()) : buffers.flat_shard;
+  at::Tensor in = buffers.flat_shard;
+  if (rows_of_full) {
+    in = at::empty({buffers.shard_numel}, buffers.unsharded.options());
+    pack_rows(slots, in);
+  }
   at::Tensor gathered = at::empty({S * buffers.shard_numel}, in.options());
   Pending p = comm.all_gather_async(gathered, in, what);
   comm.wait(p);

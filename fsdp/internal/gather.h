@@ -17,8 +17,8 @@
 namespace fsdp::detail {
 
 /// ZeRO-1's all-gather input: this rank's rows of every parameter (rows of the full parameters),
-/// packed in the flat layout, padding zeroed.
-at::Tensor pack_rows(const std::vector<ParamSlot>& slots, int64_t shard_numel, const at::TensorOptions& opts);
+/// packed into `in` ([shard_numel]) in the flat layout, padding zeroed.
+void pack_rows(const std::vector<ParamSlot>& slots, const at::Tensor& in);
 
 /// Copies the all-gather's output into the unsharded buffer in one pass, below autograd (the
 /// copies must not bump version counters of tensors autograd saved).

@@ -294,7 +294,9 @@ std::string diagnose_unbounded(const std::vector<int>& global_ranks, int self) {
     now = unix_ms();
     for (int r : peers) {
       auto a = first.find(r), b = second.find(r);
-      if (a != first.end() && b != second.end() && a->second.seq == b->second.seq) stale.push_back(r);
+      // Stopped (its counter did not move), or exited since the first look.
+      const bool stopped = a != first.end() && b != second.end() && a->second.seq == b->second.seq;
+      if (stopped || (b != second.end() && b->second.exited)) stale.push_back(r);
     }
   }
   std::ostringstream os;

@@ -4,6 +4,8 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 
+#include <utility>
+
 namespace fsdp::detail {
 
 std::vector<Bucket> make_buckets(const std::vector<ParamSlot>& slots, int64_t cap) {
@@ -27,8 +29,8 @@ std::vector<Bucket> make_buckets(const std::vector<ParamSlot>& slots, int64_t ca
   return out;
 }
 
-at::Tensor pack_grads(const std::vector<ParamSlot>& slots, bool full_views, int64_t W, int64_t shard_numel,
-                      const at::TensorOptions& opts, std::vector<bool>& has_grad) {
+void pack_grads(const std::vector<ParamSlot>& slots, bool full_views, int64_t W, int64_t shard_numel,
+                const at::Tensor& packed, std::vector<bool>& has_grad) {
   // One copy into rank-major [W, shard_numel]: chunk-cat pads each parameter's W chunks.
   std::vector<at::Tensor> grads;
   grads.reserve(slots.size());
@@ -38,12 +40,27 @@ at::Tensor pack_grads(const std::vector<ParamSlot>& slots, bool full_views, int6
     has_grad[i] = full_grad_of(s, full_views).defined();
     if (s.padded_numel() == 0) continue;  // no elements (e.g. a [0, k] parameter): nothing to send
     at::Tensor g = full_grad_of(s, full_views);
-    if (!g.defined()) g = at::zeros(s.shape, opts);
+    if (!g.defined()) g = at::zeros(s.shape, packed.options());
     grads.push_back(s.shape.empty() ? g.view({1}) : g);
   }
-  at::Tensor packed = at::empty({W, shard_numel}, opts);
-  at::_chunk_cat_out(packed, grads, 0, W);
-  return packed;
+  at::Tensor out = packed.view({W, shard_numel});
+  at::_chunk_cat_out(out, grads, 0, W);
+}
+
+void keep_local_grads(std::vector<ParamSlot>& slots, bool full_views, size_t first, size_t last) {
+  for (size_t i = first; i < last; ++i) {
+    auto& s = slots[i];
+    at::Tensor full = std::exchange(full_grad_of(s, full_views), at::Tensor());
+    if (!full.defined()) continue;
+    at::Tensor& g = shard_grad_of(s, full_views);
+    if (g.defined()) {
+      g.add_(full.reshape(g.sizes()));  // accumulating across backward passes
+    } else if (full.sizes() == s.sharded.sizes()) {
+      g = std::move(full);  // what plain LibTorch's AccumulateGrad leaves on the parameter
+    } else {
+      g = alias_rows(full.contiguous(), 0, s.sharded.sizes());
+    }
+  }
 }
 
 void pack_bucket(const std::vector<ParamSlot>& slots, bool full_views, const Bucket& b, const at::Tensor& flat,

@@ -20,10 +20,15 @@ struct Bucket {
 };
 std::vector<Bucket> make_buckets(const std::vector<ParamSlot>& slots, int64_t cap);
 
-/// Packs every full gradient (zeros where a parameter has none) into rank-major [W, shard_numel]
-/// (each parameter's chunks padded) for one reduce-scatter; `has_grad[i]` says which had one.
-at::Tensor pack_grads(const std::vector<ParamSlot>& slots, bool full_views, int64_t W, int64_t shard_numel,
-                      const at::TensorOptions& opts, std::vector<bool>& has_grad);
+/// Packs every full gradient (zeros where a parameter has none) into `packed`, rank-major
+/// [W * shard_numel] (each parameter's chunks padded), for one reduce-scatter; `has_grad[i]` says
+/// which had one.
+void pack_grads(const std::vector<ParamSlot>& slots, bool full_views, int64_t W, int64_t shard_numel,
+                const at::Tensor& packed, std::vector<bool>& has_grad);
+
+/// One rank holds everything (world size 1): each full gradient becomes the sharded one (added to
+/// it if there is one), with no copy, for slots [first, last).
+void keep_local_grads(std::vector<ParamSlot>& slots, bool full_views, size_t first, size_t last);
 
 /// Copies bucket `b`'s full gradients into `flat` at their offsets (zeros where none), recording
 /// which had one.

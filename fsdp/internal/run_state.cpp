@@ -20,7 +20,10 @@ namespace fsdp::detail {
 RunState::RunState(c10::intrusive_ptr<c10d::ProcessGroup> pg, FullyShardOptions options)
     : options(options),
       comm(std::move(pg), this->options.timeout(), std::make_shared<CommShared>(), GroupInfo{},
-           this->options.verify_collectives()) {}
+           this->options.verify_collectives()),
+      // Each unit in flight (the root, kept gathered, the one computing and those prefetched)
+      // holds at most two buffers.
+      pool(2 * (2 + static_cast<int64_t>(this->options.prefetch()))) {}
 
 void RunState::init_hybrid(int group_size) {
   if (shard_comm) return;

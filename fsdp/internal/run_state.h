@@ -2,6 +2,7 @@
 // counts, and the end-of-backward callback. Internal to the library.
 #pragma once
 
+#include "fsdp/internal/buffer_pool.h"
 #include "fsdp/internal/comm.h"
 #include "fsdp/options.h"
 
@@ -30,6 +31,8 @@ class RunState : public std::enable_shared_from_this<RunState> {
   /// kHybridShard only (null otherwise): the S consecutive ranks a unit is sharded over, and the
   /// N/S ranks, one per group, that hold the same shard. They share comm's statistics.
   std::unique_ptr<Comm> shard_comm, replicate_comm;
+  /// The units' all-gather outputs, unsharded storage and packed gradients, reused step after step.
+  BufferPool pool;
   /// Creates shard_comm and replicate_comm for groups of `group_size`; the same call on every rank.
   void init_hybrid(int group_size);
   /// Between the first pre-backward hook of a backward and its end-of-backward callback.

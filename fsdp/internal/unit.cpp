@@ -95,11 +95,16 @@ void Unit::init() {
     const std::string what = describe("broadcast of rank 0's weights");
     for (auto& s : slots_) world.broadcast(s.param.detach(), 0, what);
   }
-  const BufferKind kind = shards_are_rows_of_full() ? BufferKind::kRowsOfFull
-                          : buckets()               ? BufferKind::kWhole
-                                                    : BufferKind::kShards;
-  buffers_ = make_buffers(slots_, buffers_.shard_numel, S_, shard_rank_, kind,
+  // Sharded over one rank (world size 1, or hybrid groups of one), the shard is the whole unit:
+  // its storage serves as the unsharded one, as when replicated, and gathering moves nothing.
+  kind_ = shards_are_rows_of_full() ? BufferKind::kRowsOfFull
+          : buckets() || S_ == 1    ? BufferKind::kWhole
+                                    : BufferKind::kShards;
+  buffers_ = make_buffers(slots_, buffers_.shard_numel, S_, shard_rank_, kind_,
                           slots_.front().param.options().requires_grad(false));
+  if (kind_ != BufferKind::kWhole && S_ > 1) {  // the buffers it takes from the pool, at most this size
+    run_->pool.note_unit(S_ * shard_numel() * static_cast<int64_t>(buffers_.unsharded.element_size()));
+  }
   if (buckets()) {
     buckets_ =
         make_buckets(slots_, std::max<int64_t>(1, run_->options.bucket_bytes() / buffers_.flat_shard.element_size()));
@@ -137,12 +142,20 @@ bool Unit::needs_gather() const {
 void Unit::begin_unshard() {
   if (state_ == UnitState::kGathering || state_ == UnitState::kUnsharded || !needs_gather()) return;
   adopt_replaced_shards();  // the gather reads the shards
-  // Only the all-gather output is allocated now; the unsharded storage is allocated when the
-  // gather is waited for, so a unit in flight costs its size once, not twice.
-  gathered_ = at::empty({S_ * shard_numel()}, buffers_.unsharded.options());
+  if (S_ == 1) {
+    // One rank: the unsharded storage is the shard's (or, ZeRO-1, the full parameters are the
+    // rows), so there is nothing to move. Counted as issued, as the algorithm has it.
+    shard_comm_->record(Comm::Op::kAllGather, shard_numel(), gather_what_);
+    enter(UnitState::kGathering);
+    return;
+  }
+  // Only the all-gather output is taken now; the unsharded storage when the gather is waited for,
+  // so a unit in flight costs its size once, not twice.
+  gathered_ = run_->pool.take(S_ * shard_numel(), buffers_.unsharded.options());
   at::Tensor in = buffers_.flat_shard;
   if (shards_are_rows_of_full()) {
-    gather_in_ = pack_rows(slots_, shard_numel(), buffers_.unsharded.options());
+    gather_in_ = run_->pool.take(shard_numel(), buffers_.unsharded.options());
+    pack_rows(slots_, gather_in_);
     in = gather_in_;
   }
   gather_ = shard_comm_->all_gather_async(gathered_, in, gather_what_);
@@ -159,15 +172,17 @@ void Unit::unshard() {
 
 void Unit::gather() {
   begin_unshard();
+  if (S_ == 1) return;  // nothing was moved (begin_unshard)
   wait_gather();
-  gather_in_ = at::Tensor();
-  if (!keeps_full_params()) {
-    resize_storage(buffers_.unsharded, static_cast<size_t>(S_ * shard_numel()) * buffers_.unsharded.element_size());
+  run_->pool.give_back(gather_in_);
+  if (kind_ == BufferKind::kShards) {
+    unsharded_memory_ = run_->pool.take(S_ * shard_numel(), buffers_.unsharded.options());
+    lend_memory(buffers_.unsharded, unsharded_memory_);
   }
-  // One copy-out fills every parameter, and the output is freed right after, before any further
-  // prefetch is issued.
+  // One copy-out fills every parameter, and the output goes back to the pool right after, before
+  // any further prefetch is issued.
   copy_out(gathered_, buffers_.unsharded, slots_, S_, shard_numel());
-  gathered_ = at::Tensor();
+  run_->pool.give_back(gathered_);
 }
 
 void Unit::reshard() {
@@ -175,9 +190,11 @@ void Unit::reshard() {
     drop_prefetch();
     return;
   }
-  const bool gathered = state_ == UnitState::kUnsharded || state_ == UnitState::kKeptForBackward;
   use_shard_views();
-  if (gathered && !keeps_full_params()) resize_storage(buffers_.unsharded, 0);
+  if (unsharded_memory_.defined()) {
+    take_memory_back(buffers_.unsharded);
+    run_->pool.give_back(unsharded_memory_);
+  }
   enter(UnitState::kSharded);
 }
 
@@ -283,66 +300,6 @@ void Unit::on_grad_ready(size_t slot) {
   }
 }
 
-void Unit::launch_buckets(bool all) {
-  // Buckets go out in one fixed order on every rank (Gloo pairs collectives by order): bucket b
-  // only after b - 1, and only once backward produced all of its gradients (or at the end).
-  while (next_bucket_ < buckets_.size()) {
-    const Bucket& b = buckets_[next_bucket_];
-    if (!all) {
-      for (size_t i = b.first; i < b.last; ++i) {
-        if (slots_[i].requires_grad && !slots_[i].grad_ready) return;
-      }
-    }
-    if (next_bucket_ == 0) {
-      reduce_out_ = at::empty({shard_numel()}, buffers_.flat_shard.options());
-      reduce_has_grad_.assign(slots_.size(), false);
-      bucket_work_.clear();
-    }
-    pack_bucket(slots_, is_unsharded(), b, reduce_out_, reduce_has_grad_);
-    run_->sample_state();  // the bucket's gradients and their copy, both alive
-    for (size_t i = b.first; i < b.last; ++i) full_grad(slots_[i]) = at::Tensor();  // the bucket holds it now
-    at::Tensor chunk = reduce_out_.narrow(0, b.offset, b.numel);
-    bucket_work_.push_back(run_->comm.all_reduce_async(chunk, c10d::ReduceOp::SUM, reduce_what_));
-    ++next_bucket_;
-    if (next_bucket_ == buckets_.size()) {
-      reducing_ = true;
-      run_->after_reduce_issued(*this);
-    }
-  }
-}
-
-void Unit::reduce_grads() {
-  if (shard_numel() == 0) {
-    for (auto& s : slots_) full_grad(s) = at::Tensor();
-    return;
-  }
-  if (buckets()) {
-    if (next_bucket_ == buckets_.size()) finish_reduce();  // reduced once already in this backward
-    launch_buckets(/*all=*/true);
-    return;
-  }
-  finish_reduce();  // a unit reduced twice in one backward (partly used, then flushed)
-  // The previous unit's reduction had this unit's whole backward to complete; finishing it before
-  // packing frees its buffers first, so one unit's packed gradients are in flight at a time (as in
-  // FSDP2), not two.
-  run_->finish_reduces();
-  const auto opts = buffers_.unsharded.options();
-  reduce_in_ = pack_grads(slots_, is_unsharded(), S_, shard_numel(), opts, reduce_has_grad_);
-  run_->sample_state();  // the unsharded gradients and their packed copy, both alive
-  if (shards_are_rows_of_full()) {
-    holds_reduced_ = true;  // the full gradients stay; they are no longer pending
-  } else {
-    for (auto& s : slots_) full_grad(s) = at::Tensor();  // unsharded gradients freed here
-  }
-  // The reduce-scatter writes this rank's summed rows straight into the flat gradient shard.
-  reduce_out_ = at::empty({shard_numel()}, opts);
-  at::Tensor flat_in = reduce_in_.view({-1});
-  reduce_ = shard_comm_->reduce_scatter_sum_async(reduce_out_, flat_in, reduce_what_);
-  reducing_ = true;
-  // Runs while the rest of backward computes; the run state bounds how many are in flight.
-  run_->after_reduce_issued(*this);
-}
-
 void Unit::append_held_tensors(std::vector<at::Tensor>& out) const {
   for (const at::Tensor* t :
        {&buffers_.flat_shard, &buffers_.unsharded, &gathered_, &gather_in_, &reduce_in_, &reduce_out_}) {
@@ -370,45 +327,10 @@ void Unit::wait_gather() {
 
 void Unit::drop_prefetch() {
   if (state_ != UnitState::kGathering) return;
-  wait_gather();
-  gathered_ = at::Tensor();
-  gather_in_ = at::Tensor();  // kShardOptimizerState: not copied out, so the unit stays due
+  if (S_ > 1) wait_gather();
+  run_->pool.give_back(gathered_);
+  run_->pool.give_back(gather_in_);  // kShardOptimizerState: not copied out, so the unit stays due
   enter(UnitState::kSharded);
-}
-
-void Unit::finish_reduce() {
-  if (!reducing_) return;
-  reducing_ = false;
-  try {
-    if (buckets()) {
-      for (auto& p : bucket_work_) run_->comm.wait(p);
-    } else {
-      shard_comm_->wait(reduce_);
-      reduce_in_ = at::Tensor();
-      if (replicate_comm_ != nullptr && replicate_comm_->world_size() > 1) {
-        // Hybrid: the group's sum of this shard, summed again over the groups holding it.
-        replicate_comm_->all_reduce(reduce_out_, c10d::ReduceOp::SUM,
-                                    describe("all-reduce of gradients across groups"));
-      }
-    }
-  } catch (const std::exception& e) {
-    reduce_in_ = at::Tensor();
-    reduce_out_ = at::Tensor();
-    bucket_work_.clear();
-    next_bucket_ = 0;
-    run_->mark_broken(error_text(e));
-    throw;
-  }
-  bucket_work_.clear();
-  next_bucket_ = 0;
-  at::Tensor reduced = std::move(reduce_out_);
-  reduced.div_(static_cast<double>(run_->comm.world_size()));
-  if (shards_are_rows_of_full()) {
-    stale_ = true;  // the optimizer steps the shards next
-    write_rows_into_full_grads(slots_, is_unsharded(), reduced, reduce_has_grad_, shard_rank_);
-  } else {
-    add_to_sharded_grads(slots_, is_unsharded(), reduced, reduce_has_grad_);
-  }
 }
 
 bool Unit::holds_unsynced_grads() const {
@@ -432,63 +354,6 @@ void Unit::gather_full(std::vector<at::Tensor>& out, const at::Device& device) {
     run_->mark_broken(error_text(e));
     throw;
   }
-}
-
-void Unit::reset_after_failed_backward() {
-  // Reductions of the failed backward still in flight: waited for (the backend uses their
-  // buffers) and thrown away. This runs at the next forward, after the user's zero_grad(), which
-  // they must not undo.
-  if (reducing_ || next_bucket_ > 0) {
-    reducing_ = false;
-    try {
-      shard_comm_->wait(reduce_);
-      for (auto& p : bucket_work_) run_->comm.wait(p);
-    } catch (const std::exception& e) {
-      run_->mark_broken(error_text(e));
-    }
-    bucket_work_.clear();
-    next_bucket_ = 0;
-    reduce_in_ = at::Tensor();
-    reduce_out_ = at::Tensor();
-  }
-  if (backward_ != BackwardPhase::kRunning) return;
-  backward_ = BackwardPhase::kIdle;
-  grads_ready_ = 0;
-  // The failed backward left the parameters full, with partial full gradients that the user saw
-  // (and may have zeroed) instead of the sharded ones, which wait aside. Those follow what the
-  // user did: kept if some partial gradient is still there and not zero, dropped otherwise (the
-  // documented recovery is zero_grad() before the next backward).
-  bool zeroed = true;
-  for (auto& s : slots_) {
-    const at::Tensor& g = full_grad(s);
-    zeroed = zeroed && (!g.defined() || !g.any().item<bool>());
-  }
-  for (auto& s : slots_) {
-    s.grad_ready = false;
-    if (zeroed && is_unsharded() && s.shard_grad.defined()) {
-      if (full_grad(s).defined()) {
-        s.shard_grad.zero_();  // zero_grad(set_to_none=false)
-      } else {
-        s.shard_grad = at::Tensor();
-      }
-    }
-    full_grad(s) = at::Tensor();
-  }
-  reshard();
-}
-
-void Unit::finalize_backward() {
-  // Gradients not reduced yet: a unit only partly used in this backward, or one that accumulated
-  // without sync in earlier micro-batches and was not used in this one. (kShardOptimizerState
-  // keeps its full gradients after reducing them; those are not pending.)
-  if (run_->sync_gradients && !holds_reduced_) {
-    // kNoShard: buckets launched while others wait for gradients that never came (unused
-    // parameters) are pending too; the rest go out now, with zeros for the missing ones.
-    const bool pending = (next_bucket_ > 0 && next_bucket_ < buckets_.size()) || holds_unsynced_grads();
-    if (pending) reduce_grads();
-  }
-  backward_ = BackwardPhase::kIdle;
-  reshard();
 }
 
 }  // namespace fsdp::detail

@@ -140,6 +140,8 @@ class Unit : public std::enable_shared_from_this<Unit> {
   int64_t S_ = 1, shard_rank_ = 0, world_size_ = 1;
   std::string gather_what_, reduce_what_;  // descriptions of this unit's collectives
   UnitBuffers buffers_;
+  BufferKind kind_ = BufferKind::kShards;
+  at::Tensor unsharded_memory_;  // kShards, while gathered: the pool's buffer lent to the unsharded storage
 
   UnitState state_ = UnitState::kUnsharded;  // at wrap time the parameters are full
   BackwardPhase backward_ = BackwardPhase::kIdle;

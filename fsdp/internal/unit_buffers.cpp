@@ -2,7 +2,6 @@
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
-#include <c10/core/DeviceGuard.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/strides.h>
 
@@ -11,8 +10,8 @@
 namespace fsdp::detail {
 namespace {
 
-// A tensor of `numel` elements whose storage has no memory yet: resize_storage() gives it some when
-// the unit is first gathered. (Allocating and freeing would cost a unit's size while building.)
+// A tensor of `numel` elements whose storage has no memory yet: lend_memory() gives it some while
+// the unit is gathered. (Allocating and freeing would cost a unit's size while building.)
 at::Tensor unallocated(int64_t numel, const at::TensorOptions& opts) {
   at::Tensor like = at::empty({0}, opts);
   c10::Storage storage(c10::Storage::use_byte_size_t(), 0, like.storage().allocator(), /*resizable=*/true);
@@ -22,7 +21,7 @@ at::Tensor unallocated(int64_t numel, const at::TensorOptions& opts) {
 }
 
 // A view of `base`'s storage with no bounds check: `base` may have no memory yet (above); the view
-// sees the memory once resize_storage() gave it some.
+// sees the memory while lend_memory() gives it some.
 at::Tensor unchecked_view(const at::Tensor& base, int64_t offset, at::IntArrayRef shape) {
   at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(base.storage()), base.key_set(), base.dtype());
   t.unsafeGetTensorImpl()->set_storage_offset(offset);
@@ -32,15 +31,20 @@ at::Tensor unchecked_view(const at::Tensor& base, int64_t offset, at::IntArrayRe
 
 }  // namespace
 
-void resize_storage(const at::Tensor& t, size_t nbytes) {
+void lend_memory(const at::Tensor& t, const at::Tensor& block) {
   // Every view of the storage, and every tensor autograd saved from those views, sees the new
   // memory: that is what lets a parameter be freed after forward and gathered again for backward
-  // without autograd noticing.
+  // without autograd noticing. The pointer does not own the memory: `block` does.
   c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
-  if (s->nbytes() == nbytes) return;
-  c10::DeviceGuard guard(t.device());
-  s->set_data_ptr_noswap(s->allocator()->allocate(nbytes));
-  s->set_nbytes(nbytes);
+  TORCH_INTERNAL_ASSERT(s->nbytes() == 0, "lend_memory: the storage has memory already");
+  s->set_data_ptr_noswap(c10::DataPtr(block.data_ptr(), block.device()));
+  s->set_nbytes(block.storage().nbytes());
+}
+
+void take_memory_back(const at::Tensor& t) {
+  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+  s->set_data_ptr_noswap(c10::DataPtr(nullptr, t.device()));
+  s->set_nbytes(0);
 }
 
 at::Tensor alias_rows(const at::Tensor& base, int64_t offset, at::IntArrayRef shape) {
@@ -132,7 +136,8 @@ bool adopt_replaced(std::vector<ParamSlot>& slots, int64_t shard_rank, int rank,
                 "): parameter '", s.name, "' of unit '", unit, "' was converted to ", p.dtype(), " on ", p.device(),
                 " after fsdp::fully_shard (it is sharded as ", s.sharded.dtype(), " on ", s.sharded.device(),
                 "). Convert the model (model->to(...)) before wrapping it; a wrapped model's dtype and device are "
-                "fixed.");
+                "fixed. To go on with this one, convert it back: model->to(torch::Device(\"",
+                s.sharded.device(), "\"), torch::k", s.sharded.scalar_type(), ").");
     TORCH_CHECK(p.sizes() == s.sharded.sizes(), "fsdp (rank ", rank, "): parameter '", s.name, "' of unit '", unit,
                 "' has shape ", p.sizes(), ", but this rank's shard is ", s.sharded.sizes(), " (rows ",
                 s.layout.begin(shard_rank), " to ", s.layout.end(shard_rank), " of ", s.layout.rows, " over ",
@@ -160,7 +165,10 @@ void check_conversion(const std::vector<ParamSlot>& slots, const std::optional<a
                 ") on the wrapped model would convert parameter '", s.name, "' of unit '", unit, "' (",
                 s.sharded.scalar_type(), " on ", s.sharded.device(),
                 ") after fsdp::fully_shard. A wrapped model's dtype and device are fixed: convert the model "
-                "before wrapping it (model->to(...), then fsdp::fully_shard).");
+                "before wrapping it (model->to(...), then fsdp::fully_shard). Parameters converted before this "
+                "unit was reached (the root's own, earlier modules) are converted already: convert them back, "
+                "model->to(torch::Device(\"",
+                s.sharded.device(), "\"), torch::k", s.sharded.scalar_type(), "), before the next forward.");
   }
 }
 

@@ -60,7 +60,8 @@ inline const at::Tensor& full_grad_of(const ParamSlot& s, bool full_views) {
 /// How a unit keeps its parameters.
 enum class BufferKind {
   kShards,      ///< a flat shard, and an unsharded buffer with memory only while gathered
-  kWhole,       ///< replicated: the flat shard is the whole unit and the parameters' storage
+  kWhole,       ///< replicated, or sharded over one rank: the flat shard is the whole unit and
+                ///< the parameters' storage
   kRowsOfFull,  ///< ZeRO-1: full parameters kept; the shards are this rank's rows of them
 };
 
@@ -80,9 +81,11 @@ int64_t lay_out(std::vector<ParamSlot>& slots, int64_t S, int64_t r);
 UnitBuffers make_buffers(std::vector<ParamSlot>& slots, int64_t shard_numel, int64_t S, int64_t r, BufferKind kind,
                          const at::TensorOptions& opts);
 
-/// Gives a tensor's storage `nbytes` of fresh memory (0 frees it); every view of it sees the new
-/// memory.
-void resize_storage(const at::Tensor& t, size_t nbytes);
+/// Lends `block`'s memory to `t`'s storage (which must have none), the whole of it; every view of
+/// the storage sees it. The caller keeps `block` alive until take_memory_back(t).
+void lend_memory(const at::Tensor& t, const at::Tensor& block);
+/// Leaves `t`'s storage without memory again (0 bytes); `block` may then be reused.
+void take_memory_back(const at::Tensor& t);
 
 /// A tensor of `shape` over `base`'s storage from `offset` elements on: not an autograd view
 /// (optimizers call detach_() on gradients, which is illegal on views).
