@@ -22,7 +22,8 @@ namespace {
 using clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 
-enum Kind : int64_t { kAllGather = 1, kReduceScatter = 2, kAllReduce = 3, kBroadcast = 4 };
+// The kinds in the call log and the cross-rank checks: Comm::Op's (1 to 3), and the broadcast.
+constexpr int64_t kBroadcast = 4;
 constexpr int64_t kMagic = 0x46534450434b31;  // "FSDPCK1": a check paired with anything else shows
 constexpr int64_t kCheckWords = 7;            // magic, six words of the call's code
 constexpr int64_t kCheckText = 4096;          // bytes of each rank's description, when the calls differ
@@ -229,15 +230,21 @@ void Comm::record(Op op, int64_t numel, const std::string& what) const {
   log().add(static_cast<int64_t>(op), numel, what);
 }
 
+bool Comm::done_alone_or_checked(Op op, int64_t numel, at::Tensor& out, const at::Tensor& in, const std::string& what) {
+  record(op, numel, what);
+  if (world_size_ == 1) {  // alone: the collective is a copy
+    out.copy_(in);
+    return true;
+  }
+  if (verify_) {
+    check_same_call({static_cast<int64_t>(op), numel, static_cast<int64_t>(in.scalar_type()), hash_text(what)}, what);
+  }
+  return false;
+}
+
 Pending Comm::all_gather_async(at::Tensor& out, at::Tensor& in, const std::string& what) {
   TORCH_INTERNAL_ASSERT(out.numel() == in.numel() * world_size_);
-  record(Op::kAllGather, out.numel(), what);
-  if (world_size_ == 1) {
-    out.copy_(in);
-    return {nullptr, what};
-  }
-  if (verify_)
-    check_same_call({kAllGather, out.numel(), static_cast<int64_t>(in.scalar_type()), hash_text(what)}, what);
+  if (done_alone_or_checked(Op::kAllGather, out.numel(), out, in, what)) return {nullptr, what};
   return launch(what, in, [&](c10d::Backend& b) {
     c10d::AllgatherOptions opts;
     opts.timeout = timeout_;  // Gloo's own bound inside its worker thread
@@ -252,14 +259,7 @@ void Comm::all_gather(at::Tensor& out, at::Tensor& in, const std::string& what) 
 
 Pending Comm::reduce_scatter_sum_async(at::Tensor& out, at::Tensor& in, const std::string& what) {
   TORCH_INTERNAL_ASSERT(in.numel() == out.numel() * world_size_);
-  record(Op::kReduceScatter, in.numel(), what);
-  if (world_size_ == 1) {
-    out.copy_(in);
-    return {nullptr, what};
-  }
-  if (verify_) {
-    check_same_call({kReduceScatter, in.numel(), static_cast<int64_t>(in.scalar_type()), hash_text(what)}, what);
-  }
+  if (done_alone_or_checked(Op::kReduceScatter, in.numel(), out, in, what)) return {nullptr, what};
   return launch(what, in, [&](c10d::Backend& b) {
     c10d::ReduceScatterOptions opts;
     opts.reduceOp = c10d::ReduceOp::SUM;
@@ -272,7 +272,9 @@ Pending Comm::all_reduce_async(at::Tensor& t, c10d::ReduceOp op, const std::stri
   record(Op::kAllReduce, t.numel(), what);
   if (world_size_ == 1) return {nullptr, what};
   if (verify_) {
-    check_same_call({kAllReduce, t.numel(), static_cast<int64_t>(t.scalar_type()), hash_text(what), op.op_}, what);
+    check_same_call({static_cast<int64_t>(Op::kAllReduce), t.numel(), static_cast<int64_t>(t.scalar_type()),
+                     hash_text(what), op.op_},
+                    what);
   }
   return launch(what, t, [&](c10d::Backend& b) {
     std::vector<at::Tensor> ts{t};

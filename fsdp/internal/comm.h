@@ -120,6 +120,9 @@ class Comm {
 
  private:
   c10::intrusive_ptr<c10d::Backend> backend(const at::Tensor& t) const;
+  /// What an all-gather or reduce-scatter does first: counts it; alone, copies `in` to `out` and
+  /// returns true (nothing to launch); otherwise checks the call across ranks when verifying.
+  bool done_alone_or_checked(Op op, int64_t numel, at::Tensor& out, const at::Tensor& in, const std::string& what);
   /// Starts a collective on `t`'s backend with `start`; a backend that throws fails like a wait.
   Pending launch(const std::string& what, const at::Tensor& t,
                  const std::function<c10::intrusive_ptr<c10d::Work>(c10d::Backend&)>& start) const;
