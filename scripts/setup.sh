@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs everything libtorch-fsdp needs on a fresh Debian machine; safe to run again.
 #
-#   - Debian packages: a compiler, CMake, Ninja, ccache, GoogleTest, fmt, Gloo's headers.
+#   - Debian packages: a compiler, CMake, Ninja, ccache, GoogleTest, fmt, Gloo's headers,
+#     nlohmann/json (header-only, used inside the checkpoint library).
 #   - LibTorch: the PyPI torch==2.11.0 wheel in a virtualenv kept in a per-user cache keyed by
 #     the torch version, so fresh clones reuse it instead of downloading gigabytes again.
 #
@@ -16,7 +17,7 @@ venv="${FSDP_VENV:-$cache_root/venv-torch-$TORCH_VERSION}"
 log() { echo "[setup] $*" >&2; }
 
 # --- Debian packages -------------------------------------------------------------------------
-debs=(g++ cmake ninja-build ccache libgtest-dev libfmt-dev libgloo-dev python3-venv)
+debs=(g++ cmake ninja-build ccache libgtest-dev libfmt-dev libgloo-dev nlohmann-json3-dev python3-venv)
 missing=()
 for p in "${debs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -46,6 +47,18 @@ if ! have_torch; then
     "$venv/bin/python" -m pip install -q --upgrade pip >&2
     "$venv/bin/python" -m pip install -q "torch==$TORCH_VERSION" numpy >&2
   fi
+  flock -u 9
+fi
+# Python's safetensors, for the tests that open the checkpoint files from Python (never the library).
+SAFETENSORS_VERSION=0.8.0
+have_safetensors() {
+  "$venv/bin/python" -c "import safetensors,sys; sys.exit(0 if safetensors.__version__=='$SAFETENSORS_VERSION' else 1)" 2>/dev/null
+}
+if ! have_safetensors; then
+  log "installing safetensors==$SAFETENSORS_VERSION into $venv"
+  exec 9>"$(dirname "$venv")/.setup.lock"
+  flock 9
+  have_safetensors || "$venv/bin/python" -m pip install -q "safetensors==$SAFETENSORS_VERSION" >&2
   flock -u 9
 fi
 log "torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)' 2>/dev/null) in $venv"

@@ -1,0 +1,271 @@
+#include "checkpoint/safetensors.h"
+
+#include "checkpoint/internal/crc32c.h"
+
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <nlohmann/json.hpp>
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <set>
+
+namespace fsdp::checkpoint {
+namespace {
+
+constexpr const char* kMetadataKey = "__metadata__";
+// A header longer than this is not a checkpoint's (safetensors itself refuses 100 MB and more).
+constexpr uint64_t kMaxHeader = uint64_t{100} << 20;
+
+const std::vector<std::pair<at::ScalarType, const char*>>& dtype_names() {
+  static const std::vector<std::pair<at::ScalarType, const char*>> names = {{at::kDouble, "F64"},
+                                                                            {at::kFloat, "F32"},
+                                                                            {at::kHalf, "F16"},
+                                                                            {at::kBFloat16, "BF16"},
+                                                                            {at::kLong, "I64"},
+                                                                            {at::kInt, "I32"},
+                                                                            {at::kShort, "I16"},
+                                                                            {at::kChar, "I8"},
+                                                                            {at::kByte, "U8"},
+                                                                            {at::kBool, "BOOL"},
+                                                                            {at::kUInt16, "U16"},
+                                                                            {at::kUInt32, "U32"},
+                                                                            {at::kUInt64, "U64"},
+                                                                            {at::kFloat8_e4m3fn, "F8_E4M3"},
+                                                                            {at::kFloat8_e5m2, "F8_E5M2"}};
+  return names;
+}
+
+std::string system_error() {
+  return std::strerror(errno);
+}
+
+// A file descriptor closed on every path out.
+struct Fd {
+  int fd = -1;
+  Fd(const std::string& path, int flags, mode_t mode = 0644) : fd(::open(path.c_str(), flags | O_CLOEXEC, mode)) {}
+  ~Fd() {
+    if (fd >= 0) ::close(fd);
+  }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+};
+
+// Sequential writes through a buffer: small tensors are gathered into large writes, a large one
+// goes straight from its memory.
+class SequentialWriter {
+ public:
+  SequentialWriter(int fd, std::string path) : fd_(fd), path_(std::move(path)) { buffer_.reserve(kBuffer); }
+  void append(const void* data, size_t n, const std::string& what) {
+    if (buffer_.size() + n > kBuffer) flush(what);
+    if (n >= kBuffer) {
+      write_all(static_cast<const char*>(data), n, what);
+      return;
+    }
+    const auto* p = static_cast<const char*>(data);
+    buffer_.insert(buffer_.end(), p, p + n);
+  }
+  void flush(const std::string& what) {
+    write_all(buffer_.data(), buffer_.size(), what);
+    buffer_.clear();
+  }
+
+ private:
+  static constexpr size_t kBuffer = size_t{8} << 20;
+  void write_all(const char* p, size_t n, const std::string& what) {
+    while (n > 0) {
+      const ssize_t w = ::write(fd_, p, n);
+      if (w < 0 && errno == EINTR) continue;
+      TORCH_CHECK(w > 0, "fsdp::checkpoint: writing ", what, " to '", path_, "' failed: ", system_error());
+      p += w;
+      n -= static_cast<size_t>(w);
+    }
+  }
+  int fd_;
+  std::string path_;
+  std::vector<char> buffer_;
+};
+
+uint64_t numel_of(const std::vector<int64_t>& shape) {
+  uint64_t n = 1;
+  for (int64_t d : shape) n *= static_cast<uint64_t>(d);
+  return n;
+}
+
+}  // namespace
+
+std::string safetensors_dtype(at::ScalarType type) {
+  for (const auto& [t, name] : dtype_names()) {
+    if (t == type) return name;
+  }
+  TORCH_CHECK(false, "fsdp::checkpoint: dtype ", type,
+              " has no safetensors name; save tensors of a supported dtype (float64/32/16, bfloat16, float8, "
+              "integers, bool).");
+}
+
+at::ScalarType scalar_type_of(const std::string& dtype, const std::string& where) {
+  for (const auto& [t, name] : dtype_names()) {
+    if (dtype == name) return t;
+  }
+  TORCH_CHECK(false, "fsdp::checkpoint: ", where, " has dtype '", dtype, "', which this library does not read.");
+}
+
+FileRecord write_safetensors(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                             std::map<std::string, std::string> metadata, const WriteOptions& options) {
+  TORCH_CHECK(options.alignment() >= 8 && options.block_bytes() > 0,
+              "fsdp::checkpoint::write_safetensors: the alignment must be at least 8 and the block size positive");
+  FileRecord rec;
+  rec.path = path;
+  metadata["format"] = "pt";
+  rec.metadata = metadata;
+
+  // The header, from shapes alone: offsets into the data buffer, in the given order.
+  nlohmann::ordered_json header = nlohmann::ordered_json::object();
+  header[kMetadataKey] = metadata;
+  std::set<std::string> names;
+  uint64_t offset = 0;
+  std::vector<at::Tensor> data;
+  for (const auto& [name, t] : tensors) {
+    TORCH_CHECK(name != kMetadataKey && names.insert(name).second, "fsdp::checkpoint: tensor name '", name,
+                "' is reserved or given twice for '", path, "'.");
+    TORCH_CHECK(t.defined() && t.device().is_cpu(), "fsdp::checkpoint: tensor '", name, "' for '", path,
+                "' is undefined or not on the CPU; copy it to the CPU first.");
+    TensorRecord tr;
+    tr.name = name;
+    tr.dtype = safetensors_dtype(t.scalar_type());
+    tr.shape = t.sizes().vec();
+    const uint64_t bytes = static_cast<uint64_t>(t.numel()) * t.element_size();
+    tr.begin = offset;
+    tr.end = offset + bytes;
+    offset = tr.end;
+    header[name] = {{"dtype", tr.dtype}, {"shape", tr.shape}, {"data_offsets", {tr.begin, tr.end}}};
+    rec.tensors.push_back(std::move(tr));
+    data.push_back(t.contiguous());
+  }
+  std::string text = header.dump();
+  const uint64_t a = options.alignment();
+  const uint64_t padded = (8 + text.size() + a - 1) / a * a - 8;
+  text.append(padded - text.size(), ' ');
+  rec.data_start = 8 + text.size();
+  rec.size = rec.data_start + offset;
+
+  Fd f(path, O_WRONLY | O_CREAT | O_TRUNC);
+  TORCH_CHECK(f.fd >= 0, "fsdp::checkpoint: cannot create '", path, "': ", system_error());
+  SequentialWriter out(f.fd, path);
+  uint8_t length[8];
+  for (int i = 0; i < 8; ++i) length[i] = static_cast<uint8_t>(text.size() >> (8 * i));  // little-endian
+  out.append(length, 8, "the header");
+  out.append(text.data(), text.size(), "the header");
+  for (size_t i = 0; i < data.size(); ++i) {
+    TensorRecord& tr = rec.tensors[i];
+    const auto* p = static_cast<const uint8_t*>(data[i].data_ptr());
+    const uint64_t bytes = tr.end - tr.begin;
+    for (uint64_t b = 0; b < bytes; b += options.block_bytes()) {
+      tr.crc32c.push_back(crc32c(p + b, std::min(options.block_bytes(), bytes - b)));
+    }
+    out.append(p, bytes, "tensor '" + tr.name + "'");
+    tr.begin += rec.data_start;
+    tr.end += rec.data_start;
+  }
+  out.flush("the data");
+  if (options.fsync()) {
+    TORCH_CHECK(::fsync(f.fd) == 0, "fsdp::checkpoint: fsync of '", path, "' failed: ", system_error());
+  }
+  return rec;
+}
+
+FileRecord read_safetensors_header(const std::string& path) {
+  FileRecord rec;
+  rec.path = path;
+  struct stat st {};
+  TORCH_CHECK(::stat(path.c_str(), &st) == 0, "fsdp::checkpoint: cannot open '", path, "': ", system_error());
+  rec.size = static_cast<uint64_t>(st.st_size);
+  TORCH_CHECK(rec.size >= 8, "fsdp::checkpoint: '", path, "' has ", rec.size,
+              " bytes, fewer than a safetensors header's length field (8): it is truncated or not a safetensors file.");
+  uint8_t length[8];
+  read_bytes(path, 0, 8, length);
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | length[i];
+  TORCH_CHECK(n <= kMaxHeader && 8 + n <= rec.size, "fsdp::checkpoint: '", path, "' says its header has ", n,
+              " bytes, but the file has ", rec.size, ": it is truncated or not a safetensors file.");
+  std::string text(n, '\0');
+  read_bytes(path, 8, n, text.data());
+  rec.data_start = 8 + n;
+  nlohmann::json header;
+  try {
+    header = nlohmann::json::parse(text);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "fsdp::checkpoint: the header of '", path, "' is not valid JSON (", e.what(), ").");
+  }
+  TORCH_CHECK(header.is_object(), "fsdp::checkpoint: the header of '", path, "' is not a JSON object.");
+  try {
+    for (const auto& [key, value] : header.items()) {
+      if (key == kMetadataKey) {
+        for (const auto& [k, v] : value.items()) rec.metadata[k] = v.get<std::string>();
+        continue;
+      }
+      TensorRecord tr;
+      tr.name = key;
+      tr.dtype = value.at("dtype").get<std::string>();
+      tr.shape = value.at("shape").get<std::vector<int64_t>>();
+      const auto offsets = value.at("data_offsets").get<std::vector<uint64_t>>();
+      TORCH_CHECK(offsets.size() == 2, "fsdp::checkpoint: tensor '", key, "' in '", path, "' has data_offsets of ",
+                  offsets.size(), " numbers, not 2.");
+      tr.begin = rec.data_start + offsets[0];
+      tr.end = rec.data_start + offsets[1];
+      const at::ScalarType type = scalar_type_of(tr.dtype, "tensor '" + key + "' in '" + path + "'");
+      for (int64_t d : tr.shape) {
+        TORCH_CHECK(d >= 0, "fsdp::checkpoint: tensor '", key, "' in '", path, "' has a negative dimension.");
+      }
+      TORCH_CHECK(offsets[0] <= offsets[1] && offsets[1] - offsets[0] == numel_of(tr.shape) * c10::elementSize(type),
+                  "fsdp::checkpoint: tensor '", key, "' in '", path, "' has bytes [", offsets[0], ", ", offsets[1],
+                  ") of the data buffer, which do not hold its shape ", c10::IntArrayRef(tr.shape), " of ", tr.dtype,
+                  ".");
+      rec.tensors.push_back(std::move(tr));
+    }
+  } catch (const nlohmann::json::exception& e) {
+    TORCH_CHECK(false, "fsdp::checkpoint: the header of '", path, "' is not a safetensors header (", e.what(), ").");
+  }
+  // The data buffer is covered exactly, in order: no hole, no overlap, and it ends with the file.
+  std::sort(rec.tensors.begin(), rec.tensors.end(), [](const TensorRecord& x, const TensorRecord& y) {
+    return x.begin != y.begin ? x.begin < y.begin : x.end < y.end;
+  });
+  uint64_t at = rec.data_start;
+  for (const auto& t : rec.tensors) {
+    TORCH_CHECK(t.begin == at, "fsdp::checkpoint: tensor '", t.name, "' in '", path, "' starts at byte ", t.begin,
+                " of the file, but the previous tensor ends at ", at, ": the header is corrupt.");
+    at = t.end;
+  }
+  TORCH_CHECK(at == rec.size, "fsdp::checkpoint: the tensors of '", path, "' end at byte ", at, " but the file has ",
+              rec.size, " bytes: it is ", at > rec.size ? "truncated." : "longer than its header says.");
+  return rec;
+}
+
+void read_bytes(const std::string& path, uint64_t offset, uint64_t n, void* dst) {
+  Fd f(path, O_RDONLY);
+  TORCH_CHECK(f.fd >= 0, "fsdp::checkpoint: cannot open '", path, "': ", system_error());
+  auto* p = static_cast<char*>(dst);
+  uint64_t done = 0;
+  while (done < n) {
+    const ssize_t r = ::pread(f.fd, p + done, n - done, static_cast<off_t>(offset + done));
+    if (r < 0 && errno == EINTR) continue;
+    TORCH_CHECK(r >= 0, "fsdp::checkpoint: reading bytes [", offset, ", ", offset + n, ") of '", path,
+                "' failed: ", system_error());
+    TORCH_CHECK(r > 0, "fsdp::checkpoint: '", path, "' ends at byte ", offset + done, ", before byte ", offset + n,
+                " that is needed: it is truncated.");
+    done += static_cast<uint64_t>(r);
+  }
+}
+
+at::Tensor read_tensor(const std::string& path, const TensorRecord& record) {
+  at::Tensor t = at::empty(record.shape, at::TensorOptions().dtype(scalar_type_of(record.dtype, path)));
+  read_bytes(path, record.begin, record.end - record.begin, t.data_ptr());
+  return t;
+}
+
+}  // namespace fsdp::checkpoint

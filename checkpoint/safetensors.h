@@ -1,0 +1,73 @@
+// One rank's checkpoint file: a safetensors file (https://github.com/huggingface/safetensors), so
+// that Python's `safetensors` opens it as is. Layout (docs/checkpoint-format.md): an 8-byte
+// little-endian header length N, N bytes of JSON (each tensor's dtype, shape and [begin, end)
+// offsets into the data buffer; `__metadata__` with "format": "pt"), padded with spaces so that
+// the data buffer starts at a multiple of 4096 bytes, then the tensors' bytes, contiguous, in
+// header order, with no holes.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/arg.h>
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace fsdp::checkpoint {
+
+/// safetensors' name of a LibTorch dtype ("F32", "BF16", "I64", "BOOL", ...); one it has none
+/// for (complex, quantized) is refused, naming it.
+std::string safetensors_dtype(at::ScalarType type);
+/// The LibTorch dtype of a safetensors name; an unknown name is refused, naming `where`.
+at::ScalarType scalar_type_of(const std::string& dtype, const std::string& where);
+
+/// A tensor in a safetensors file.
+struct TensorRecord {
+  std::string name;
+  std::string dtype;  ///< safetensors' name
+  std::vector<int64_t> shape;
+  uint64_t begin = 0, end = 0;  ///< absolute byte offsets in the file
+  /// CRC32C of each block of at most `block_bytes` bytes from `begin` (written files only).
+  std::vector<uint32_t> crc32c;
+};
+
+/// A safetensors file: where its data starts, its tensors in file order, its metadata.
+struct FileRecord {
+  std::string path;
+  uint64_t size = 0;        ///< bytes of the whole file
+  uint64_t data_start = 0;  ///< 8 + the header's length
+  std::vector<TensorRecord> tensors;
+  std::map<std::string, std::string> metadata;  ///< "__metadata__"
+};
+
+struct WriteOptions {
+  /// The data buffer starts at a multiple of this many bytes (the header is padded with spaces).
+  TORCH_ARG(uint64_t, alignment) = 4096;
+  /// Each tensor's CRC32C is taken per block of at most this many bytes from its first byte.
+  TORCH_ARG(uint64_t, block_bytes) = uint64_t{1} << 20;
+  /// fsync the file before returning.
+  TORCH_ARG(bool, fsync) = true;
+};
+
+/// Writes `tensors` (on CPU, any strides: their elements in row-major order) as one safetensors file
+/// at `path`, created or truncated, in large sequential writes, with `metadata` ("format": "pt"
+/// added), and fsyncs it. Names must be unique and not "__metadata__". Returns what was written,
+/// checksums included. Errors name the file, the tensor and the system's reason.
+FileRecord write_safetensors(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                             std::map<std::string, std::string> metadata = {}, const WriteOptions& options = {});
+
+/// Reads and checks a safetensors file's header: its length against the file's size, the JSON,
+/// known dtypes, each tensor's bytes against its shape, offsets that cover the data buffer exactly
+/// (no hole, no overlap) and end where the file ends. Errors name the file and what is wrong.
+FileRecord read_safetensors_header(const std::string& path);
+
+/// Reads bytes [offset, offset + n) of the file at `path` into `dst` (pread until done); a short
+/// file or a failed read is an error naming the file and the range.
+void read_bytes(const std::string& path, uint64_t offset, uint64_t n, void* dst);
+
+/// A tensor of a file read whole into a new CPU tensor.
+at::Tensor read_tensor(const std::string& path, const TensorRecord& record);
+
+}  // namespace fsdp::checkpoint

@@ -1,0 +1,246 @@
+// The checkpoint format's building blocks: CRC32C against published values, and the safetensors
+// rank file: offsets and sizes from shapes, every dtype bit-exact, a broken file refused with its
+// own error, and Python's safetensors reading what we write and we what it writes.
+#include "checkpoint/internal/crc32c.h"
+#include "checkpoint/safetensors.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <dirent.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <numeric>
+#include <string>
+
+namespace fsdp::testing {
+namespace {
+
+using checkpoint::crc32c;
+
+// A fresh directory, removed with its files at the end of the test. (Not std::filesystem:
+// libtorch.so exports a copy of its symbols that crashes when called.)
+struct TempDir {
+  std::string path;
+  TempDir() {
+    char tmpl[] = "/tmp/fsdp-ckpt-test-XXXXXX";
+    TORCH_CHECK(mkdtemp(tmpl) != nullptr, "mkdtemp failed");
+    path = tmpl;
+  }
+  ~TempDir() {
+    if (DIR* d = opendir(path.c_str())) {
+      while (dirent* e = readdir(d)) {
+        const std::string n = e->d_name;
+        if (n != "." && n != "..") unlink((path + "/" + n).c_str());
+      }
+      closedir(d);
+    }
+    rmdir(path.c_str());
+  }
+};
+
+uint64_t file_size(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0 ? static_cast<uint64_t>(st.st_size) : 0;
+}
+
+TEST(Crc32c, PublishedValues) {
+  // RFC 3720 (iSCSI), appendix B.4, and the usual check value.
+  const std::string check = "123456789";
+  EXPECT_EQ(crc32c(check.data(), check.size()), 0xE3069283u);
+  std::vector<uint8_t> zeros(32, 0), ones(32, 0xff), up(32);
+  std::iota(up.begin(), up.end(), 0);
+  EXPECT_EQ(crc32c(zeros.data(), 32), 0x8A9136AAu);
+  EXPECT_EQ(crc32c(ones.data(), 32), 0x62A8AB43u);
+  EXPECT_EQ(crc32c(up.data(), 32), 0x46DD794Eu);
+  EXPECT_EQ(crc32c(nullptr, 0), 0u);
+}
+
+TEST(Crc32c, ChunkedAndPortableAgree) {
+  std::vector<uint8_t> data(10007);
+  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<uint8_t>(i * 131 + 7);
+  for (size_t start : {0, 1, 3, 8}) {
+    for (size_t n : {0, 1, 7, 8, 9, 64, 1000, 9999}) {
+      const uint8_t* p = data.data() + start;
+      const uint32_t whole = crc32c(p, n);
+      EXPECT_EQ(checkpoint::detail::crc32c_portable(p, n), whole) << start << " " << n;
+      for (size_t cut : {size_t{0}, n / 3, n}) EXPECT_EQ(crc32c(p + cut, n - cut, crc32c(p, cut)), whole);
+    }
+  }
+}
+
+// Every dtype the format names, a scalar, an empty tensor and a transposed (non-contiguous) one.
+std::vector<std::pair<std::string, torch::Tensor>> sample_tensors() {
+  torch::manual_seed(3);
+  std::vector<std::pair<std::string, torch::Tensor>> t = {
+      {"w.f64", torch::randn({3, 5}, torch::kDouble)},
+      {"w.f32", torch::randn({257, 3})},
+      {"w.f16", torch::randn({4, 4}).to(torch::kHalf)},
+      {"w.bf16", torch::randn({6}).to(torch::kBFloat16)},
+      {"i.64", torch::randint(-1000, 1000, {7}, torch::kLong)},
+      {"i.32", torch::randint(-1000, 1000, {2, 3}, torch::kInt)},
+      {"i.16", torch::randint(-1000, 1000, {5}, torch::kShort)},
+      {"i.8", torch::randint(-100, 100, {9}, torch::kChar)},
+      {"u.8", torch::randint(0, 255, {3, 3}, torch::kByte)},
+      {"b", torch::randint(0, 2, {11}).to(torch::kBool)},
+      {"scalar", torch::tensor(2.5)},
+      {"empty", torch::zeros({0, 4})},
+      {"transposed", torch::arange(12, torch::kFloat).view({3, 4}).t()},
+  };
+  return t;
+}
+
+bool same_bytes(const torch::Tensor& a, const torch::Tensor& b) {
+  if (a.scalar_type() != b.scalar_type() || a.sizes() != b.sizes()) return false;
+  const auto x = a.contiguous(), y = b.contiguous();
+  return std::memcmp(x.data_ptr(), y.data_ptr(), x.numel() * x.element_size()) == 0;
+}
+
+TEST(Safetensors, OffsetsFromShapesAndEveryDtypeBitExact) {
+  TempDir tmp;
+  const std::string& dir = tmp.path;
+  const std::string path = dir + "/rank-0.safetensors";
+  const auto tensors = sample_tensors();
+  const uint64_t block = 100;  // small blocks, so that tensors span several
+  const auto rec =
+      checkpoint::write_safetensors(path, tensors, {{"rank", "0"}}, checkpoint::WriteOptions().block_bytes(block));
+  EXPECT_EQ(rec.data_start % 4096, 0u);
+  EXPECT_EQ(rec.metadata.at("format"), "pt");
+  uint64_t at = rec.data_start;
+  ASSERT_EQ(rec.tensors.size(), tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const auto& [name, t] = tensors[i];
+    const auto& r = rec.tensors[i];
+    const uint64_t bytes = t.numel() * t.element_size();
+    EXPECT_EQ(r.name, name);
+    EXPECT_EQ(r.begin, at) << name;
+    EXPECT_EQ(r.end, at + bytes) << name;
+    at += bytes;
+    // One checksum per block of the tensor's bytes, as computed here from the tensor itself.
+    const auto c = t.contiguous();
+    const auto* p = static_cast<const uint8_t*>(c.data_ptr());
+    ASSERT_EQ(r.crc32c.size(), (bytes + block - 1) / block) << name;
+    for (size_t b = 0; b < r.crc32c.size(); ++b) {
+      EXPECT_EQ(r.crc32c[b], crc32c(p + b * block, std::min<uint64_t>(block, bytes - b * block))) << name;
+    }
+  }
+  EXPECT_EQ(rec.size, at);
+  EXPECT_EQ(file_size(path), rec.size);
+
+  const auto back = checkpoint::read_safetensors_header(path);
+  EXPECT_EQ(back.data_start, rec.data_start);
+  EXPECT_EQ(back.metadata, rec.metadata);
+  ASSERT_EQ(back.tensors.size(), tensors.size());
+  for (const auto& r : back.tensors) {  // in file order, which is the written order
+    const auto it = std::find_if(tensors.begin(), tensors.end(), [&](const auto& kv) { return kv.first == r.name; });
+    ASSERT_NE(it, tensors.end()) << r.name;
+    EXPECT_TRUE(same_bytes(checkpoint::read_tensor(path, r), it->second)) << r.name;
+  }
+}
+
+// A file written by hand: header text, then `data_bytes` bytes.
+std::string raw_file(const std::string& dir, const std::string& header, size_t data_bytes, int64_t claimed = -1) {
+  const std::string path = dir + "/raw.safetensors";
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  const uint64_t n = claimed >= 0 ? static_cast<uint64_t>(claimed) : header.size();
+  for (int i = 0; i < 8; ++i) f.put(static_cast<char>(n >> (8 * i)));
+  f << header << std::string(data_bytes, '\x01');
+  return path;
+}
+
+std::string error_reading(const std::string& path) {
+  try {
+    checkpoint::read_safetensors_header(path);
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "no error";
+}
+
+TEST(Safetensors, BrokenFilesAreRefusedEachWithItsReason) {
+  TempDir tmp;
+  const std::string& dir = tmp.path;
+  const std::string ok = R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})";
+  EXPECT_EQ(error_reading(raw_file(dir, ok, 8)), "no error");
+  struct Case {
+    std::string header;
+    size_t data;
+    int64_t claimed;
+    std::string expect;
+  };
+  const std::vector<Case> cases = {
+      {ok, 7, -1, "it is truncated"},                         // truncated data
+      {ok, 9, -1, "longer than its header says"},             // trailing bytes
+      {ok, 8, 1 << 20, "says its header has 1048576 bytes"},  // length field beyond the file
+      {"{not json", 0, -1, "is not valid JSON"},              //
+      {R"({"a":{"dtype":"X9","shape":[2],"data_offsets":[0,8]}})", 8, -1, "has dtype 'X9'"},
+      {R"({"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", 8, -1, "do not hold its shape [3]"},
+      {R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", 8, -1, "starts at byte"},  // a hole
+      {R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
+       8, -1, "starts at byte"},  // an overlap
+      {R"({"a":{"dtype":"F32","shape":[2]}})", 8, -1, "is not a safetensors header"},
+  };
+  for (const auto& c : cases) {
+    const std::string msg = error_reading(raw_file(dir, c.header, c.data, c.claimed));
+    EXPECT_NE(msg.find(c.expect), std::string::npos) << c.header << " -> " << msg;
+    EXPECT_NE(msg.find("raw.safetensors"), std::string::npos) << "names the file: " << msg;
+  }
+}
+
+TEST(Safetensors, WriterRefusesWhatItCannotWrite) {
+  TempDir tmp;
+  const std::string& dir = tmp.path;
+  auto err = [&](const std::vector<std::pair<std::string, torch::Tensor>>& t) -> std::string {
+    try {
+      checkpoint::write_safetensors(dir + "/x.safetensors", t);
+    } catch (const c10::Error& e) {
+      return e.what_without_backtrace();
+    }
+    return "no error";
+  };
+  EXPECT_NE(err({{"a", torch::zeros({1})}, {"a", torch::zeros({1})}}).find("given twice"), std::string::npos);
+  EXPECT_NE(err({{"__metadata__", torch::zeros({1})}}).find("reserved"), std::string::npos);
+  EXPECT_NE(err({{"c", torch::zeros({2}, torch::kComplexFloat)}}).find("has no safetensors name"), std::string::npos);
+  try {
+    checkpoint::write_safetensors(dir + "/no-such-dir/x.safetensors", {{"a", torch::zeros({1})}});
+    ADD_FAILURE() << "wrote into a missing directory";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find("cannot create '" + dir + "/no-such-dir/x.safetensors'"),
+              std::string::npos)
+        << e.what_without_backtrace();
+  }
+}
+
+TEST(Safetensors, PythonReadsOursAndWeReadPythons) {
+#ifndef FSDP_PYTHON
+  GTEST_SKIP() << "no Python virtualenv configured";
+#else
+  TempDir tmp;
+  const std::string& dir = tmp.path;
+  const std::string ours = dir + "/ours.safetensors", theirs = dir + "/theirs.safetensors";
+  const auto tensors = sample_tensors();
+  checkpoint::write_safetensors(ours, tensors, {{"rank", "0"}});
+  const std::string cmd = std::string(FSDP_PYTHON) + " " + FSDP_SOURCE_DIR + "/tests/check_safetensors_in_python.py " +
+                          ours + " " + theirs + " > " + dir + "/python.log 2>&1";
+  const int rc = std::system(cmd.c_str());
+  std::ifstream log(dir + "/python.log");
+  const std::string out((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
+  ASSERT_EQ(rc, 0) << out;
+  for (const auto& [name, t] : tensors) EXPECT_NE(out.find(name + " torch."), std::string::npos) << out;
+  const auto rec = checkpoint::read_safetensors_header(theirs);
+  EXPECT_EQ(rec.metadata.at("rank"), "0");
+  ASSERT_EQ(rec.tensors.size(), tensors.size());
+  for (const auto& r : rec.tensors) {
+    const auto it = std::find_if(tensors.begin(), tensors.end(), [&](const auto& kv) { return kv.first == r.name; });
+    ASSERT_NE(it, tensors.end()) << r.name;
+    EXPECT_TRUE(same_bytes(checkpoint::read_tensor(theirs, r), it->second)) << r.name;
+  }
+#endif
+}
+
+}  // namespace
+}  // namespace fsdp::testing
