@@ -1,0 +1,176 @@
+#include "checkpoint/commit.h"
+
+#include <c10/util/Exception.h>
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <ftw.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+namespace fsdp::checkpoint {
+namespace {
+
+constexpr const char* kStagingPrefix = ".staging-";
+
+std::string system_error() {
+  return std::strerror(errno);
+}
+
+bool is_dir(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+bool exists(const std::string& path) {
+  struct stat st {};
+  return ::lstat(path.c_str(), &st) == 0;
+}
+
+std::vector<std::string> entries(const std::string& dir) {
+  std::vector<std::string> out;
+  DIR* d = ::opendir(dir.c_str());
+  TORCH_CHECK(d != nullptr, "fsdp::checkpoint: cannot list '", dir, "': ", system_error());
+  while (dirent* e = ::readdir(d)) {
+    const std::string n = e->d_name;
+    if (n != "." && n != "..") out.push_back(n);
+  }
+  ::closedir(d);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+void remove_tree(const std::string& path) {
+  auto rm = [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); };
+  TORCH_CHECK(::nftw(path.c_str(), rm, 16, FTW_DEPTH | FTW_PHYS) == 0 || errno == ENOENT,
+              "fsdp::checkpoint: cannot remove '", path, "': ", system_error());
+}
+
+void make_dirs(const std::string& path) {
+  std::string at;
+  std::stringstream ss(path);
+  std::string part;
+  if (!path.empty() && path[0] == '/') at = "/";
+  while (std::getline(ss, part, '/')) {
+    if (part.empty()) continue;
+    at += part + "/";
+    if (::mkdir(at.c_str(), 0755) != 0) {
+      TORCH_CHECK(errno == EEXIST && is_dir(at), "fsdp::checkpoint: cannot create the directory '", at,
+                  "': ", errno == EEXIST ? "a file of that name exists" : system_error());
+    }
+  }
+}
+
+void check_name(const std::string& name) {
+  TORCH_CHECK(!name.empty() && name.find('/') == std::string::npos && name[0] != '.' && name != kLatest,
+              "fsdp::checkpoint: '", name,
+              "' cannot name a checkpoint: use a plain directory name, without '/', not starting with '.', and "
+              "not '",
+              kLatest, "'.");
+}
+
+}  // namespace
+
+std::string step_name(int64_t step) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "step-%06lld", static_cast<long long>(step));
+  return buf;
+}
+
+std::string begin_staging(const std::string& root, const std::string& name) {
+  check_name(name);
+  make_dirs(root);
+  // What a save that crashed left: staging directories and a half-written `latest`.
+  for (const auto& e : entries(root)) {
+    if (e.rfind(kStagingPrefix, 0) == 0 || e == std::string(".") + kLatest + ".tmp") remove_tree(root + "/" + e);
+  }
+  const std::string final_dir = root + "/" + name;
+  TORCH_CHECK(!exists(final_dir), "fsdp::checkpoint: '", final_dir,
+              "' exists already; a save never writes into an existing checkpoint. Save under another name (the "
+              "step, say), or remove it first.");
+  const std::string staging = root + "/" + kStagingPrefix + name;
+  TORCH_CHECK(::mkdir(staging.c_str(), 0755) == 0, "fsdp::checkpoint: cannot create the staging directory '", staging,
+              "': ", system_error());
+  return staging;
+}
+
+void fsync_path(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  TORCH_CHECK(fd >= 0, "fsdp::checkpoint: cannot open '", path, "' to fsync it: ", system_error());
+  const int rc = ::fsync(fd);
+  const int err = errno;
+  ::close(fd);
+  errno = err;
+  TORCH_CHECK(rc == 0, "fsdp::checkpoint: fsync of '", path, "' failed: ", system_error());
+}
+
+void write_atomically(const std::string& dir, const std::string& name, const std::string& content) {
+  const std::string tmp = dir + "/." + name + ".tmp", path = dir + "/" + name;
+  {
+    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+    f << content;
+    f.flush();
+    TORCH_CHECK(f.good(), "fsdp::checkpoint: cannot write '", tmp, "'");
+  }
+  fsync_path(tmp);
+  TORCH_CHECK(::rename(tmp.c_str(), path.c_str()) == 0, "fsdp::checkpoint: cannot rename '", tmp, "' to '", path,
+              "': ", system_error());
+  fsync_path(dir);
+}
+
+std::string commit(const std::string& root, const std::string& staging, const std::string& name) {
+  check_name(name);
+  TORCH_CHECK(exists(staging + "/" + kManifest), "fsdp::checkpoint: '", staging, "' has no ", kManifest,
+              ": only a complete checkpoint is committed.");
+  fsync_path(staging);
+  const std::string final_dir = root + "/" + name;
+  TORCH_CHECK(!exists(final_dir), "fsdp::checkpoint: '", final_dir, "' appeared during the save; not replacing it.");
+  TORCH_CHECK(::rename(staging.c_str(), final_dir.c_str()) == 0, "fsdp::checkpoint: cannot rename '", staging, "' to '",
+              final_dir, "': ", system_error());
+  fsync_path(root);
+  write_atomically(root, kLatest, name + "\n");
+  return final_dir;
+}
+
+std::string latest_checkpoint(const std::string& root) {
+  std::ifstream f(root + "/" + kLatest);
+  if (!f) return "";
+  std::string name;
+  std::getline(f, name);
+  TORCH_CHECK(!name.empty() && name.find('/') == std::string::npos, "fsdp::checkpoint: '", root, "/", kLatest,
+              "' does not name a checkpoint ('", name, "').");
+  const std::string dir = root + "/" + name;
+  TORCH_CHECK(exists(dir + "/" + kManifest), "fsdp::checkpoint: '", root, "/", kLatest, "' names '", name,
+              "', which is not a committed checkpoint (no ", kManifest, " in '", dir,
+              "'). Something other than this library changed the directory.");
+  return dir;
+}
+
+std::vector<std::string> committed_checkpoints(const std::string& root) {
+  std::vector<std::string> out;
+  if (!is_dir(root)) return out;
+  for (const auto& e : entries(root)) {
+    if (e[0] != '.' && exists(root + "/" + e + "/" + kManifest)) out.push_back(root + "/" + e);
+  }
+  return out;
+}
+
+void keep_last(const std::string& root, int keep) {
+  if (keep <= 0) return;
+  const std::string latest = latest_checkpoint(root);
+  auto all = committed_checkpoints(root);
+  const auto excess = static_cast<int64_t>(all.size()) - keep;
+  for (int64_t i = 0; i < excess; ++i) {
+    if (all[i] != latest) remove_tree(all[i]);
+  }
+  if (!all.empty()) fsync_path(root);
+}
+
+}  // namespace fsdp::checkpoint

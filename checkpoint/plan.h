@@ -1,0 +1,33 @@
+// What this rank writes of each parameter in a checkpoint, and of each optimizer moment, which has
+// its parameter's layout (fsdp/shard_spec.h): every unique byte once over all ranks, spread over
+// the ranks that hold it, so that per-rank bytes stay balanced however the model is replicated.
+#pragma once
+
+#include "fsdp/shard_spec.h"
+
+#include <cstdint>
+#include <vector>
+
+namespace fsdp::checkpoint {
+
+/// Rows [row_begin, row_end) of parameter `spec` (an index into FSDPModule::shard_specs()) that
+/// this rank writes: rows it holds, `local_row` rows into its local tensor.
+struct WriteChunk {
+  size_t spec = 0;
+  int64_t row_begin = 0, row_end = 0;  ///< global rows
+  int64_t local_row = 0;               ///< row_begin - the spec's row_begin
+  /// Bytes of these rows of `s`.
+  int64_t bytes(const ShardSpec& s) const {
+    return (row_end - row_begin) * s.layout.row_numel * static_cast<int64_t>(c10::elementSize(s.dtype));
+  }
+};
+
+/// Which rows of each parameter this rank writes, in `specs`' order. Rows held by one rank are
+/// written by it; rows held by R replicas (replicated units, hybrid's groups) are split into R
+/// contiguous parts of equal size (give or take a row), one per replica, the parts rotating with
+/// the parameter's index so that tensors of a row or a few spread over the replicas too. The same
+/// call on every rank gives each row of each parameter to exactly one rank. No chunk for a
+/// parameter (or a part) with no rows here.
+std::vector<WriteChunk> plan_writes(const std::vector<ShardSpec>& specs);
+
+}  // namespace fsdp::checkpoint

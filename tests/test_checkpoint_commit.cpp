@@ -1,0 +1,128 @@
+// The commit protocol's filesystem steps (checkpoint/commit.h): only a complete checkpoint is
+// committed and named by `latest`, an interrupted save is never seen and is cleaned up by the next,
+// a committed checkpoint is never written into, and keep_last keeps the newest.
+#include "checkpoint/commit.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <ftw.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <string>
+
+namespace fsdp::testing {
+namespace {
+
+using namespace fsdp::checkpoint;
+
+// A fresh directory tree, removed at the end (not std::filesystem: libtorch.so exports a copy of
+// its symbols that crashes when called).
+struct TempTree {
+  std::string path;
+  TempTree() {
+    char tmpl[] = "/tmp/fsdp-commit-test-XXXXXX";
+    TORCH_CHECK(mkdtemp(tmpl) != nullptr, "mkdtemp failed");
+    path = tmpl;
+  }
+  ~TempTree() {
+    ::nftw(
+        path.c_str(), [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); }, 16,
+        FTW_DEPTH | FTW_PHYS);
+  }
+};
+
+bool exists(const std::string& p) {
+  struct stat st {};
+  return ::stat(p.c_str(), &st) == 0;
+}
+
+void put(const std::string& path, const std::string& text) {
+  std::ofstream(path) << text;
+}
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "no error";
+}
+
+// A save: staging, a rank file and the manifest, committed.
+std::string save(const std::string& root, const std::string& name) {
+  const std::string staging = begin_staging(root, name);
+  put(staging + "/rank-00000.safetensors", "data");
+  write_atomically(staging, kManifest, "{}");
+  return commit(root, staging, name);
+}
+
+TEST(CheckpointCommit, OnlyACompleteCheckpointIsCommittedAndNamedLatest) {
+  TempTree t;
+  const std::string root = t.path + "/ckpts";  // created by the first save
+  EXPECT_EQ(latest_checkpoint(root), "");
+  const std::string staging = begin_staging(root, step_name(1));
+  EXPECT_EQ(staging, root + "/.staging-step-000001");
+  put(staging + "/rank-00000.safetensors", "data");
+  EXPECT_EQ(latest_checkpoint(root), "") << "nothing is committed while staging";
+  EXPECT_NE(error_of([&] { commit(root, staging, step_name(1)); }).find("only a complete checkpoint is committed"),
+            std::string::npos);
+  write_atomically(staging, kManifest, "{}");
+  const std::string done = commit(root, staging, step_name(1));
+  EXPECT_EQ(done, root + "/step-000001");
+  EXPECT_FALSE(exists(staging));
+  EXPECT_TRUE(exists(done + "/rank-00000.safetensors"));
+  EXPECT_EQ(latest_checkpoint(root), done);
+  EXPECT_EQ(committed_checkpoints(root), std::vector<std::string>{done});
+}
+
+TEST(CheckpointCommit, AnInterruptedSaveIsNeverSeenAndTheNextOneCleansUp) {
+  TempTree t;
+  const std::string first = save(t.path, step_name(100));
+  // A save that died after writing its files, before its commit.
+  const std::string dead = begin_staging(t.path, step_name(200));
+  put(dead + "/rank-00000.safetensors", "half");
+  put(t.path + "/.latest.tmp", "step-000200");  // and a pointer update it never finished
+  EXPECT_EQ(latest_checkpoint(t.path), first);
+  EXPECT_EQ(committed_checkpoints(t.path), std::vector<std::string>{first});
+  const std::string next = save(t.path, step_name(300));
+  EXPECT_FALSE(exists(dead)) << "leftover staging removed by the next save";
+  EXPECT_FALSE(exists(t.path + "/.latest.tmp"));
+  EXPECT_EQ(latest_checkpoint(t.path), next);
+}
+
+TEST(CheckpointCommit, ACommittedCheckpointIsNeverWrittenInto) {
+  TempTree t;
+  save(t.path, "warmup");
+  const std::string msg = error_of([&] { begin_staging(t.path, "warmup"); });
+  EXPECT_NE(msg.find("exists already; a save never writes into an existing checkpoint"), std::string::npos) << msg;
+  for (const std::string bad : {"", "a/b", ".hidden", "latest"}) {
+    EXPECT_NE(error_of([&] { begin_staging(t.path, bad); }).find("cannot name a checkpoint"), std::string::npos)
+        << "'" << bad << "'";
+  }
+}
+
+TEST(CheckpointCommit, KeepLastKeepsTheNewest) {
+  TempTree t;
+  for (int64_t s : {1, 2, 3, 4}) save(t.path, step_name(s));
+  keep_last(t.path, 2);
+  EXPECT_EQ(committed_checkpoints(t.path),
+            (std::vector<std::string>{t.path + "/step-000003", t.path + "/step-000004"}));
+  EXPECT_EQ(latest_checkpoint(t.path), t.path + "/step-000004");
+  keep_last(t.path, 0);  // 0 keeps all
+  EXPECT_EQ(committed_checkpoints(t.path).size(), 2u);
+}
+
+TEST(CheckpointCommit, ALatestThatNamesNoCheckpointIsAnError) {
+  TempTree t;
+  save(t.path, step_name(1));
+  put(t.path + "/latest", "step-000009\n");
+  const std::string msg = error_of([&] { latest_checkpoint(t.path); });
+  EXPECT_NE(msg.find("names 'step-000009', which is not a committed checkpoint"), std::string::npos) << msg;
+}
+
+}  // namespace
+}  // namespace fsdp::testing
