@@ -2,15 +2,18 @@
 
 namespace fsdp::checkpoint {
 
+std::pair<int64_t, int64_t> replica_part(int64_t rows, int64_t replicas, int64_t replica_rank, size_t index) {
+  // Part k of R covers rows [k * n / R, (k + 1) * n / R).
+  const int64_t k = (replica_rank + static_cast<int64_t>(index % static_cast<size_t>(replicas))) % replicas;
+  return {k * rows / replicas, (k + 1) * rows / replicas};
+}
+
 std::vector<WriteChunk> plan_writes(const std::vector<ShardSpec>& specs) {
   std::vector<WriteChunk> out;
   for (size_t i = 0; i < specs.size(); ++i) {
     const ShardSpec& s = specs[i];
-    const int64_t n = s.row_end - s.row_begin;  // rows this rank holds, as do its replicas
-    const auto R = static_cast<int64_t>(s.replicas);
-    // This replica's part: part k of R covers rows [k * n / R, (k + 1) * n / R) of the held ones.
-    const int64_t k = (s.replica_rank + static_cast<int64_t>(i)) % R;
-    const int64_t first = k * n / R, last = (k + 1) * n / R;
+    // Rows this rank holds, as do its replicas.
+    const auto [first, last] = replica_part(s.row_end - s.row_begin, s.replicas, s.replica_rank, i);
     if (last == first) continue;
     out.push_back(WriteChunk{i, s.row_begin + first, s.row_begin + last, first});
   }

@@ -6,6 +6,7 @@
 #include "fsdp/shard_spec.h"
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 namespace fsdp::checkpoint {
@@ -29,5 +30,10 @@ struct WriteChunk {
 /// call on every rank gives each row of each parameter to exactly one rank. No chunk for a
 /// parameter (or a part) with no rows here.
 std::vector<WriteChunk> plan_writes(const std::vector<ShardSpec>& specs);
+
+/// The rows [first, last) out of `rows` held alike by `replicas` ranks that replica `replica_rank`
+/// writes, for the `index`-th tensor: part (replica_rank + index) % replicas of `replicas` equal
+/// contiguous parts. plan_writes uses it; so do tensors every rank holds whole (buffers).
+std::pair<int64_t, int64_t> replica_part(int64_t rows, int64_t replicas, int64_t replica_rank, size_t index);
 
 }  // namespace fsdp::checkpoint

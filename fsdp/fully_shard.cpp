@@ -269,6 +269,12 @@ int64_t FSDPModule::state_peak_bytes() const {
 void FSDPModule::reset_comm_stats() {
   root_->state().comm.stats() = CommStats{};
 }
+const c10::intrusive_ptr<c10d::ProcessGroup>& FSDPModule::process_group() const {
+  return root_->state().comm.process_group();
+}
+const FullyShardOptions& FSDPModule::options() const {
+  return root_->state().options;
+}
 int FSDPModule::rank() const {
   return root_->state().comm.rank();
 }

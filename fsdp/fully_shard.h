@@ -125,6 +125,10 @@ class FSDPModule {
   void release_cached_buffers();
   int rank() const;
   int world_size() const;
+  /// The process group the model was wrapped over, and the options it was wrapped with (their
+  /// timeout bounds every wait): for what works beside the model on the same ranks (checkpoints).
+  const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const;
+  const FullyShardOptions& options() const;
 
  protected:
   void root_pre_forward();
