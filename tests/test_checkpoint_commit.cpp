@@ -2,11 +2,11 @@
 // committed and named by `latest`, an interrupted save is never seen and is cleaned up by the next,
 // a committed checkpoint is never written into, and keep_last keeps the newest.
 #include "checkpoint/commit.h"
+#include "tests/temp_dir.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include <ftw.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -17,22 +17,6 @@ namespace fsdp::testing {
 namespace {
 
 using namespace fsdp::checkpoint;
-
-// A fresh directory tree, removed at the end (not std::filesystem: libtorch.so exports a copy of
-// its symbols that crashes when called).
-struct TempTree {
-  std::string path;
-  TempTree() {
-    char tmpl[] = "/tmp/fsdp-commit-test-XXXXXX";
-    TORCH_CHECK(mkdtemp(tmpl) != nullptr, "mkdtemp failed");
-    path = tmpl;
-  }
-  ~TempTree() {
-    ::nftw(
-        path.c_str(), [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); }, 16,
-        FTW_DEPTH | FTW_PHYS);
-  }
-};
 
 bool exists(const std::string& p) {
   struct stat st {};
@@ -61,7 +45,7 @@ std::string save(const std::string& root, const std::string& name) {
 }
 
 TEST(CheckpointCommit, OnlyACompleteCheckpointIsCommittedAndNamedLatest) {
-  TempTree t;
+  TempDir t;
   const std::string root = t.path + "/ckpts";  // created by the first save
   EXPECT_EQ(latest_checkpoint(root), "");
   const std::string staging = begin_staging(root, step_name(1));
@@ -80,7 +64,7 @@ TEST(CheckpointCommit, OnlyACompleteCheckpointIsCommittedAndNamedLatest) {
 }
 
 TEST(CheckpointCommit, AnInterruptedSaveIsNeverSeenAndTheNextOneCleansUp) {
-  TempTree t;
+  TempDir t;
   const std::string first = save(t.path, step_name(100));
   // A save that died after writing its files, before its commit.
   const std::string dead = begin_staging(t.path, step_name(200));
@@ -95,7 +79,7 @@ TEST(CheckpointCommit, AnInterruptedSaveIsNeverSeenAndTheNextOneCleansUp) {
 }
 
 TEST(CheckpointCommit, ACommittedCheckpointIsNeverWrittenInto) {
-  TempTree t;
+  TempDir t;
   save(t.path, "warmup");
   const std::string msg = error_of([&] { begin_staging(t.path, "warmup"); });
   EXPECT_NE(msg.find("exists already; a save never writes into an existing checkpoint"), std::string::npos) << msg;
@@ -106,7 +90,7 @@ TEST(CheckpointCommit, ACommittedCheckpointIsNeverWrittenInto) {
 }
 
 TEST(CheckpointCommit, KeepLastKeepsTheNewest) {
-  TempTree t;
+  TempDir t;
   for (int64_t s : {1, 2, 3, 4}) save(t.path, step_name(s));
   keep_last(t.path, 2);
   EXPECT_EQ(committed_checkpoints(t.path),
@@ -117,7 +101,7 @@ TEST(CheckpointCommit, KeepLastKeepsTheNewest) {
 }
 
 TEST(CheckpointCommit, ALatestThatNamesNoCheckpointIsAnError) {
-  TempTree t;
+  TempDir t;
   save(t.path, step_name(1));
   put(t.path + "/latest", "step-000009\n");
   const std::string msg = error_of([&] { latest_checkpoint(t.path); });

@@ -3,11 +3,11 @@
 // own error, and Python's safetensors reading what we write and we what it writes.
 #include "checkpoint/internal/crc32c.h"
 #include "checkpoint/safetensors.h"
+#include "tests/temp_dir.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include <dirent.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -21,27 +21,6 @@ namespace fsdp::testing {
 namespace {
 
 using checkpoint::crc32c;
-
-// A fresh directory, removed with its files at the end of the test. (Not std::filesystem:
-// libtorch.so exports a copy of its symbols that crashes when called.)
-struct TempDir {
-  std::string path;
-  TempDir() {
-    char tmpl[] = "/tmp/fsdp-ckpt-test-XXXXXX";
-    TORCH_CHECK(mkdtemp(tmpl) != nullptr, "mkdtemp failed");
-    path = tmpl;
-  }
-  ~TempDir() {
-    if (DIR* d = opendir(path.c_str())) {
-      while (dirent* e = readdir(d)) {
-        const std::string n = e->d_name;
-        if (n != "." && n != "..") unlink((path + "/" + n).c_str());
-      }
-      closedir(d);
-    }
-    rmdir(path.c_str());
-  }
-};
 
 uint64_t file_size(const std::string& path) {
   struct stat st {};
