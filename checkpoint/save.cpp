@@ -4,6 +4,7 @@
 
 #include "checkpoint/commit.h"
 #include "checkpoint/internal/collectives.h"
+#include "checkpoint/manifest.h"
 #include "checkpoint/plan.h"
 #include "checkpoint/safetensors.h"
 #include "fsdp_version.h"
@@ -20,8 +21,6 @@ namespace fsdp::checkpoint {
 namespace {
 
 using json = nlohmann::ordered_json;
-
-constexpr int kFormatVersion = 1;
 
 std::string rank_file(int rank) {
   char buf[40];

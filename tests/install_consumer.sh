@@ -19,6 +19,10 @@ extra=$(ls "$tmp/moved/include" | grep -v '^libtorch_fsdp$' || true)
 for lib in "$tmp"/moved/lib/libtorch_fsdp*.so; do
   readelf -d "$lib" | grep -q 'R.*PATH.*\$ORIGIN' || fail "$(basename "$lib") has no \$ORIGIN run path"
 done
+[[ -f "$tmp/moved/include/libtorch_fsdp/checkpoint/checkpoint.h" ]] || fail "checkpoint/ is not under include/libtorch_fsdp/"
+# The tool runs from the moved prefix (its libraries by \$ORIGIN/../lib): usage, exit status 2.
+set +e; "$tmp/moved/bin/fsdp-ckpt" >"$tmp/tool.log" 2>&1; rc=$?; set -e
+[[ $rc -eq 2 ]] && grep -q "usage: fsdp-ckpt" "$tmp/tool.log" || { cat "$tmp/tool.log"; fail "bin/fsdp-ckpt does not run from the moved prefix (exit $rc)"; }
 env -u TORCH_CUDA_ARCH_LIST -u CMAKE_PREFIX_PATH cmake -S "$here/consumer" -B "$tmp/build" \
   -DCMAKE_PREFIX_PATH="$tmp/moved" \
   ${CMAKE_CXX_COMPILER_LAUNCHER:+-DCMAKE_CXX_COMPILER_LAUNCHER=$CMAKE_CXX_COMPILER_LAUNCHER} >"$tmp/configure.log" 2>&1 ||

@@ -1,0 +1,94 @@
+#include "checkpoint/manifest.h"
+
+#include "checkpoint/commit.h"
+#include "checkpoint/safetensors.h"
+
+#include <c10/core/ScalarType.h>
+#include <c10/util/Exception.h>
+#include <nlohmann/json.hpp>
+
+#include <fstream>
+
+namespace fsdp::checkpoint {
+
+uint64_t ManifestTensor::bytes() const {
+  uint64_t n = c10::elementSize(scalar_type_of(dtype, key));
+  for (int64_t d : shape) n *= static_cast<uint64_t>(d);
+  return n;
+}
+
+Manifest read_manifest(const std::string& dir) {
+  Manifest m;
+  m.dir = dir;
+  const std::string path = dir + "/" + kManifest;
+  std::ifstream f(path);
+  TORCH_CHECK(f, "fsdp::checkpoint: '", dir, "' has no readable ", kManifest,
+              ": it is not a committed checkpoint (a save that did not finish leaves none).");
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(f);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "fsdp::checkpoint: '", path, "' is not valid JSON (", e.what(), ").");
+  }
+  try {
+    m.format_version = j.at("format_version").get<int>();
+    TORCH_CHECK(m.format_version <= kFormatVersion, "fsdp::checkpoint: '", path, "' has format version ",
+                m.format_version, ", newer than this library's (", kFormatVersion,
+                "): read it with the newer libtorch-fsdp that wrote it.");
+    TORCH_CHECK(m.format_version >= 1, "fsdp::checkpoint: '", path, "' has format version ", m.format_version, ".");
+    m.library_version = j.at("library_version").get<std::string>();
+    m.name = j.at("name").get<std::string>();
+    m.step = j.at("step").get<int64_t>();
+    m.world_size = j.at("world_size").get<int>();
+    m.block_bytes = j.at("block_bytes").get<uint64_t>();
+    TORCH_CHECK(m.block_bytes > 0, "fsdp::checkpoint: '", path, "' has block_bytes 0.");
+    m.strategies = j.at("strategies").get<std::map<std::string, std::string>>();
+    m.metadata = j.at("metadata").get<std::map<std::string, std::string>>();
+    for (const auto& fe : j.at("files")) {
+      m.files.push_back({fe.at("name").get<std::string>(), fe.at("rank").get<int>(), fe.at("bytes").get<uint64_t>()});
+      TORCH_CHECK(m.files.back().name.find('/') == std::string::npos, "fsdp::checkpoint: '", path,
+                  "' names a file outside its directory ('", m.files.back().name, "').");
+    }
+    for (const auto& [key, t] : j.at("tensors").items()) {
+      ManifestTensor mt;
+      mt.key = key;
+      mt.kind = t.at("kind").get<std::string>();
+      mt.dtype = t.at("dtype").get<std::string>();
+      mt.shape = t.at("shape").get<std::vector<int64_t>>();
+      const uint64_t row_bytes = mt.bytes() / static_cast<uint64_t>(std::max<int64_t>(mt.rows(), 1));
+      int64_t next = 0;
+      for (const auto& c : t.at("chunks")) {
+        ManifestChunk ch;
+        const auto rows = c.at("rows").get<std::vector<int64_t>>();
+        const auto bytes = c.at("bytes").get<std::vector<uint64_t>>();
+        TORCH_CHECK(rows.size() == 2 && bytes.size() == 2, "fsdp::checkpoint: tensor '", key, "' in '", path,
+                    "' has a chunk whose rows or bytes are not a pair.");
+        ch.row_begin = rows[0];
+        ch.row_end = rows[1];
+        ch.file = c.at("file").get<size_t>();
+        ch.begin = bytes[0];
+        ch.end = bytes[1];
+        ch.crc32c = c.at("crc32c").get<std::vector<uint32_t>>();
+        TORCH_CHECK(ch.row_begin == next && ch.row_end > ch.row_begin && ch.file < m.files.size() &&
+                        ch.end >= ch.begin &&
+                        ch.end - ch.begin == static_cast<uint64_t>(ch.row_end - ch.row_begin) * row_bytes &&
+                        ch.crc32c.size() == (ch.end - ch.begin + m.block_bytes - 1) / m.block_bytes,
+                    "fsdp::checkpoint: tensor '", key, "' in '", path, "' has a chunk (rows ", ch.row_begin, " to ",
+                    ch.row_end, ", file ", ch.file, ", bytes ", ch.begin, " to ", ch.end,
+                    ") that does not follow the previous one, does not fit its rows or names no file: the manifest "
+                    "is corrupt.");
+        next = ch.row_end;
+        mt.chunks.push_back(std::move(ch));
+      }
+      TORCH_CHECK(next == mt.rows() || (mt.bytes() == 0 && mt.chunks.empty()), "fsdp::checkpoint: tensor '", key,
+                  "' in '", path, "' has rows up to ", next, " of ", mt.rows(),
+                  " in its chunks: the manifest is corrupt.");
+      m.tensors.push_back(std::move(mt));
+    }
+  } catch (const nlohmann::json::exception& e) {
+    TORCH_CHECK(false, "fsdp::checkpoint: '", path, "' is not a checkpoint manifest (", e.what(), ").");
+  }
+  return m;
+}
+
+}  // namespace fsdp::checkpoint

@@ -1,0 +1,55 @@
+// A checkpoint's manifest read back (docs/checkpoint-format.md, "Manifest"): what was saved, by
+// how many ranks, and where each tensor's rows are. The reader checks it before anything uses it.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace fsdp::checkpoint {
+
+/// The format version this library writes and reads; a manifest of a newer one is refused.
+inline constexpr int kFormatVersion = 1;
+
+struct ManifestChunk {
+  int64_t row_begin = 0, row_end = 0;  ///< global rows [row_begin, row_end)
+  size_t file = 0;                     ///< index into Manifest::files
+  uint64_t begin = 0, end = 0;         ///< bytes [begin, end) of that file
+  std::vector<uint32_t> crc32c;        ///< per block of Manifest::block_bytes from begin
+};
+
+struct ManifestTensor {
+  std::string key;   ///< "model/<name>"
+  std::string kind;  ///< "parameter", "buffer"
+  std::string dtype;
+  std::vector<int64_t> shape;
+  std::vector<ManifestChunk> chunks;  ///< in row order, covering every row once
+  int64_t rows() const { return shape.empty() ? 1 : shape[0]; }
+  uint64_t bytes() const;  ///< of the whole tensor
+};
+
+struct ManifestFile {
+  std::string name;  ///< "rank-00000.safetensors"
+  int rank = 0;
+  uint64_t bytes = 0;  ///< the file's size
+};
+
+struct Manifest {
+  std::string dir;  ///< the checkpoint's directory
+  int format_version = 0;
+  std::string library_version, name;
+  int64_t step = 0;
+  int world_size = 0;
+  uint64_t block_bytes = 0;
+  std::map<std::string, std::string> strategies, metadata;
+  std::vector<ManifestFile> files;
+  std::vector<ManifestTensor> tensors;  ///< by key
+};
+
+/// Reads `dir`/manifest.json and checks it: JSON, format version (a newer one is refused), dtypes,
+/// each tensor's chunks in row order covering its rows exactly once with bytes that match the rows,
+/// files referenced by index. Errors name the file and the tensor. Reads no data.
+Manifest read_manifest(const std::string& dir);
+
+}  // namespace fsdp::checkpoint

@@ -1,0 +1,161 @@
+// fsdp-ckpt: look into a sharded checkpoint (docs/checkpoint-format.md).
+//
+//   fsdp-ckpt inspect DIR   what was saved: step, world size, strategies, files, tensors
+//   fsdp-ckpt verify DIR    every file against the manifest and every checksum, in parallel
+//                           threads; exit status 1 on any fault, each named
+//
+// DIR is a checkpoint directory, or a root with a `latest` pointer.
+#include "checkpoint/commit.h"
+#include "checkpoint/internal/crc32c.h"
+#include "checkpoint/manifest.h"
+#include "checkpoint/safetensors.h"
+
+#include <c10/util/Exception.h>
+
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <iostream>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+using namespace fsdp::checkpoint;
+
+constexpr int kUsage = 2;
+
+std::string resolve(const std::string& dir) {
+  struct stat st {};
+  if (::stat((dir + "/" + kManifest).c_str(), &st) == 0) return dir;
+  const std::string latest = latest_checkpoint(dir);
+  TORCH_CHECK(!latest.empty(), "'", dir, "' is neither a checkpoint (no ", kManifest, ") nor a root with a '", kLatest,
+              "' pointer.");
+  return latest;
+}
+
+std::string shape_text(const std::vector<int64_t>& s) {
+  std::ostringstream os;
+  os << "[";
+  for (size_t i = 0; i < s.size(); ++i) os << (i ? ", " : "") << s[i];
+  os << "]";
+  return os.str();
+}
+
+int inspect(const std::string& dir) {
+  const Manifest m = read_manifest(resolve(dir));
+  uint64_t total = 0;
+  for (const auto& t : m.tensors) total += t.bytes();
+  std::printf("checkpoint %s: '%s', step %lld, saved by %d ranks, format %d, libtorch-fsdp %s\n", m.dir.c_str(),
+              m.name.c_str(), static_cast<long long>(m.step), m.world_size, m.format_version,
+              m.library_version.c_str());
+  std::printf("strategies:");
+  for (const auto& [unit, s] : m.strategies) std::printf(" %s=%s", unit.c_str(), s.c_str());
+  std::printf("\nmetadata:");
+  for (const auto& [k, v] : m.metadata) std::printf(" %s=%s", k.c_str(), v.c_str());
+  std::printf("\nfiles (%zu):\n", m.files.size());
+  for (const auto& f : m.files)
+    std::printf("  %s  rank %d  %llu bytes\n", f.name.c_str(), f.rank, static_cast<unsigned long long>(f.bytes));
+  std::printf("tensors (%zu, %llu bytes):\n", m.tensors.size(), static_cast<unsigned long long>(total));
+  for (const auto& t : m.tensors) {
+    std::printf("  %-40s %-9s %-5s %-16s %10llu bytes  %zu chunks\n", t.key.c_str(), t.kind.c_str(), t.dtype.c_str(),
+                shape_text(t.shape).c_str(), static_cast<unsigned long long>(t.bytes()), t.chunks.size());
+  }
+  return 0;
+}
+
+int verify(const std::string& dir) {
+  const Manifest m = read_manifest(resolve(dir));
+  std::vector<std::string> faults;
+  std::mutex mu;
+  auto fault = [&](const std::string& f) {
+    std::lock_guard<std::mutex> lock(mu);
+    faults.push_back(f);
+  };
+  std::vector<bool> file_ok(m.files.size(), false);
+  for (size_t i = 0; i < m.files.size(); ++i) {
+    const std::string path = m.dir + "/" + m.files[i].name;
+    try {
+      const FileRecord h = read_safetensors_header(path);
+      if (h.size != m.files[i].bytes) {
+        fault("'" + path + "' has " + std::to_string(h.size) + " bytes, the manifest says " +
+              std::to_string(m.files[i].bytes));
+      } else {
+        file_ok[i] = true;
+      }
+    } catch (const c10::Error& e) {
+      fault(e.what_without_backtrace());
+    }
+  }
+  // Every chunk's blocks, spread over threads.
+  struct Job {
+    const ManifestTensor* t;
+    const ManifestChunk* c;
+  };
+  std::vector<Job> jobs;
+  uint64_t bytes = 0;
+  for (const auto& t : m.tensors) {
+    for (const auto& c : t.chunks) {
+      if (file_ok[c.file]) jobs.push_back({&t, &c});
+      bytes += c.end - c.begin;
+    }
+  }
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    std::vector<uint8_t> buf;
+    for (size_t j = next++; j < jobs.size(); j = next++) {
+      const auto& [t, c] = jobs[j];
+      const std::string path = m.dir + "/" + m.files[c->file].name;
+      try {
+        buf.resize(c->end - c->begin);
+        read_bytes(path, c->begin, buf.size(), buf.data());
+        for (size_t b = 0; b < c->crc32c.size(); ++b) {
+          const uint64_t off = b * m.block_bytes, n = std::min<uint64_t>(m.block_bytes, buf.size() - off);
+          const uint32_t got = crc32c(buf.data() + off, n);
+          if (got != c->crc32c[b]) {
+            char text[64];
+            std::snprintf(text, sizeof(text), "0x%08x, the manifest says 0x%08x", got, c->crc32c[b]);
+            fault("'" + path + "': tensor '" + t->key + "' rows " + std::to_string(c->row_begin) + " to " +
+                  std::to_string(c->row_end) + ", bytes " + std::to_string(c->begin + off) + " to " +
+                  std::to_string(c->begin + off + n) + ": checksum " + text);
+          }
+        }
+      } catch (const c10::Error& e) {
+        fault(e.what_without_backtrace());
+      }
+    }
+  };
+  const size_t threads = std::max<size_t>(1, std::min<size_t>(std::thread::hardware_concurrency(), jobs.size()));
+  std::vector<std::thread> pool;
+  for (size_t i = 0; i < threads; ++i) pool.emplace_back(work);
+  for (auto& th : pool) th.join();
+  if (!faults.empty()) {
+    std::sort(faults.begin(), faults.end());
+    std::fprintf(stderr, "fsdp-ckpt verify: %s: %zu fault(s):\n", m.dir.c_str(), faults.size());
+    for (const auto& f : faults) std::fprintf(stderr, "  %s\n", f.c_str());
+    return 1;
+  }
+  std::printf("fsdp-ckpt verify: %s: OK (%zu files, %zu tensors, %llu bytes, %zu threads)\n", m.dir.c_str(),
+              m.files.size(), m.tensors.size(), static_cast<unsigned long long>(bytes), threads);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 3 || (std::string(argv[1]) != "inspect" && std::string(argv[1]) != "verify")) {
+    std::cerr << "usage: fsdp-ckpt inspect DIR | fsdp-ckpt verify DIR\n";
+    return kUsage;
+  }
+  try {
+    return std::string(argv[1]) == "inspect" ? inspect(argv[2]) : verify(argv[2]);
+  } catch (const c10::Error& e) {
+    std::cerr << "fsdp-ckpt " << argv[1] << ": " << e.what_without_backtrace() << "\n";
+    return 1;
+  }
+}
