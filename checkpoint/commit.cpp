@@ -84,6 +84,10 @@ std::string step_name(int64_t step) {
   return buf;
 }
 
+std::string staging_path(const std::string& root, const std::string& name) {
+  return root + "/" + kStagingPrefix + name;
+}
+
 std::string begin_staging(const std::string& root, const std::string& name) {
   check_name(name);
   make_dirs(root);
@@ -95,7 +99,7 @@ std::string begin_staging(const std::string& root, const std::string& name) {
   TORCH_CHECK(!exists(final_dir), "fsdp::checkpoint: '", final_dir,
               "' exists already; a save never writes into an existing checkpoint. Save under another name (the "
               "step, say), or remove it first.");
-  const std::string staging = root + "/" + kStagingPrefix + name;
+  const std::string staging = staging_path(root, name);
   TORCH_CHECK(::mkdir(staging.c_str(), 0755) == 0, "fsdp::checkpoint: cannot create the staging directory '", staging,
               "': ", system_error());
   return staging;

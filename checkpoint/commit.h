@@ -17,6 +17,9 @@ inline constexpr const char* kLatest = "latest";
 /// The manifest's name inside a checkpoint directory; a directory without it is not a checkpoint.
 inline constexpr const char* kManifest = "manifest.json";
 
+/// The staging directory of a save of `name` under `root` ("<root>/.staging-<name>").
+std::string staging_path(const std::string& root, const std::string& name);
+
 /// Step 1 (one rank): removes the staging directories earlier saves left under `root` (a crash
 /// mid-save), refuses `name` when a checkpoint of that name is committed already (a save never
 /// writes into a committed checkpoint), and creates an empty staging directory for it, returning

@@ -9,6 +9,7 @@
 #include "checkpoint/safetensors.h"
 #include "fsdp_version.h"
 
+#include <ATen/ops/full.h>
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 
@@ -33,15 +34,15 @@ at::Tensor rows_of(const at::Tensor& t, int64_t first, int64_t n) {
   return t.dim() == 0 ? t : t.narrow(0, first, n);
 }
 
-// What this rank writes: (manifest key, global rows, the rows' tensor), and each key's dtype and
-// global shape (the same on every rank).
+// What this rank writes: (manifest key, global rows, the rows' tensor); and, into `tensors_meta`
+// when given (rank 0), each key's kind, dtype and global shape.
 struct Planned {
   std::vector<std::string> keys;
   std::vector<std::pair<int64_t, int64_t>> rows;
   std::vector<std::pair<std::string, at::Tensor>> tensors;  // file entry name -> data
 };
 
-Planned plan_model(const FSDPModule& model, json& tensors_meta) {
+Planned plan_model(const FSDPModule& model, json* tensors_meta) {
   Planned p;
   auto add = [&](const std::string& key, int64_t b, int64_t e, const at::Tensor& data) {
     p.keys.push_back(key);
@@ -49,12 +50,15 @@ Planned plan_model(const FSDPModule& model, json& tensors_meta) {
     p.tensors.emplace_back(key + "[" + std::to_string(b) + ":" + std::to_string(e) + "]", data);
   };
   const auto specs = model.shard_specs();
-  for (const auto& s : specs) {
-    tensors_meta["model/" + s.name] = {{"kind", "parameter"},
-                                       {"dtype", safetensors_dtype(s.dtype)},
-                                       {"shape", s.global_shape},
-                                       {"chunks", json::array()}};
+  if (tensors_meta != nullptr) {
+    for (const auto& s : specs) {
+      (*tensors_meta)["model/" + s.name] = {{"kind", "parameter"},
+                                            {"dtype", safetensors_dtype(s.dtype)},
+                                            {"shape", s.global_shape},
+                                            {"chunks", json::array()}};
+    }
   }
+
   for (const auto& w : plan_writes(specs)) {
     const ShardSpec& s = specs[w.spec];
     add("model/" + s.name, w.row_begin, w.row_end, rows_of(s.local.detach(), w.local_row, w.row_end - w.row_begin));
@@ -65,10 +69,11 @@ Planned plan_model(const FSDPModule& model, json& tensors_meta) {
     const at::Tensor& b = kv.value();
     const std::string key = "model/" + kv.key();
     const int64_t rows = b.dim() == 0 ? 1 : b.size(0);
-    tensors_meta[key] = {{"kind", "buffer"},
-                         {"dtype", safetensors_dtype(b.scalar_type())},
-                         {"shape", b.sizes().vec()},
-                         {"chunks", json::array()}};
+    if (tensors_meta != nullptr)
+      (*tensors_meta)[key] = {{"kind", "buffer"},
+                              {"dtype", safetensors_dtype(b.scalar_type())},
+                              {"shape", b.sizes().vec()},
+                              {"chunks", json::array()}};
     const auto [first, last] = replica_part(rows, model.world_size(), model.rank(), index++);
     if (last > first) add(key, first, last, rows_of(b.detach(), first, last - first));
   }
@@ -85,34 +90,37 @@ SaveResult save(const std::string& root, const FSDPModule& model, const SaveOpti
   const std::string name = options.name().empty() ? step_name(options.step()) : options.name();
   const std::string where = "fsdp::checkpoint::save (rank " + std::to_string(rank) + " of " + std::to_string(W) +
                             ", '" + root + "/" + name + "')";
-  // Each phase ends with every rank agreeing that it went well, so that a failure on one rank is
-  // every rank's error (theirs name it, its own says what) and nobody waits for it in vain.
-  std::string error;
+  // Each phase ends with every rank agreeing that it went well (the model's own bounded all-reduce,
+  // with its check that every rank is at the same call), so that a failure on one rank is every
+  // rank's error (theirs name the phase, its own says what) and nobody waits for it in vain.
   auto phase = [&](const char* what, const std::function<void()>& fn) {
-    error.clear();
+    std::string error;
     try {
       fn();
     } catch (const std::exception& e) {
       error = e.what();
     }
-    const bool ok = detail::all_ok(pg, error.empty(), timeout, std::string(what) + " of " + where);
+    at::Tensor failed = at::full({1}, error.empty() ? 0 : 1, at::kLong);
+    model.all_reduce(failed, c10d::ReduceOp::MAX,
+                     "fsdp::checkpoint::save of '" + root + "/" + name + "': " + what);  // the same on every rank
     TORCH_CHECK(error.empty(), where, ": ", what, " failed here: ", error);
-    TORCH_CHECK(ok, where, ": ", what, " failed on another rank (its error says why); nothing was committed.");
+    TORCH_CHECK(failed.item<int64_t>() == 0, where, ": ", what,
+                " failed on another rank (its error says why); nothing was committed.");
   };
 
-  std::string staging = root + "/.staging-" + name;
+  const std::string staging = staging_path(root, name);
   phase("creating the staging directory", [&] {
-    if (rank == 0) staging = begin_staging(root, name);
+    if (rank == 0) begin_staging(root, name);
   });
 
-  json tensors_meta = json::object();
-  std::string part;  // this rank's chunks, for the manifest
-  FileRecord file;
+  json tensors_meta = json::object();  // rank 0's: every tensor's dtype, shape and (below) chunks
+  std::string part;                    // this rank's chunks, for the manifest
   SaveResult result;
   phase("writing this rank's file", [&] {
-    Planned p = plan_model(model, tensors_meta);
-    file = write_safetensors(staging + "/" + rank_file(rank), p.tensors, {{"rank", std::to_string(rank)}},
-                             WriteOptions().block_bytes(options.block_bytes()));
+    Planned p = plan_model(model, rank == 0 ? &tensors_meta : nullptr);
+    const FileRecord file =
+        write_safetensors(staging + "/" + rank_file(rank), p.tensors, {{"rank", std::to_string(rank)}},
+                          WriteOptions().block_bytes(options.block_bytes()));
     for (const auto& t : file.tensors) result.bytes_written += static_cast<int64_t>(t.end - t.begin);
     // This rank's part of the manifest: its chunks, in the file's order.
     json mine = {{"rank", rank}, {"file", rank_file(rank)}, {"bytes", file.size}, {"chunks", json::array()}};
@@ -158,7 +166,7 @@ SaveResult save(const std::string& root, const FSDPModule& model, const SaveOpti
                            {"files", files},
                            {"tensors", tensors_meta}};
     write_atomically(staging, kManifest, manifest.dump(1));
-    result.path = commit(root, staging, name);
+    commit(root, staging, name);
     keep_last(root, options.keep_last());
   });
   result.path = root + "/" + name;

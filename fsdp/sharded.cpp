@@ -16,20 +16,6 @@ ShardedUnit& as_unit(const std::shared_ptr<torch::nn::Module>& module) {
   return *unit;
 }
 
-void ShardedUnit::set_sharding_strategy(ShardingStrategy strategy) {
-  if (fsdp_unit_) {
-    detail::Unit& unit = *fsdp_unit_;
-    unit.state().access_error_explained = true;  // no "was it model->forward?" hint after this
-    TORCH_CHECK(false, "fsdp (rank ", unit.state().comm.rank(), "): set_sharding_strategy(", to_string(strategy),
-                ") on unit '", unit.name(), "', which is sharded already (as ", to_string(unit.strategy()),
-                "). Call it before fsdp::fully_shard; a unit built inside an fsdp::ShardingScope is sharded as it "
-                "is built: give the strategy to the scope's options.");
-  }
-  TORCH_CHECK(is_valid(strategy), "fsdp: set_sharding_strategy(", static_cast<int>(strategy),
-              "): not a ShardingStrategy; use one of fsdp::ShardingStrategy's values (fsdp/strategy.h).");
-  strategy_ = strategy;
-}
-
 namespace detail {
 
 void unit_pre_forward(Unit& unit) {
@@ -63,4 +49,20 @@ void unit_to(Unit& unit, const std::optional<at::Device>& device, const std::opt
 }
 
 }  // namespace detail
+
+void ShardedUnit::set_sharding_strategy(ShardingStrategy strategy) {
+  if (fsdp_unit_) {
+    detail::Unit& unit = *fsdp_unit_;
+    detail::explained_check(unit, [&] {
+      TORCH_CHECK(false, "fsdp (rank ", unit.state().comm.rank(), "): set_sharding_strategy(", to_string(strategy),
+                  ") on unit '", unit.name(), "', which is sharded already (as ", to_string(unit.strategy()),
+                  "). Call it before fsdp::fully_shard; a unit built inside an fsdp::ShardingScope is sharded as it "
+                  "is built: give the strategy to the scope's options.");
+    });
+  }
+  TORCH_CHECK(is_valid(strategy), "fsdp: set_sharding_strategy(", static_cast<int>(strategy),
+              "): not a ShardingStrategy; use one of fsdp::ShardingStrategy's values (fsdp/strategy.h).");
+  strategy_ = strategy;
+}
+
 }  // namespace fsdp

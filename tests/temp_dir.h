@@ -13,6 +13,13 @@
 
 namespace fsdp::testing {
 
+/// Removes `path` and everything below it (nothing if it is missing).
+inline void remove_tree(const std::string& path) {
+  ::nftw(
+      path.c_str(), [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); }, 16,
+      FTW_DEPTH | FTW_PHYS);
+}
+
 struct TempDir {
   std::string path;
   TempDir() {
@@ -20,11 +27,7 @@ struct TempDir {
     TORCH_CHECK(mkdtemp(tmpl) != nullptr, "mkdtemp failed");
     path = tmpl;
   }
-  ~TempDir() {
-    ::nftw(
-        path.c_str(), [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); }, 16,
-        FTW_DEPTH | FTW_PHYS);
-  }
+  ~TempDir() { remove_tree(path); }
   TempDir(const TempDir&) = delete;
   TempDir& operator=(const TempDir&) = delete;
 };

@@ -7,11 +7,9 @@
 #include "checkpoint/internal/crc32c.h"
 #include "checkpoint/safetensors.h"
 #include "tests/models.h"
+#include "tests/temp_dir.h"
 
 #include <nlohmann/json.hpp>
-
-#include <ftw.h>
-#include <sys/stat.h>
 
 #include <fstream>
 #include <iostream>
@@ -126,14 +124,24 @@ void check_all(Rank& r) {
       {ShardingStrategy::kHybridShard, 1, false},         {ShardingStrategy::kFullShard, 0, true}};
   if (W == 4) cases.push_back({ShardingStrategy::kHybridShard, 2, false});
   for (size_t i = 0; i < cases.size(); ++i) check_save(r, cases[i], root, static_cast<int64_t>(i + 1));
+
+  // A save that fails on one rank (rank 0 finds the name committed) fails on every rank, each
+  // saying where, and leaves the latest checkpoint as it was.
+  const std::string latest = checkpoint::latest_checkpoint(root);
+  auto model = fsdp::fully_shard(std::make_shared<BufferedMLPImpl>(), r.pg, test_options());
+  const std::string msg = error_of([&] { checkpoint::save(root, model, checkpoint::SaveOptions().step(1)); });
+  const std::string where = "fsdp::checkpoint::save (rank " + std::to_string(r.rank) + " of " + std::to_string(W) +
+                            ", '" + root + "/step-000001'): creating the staging directory failed ";
+  EXPECT_NE(msg.find(where + (r.rank == 0 ? "here: " : "on another rank (its error says why); nothing was committed.")),
+            std::string::npos)
+      << msg;
+  if (r.rank == 0)
+    EXPECT_NE(msg.find("exists already; a save never writes into an existing checkpoint"), std::string::npos) << msg;
+  EXPECT_EQ(checkpoint::latest_checkpoint(root), latest);
   // The harness removes only the files of its directory: the checkpoint tree goes here.
   auto t = torch::zeros({1});
   all_reduce_sum(r, t);
-  if (r.rank == 0) {
-    ::nftw(
-        root.c_str(), [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); }, 16,
-        FTW_DEPTH | FTW_PHYS);
-  }
+  if (r.rank == 0) remove_tree(root);
 }
 
 TEST(CheckpointSave, EveryRowOnceBitExactAtOneRank) {

@@ -41,9 +41,7 @@ std::string resolve(const std::string& dir) {
 
 std::string shape_text(const std::vector<int64_t>& s) {
   std::ostringstream os;
-  os << "[";
-  for (size_t i = 0; i < s.size(); ++i) os << (i ? ", " : "") << s[i];
-  os << "]";
+  os << c10::IntArrayRef(s);  // "[13, 7]"
   return os.str();
 }
 

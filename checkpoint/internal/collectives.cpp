@@ -25,17 +25,6 @@ void wait(const c10::intrusive_ptr<c10d::Work>& work, const c10d::ProcessGroup& 
 
 }  // namespace
 
-bool all_ok(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, bool ok, std::chrono::milliseconds timeout,
-            const std::string& what) {
-  if (pg->getSize() == 1) return ok;
-  std::vector<at::Tensor> t{at::zeros({1}, at::kLong)};
-  t[0].fill_(ok ? 0 : 1);
-  c10d::AllreduceOptions opts;
-  opts.timeout = timeout;
-  wait(pg->getBackend(c10::DeviceType::CPU)->allreduce(t, opts), *pg, timeout, what);
-  return t[0].item<int64_t>() == 0;
-}
-
 std::vector<std::string> gather_to_rank0(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const std::string& text,
                                          std::chrono::milliseconds timeout, const std::string& what) {
   const int W = pg->getSize(), r = pg->getRank();

@@ -41,7 +41,6 @@ class BufferPool {
   /// Frees every kept buffer.
   void release();
 
-  int64_t cached_bytes() const { return cached_; }
   int64_t cap() const { return per_unit_ * largest_; }
   BufferCacheStats stats() const { return {cached_, cap(), reused_, allocated_}; }
 
