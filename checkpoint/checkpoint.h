@@ -4,13 +4,18 @@
 //   auto r = fsdp::checkpoint::save("ckpts", model, fsdp::checkpoint::SaveOptions().step(100));
 //   // ckpts/step-000100/{rank-00000.safetensors, ..., manifest.json}, ckpts/latest
 //
-// Written so far: the model's parameters and buffers, the step and the user's metadata. Not yet
-// (issue 12, docs/roadmap.md): optimizer state, RNG states, loading.
+//   auto l = fsdp::checkpoint::load("ckpts", model);   // the latest, on any number of ranks
+//   auto l = fsdp::checkpoint::load("ckpts/step-000100", *plain_model);   // one process, unwrapped
+//
+// Saved and loaded so far: the model's parameters and buffers, the step and the user's metadata.
+// Not yet (issue 12, docs/roadmap.md): optimizer state, RNG states.
 #pragma once
 
 #include "fsdp/fully_shard.h"
 
 #include <torch/arg.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
 
 #include <cstdint>
 #include <map>
@@ -47,5 +52,47 @@ struct SaveResult {
 /// bounded by the model's timeout; a failure on any rank fails every rank with its reason, and
 /// leaves the previous checkpoint the latest.
 SaveResult save(const std::string& root, const FSDPModule& model, const SaveOptions& options = {});
+
+struct LoadOptions {
+  /// Refuse a checkpoint that holds model tensors the model does not have (as LibTorch's and
+  /// PyTorch's strict state-dict loading do); with false they are left unread. A tensor the model
+  /// has and the checkpoint lacks is always refused.
+  TORCH_ARG(bool, strict) = true;
+};
+
+struct LoadResult {
+  std::string path;  ///< the checkpoint's directory
+  std::string name;
+  int64_t step = 0;
+  int saved_world_size = 0;  ///< ranks that saved it
+  Metadata metadata;         ///< the user's, as saved
+  /// Tensor bytes this rank needed and read (reads are whole checksum blocks, so read >= needed);
+  /// the manifest (manifest_bytes, read by every rank) is counted apart.
+  int64_t bytes_needed = 0, bytes_read = 0;
+  /// The same over every rank (the wrapped model's load; this rank's for a plain module).
+  int64_t bytes_needed_total = 0, bytes_read_total = 0;
+  int64_t manifest_bytes = 0;
+  int64_t preads = 0, files_opened = 0;  ///< this rank's
+  double seconds = 0;                    ///< this rank, from the call to its return
+};
+
+/// Loads the checkpoint at `path` (a checkpoint directory, or a root: its latest) into `model`,
+/// collectively: every rank calls it, between steps, whatever number of ranks and strategies
+/// saved it. Each rank reads only the bytes of the rows it holds (with their checksum blocks)
+/// and fills its shards. Before any tensor of the model is written, every rank checks the
+/// checkpoint against the model (every parameter and buffer present with its dtype and global
+/// shape; with `strict`, no other model tensor; the files it reads present and of their size) and
+/// reads and verifies its bytes; if that fails on any rank, every rank throws, naming the file,
+/// the tensor and the rank, and the model is left as it was. Bounded by the model's timeout.
+LoadResult load(const std::string& path, FSDPModule& model, const LoadOptions& options = {});
+
+/// Loads the checkpoint at `path`, saved by any number of ranks, into a plain (unwrapped) module
+/// in one process: every parameter and buffer whole, with the same checks (for inference or
+/// export). A tied weight is read once, under its first name.
+LoadResult load(const std::string& path, torch::nn::Module& module, const LoadOptions& options = {});
+template <typename Impl>
+LoadResult load(const std::string& path, torch::nn::ModuleHolder<Impl>& module, const LoadOptions& options = {}) {
+  return load(path, *module.ptr(), options);
+}
 
 }  // namespace fsdp::checkpoint

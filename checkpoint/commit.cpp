@@ -157,6 +157,20 @@ std::string latest_checkpoint(const std::string& root) {
   return dir;
 }
 
+std::string resolve_checkpoint(const std::string& path) {
+  const size_t slash = path.find_last_of('/', path.size() > 1 ? path.size() - 2 : 0);
+  const std::string base = path.substr(slash == std::string::npos ? 0 : slash + 1);
+  TORCH_CHECK(base.empty() || base[0] != '.' || base == "." || base == "..", "fsdp::checkpoint: '", path,
+              "' is a staging directory of a save that did not finish: it is never loaded. Load a committed "
+              "checkpoint (the root, for its latest).");
+  if (exists(path + "/" + kManifest)) return path;
+  const std::string latest = latest_checkpoint(path);
+  TORCH_CHECK(!latest.empty(), "fsdp::checkpoint: '", path, "' is neither a checkpoint (no ", kManifest,
+              ") nor a root with a '", kLatest, "' pointer", is_dir(path) ? "" : " (it is not a directory)",
+              ": give a checkpoint directory, or the root a save wrote into.");
+  return latest;
+}
+
 std::vector<std::string> committed_checkpoints(const std::string& root) {
   std::vector<std::string> out;
   if (!is_dir(root)) return out;

@@ -42,6 +42,11 @@ std::string commit(const std::string& root, const std::string& staging, const st
 /// that names a directory without a manifest is an error (the root was tampered with).
 std::string latest_checkpoint(const std::string& root);
 
+/// The checkpoint `path` names: `path` itself when it holds a manifest, else the latest under it
+/// (a root). Neither is an error that says so, naming `path`; a staging directory (a name starting
+/// with '.') is never one.
+std::string resolve_checkpoint(const std::string& path);
+
 /// The committed checkpoints under `root` (directories with a manifest), oldest first by name.
 std::vector<std::string> committed_checkpoints(const std::string& root);
 

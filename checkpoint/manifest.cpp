@@ -68,15 +68,17 @@ Manifest read_manifest(const std::string& dir) {
         ch.file = c.at("file").get<size_t>();
         ch.begin = bytes[0];
         ch.end = bytes[1];
+        ch.block_bytes = c.at("block_bytes").get<uint64_t>();
         ch.crc32c = c.at("crc32c").get<std::vector<uint32_t>>();
-        TORCH_CHECK(ch.row_begin == next && ch.row_end > ch.row_begin && ch.file < m.files.size() &&
-                        ch.end >= ch.begin &&
-                        ch.end - ch.begin == static_cast<uint64_t>(ch.row_end - ch.row_begin) * row_bytes &&
-                        ch.crc32c.size() == (ch.end - ch.begin + m.block_bytes - 1) / m.block_bytes,
-                    "fsdp::checkpoint: tensor '", key, "' in '", path, "' has a chunk (rows ", ch.row_begin, " to ",
-                    ch.row_end, ", file ", ch.file, ", bytes ", ch.begin, " to ", ch.end,
-                    ") that does not follow the previous one, does not fit its rows or names no file: the manifest "
-                    "is corrupt.");
+        TORCH_CHECK(
+            ch.row_begin == next && ch.row_end > ch.row_begin && ch.file < m.files.size() && ch.end >= ch.begin &&
+                ch.end - ch.begin == static_cast<uint64_t>(ch.row_end - ch.row_begin) * row_bytes &&
+                ch.block_bytes > 0 && ch.block_bytes <= m.block_bytes &&
+                ch.crc32c.size() == (ch.end - ch.begin + ch.block_bytes - 1) / ch.block_bytes,
+            "fsdp::checkpoint: tensor '", key, "' in '", path, "' has a chunk (rows ", ch.row_begin, " to ", ch.row_end,
+            ", file ", ch.file, ", bytes ", ch.begin, " to ", ch.end, ", checksum block ", ch.block_bytes,
+            ") that does not follow the previous one, does not fit its rows or names no file: the manifest "
+            "is corrupt.");
         next = ch.row_end;
         mt.chunks.push_back(std::move(ch));
       }

@@ -16,7 +16,8 @@ struct ManifestChunk {
   int64_t row_begin = 0, row_end = 0;  ///< global rows [row_begin, row_end)
   size_t file = 0;                     ///< index into Manifest::files
   uint64_t begin = 0, end = 0;         ///< bytes [begin, end) of that file
-  std::vector<uint32_t> crc32c;        ///< per block of Manifest::block_bytes from begin
+  uint64_t block_bytes = 0;            ///< the checksum block (at most Manifest::block_bytes)
+  std::vector<uint32_t> crc32c;        ///< per block of block_bytes from begin
 };
 
 struct ManifestTensor {
@@ -41,7 +42,7 @@ struct Manifest {
   std::string library_version, name;
   int64_t step = 0;
   int world_size = 0;
-  uint64_t block_bytes = 0;
+  uint64_t block_bytes = 0;  ///< the largest checksum block
   std::map<std::string, std::string> strategies, metadata;
   std::vector<ManifestFile> files;
   std::vector<ManifestTensor> tensors;  ///< by key

@@ -115,10 +115,18 @@ at::ScalarType scalar_type_of(const std::string& dtype, const std::string& where
   TORCH_CHECK(false, "fsdp::checkpoint: ", where, " has dtype '", dtype, "', which this library does not read.");
 }
 
+uint64_t checksum_block(uint64_t bytes, uint64_t max_block, uint64_t min_blocks) {
+  constexpr uint64_t kPage = 4096;
+  if (min_blocks <= 1 || bytes >= max_block * min_blocks) return max_block;
+  const uint64_t share = (bytes + min_blocks - 1) / min_blocks;
+  return std::min(max_block, std::max(kPage, (share + kPage - 1) / kPage * kPage));
+}
+
 FileRecord write_safetensors(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                              std::map<std::string, std::string> metadata, const WriteOptions& options) {
-  TORCH_CHECK(options.alignment() >= 8 && options.block_bytes() > 0,
-              "fsdp::checkpoint::write_safetensors: the alignment must be at least 8 and the block size positive");
+  TORCH_CHECK(options.alignment() >= 8 && options.block_bytes() > 0 && options.min_blocks() > 0,
+              "fsdp::checkpoint::write_safetensors: the alignment must be at least 8, the block size and the "
+              "number of blocks positive");
   FileRecord rec;
   rec.path = path;
   metadata["format"] = "pt";
@@ -165,8 +173,9 @@ FileRecord write_safetensors(const std::string& path, const std::vector<std::pai
     TensorRecord& tr = rec.tensors[i];
     const auto* p = static_cast<const uint8_t*>(data[i].data_ptr());
     const uint64_t bytes = tr.end - tr.begin;
-    for (uint64_t b = 0; b < bytes; b += options.block_bytes()) {
-      tr.crc32c.push_back(crc32c(p + b, std::min(options.block_bytes(), bytes - b)));
+    tr.block_bytes = checksum_block(bytes, options.block_bytes(), options.min_blocks());
+    for (uint64_t b = 0; b < bytes; b += tr.block_bytes) {
+      tr.crc32c.push_back(crc32c(p + b, std::min(tr.block_bytes, bytes - b)));
     }
     out.append(p, bytes, "tensor '" + tr.name + "'");
     tr.begin += rec.data_start;

@@ -29,7 +29,9 @@ struct TensorRecord {
   std::string dtype;  ///< safetensors' name
   std::vector<int64_t> shape;
   uint64_t begin = 0, end = 0;  ///< absolute byte offsets in the file
-  /// CRC32C of each block of at most `block_bytes` bytes from `begin` (written files only).
+  /// CRC32C of each block of `block_bytes` bytes from `begin`, the last one possibly shorter
+  /// (written files only).
+  uint64_t block_bytes = 0;
   std::vector<uint32_t> crc32c;
 };
 
@@ -45,11 +47,20 @@ struct FileRecord {
 struct WriteOptions {
   /// The data buffer starts at a multiple of this many bytes (the header is padded with spaces).
   TORCH_ARG(uint64_t, alignment) = 4096;
-  /// Each tensor's CRC32C is taken per block of at most this many bytes from its first byte.
+  /// Each tensor's CRC32C is taken per block of at most this many bytes from its first byte ...
   TORCH_ARG(uint64_t, block_bytes) = uint64_t{1} << 20;
+  /// ... and of fewer bytes, in multiples of 4 KiB, for a tensor of fewer than `min_blocks` such
+  /// blocks, so that it has about that many (see checksum_block).
+  TORCH_ARG(uint64_t, min_blocks) = 1;
   /// fsync the file before returning.
   TORCH_ARG(bool, fsync) = true;
 };
+
+/// The checksum block of a tensor of `bytes` bytes: `max_block`, or, when that gives fewer than
+/// `min_blocks` blocks, bytes / min_blocks rounded up to a multiple of 4 KiB (never under 4 KiB,
+/// never over `max_block`). A reader that needs part of a tensor reads whole blocks, so a smaller
+/// block bounds what it reads beyond its need (docs/checkpoint-format.md, "Checksums").
+uint64_t checksum_block(uint64_t bytes, uint64_t max_block, uint64_t min_blocks);
 
 /// Writes `tensors` (on CPU, any strides: their elements in row-major order) as one safetensors file
 /// at `path`, created or truncated, in large sequential writes, with `metadata` ("format": "pt"

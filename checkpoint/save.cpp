@@ -9,7 +9,6 @@
 #include "checkpoint/safetensors.h"
 #include "fsdp_version.h"
 
-#include <ATen/ops/full.h>
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 
@@ -22,6 +21,11 @@ namespace fsdp::checkpoint {
 namespace {
 
 using json = nlohmann::ordered_json;
+
+// A chunk of fewer than this many blocks of block_bytes gets smaller blocks (checksum_block): a
+// load on another number of ranks reads at most about 1/64th of a chunk beyond its need at each
+// end of what it needs, so that what it reads stays within 1.05 x what it needs.
+constexpr uint64_t kMinBlocks = 64;
 
 std::string rank_file(int rank) {
   char buf[40];
@@ -90,22 +94,11 @@ SaveResult save(const std::string& root, const FSDPModule& model, const SaveOpti
   const std::string name = options.name().empty() ? step_name(options.step()) : options.name();
   const std::string where = "fsdp::checkpoint::save (rank " + std::to_string(rank) + " of " + std::to_string(W) +
                             ", '" + root + "/" + name + "')";
-  // Each phase ends with every rank agreeing that it went well (the model's own bounded all-reduce,
-  // with its check that every rank is at the same call), so that a failure on one rank is every
-  // rank's error (theirs name the phase, its own says what) and nobody waits for it in vain.
+  // Each phase ends with every rank agreeing that it went well: a failure anywhere is every
+  // rank's error, and nothing is committed.
+  const std::string call = "fsdp::checkpoint::save of '" + root + "/" + name + "'";  // the same on every rank
   auto phase = [&](const char* what, const std::function<void()>& fn) {
-    std::string error;
-    try {
-      fn();
-    } catch (const std::exception& e) {
-      error = e.what();
-    }
-    at::Tensor failed = at::full({1}, error.empty() ? 0 : 1, at::kLong);
-    model.all_reduce(failed, c10d::ReduceOp::MAX,
-                     "fsdp::checkpoint::save of '" + root + "/" + name + "': " + what);  // the same on every rank
-    TORCH_CHECK(error.empty(), where, ": ", what, " failed here: ", error);
-    TORCH_CHECK(failed.item<int64_t>() == 0, where, ": ", what,
-                " failed on another rank (its error says why); nothing was committed.");
+    detail::agree(model, call, where, what, "nothing was committed", fn);
   };
 
   const std::string staging = staging_path(root, name);
@@ -120,7 +113,7 @@ SaveResult save(const std::string& root, const FSDPModule& model, const SaveOpti
     Planned p = plan_model(model, rank == 0 ? &tensors_meta : nullptr);
     const FileRecord file =
         write_safetensors(staging + "/" + rank_file(rank), p.tensors, {{"rank", std::to_string(rank)}},
-                          WriteOptions().block_bytes(options.block_bytes()));
+                          WriteOptions().block_bytes(options.block_bytes()).min_blocks(kMinBlocks));
     for (const auto& t : file.tensors) result.bytes_written += static_cast<int64_t>(t.end - t.begin);
     // This rank's part of the manifest: its chunks, in the file's order.
     json mine = {{"rank", rank}, {"file", rank_file(rank)}, {"bytes", file.size}, {"chunks", json::array()}};
@@ -129,6 +122,7 @@ SaveResult save(const std::string& root, const FSDPModule& model, const SaveOpti
       mine["chunks"].push_back({{"tensor", p.keys[i]},
                                 {"rows", {p.rows[i].first, p.rows[i].second}},
                                 {"bytes", {t.begin, t.end}},
+                                {"block_bytes", t.block_bytes},
                                 {"crc32c", t.crc32c}});
     }
     part = mine.dump();
@@ -144,7 +138,11 @@ SaveResult save(const std::string& root, const FSDPModule& model, const SaveOpti
       const json mine = json::parse(parts[r]);
       files.push_back({{"name", mine["file"]}, {"rank", r}, {"bytes", mine["bytes"]}});
       for (const auto& c : mine["chunks"]) {
-        json chunk = {{"rows", c["rows"]}, {"file", r}, {"bytes", c["bytes"]}, {"crc32c", c["crc32c"]}};
+        json chunk = {{"rows", c["rows"]},
+                      {"file", r},
+                      {"bytes", c["bytes"]},
+                      {"block_bytes", c["block_bytes"]},
+                      {"crc32c", c["crc32c"]}};
         tensors_meta.at(c["tensor"].get<std::string>())["chunks"].push_back(std::move(chunk));
         result.bytes_total += c["bytes"][1].get<int64_t>() - c["bytes"][0].get<int64_t>();
       }

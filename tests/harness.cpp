@@ -122,10 +122,14 @@ void all_reduce_sum(Rank& r, at::Tensor& t) {
 
 void run_ranks(int world_size, const std::function<void(Rank&)>& body, const RunOptions& options) {
   if (in_rank_process()) {
-    ASSERT_EQ(++g_calls_in_this_process, 1) << "run_ranks may be called once per test";
-    run_as_rank(body, options);
+    // The test body runs from its start in every rank process: the launch this process belongs
+    // to runs its body, the others (before and after it) return at once.
+    const char* launch = env_or_null("FSDP_TEST_LAUNCH");
+    if (g_calls_in_this_process++ == (launch ? std::atoi(launch) : 0)) run_as_rank(body, options);
     return;
   }
+  static std::map<std::string, int> launches;  // per test: run_ranks calls so far
+  const int launch = launches[current_test_name()]++;
   char tmpl[] = "/tmp/fsdp-test-XXXXXX";
   ASSERT_NE(mkdtemp(tmpl), nullptr);
   const std::string dir = tmpl;
@@ -164,6 +168,7 @@ void run_ranks(int world_size, const std::function<void(Rank&)>& body, const Run
         std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(options.collective_timeout).count());
     env["OMP_NUM_THREADS"] = "1";
     env["FSDP_TEST_DIR"] = dir;
+    env["FSDP_TEST_LAUNCH"] = std::to_string(launch);
     if (options.rendezvous == "env") {
       env["RANK"] = std::to_string(rank);
       env["WORLD_SIZE"] = std::to_string(world_size);

@@ -44,7 +44,10 @@ struct RunOptions {
   std::vector<int> may_die;
 };
 
-/// Runs `body` once in each of `world_size` processes. Call it at most once per test.
+/// Runs `body` once in each of `world_size` processes. A test may call it several times, one
+/// launch after the other (save at N ranks, then load at M); the test body is re-run from its
+/// start in each rank process, so what it does outside the bodies it does there too (pass what a
+/// later launch needs through RunOptions::env or files, not through captured variables).
 void run_ranks(int world_size, const std::function<void(Rank&)>& body, const RunOptions& options = {});
 
 /// True inside a rank process.

@@ -79,6 +79,24 @@ bool same_bytes(const torch::Tensor& a, const torch::Tensor& b) {
   return std::memcmp(x.data_ptr(), y.data_ptr(), x.numel() * x.element_size()) == 0;
 }
 
+TEST(Safetensors, ChecksumBlocksShrinkForSmallTensorsInPages) {
+  const uint64_t MiB = uint64_t{1} << 20, KiB = 1024;
+  EXPECT_EQ(checkpoint::checksum_block(100 * MiB, MiB, 1), MiB);  // one block size for all
+  EXPECT_EQ(checkpoint::checksum_block(100, MiB, 1), MiB);
+  EXPECT_EQ(checkpoint::checksum_block(64 * MiB, MiB, 64), MiB);  // 64 blocks of the largest
+  EXPECT_EQ(checkpoint::checksum_block(32 * MiB, MiB, 64), 512 * KiB);
+  EXPECT_EQ(checkpoint::checksum_block(32 * MiB + 1, MiB, 64), 516 * KiB);  // rounded up to pages
+  EXPECT_EQ(checkpoint::checksum_block(100 * KiB, MiB, 64), 4 * KiB);       // never under a page
+  EXPECT_EQ(checkpoint::checksum_block(100 * KiB, 64, 64), 64u);            // nor over the largest
+  // The block count of a tensor is then at most about min_blocks, and at least one.
+  for (uint64_t bytes : {uint64_t{1}, 4 * KiB, 300 * KiB, 5 * MiB + 3, 70 * MiB}) {
+    const uint64_t b = checkpoint::checksum_block(bytes, MiB, 64);
+    const uint64_t blocks = (bytes + b - 1) / b;
+    EXPECT_GE(blocks, 1u) << bytes;
+    EXPECT_LE(blocks, std::max<uint64_t>(64, (bytes + MiB - 1) / MiB)) << bytes;
+  }
+}
+
 TEST(Safetensors, OffsetsFromShapesAndEveryDtypeBitExact) {
   TempDir tmp;
   const std::string& dir = tmp.path;
@@ -102,6 +120,7 @@ TEST(Safetensors, OffsetsFromShapesAndEveryDtypeBitExact) {
     // One checksum per block of the tensor's bytes, as computed here from the tensor itself.
     const auto c = t.contiguous();
     const auto* p = static_cast<const uint8_t*>(c.data_ptr());
+    ASSERT_EQ(r.block_bytes, block) << name;
     ASSERT_EQ(r.crc32c.size(), (bytes + block - 1) / block) << name;
     for (size_t b = 0; b < r.crc32c.size(); ++b) {
       EXPECT_EQ(r.crc32c[b], crc32c(p + b * block, std::min<uint64_t>(block, bytes - b * block))) << name;

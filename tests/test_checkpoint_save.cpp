@@ -98,6 +98,8 @@ void check_save(Rank& r, const SaveCase& c, const std::string& root, int64_t ste
       const at::Tensor rows_want = (want.dim() == 0 ? want : want.narrow(0, rr[0], rr[1] - rr[0])).contiguous();
       EXPECT_EQ(std::memcmp(got.data(), rows_want.data_ptr(), n), 0) << key << " rows " << rr[0] << "-" << rr[1];
       const auto crcs = ch["crc32c"].get<std::vector<uint32_t>>();
+      // Chunks here are small: their blocks are the save's block_bytes (checksum_block).
+      ASSERT_EQ(ch["block_bytes"].get<int64_t>(), block) << key;
       ASSERT_EQ(crcs.size(), static_cast<size_t>((n + block - 1) / block)) << key;
       for (size_t b = 0; b < crcs.size(); ++b) {
         EXPECT_EQ(crcs[b], checkpoint::crc32c(got.data() + b * block, std::min<int64_t>(block, n - b * block))) << key;

@@ -12,8 +12,6 @@
 
 #include <c10/util/Exception.h>
 
-#include <sys/stat.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
@@ -30,15 +28,6 @@ using namespace fsdp::checkpoint;
 
 constexpr int kUsage = 2;
 
-std::string resolve(const std::string& dir) {
-  struct stat st {};
-  if (::stat((dir + "/" + kManifest).c_str(), &st) == 0) return dir;
-  const std::string latest = latest_checkpoint(dir);
-  TORCH_CHECK(!latest.empty(), "'", dir, "' is neither a checkpoint (no ", kManifest, ") nor a root with a '", kLatest,
-              "' pointer.");
-  return latest;
-}
-
 std::string shape_text(const std::vector<int64_t>& s) {
   std::ostringstream os;
   os << c10::IntArrayRef(s);  // "[13, 7]"
@@ -46,7 +35,7 @@ std::string shape_text(const std::vector<int64_t>& s) {
 }
 
 int inspect(const std::string& dir) {
-  const Manifest m = read_manifest(resolve(dir));
+  const Manifest m = read_manifest(resolve_checkpoint(dir));
   uint64_t total = 0;
   for (const auto& t : m.tensors) total += t.bytes();
   std::printf("checkpoint %s: '%s', step %lld, saved by %d ranks, format %d, libtorch-fsdp %s\n", m.dir.c_str(),
@@ -68,7 +57,7 @@ int inspect(const std::string& dir) {
 }
 
 int verify(const std::string& dir) {
-  const Manifest m = read_manifest(resolve(dir));
+  const Manifest m = read_manifest(resolve_checkpoint(dir));
   std::vector<std::string> faults;
   std::mutex mu;
   auto fault = [&](const std::string& f) {
@@ -113,7 +102,7 @@ int verify(const std::string& dir) {
         buf.resize(c->end - c->begin);
         read_bytes(path, c->begin, buf.size(), buf.data());
         for (size_t b = 0; b < c->crc32c.size(); ++b) {
-          const uint64_t off = b * m.block_bytes, n = std::min<uint64_t>(m.block_bytes, buf.size() - off);
+          const uint64_t off = b * c->block_bytes, n = std::min<uint64_t>(c->block_bytes, buf.size() - off);
           const uint32_t got = crc32c(buf.data() + off, n);
           if (got != c->crc32c[b]) {
             char text[64];

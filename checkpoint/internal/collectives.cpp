@@ -25,6 +25,23 @@ void wait(const c10::intrusive_ptr<c10d::Work>& work, const c10d::ProcessGroup& 
 
 }  // namespace
 
+void agree(const FSDPModule& model, const std::string& call, const std::string& where, const std::string& phase,
+           const std::string& consequence, const std::function<void()>& fn) {
+  std::string error;
+  try {
+    fn();
+  } catch (const c10::Error& e) {
+    error = e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  at::Tensor failed = at::full({1}, error.empty() ? 0 : 1, at::kLong);
+  model.all_reduce(failed, c10d::ReduceOp::MAX, call + ": " + phase);
+  TORCH_CHECK(error.empty(), where, ": ", phase, " failed here: ", error);
+  TORCH_CHECK(failed.item<int64_t>() == 0, where, ": ", phase, " failed on another rank (its error says why); ",
+              consequence, ".");
+}
+
 std::vector<std::string> gather_to_rank0(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const std::string& text,
                                          std::chrono::milliseconds timeout, const std::string& what) {
   const int W = pg->getSize(), r = pg->getRank();

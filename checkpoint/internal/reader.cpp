@@ -1,0 +1,180 @@
+#include "checkpoint/internal/reader.h"
+
+#include "checkpoint/internal/crc32c.h"
+#include "checkpoint/safetensors.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <tuple>
+
+namespace fsdp::checkpoint::detail {
+
+struct ShardReader::Piece {
+  size_t target = 0;
+  const ManifestTensor* tensor = nullptr;
+  const ManifestChunk* chunk = nullptr;
+  int64_t row_begin = 0, row_end = 0;  // global rows copied
+  uint64_t lo = 0, hi = 0;             // file bytes read: the copied ones rounded out to blocks
+  uint64_t copy_begin = 0;             // file offset of the first copied byte
+  uint64_t copy_bytes = 0;
+  size_t range = 0;  // the read that holds it
+};
+
+struct ShardReader::Range {
+  size_t file = 0;
+  uint64_t begin = 0, end = 0;
+  std::unique_ptr<uint8_t[]> data;  // not zeroed: every byte is read
+};
+
+namespace {
+
+std::string hex(uint32_t v) {
+  char text[16];
+  std::snprintf(text, sizeof(text), "0x%08x", v);
+  return text;
+}
+
+}  // namespace
+
+ShardReader::ShardReader(const Manifest& manifest, std::vector<ReadTarget> targets)
+    : m_(manifest), targets_(std::move(targets)), fds_(manifest.files.size(), -1) {
+  for (size_t i = 0; i < targets_.size(); ++i) {
+    const ReadTarget& t = targets_[i];
+    const ManifestTensor& mt = m_.tensors.at(t.tensor);
+    const uint64_t row_bytes = mt.bytes() / static_cast<uint64_t>(std::max<int64_t>(mt.rows(), 1));
+    stats_.bytes_needed += static_cast<uint64_t>(t.row_end - t.row_begin) * row_bytes;
+    // The chunks are in row order (read_manifest checked it): those that overlap [row_begin, row_end).
+    for (const ManifestChunk& c : mt.chunks) {
+      const int64_t a = std::max(t.row_begin, c.row_begin), b = std::min(t.row_end, c.row_end);
+      if (a >= b || row_bytes == 0) continue;
+      Piece p;
+      p.target = i;
+      p.tensor = &mt;
+      p.chunk = &c;
+      p.row_begin = a;
+      p.row_end = b;
+      const uint64_t from = static_cast<uint64_t>(a - c.row_begin) * row_bytes;
+      const uint64_t to = static_cast<uint64_t>(b - c.row_begin) * row_bytes;
+      p.copy_begin = c.begin + from;
+      p.copy_bytes = to - from;
+      // Whole checksum blocks only, counted from the chunk's first byte.
+      p.lo = c.begin + from / c.block_bytes * c.block_bytes;
+      p.hi = std::min(c.end, c.begin + (to + c.block_bytes - 1) / c.block_bytes * c.block_bytes);
+      pieces_.push_back(p);
+    }
+  }
+  // Sorted by file and offset; ranges that touch or overlap are merged into one read.
+  std::sort(pieces_.begin(), pieces_.end(), [](const Piece& x, const Piece& y) {
+    return std::tie(x.chunk->file, x.lo) < std::tie(y.chunk->file, y.lo);
+  });
+  for (Piece& p : pieces_) {
+    if (ranges_.empty() || ranges_.back().file != p.chunk->file || p.lo > ranges_.back().end) {
+      Range r;
+      r.file = p.chunk->file;
+      r.begin = p.lo;
+      r.end = p.hi;
+      ranges_.push_back(std::move(r));
+    } else {
+      ranges_.back().end = std::max(ranges_.back().end, p.hi);
+    }
+    p.range = ranges_.size() - 1;
+  }
+  for (const Range& r : ranges_) stats_.bytes_read += r.end - r.begin;
+  stats_.preads = ranges_.size();
+}
+
+ShardReader::~ShardReader() {
+  for (int fd : fds_) {
+    if (fd >= 0) ::close(fd);
+  }
+}
+
+void ShardReader::open_files() {
+  for (const Piece& p : pieces_) {
+    const size_t f = p.chunk->file;
+    if (fds_[f] >= 0) continue;
+    const std::string path = m_.dir + "/" + m_.files[f].name;
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    TORCH_CHECK(fd >= 0, "cannot open '", path, "' (", std::strerror(errno), "), which holds rows ", p.row_begin,
+                " to ", p.row_end, " of tensor '", p.tensor->key,
+                "': the checkpoint is incomplete. Restore the file, or load an earlier checkpoint.");
+    fds_[f] = fd;
+    ++stats_.files;
+    struct stat st {};
+    TORCH_CHECK(::fstat(fd, &st) == 0, "cannot stat '", path, "': ", std::strerror(errno));
+    TORCH_CHECK(static_cast<uint64_t>(st.st_size) == m_.files[f].bytes, "'", path, "' has ", st.st_size,
+                " bytes but the manifest says ", m_.files[f].bytes, ": it was truncated or replaced (needed for rows ",
+                p.row_begin, " to ", p.row_end, " of tensor '", p.tensor->key,
+                "'). Restore the file, or load an earlier checkpoint.");
+  }
+}
+
+void ShardReader::read() {
+  for (Range& r : ranges_) {
+    const int fd = fds_[r.file];
+    TORCH_CHECK(fd >= 0, "ShardReader::read before open_files");
+    const uint64_t size = r.end - r.begin;
+    r.data.reset(new uint8_t[size]);
+    uint64_t done = 0;
+    while (done < size) {
+      const ssize_t n = ::pread(fd, r.data.get() + done, size - done, static_cast<off_t>(r.begin + done));
+      if (n < 0 && errno == EINTR) continue;
+      const std::string path = m_.dir + "/" + m_.files[r.file].name;
+      TORCH_CHECK(n >= 0, "reading bytes [", r.begin, ", ", r.end, ") of '", path, "' failed: ", std::strerror(errno));
+      TORCH_CHECK(n > 0, "'", path, "' ends at byte ", r.begin + done, ", before byte ", r.end,
+                  " that is needed: it is truncated. Restore the file, or load an earlier checkpoint.");
+      done += static_cast<uint64_t>(n);
+    }
+  }
+  // Every block read, against the manifest (pieces share no block: each is one tensor's chunk).
+  for (const Piece& p : pieces_) {
+    const ManifestChunk& c = *p.chunk;
+    const Range& r = ranges_[p.range];
+    for (uint64_t at = p.lo; at < p.hi; at += c.block_bytes) {
+      const uint64_t n = std::min(c.block_bytes, c.end - at);
+      const size_t block = (at - c.begin) / c.block_bytes;
+      const uint32_t got = crc32c(r.data.get() + (at - r.begin), n);
+      TORCH_CHECK(got == c.crc32c[block], "tensor '", p.tensor->key, "' rows ", c.row_begin, " to ", c.row_end, " in '",
+                  m_.dir, "/", m_.files[c.file].name, "', bytes ", at, " to ", at + n, " (checksum block ", block,
+                  "): CRC32C ", hex(got), " but the manifest says ", hex(c.crc32c[block]),
+                  ". The file is corrupt; nothing was loaded. Restore it or load an earlier checkpoint ('fsdp-ckpt "
+                  "verify ",
+                  m_.dir, "' lists every fault).");
+    }
+  }
+}
+
+void ShardReader::apply() {
+  torch::NoGradGuard no_grad;  // the targets are often parameters
+  for (const Piece& p : pieces_) {
+    const ReadTarget& t = targets_[p.target];
+    const Range& r = ranges_[p.range];
+    const at::ScalarType type = scalar_type_of(p.tensor->dtype, p.tensor->key);
+    at::Tensor dst = t.dst.dim() == 0 ? t.dst : t.dst.narrow(0, p.row_begin - t.row_begin, p.row_end - p.row_begin);
+    const uint8_t* src = r.data.get() + (p.copy_begin - r.begin);
+    at::Tensor rows;
+    if (reinterpret_cast<uintptr_t>(src) % c10::elementSize(type) == 0) {
+      rows = at::from_blob(const_cast<uint8_t*>(src), dst.sizes(), at::TensorOptions().dtype(type));
+    } else {  // a tensor after one of an odd number of 2-byte elements: copied to aligned memory
+      rows = at::empty(dst.sizes(), at::TensorOptions().dtype(type));
+      std::memcpy(rows.data_ptr(), src, p.copy_bytes);
+    }
+    TORCH_CHECK(static_cast<uint64_t>(rows.numel()) * rows.element_size() == p.copy_bytes, "tensor '", p.tensor->key,
+                "' rows ", p.row_begin, " to ", p.row_end, " do not fit their destination");
+    dst.copy_(rows);
+  }
+  for (Range& r : ranges_) r.data.reset();
+}
+
+}  // namespace fsdp::checkpoint::detail

@@ -1,0 +1,62 @@
+// Reading the rows a rank needs out of a checkpoint, whatever number of ranks saved it: the byte
+// ranges of the chunks that overlap each destination's rows, rounded out to their checksum blocks
+// only (never whole chunks or files), read with sorted preads through one descriptor per file,
+// every block checked against the manifest's CRC32C before a byte is applied. Internal to the
+// checkpoint library (checkpoint/load.cpp).
+#pragma once
+
+#include "checkpoint/manifest.h"
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace fsdp::checkpoint::detail {
+
+/// Rows [row_begin, row_end) of the manifest's tensor `tensor` go into `dst` (those rows, any
+/// device and strides; a scalar tensor's one row is the scalar).
+struct ReadTarget {
+  size_t tensor = 0;
+  int64_t row_begin = 0, row_end = 0;
+  at::Tensor dst;
+};
+
+struct ReadStats {
+  uint64_t bytes_needed = 0;  ///< tensor bytes the targets need
+  uint64_t bytes_read = 0;    ///< tensor bytes read: the needed ones and their blocks rounded out
+  uint64_t preads = 0;        ///< read calls (ranges of one file back to back are merged)
+  uint64_t files = 0;         ///< files opened
+};
+
+/// One load's reads, in three steps so that nothing is applied before every rank has read and
+/// checked its part: plan (constructor: pure arithmetic), open_files (each needed file opened once
+/// and its size checked against the manifest: no data read), read (every range, every block
+/// verified, into host memory), apply (copies into the targets). Errors name the file, the tensor
+/// and the rows; the caller adds which call and rank.
+class ShardReader {
+ public:
+  ShardReader(const Manifest& manifest, std::vector<ReadTarget> targets);
+  ~ShardReader();
+  ShardReader(const ShardReader&) = delete;
+  ShardReader& operator=(const ShardReader&) = delete;
+
+  void open_files();
+  void read();
+  void apply();
+  const ReadStats& stats() const { return stats_; }
+
+ private:
+  struct Piece;  // one target's rows out of one chunk
+  struct Range;  // bytes of one file read by one pread
+  const Manifest& m_;
+  std::vector<ReadTarget> targets_;
+  std::vector<Piece> pieces_;
+  std::vector<Range> ranges_;
+  std::vector<int> fds_;  // per manifest file, -1 when not needed
+  ReadStats stats_;
+};
+
+}  // namespace fsdp::checkpoint::detail

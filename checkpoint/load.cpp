@@ -1,0 +1,194 @@
+// fsdp::checkpoint::load: every rank reads the manifest, checks it against the model, reads and
+// verifies the bytes of the rows it holds (internal/reader.h), and only when every rank has done
+// all that without a fault are the shards written. A plain module is loaded the same way, whole.
+#include "checkpoint/checkpoint.h"
+
+#include "checkpoint/commit.h"
+#include "checkpoint/internal/collectives.h"
+#include "checkpoint/internal/reader.h"
+#include "checkpoint/manifest.h"
+#include "checkpoint/safetensors.h"
+
+#include <ATen/ops/tensor.h>
+#include <c10/util/Exception.h>
+
+#include <sys/stat.h>
+
+#include <chrono>
+#include <map>
+#include <set>
+#include <sstream>
+
+namespace fsdp::checkpoint {
+namespace {
+
+// One tensor of the model: where its rows go.
+struct Wanted {
+  std::string key;   // "model/<name>"
+  std::string kind;  // "parameter", "buffer"
+  at::ScalarType dtype;
+  std::vector<int64_t> shape;  // global
+  int64_t row_begin = 0, row_end = 0;
+  at::Tensor dst;
+};
+
+std::string describe(const std::string& dtype, const std::vector<int64_t>& shape) {
+  std::ostringstream os;
+  os << dtype << " " << c10::IntArrayRef(shape);
+  return os.str();
+}
+
+// Checks `wanted` against the manifest (all of it, so that one error lists every difference) and
+// turns it into the reader's targets. No byte of data is read.
+std::vector<detail::ReadTarget> match(const Manifest& m, const std::vector<Wanted>& wanted, bool strict,
+                                      const std::string& hint) {
+  std::map<std::string, size_t> index;
+  for (size_t i = 0; i < m.tensors.size(); ++i) index[m.tensors[i].key] = i;
+  std::vector<std::string> missing, different, unexpected;
+  std::set<std::string> seen;
+  std::vector<detail::ReadTarget> targets;
+  for (const Wanted& w : wanted) {
+    seen.insert(w.key);
+    const auto it = index.find(w.key);
+    if (it == index.end()) {
+      missing.push_back(w.key + " (" + w.kind + ", " + describe(safetensors_dtype(w.dtype), w.shape) + ")");
+      continue;
+    }
+    const ManifestTensor& t = m.tensors[it->second];
+    if (t.dtype != safetensors_dtype(w.dtype) || t.shape != w.shape || t.kind != w.kind) {
+      different.push_back(w.key + ": " + t.kind + " " + describe(t.dtype, t.shape) + " in the checkpoint, " + w.kind +
+                          " " + describe(safetensors_dtype(w.dtype), w.shape) + " in the model");
+      continue;
+    }
+    if (w.row_end > w.row_begin) targets.push_back({it->second, w.row_begin, w.row_end, w.dst});
+  }
+  for (const auto& t : m.tensors) {
+    if (t.key.rfind("model/", 0) == 0 && seen.count(t.key) == 0) unexpected.push_back(t.key);
+  }
+  if (!strict) unexpected.clear();
+  if (missing.empty() && different.empty() && unexpected.empty()) return targets;
+  std::ostringstream os;
+  os << "checkpoint '" << m.dir << "' (saved by " << m.world_size
+     << " ranks) does not fit the model; nothing was loaded.";
+  auto list = [&](const char* what, const std::vector<std::string>& items) {
+    if (items.empty()) return;
+    os << " " << what << " (" << items.size() << "):";
+    for (size_t i = 0; i < items.size() && i < 10; ++i) os << (i ? ";" : "") << " " << items[i];
+    if (items.size() > 10) os << "; ...";
+    os << ".";
+  };
+  list("In the model, not in the checkpoint", missing);
+  list("Different", different);
+  list("In the checkpoint, not in the model", unexpected);
+  os << " Load it into the model it was saved from (same architecture, names and dtypes)"
+     << (unexpected.empty() || !missing.empty() || !different.empty() ? "" : ", or pass LoadOptions().strict(false)")
+     << "; 'fsdp-ckpt inspect " << m.dir << "' lists what it holds." << hint;
+  TORCH_CHECK(false, os.str());
+}
+
+int64_t file_bytes(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0 ? static_cast<int64_t>(st.st_size) : 0;
+}
+
+LoadResult result_of(const Manifest& m, const detail::ReadStats& s) {
+  LoadResult r;
+  r.path = m.dir;
+  r.name = m.name;
+  r.step = m.step;
+  r.saved_world_size = m.world_size;
+  r.metadata = m.metadata;
+  r.bytes_needed = r.bytes_needed_total = static_cast<int64_t>(s.bytes_needed);
+  r.bytes_read = r.bytes_read_total = static_cast<int64_t>(s.bytes_read);
+  r.manifest_bytes = file_bytes(m.dir + "/" + kManifest);
+  r.preads = static_cast<int64_t>(s.preads);
+  r.files_opened = static_cast<int64_t>(s.files);
+  return r;
+}
+
+double since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace
+
+LoadResult load(const std::string& path, FSDPModule& model, const LoadOptions& options) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const int rank = model.rank(), W = model.world_size();
+  const std::string where =
+      "fsdp::checkpoint::load (rank " + std::to_string(rank) + " of " + std::to_string(W) + ") of '" + path + "'";
+  const std::string call = "fsdp::checkpoint::load of '" + path + "'";  // the same on every rank
+  // Every phase ends with every rank agreeing that it went well, so that a fault on one rank
+  // leaves the model untouched on all: nothing is written before the last agreement.
+  auto phase = [&](const char* what, const std::function<void()>& fn) {
+    detail::agree(model, call, where, what, "the model was left as it was", fn);
+  };
+
+  Manifest m;
+  std::unique_ptr<detail::ShardReader> reader;
+  phase("checking the checkpoint against the model", [&] {
+    for (const auto& u : model.units()) {
+      TORCH_CHECK(!u.unsharded || u.strategy == ShardingStrategy::kShardOptimizerState, "unit '",
+                  u.name.empty() ? "<root>" : u.name,
+                  "' is gathered (inside a step): load between steps, after the optimizer's step and before the "
+                  "next forward.");
+    }
+    m = read_manifest(resolve_checkpoint(path));
+    std::vector<Wanted> wanted;
+    for (const ShardSpec& s : model.shard_specs()) {
+      wanted.push_back({"model/" + s.name, "parameter", s.dtype, s.global_shape, s.row_begin, s.row_end, s.local});
+    }
+    for (const auto& kv : model.named_buffers()) {
+      const at::Tensor& b = kv.value();
+      wanted.push_back(
+          {"model/" + kv.key(), "buffer", b.scalar_type(), b.sizes().vec(), 0, b.dim() == 0 ? 1 : b.size(0), b});
+    }
+    reader = std::make_unique<detail::ShardReader>(m, match(m, wanted, options.strict(), ""));
+    reader->open_files();
+  });
+  phase("reading and verifying this rank's rows", [&] { reader->read(); });
+  // Every rank has its bytes, verified: now the model changes.
+  reader->apply();
+  model.mark_shards_written();  // ZeRO-1: the full parameters are gathered again from the rows
+
+  LoadResult r = result_of(m, reader->stats());
+  at::Tensor totals = at::tensor({r.bytes_needed, r.bytes_read}, at::kLong);
+  model.all_reduce(totals, c10d::ReduceOp::SUM, call + ": totals");
+  r.bytes_needed_total = totals[0].item<int64_t>();
+  r.bytes_read_total = totals[1].item<int64_t>();
+  r.seconds = since(t0);
+  return r;
+}
+
+LoadResult load(const std::string& path, torch::nn::Module& module, const LoadOptions& options) {
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    const Manifest m = read_manifest(resolve_checkpoint(path));
+    std::vector<Wanted> wanted;
+    std::set<const void*> seen;  // a tied weight is saved once, under its first name
+    for (const auto& kv : module.named_parameters()) {
+      const at::Tensor& p = kv.value();
+      if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
+      wanted.push_back(
+          {"model/" + kv.key(), "parameter", p.scalar_type(), p.sizes().vec(), 0, p.dim() == 0 ? 1 : p.size(0), p});
+    }
+    for (const auto& kv : module.named_buffers()) {
+      const at::Tensor& b = kv.value();
+      wanted.push_back(
+          {"model/" + kv.key(), "buffer", b.scalar_type(), b.sizes().vec(), 0, b.dim() == 0 ? 1 : b.size(0), b});
+    }
+    detail::ShardReader reader(m,
+                               match(m, wanted, options.strict(),
+                                     " (A module wrapped by fsdp::fully_shard holds shards: pass the wrapped model.)"));
+    reader.open_files();
+    reader.read();
+    reader.apply();
+    LoadResult r = result_of(m, reader.stats());
+    r.seconds = since(t0);
+    return r;
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "fsdp::checkpoint::load of '", path, "' into a plain module: ", e.what_without_backtrace());
+  }
+}
+
+}  // namespace fsdp::checkpoint

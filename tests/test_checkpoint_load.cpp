@@ -1,0 +1,352 @@
+// fsdp::checkpoint::load: checkpoints saved at 1-4 ranks, with every strategy and a mix, loaded at
+// 1-4 ranks with the same strategy and with another one, and into a plain module: every tensor bit
+// for bit, each rank reading the bytes of its own rows (with their checksum blocks), and the loaded
+// model computing what a plain LibTorch model with the same weights computes. Then every fault:
+// each its own error, on every rank, and the model left as it was.
+#include "checkpoint/checkpoint.h"
+#include "checkpoint/commit.h"
+#include "checkpoint/manifest.h"
+#include "tests/models.h"
+#include "tests/temp_dir.h"
+
+#include <torch/serialize.h>
+#include <nlohmann/json.hpp>
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <iterator>
+#include <memory>
+
+namespace fsdp::testing {
+namespace {
+
+/// UnevenMLP with two buffers (one a scalar), which every rank holds whole; the plain one (no
+/// fsdp::Sharded units) has the same names.
+template <bool kSharded>
+struct BufferedMLPT : UnevenMLPImpl<kSharded> {
+  BufferedMLPT() {
+    running = this->register_buffer("running", torch::arange(5.0) * 0.5);
+    count = this->register_buffer("count", torch::tensor(7, torch::kLong));
+  }
+  torch::Tensor running, count;
+};
+using BufferedMLPImpl = BufferedMLPT<true>;
+using PlainMLPImpl = BufferedMLPT<false>;
+
+torch::OrderedDict<std::string, at::Tensor> state_of(const torch::nn::Module& m) {
+  auto out = m.named_parameters();
+  for (const auto& kv : m.named_buffers()) out.insert(kv.key(), kv.value());
+  return out;
+}
+
+struct Case {
+  const char* label;
+  ShardingStrategy strategy;
+  int group;  // hybrid's group size
+  bool mixed;
+};
+
+// What each world size saves: every strategy, hybrid with a group that divides it, and a mix.
+std::vector<Case> saved_cases(int W) {
+  return {{"full", ShardingStrategy::kFullShard, 0, false},
+          {"grad_op", ShardingStrategy::kShardGradOp, 0, false},
+          {"zero1", ShardingStrategy::kShardOptimizerState, 0, false},
+          {"replicate", ShardingStrategy::kNoShard, 0, false},
+          {"hybrid", ShardingStrategy::kHybridShard, W % 2 == 0 ? 2 : 1, false},
+          {"mixed", ShardingStrategy::kFullShard, 0, true}};
+}
+
+std::shared_ptr<BufferedMLPImpl> build(const Case& c, Rank& r, uint64_t seed) {
+  torch::manual_seed(seed);
+  auto net = std::make_shared<BufferedMLPImpl>();
+  if (c.mixed) net->fc1->set_sharding_strategy(ShardingStrategy::kNoShard);
+  (void)r;
+  return net;
+}
+
+FullyShardedModule<BufferedMLPImpl> wrap(const Case& c, Rank& r, uint64_t seed) {
+  return fsdp::fully_shard(build(c, r, seed), r.pg, test_options(c.strategy, c.group));
+}
+
+std::string root_dir() {
+  const char* d = std::getenv("FSDP_TEST_CKPT_ROOT");
+  TORCH_CHECK(d != nullptr, "FSDP_TEST_CKPT_ROOT is not set");
+  return d;
+}
+
+std::string ckpt_name(int N, const Case& c) {
+  return "n" + std::to_string(N) + "-" + c.label;
+}
+
+// The same weights as the checkpoint in every dict entry, bit for bit.
+void expect_bit_exact(const torch::OrderedDict<std::string, at::Tensor>& got,
+                      const torch::OrderedDict<std::string, at::Tensor>& want, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (const auto& kv : want) {
+    const at::Tensor* g = got.find(kv.key());
+    ASSERT_NE(g, nullptr) << what << ": " << kv.key();
+    EXPECT_EQ(g->scalar_type(), kv.value().scalar_type()) << what << ": " << kv.key();
+    EXPECT_TRUE(g->sizes() == kv.value().sizes() && g->equal(kv.value())) << what << ": " << kv.key();
+  }
+}
+
+torch::OrderedDict<std::string, at::Tensor> read_reference(const std::string& path) {
+  torch::serialize::InputArchive in;
+  in.load_from(path);
+  torch::OrderedDict<std::string, at::Tensor> out;
+  for (const auto& key : in.keys()) {
+    at::Tensor t;
+    in.read(key, t);
+    out.insert(key, t);
+  }
+  return out;
+}
+
+// At N ranks: each case trained one step (so that no weight is its initial value), saved, and its
+// full weights written beside it by rank 0 as the reference.
+void save_all(Rank& r) {
+  const std::string root = root_dir();
+  for (const Case& c : saved_cases(r.world_size)) {
+    auto model = wrap(c, r, 7);
+    torch::optim::SGD opt(model->parameters(), 0.1);
+    torch::manual_seed(9);
+    auto x = torch::randn({kGlobalBatch, 7});
+    model(local_rows(x, r.rank, r.world_size)).square().mean().backward();
+    opt.step();
+    model->zero_grad();
+    const auto full = model.full_state_dict(/*rank0_only=*/true);
+    checkpoint::save(root, model, checkpoint::SaveOptions().name(ckpt_name(r.world_size, c)).step(1));
+    if (r.rank == 0) {
+      torch::serialize::OutputArchive out;
+      for (const auto& kv : full) out.write(kv.key(), kv.value());
+      out.save_to(root + "/" + ckpt_name(r.world_size, c) + ".ref");
+    }
+  }
+}
+
+// At M ranks: every checkpoint of every N, with its own strategy and with another (rotating).
+void load_all(Rank& r) {
+  const std::string root = root_dir();
+  const int M = r.world_size;
+  const auto load_cases = saved_cases(M);
+  int64_t needed = 0, read = 0;
+  for (int N = 1; N <= 4; ++N) {
+    const auto saved = saved_cases(N);
+    for (size_t i = 0; i < saved.size(); ++i) {
+      const std::string name = ckpt_name(N, saved[i]);
+      const auto want = read_reference(root + "/" + name + ".ref");
+      for (const Case& c : {load_cases[i], load_cases[(i + 1 + N) % load_cases.size()]}) {
+        const std::string what = name + " loaded at " + std::to_string(M) + " ranks as " + c.label;
+        SCOPED_TRACE(what);
+        auto model = wrap(c, r, 1234);  // other weights before the load
+        const auto res = checkpoint::load(root + "/" + name, model);
+        EXPECT_EQ(res.saved_world_size, N);
+        EXPECT_EQ(res.step, 1);
+        // Needed: the rows this rank holds, from shapes; read: at least those.
+        int64_t mine = 0;
+        for (const auto& s : model.shard_specs()) mine += s.local.numel() * s.local.element_size();
+        for (const auto& b : model.buffers()) mine += b.numel() * b.element_size();
+        EXPECT_EQ(res.bytes_needed, mine);
+        EXPECT_GE(res.bytes_read, res.bytes_needed);
+        EXPECT_LE(res.files_opened, N);
+        needed += res.bytes_needed;
+        read += res.bytes_read;
+        expect_bit_exact(model.full_state_dict(), want, what);
+        if (::testing::Test::HasFailure()) return;
+
+        // It computes what a plain model loaded from the same checkpoint computes (ZeRO-1's full
+        // parameters were gathered again from the loaded rows).
+        torch::manual_seed(4321);
+        auto plain = std::make_shared<PlainMLPImpl>();
+        checkpoint::load(root + "/" + name, *plain);
+        expect_bit_exact(state_of(*plain), want, what + ", plain");
+        torch::manual_seed(11);
+        auto x = torch::randn({kGlobalBatch, 7});
+        auto loss = model(local_rows(x, r.rank, M)).square().mean().detach() / M;
+        all_reduce_sum(r, loss);
+        EXPECT_NEAR(loss.item<double>(), plain->forward(x).square().mean().item<double>(), 1e-6);
+      }
+    }
+  }
+  if (r.rank == 0) std::cout << "loads at " << M << " ranks: read/needed " << double(read) / needed << std::endl;
+}
+
+TEST(CheckpointLoad, ReshardMatrixEveryStrategyBitExact) {
+  std::unique_ptr<TempDir> tmp;  // in the test process only; the ranks take its path from the environment
+  RunOptions o;
+  o.timeout = std::chrono::seconds(300);
+  if (!in_rank_process()) {
+    tmp = std::make_unique<TempDir>();
+    o.env["FSDP_TEST_CKPT_ROOT"] = tmp->path;
+  }
+  for (int N = 1; N <= 4; ++N) run_ranks(N, save_all, o);
+  for (int M = 1; M <= 4; ++M) run_ranks(M, load_all, o);
+}
+
+// Copies checkpoint `from` to `to` (its files only), byte for byte.
+void copy_checkpoint(const std::string& from, const std::string& to) {
+  TORCH_CHECK(::mkdir(to.c_str(), 0755) == 0, "mkdir ", to);
+  const auto m = checkpoint::read_manifest(from);
+  std::vector<std::string> names{checkpoint::kManifest};
+  for (const auto& f : m.files) names.push_back(f.name);
+  for (const auto& n : names) {
+    std::ifstream in(from + "/" + n, std::ios::binary);
+    std::ofstream(to + "/" + n, std::ios::binary) << in.rdbuf();
+  }
+}
+
+void edit_manifest(const std::string& dir, const std::function<void(nlohmann::json&)>& edit) {
+  const std::string path = dir + "/" + checkpoint::kManifest;
+  nlohmann::json j = nlohmann::json::parse(std::ifstream(path));
+  edit(j);
+  std::ofstream(path) << j.dump(1);
+}
+
+void flip_byte(const std::string& path, uint64_t offset) {
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(static_cast<std::streamoff>(offset));
+  char c = 0;
+  f.get(c);
+  f.seekp(static_cast<std::streamoff>(offset));
+  f.put(static_cast<char>(c ^ 0x10));
+}
+
+struct Fault {
+  const char* name;
+  std::function<void(const std::string& dir)> make;  // on rank 0, on a copy of the good checkpoint
+  // Said by the ranks that find it (the others say it failed on another rank).
+  std::string message;
+  std::vector<int> found_by;
+};
+
+// At 2 ranks: a good checkpoint, then each fault on a copy of it. Every rank's load throws (the
+// rank that finds the fault says what, file and tensor; the other says it failed elsewhere) and
+// leaves the model bit for bit as it was.
+void check_faults(Rank& r) {
+  const std::string root = shared_dir() + "/ckpts";
+  const Case full{"full", ShardingStrategy::kFullShard, 0, false};
+  auto saved = wrap(full, r, 7);
+  checkpoint::save(root, saved, checkpoint::SaveOptions().name("good").step(3));
+  const std::string good = root + "/good";
+  const auto m = checkpoint::read_manifest(good);
+  const checkpoint::ManifestTensor* fc1 = nullptr;
+  for (const auto& t : m.tensors) {
+    if (t.key == "model/fc1.weight") fc1 = &t;
+  }
+  ASSERT_NE(fc1, nullptr);
+  ASSERT_EQ(fc1->chunks.size(), 2u);  // rows 0-6 by rank 0, 7-12 by rank 1: each rank reads its own
+  const uint64_t in_rank1s_rows = fc1->chunks[1].begin + 5;
+  auto barrier = [&] {
+    auto t = torch::zeros({1});
+    all_reduce_sum(r, t);
+  };
+
+  const std::vector<Fault> faults = {
+      {"flipped",
+       [&](const std::string& d) { flip_byte(d + "/rank-00001.safetensors", in_rank1s_rows); },
+       "tensor 'model/fc1.weight' rows 7 to 13 in '",
+       {1}},
+      {"truncated",
+       [&](const std::string& d) { ::truncate((d + "/rank-00000.safetensors").c_str(), m.files[0].bytes - 100); },
+       "/rank-00000.safetensors' has " + std::to_string(m.files[0].bytes - 100) + " bytes but the manifest says " +
+           std::to_string(m.files[0].bytes) + ": it was truncated or replaced",
+       {0, 1}},
+      {"deleted",
+       [&](const std::string& d) { ::unlink((d + "/rank-00001.safetensors").c_str()); },
+       "/rank-00001.safetensors' (No such file or directory), which holds rows",
+       {0, 1}},  // rank 0 reads a buffer's rows from it
+      {"renamed",
+       [&](const std::string& d) {
+         edit_manifest(d, [](nlohmann::json& j) {
+           j["tensors"]["model/fc2.biass"] = j["tensors"]["model/fc2.bias"];
+           j["tensors"].erase("model/fc2.bias");
+         });
+       },
+       "In the model, not in the checkpoint (1): model/fc2.bias (parameter, F32 [5]). In the checkpoint, not in the "
+       "model (1): model/fc2.biass.",
+       {0, 1}},
+      {"newer",
+       [&](const std::string& d) { edit_manifest(d, [](nlohmann::json& j) { j["format_version"] = 2; }); },
+       "has format version 2, newer than this library's (1)",
+       {0, 1}},
+      {"no manifest",
+       [&](const std::string& d) { ::unlink((d + "/" + checkpoint::kManifest).c_str()); },
+       "is neither a checkpoint (no manifest.json) nor a root with a 'latest' pointer",
+       {0, 1}},
+  };
+  for (const Fault& f : faults) {
+    SCOPED_TRACE(f.name);
+    const std::string dir = root + "/fault-" + std::to_string(&f - faults.data());
+    if (r.rank == 0) {
+      copy_checkpoint(good, dir);
+      f.make(dir);
+    }
+    barrier();
+    auto model = wrap(full, r, 1234);
+    const auto before = model.full_state_dict();
+    const std::string msg = error_of([&] { checkpoint::load(dir, model); });
+    std::cout << f.name << ": " << msg << std::endl;  // shown with FSDP_TEST_SHOW_OUTPUT=1
+    const bool finds = std::find(f.found_by.begin(), f.found_by.end(), r.rank) != f.found_by.end();
+    EXPECT_NE(msg.find("fsdp::checkpoint::load (rank " + std::to_string(r.rank) + " of 2) of '" + dir + "': "),
+              std::string::npos)
+        << msg;
+    EXPECT_NE(msg.find(finds ? f.message : "failed on another rank (its error says why); the model was left as it was"),
+              std::string::npos)
+        << msg;
+    expect_bit_exact(model.full_state_dict(), before, std::string(f.name) + ": the model is untouched");
+  }
+
+  // A model of another dtype, and one without the buffers (strict: refused; not strict: loaded).
+  {
+    torch::manual_seed(1);
+    auto net = std::make_shared<BufferedMLPImpl>();
+    net->to(torch::kDouble);
+    auto model = fsdp::fully_shard(net, r.pg, test_options());
+    const std::string msg = error_of([&] { checkpoint::load(good, model); });
+    EXPECT_NE(msg.find("Different (9): model/scale: parameter F32 [] in the checkpoint, parameter F64 [] in the "
+                       "model; model/head.weight: parameter F32 [3, 5] in the checkpoint, parameter F64 [3, 5]"),
+              std::string::npos)
+        << msg;
+  }
+  {
+    torch::manual_seed(1);
+    auto model = fsdp::fully_shard(std::make_shared<UnevenMLPImpl<true>>(), r.pg, test_options());
+    const std::string msg = error_of([&] { checkpoint::load(good, model); });
+    EXPECT_NE(msg.find("In the checkpoint, not in the model (2): model/count; model/running. Load it into the model "
+                       "it was saved from (same architecture, names and dtypes), or pass LoadOptions().strict(false)"),
+              std::string::npos)
+        << msg;
+    checkpoint::load(good, model, checkpoint::LoadOptions().strict(false));
+    auto want = saved.full_state_dict();
+    want.erase("running");
+    want.erase("count");
+    expect_bit_exact(model.full_state_dict(), want, "not strict");
+  }
+  // The plain path: the same checks, and a flipped byte leaves the module as it was.
+  if (r.rank == 0) {
+    auto plain = std::make_shared<PlainMLPImpl>();
+    torch::OrderedDict<std::string, at::Tensor> before;
+    for (const auto& kv : state_of(*plain)) before.insert(kv.key(), kv.value().clone());
+    const std::string msg = error_of([&] { checkpoint::load(root + "/fault-0", *plain); });
+    EXPECT_NE(msg.find("' into a plain module: tensor 'model/fc1.weight' rows 7 to 13"), std::string::npos) << msg;
+    expect_bit_exact(state_of(*plain), before, "plain: untouched");
+    const std::string staging = error_of([&] { checkpoint::load(root + "/.staging-x", *plain); });
+    EXPECT_NE(staging.find("is a staging directory of a save that did not finish: it is never loaded"),
+              std::string::npos)
+        << staging;
+  }
+  barrier();
+  if (r.rank == 0) remove_tree(root);
+}
+
+TEST(CheckpointLoad, EachFaultItsOwnErrorOnEveryRankAndTheModelUntouched) {
+  run_ranks(2, check_faults);
+}
+
+}  // namespace
+}  // namespace fsdp::testing
