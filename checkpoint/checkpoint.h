@@ -16,6 +16,7 @@
 #include <torch/arg.h>
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
+#include <torch/optim/optimizer.h>
 
 #include <cstdint>
 #include <map>
@@ -52,6 +53,11 @@ struct SaveResult {
 /// bounded by the model's timeout; a failure on any rank fails every rank with its reason, and
 /// leaves the previous checkpoint the latest.
 SaveResult save(const std::string& root, const FSDPModule& model, const SaveOptions& options = {});
+/// Also saves `optimizer`'s state (built on the wrapped model's parameters: torch::optim::SGD,
+/// Adam, AdamW or fsdp::optim::FusedAdamW): each parameter's state tensors, which have its layout,
+/// with the same plan (each unique byte once), its step, and each param group's hyperparameters.
+SaveResult save(const std::string& root, const FSDPModule& model, const torch::optim::Optimizer& optimizer,
+                const SaveOptions& options = {});
 
 struct LoadOptions {
   /// Refuse a checkpoint that holds model tensors the model does not have (as LibTorch's and
@@ -85,6 +91,13 @@ struct LoadResult {
 /// reads and verifies its bytes; if that fails on any rank, every rank throws, naming the file,
 /// the tensor and the rank, and the model is left as it was. Bounded by the model's timeout.
 LoadResult load(const std::string& path, FSDPModule& model, const LoadOptions& options = {});
+/// Also loads `optimizer`'s state, saved with the model (the same optimizer type and param groups,
+/// by parameter name, whatever the number of ranks): each parameter's state tensors (its rows
+/// now), its step, and each group's hyperparameters (learning rate included, so that a schedule
+/// resumes where it was). A parameter without saved state has none afterwards, as in PyTorch's
+/// Optimizer.load_state_dict. Checked with the model, before either changes.
+LoadResult load(const std::string& path, FSDPModule& model, torch::optim::Optimizer& optimizer,
+                const LoadOptions& options = {});
 
 /// Loads the checkpoint at `path`, saved by any number of ranks, into a plain (unwrapped) module
 /// in one process: every parameter and buffer whole, with the same checks (for inference or

@@ -5,6 +5,7 @@
 
 #include "checkpoint/commit.h"
 #include "checkpoint/internal/collectives.h"
+#include "checkpoint/internal/optimizer_state.h"
 #include "checkpoint/internal/reader.h"
 #include "checkpoint/manifest.h"
 #include "checkpoint/safetensors.h"
@@ -14,6 +15,7 @@
 
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <chrono>
 #include <map>
 #include <set>
@@ -110,9 +112,94 @@ double since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-}  // namespace
+// A load's plan for the optimizer: per parameter of it, the saved state's names, where they go and
+// the step; per param group the saved hyperparameters.
+struct OptimizerPlan {
+  std::string type;
+  struct Param {
+    at::Tensor param;
+    std::vector<std::string> names;
+    std::vector<at::Tensor> dst;
+    int64_t step = -1;
+  };
+  std::vector<Param> params;
+};
 
-LoadResult load(const std::string& path, FSDPModule& model, const LoadOptions& options) {
+// Checks the saved optimizer against `opt` (type, param groups by parameter name, state names)
+// and adds the state tensors to `wanted`. Nothing of the optimizer changes.
+OptimizerPlan plan_optimizer(const Manifest& m, const FSDPModule& model, const torch::optim::Optimizer& opt,
+                             std::vector<Wanted>& wanted) {
+  OptimizerPlan plan;
+  plan.type = detail::optimizer_type(opt, "fsdp::checkpoint::load");
+  TORCH_CHECK(m.has_optimizer, "checkpoint '", m.dir,
+              "' was saved without an optimizer: load the model alone (fsdp::checkpoint::load(path, model)).");
+  TORCH_CHECK(m.optimizer.type == plan.type, "checkpoint '", m.dir, "' holds ", m.optimizer.type,
+              " state, but the optimizer is ", plan.type, ": load it into the optimizer type it was saved from.");
+  const auto specs = model.shard_specs();
+  std::map<const void*, const ShardSpec*> by_param;
+  for (const auto& s : specs) by_param[s.local.unsafeGetTensorImpl()] = &s;
+  const auto& groups = opt.param_groups();
+  TORCH_CHECK(groups.size() == m.optimizer.param_groups.size(), "checkpoint '", m.dir, "' has ",
+              m.optimizer.param_groups.size(), " param group(s) but the optimizer has ", groups.size(),
+              ": build the optimizer with the param groups it was saved with.");
+  // Saved state names per parameter, from the tensor keys "optim/<name>/<state>".
+  std::map<std::string, std::vector<std::string>> saved;
+  for (const auto& t : m.tensors) {
+    if (t.kind != "optimizer") continue;
+    const size_t slash = t.key.find_last_of('/');
+    saved[t.key.substr(6, slash - 6)].push_back(t.key.substr(slash + 1));
+  }
+  const auto allowed = detail::state_names(plan.type);
+  std::set<std::string> in_groups;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    std::vector<std::string> names;
+    for (const auto& param : groups[g].params()) {
+      const auto it = by_param.find(param.unsafeGetTensorImpl());
+      TORCH_CHECK(it != by_param.end(), "the optimizer holds a parameter of shape ", param.sizes(),
+                  " that is not one of the wrapped model's: build the optimizer on the wrapped model's parameters "
+                  "(model->parameters() after fsdp::fully_shard).");
+      const ShardSpec& s = *it->second;
+      names.push_back(s.name);
+      in_groups.insert(s.name);
+      OptimizerPlan::Param p;
+      p.param = param;
+      for (const auto& n : saved[s.name]) {
+        TORCH_CHECK(std::find(allowed.begin(), allowed.end(), n) != allowed.end(), "checkpoint '", m.dir,
+                    "' holds optimizer state '", n, "' of parameter '", s.name, "', which ", plan.type,
+                    " does not keep: the manifest was edited or written by another program.");
+        p.names.push_back(n);
+      }
+      p.dst = detail::state_destinations(opt, plan.type, param, p.names);
+      for (size_t k = 0; k < p.names.size(); ++k) {
+        wanted.push_back({"optim/" + s.name + "/" + p.names[k], "optimizer", s.dtype, s.global_shape, s.row_begin,
+                          s.row_end, p.dst[k]});
+      }
+      const auto step = m.optimizer.steps.find(s.name);
+      if (step != m.optimizer.steps.end()) p.step = step->second;
+      plan.params.push_back(std::move(p));
+    }
+    const auto& want = m.optimizer.param_groups[g].params;
+    TORCH_CHECK(names == want, "param group ", g, " of the optimizer holds ", names.size(),
+                " parameters that are not those it was saved with (", want.size(), ", first: '",
+                want.empty() ? "" : want[0], "'): build the optimizer with the param groups it was saved with.");
+  }
+  for (const auto& kv : saved) {
+    TORCH_CHECK(in_groups.count(kv.first) == 1, "checkpoint '", m.dir, "' holds optimizer state of '", kv.first,
+                "', which is in none of the optimizer's param groups.");
+  }
+  return plan;
+}
+
+void install(const Manifest& m, torch::optim::Optimizer& opt, const OptimizerPlan& plan) {
+  for (const auto& p : plan.params) detail::install_state(opt, plan.type, p.param, p.names, p.dst, p.step);
+  for (size_t g = 0; g < opt.param_groups().size(); ++g) {
+    detail::set_group_options(opt.param_groups()[g], plan.type, m.optimizer.param_groups[g].options,
+                              "fsdp::checkpoint::load");
+  }
+}
+
+LoadResult load_checkpoint(const std::string& path, FSDPModule& model, torch::optim::Optimizer* opt,
+                           const LoadOptions& options) {
   const auto t0 = std::chrono::steady_clock::now();
   const int rank = model.rank(), W = model.world_size();
   const std::string where =
@@ -125,6 +212,7 @@ LoadResult load(const std::string& path, FSDPModule& model, const LoadOptions& o
   };
 
   Manifest m;
+  OptimizerPlan optim;
   std::unique_ptr<detail::ShardReader> reader;
   phase("checking the checkpoint against the model", [&] {
     for (const auto& u : model.units()) {
@@ -143,13 +231,15 @@ LoadResult load(const std::string& path, FSDPModule& model, const LoadOptions& o
       wanted.push_back(
           {"model/" + kv.key(), "buffer", b.scalar_type(), b.sizes().vec(), 0, b.dim() == 0 ? 1 : b.size(0), b});
     }
+    if (opt != nullptr) optim = plan_optimizer(m, model, *opt, wanted);
     reader = std::make_unique<detail::ShardReader>(m, match(m, wanted, options.strict(), ""));
     reader->open_files();
   });
   phase("reading and verifying this rank's rows", [&] { reader->read(); });
-  // Every rank has its bytes, verified: now the model changes.
+  // Every rank has its bytes, verified: now the model (and the optimizer) change.
   reader->apply();
   model.mark_shards_written();  // ZeRO-1: the full parameters are gathered again from the rows
+  if (opt != nullptr) install(m, *opt, optim);
 
   LoadResult r = result_of(m, reader->stats());
   at::Tensor totals = at::tensor({r.bytes_needed, r.bytes_read}, at::kLong);
@@ -158,6 +248,17 @@ LoadResult load(const std::string& path, FSDPModule& model, const LoadOptions& o
   r.bytes_read_total = totals[1].item<int64_t>();
   r.seconds = since(t0);
   return r;
+}
+
+}  // namespace
+
+LoadResult load(const std::string& path, FSDPModule& model, const LoadOptions& options) {
+  return load_checkpoint(path, model, nullptr, options);
+}
+
+LoadResult load(const std::string& path, FSDPModule& model, torch::optim::Optimizer& optimizer,
+                const LoadOptions& options) {
+  return load_checkpoint(path, model, &optimizer, options);
 }
 
 LoadResult load(const std::string& path, torch::nn::Module& module, const LoadOptions& options) {

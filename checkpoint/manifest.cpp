@@ -44,6 +44,16 @@ Manifest read_manifest(const std::string& dir) {
     TORCH_CHECK(m.block_bytes > 0, "fsdp::checkpoint: '", path, "' has block_bytes 0.");
     m.strategies = j.at("strategies").get<std::map<std::string, std::string>>();
     m.metadata = j.at("metadata").get<std::map<std::string, std::string>>();
+    if (j.contains("optimizer") && !j["optimizer"].is_null()) {
+      const auto& o = j["optimizer"];
+      m.has_optimizer = true;
+      m.optimizer.type = o.at("type").get<std::string>();
+      for (const auto& g : o.at("param_groups")) {
+        m.optimizer.param_groups.push_back(
+            {g.at("options").get<std::map<std::string, double>>(), g.at("params").get<std::vector<std::string>>()});
+      }
+      m.optimizer.steps = o.at("steps").get<std::map<std::string, int64_t>>();
+    }
     for (const auto& fe : j.at("files")) {
       m.files.push_back({fe.at("name").get<std::string>(), fe.at("rank").get<int>(), fe.at("bytes").get<uint64_t>()});
       TORCH_CHECK(m.files.back().name.find('/') == std::string::npos, "fsdp::checkpoint: '", path,

@@ -21,8 +21,8 @@ struct ManifestChunk {
 };
 
 struct ManifestTensor {
-  std::string key;   ///< "model/<name>"
-  std::string kind;  ///< "parameter", "buffer"
+  std::string key;   ///< "model/<name>", "optim/<parameter name>/<state name>"
+  std::string kind;  ///< "parameter", "buffer", "optimizer"
   std::string dtype;
   std::vector<int64_t> shape;
   std::vector<ManifestChunk> chunks;  ///< in row order, covering every row once
@@ -36,6 +36,18 @@ struct ManifestFile {
   uint64_t bytes = 0;  ///< the file's size
 };
 
+struct ManifestParamGroup {
+  std::map<std::string, double> options;  ///< hyperparameters (betas as beta1, beta2; flags 0/1)
+  std::vector<std::string> params;        ///< its parameters' names, in the group's order
+};
+
+/// The optimizer a checkpoint was saved with (present when it was saved with one).
+struct ManifestOptimizer {
+  std::string type;  ///< "SGD", "Adam", "AdamW"
+  std::vector<ManifestParamGroup> param_groups;
+  std::map<std::string, int64_t> steps;  ///< per parameter name (Adam, AdamW)
+};
+
 struct Manifest {
   std::string dir;  ///< the checkpoint's directory
   int format_version = 0;
@@ -44,6 +56,8 @@ struct Manifest {
   int world_size = 0;
   uint64_t block_bytes = 0;  ///< the largest checksum block
   std::map<std::string, std::string> strategies, metadata;
+  bool has_optimizer = false;
+  ManifestOptimizer optimizer;
   std::vector<ManifestFile> files;
   std::vector<ManifestTensor> tensors;  ///< by key
 };

@@ -4,6 +4,7 @@
 
 #include "checkpoint/commit.h"
 #include "checkpoint/internal/collectives.h"
+#include "checkpoint/internal/optimizer_state.h"
 #include "checkpoint/manifest.h"
 #include "checkpoint/plan.h"
 #include "checkpoint/safetensors.h"
@@ -16,6 +17,7 @@
 #include <chrono>
 #include <cstdio>
 #include <functional>
+#include <map>
 
 namespace fsdp::checkpoint {
 namespace {
@@ -38,15 +40,25 @@ at::Tensor rows_of(const at::Tensor& t, int64_t first, int64_t n) {
   return t.dim() == 0 ? t : t.narrow(0, first, n);
 }
 
-// What this rank writes: (manifest key, global rows, the rows' tensor); and, into `tensors_meta`
-// when given (rank 0), each key's kind, dtype and global shape.
+// What this rank writes: (manifest key, global rows, the rows' tensor); the optimizer state it
+// writes (kind, dtype, global shape per key) and the steps of the parameters it has state for.
 struct Planned {
   std::vector<std::string> keys;
   std::vector<std::pair<int64_t, int64_t>> rows;
   std::vector<std::pair<std::string, at::Tensor>> tensors;  // file entry name -> data
+  json optim_tensors = json::object();
+  json steps = json::object();
 };
 
-Planned plan_model(const FSDPModule& model, json* tensors_meta) {
+// The model's parameter that the optimizer's `param` is: its index in `specs`.
+std::map<const void*, size_t> spec_index(const std::vector<ShardSpec>& specs) {
+  std::map<const void*, size_t> out;
+  for (size_t i = 0; i < specs.size(); ++i) out[specs[i].local.unsafeGetTensorImpl()] = i;
+  return out;
+}
+
+Planned plan_model(const FSDPModule& model, const torch::optim::Optimizer* opt, const std::string& type,
+                   json* tensors_meta) {
   Planned p;
   auto add = [&](const std::string& key, int64_t b, int64_t e, const at::Tensor& data) {
     p.keys.push_back(key);
@@ -62,10 +74,39 @@ Planned plan_model(const FSDPModule& model, json* tensors_meta) {
                                             {"chunks", json::array()}};
     }
   }
+  // Each parameter's optimizer state, which has its layout: this rank's rows of it.
+  std::vector<detail::ParamState> states(specs.size());
+  if (opt != nullptr) {
+    const auto index = spec_index(specs);
+    for (const auto& group : opt->param_groups()) {
+      for (const auto& param : group.params()) {
+        const auto it = index.find(param.unsafeGetTensorImpl());
+        TORCH_CHECK(it != index.end(), "the optimizer holds a parameter of shape ", param.sizes(),
+                    " that is not one of the wrapped model's: build the optimizer on the wrapped model's parameters "
+                    "(model->parameters() after fsdp::fully_shard).");
+        const ShardSpec& s = specs[it->second];
+        detail::ParamState st = detail::param_state(*opt, type, param);
+        for (const auto& [name, t] : st.tensors) {
+          TORCH_CHECK(t.sizes() == s.local.sizes() && t.scalar_type() == s.dtype && t.device() == s.local.device(),
+                      "the optimizer's '", name, "' of parameter '", s.name, "' is ", t.scalar_type(), " ", t.sizes(),
+                      " but this rank's rows of the parameter are ", s.dtype, " ", s.local.sizes(),
+                      ": it does not have the parameter's layout.");
+        }
+        if (st.step >= 0) p.steps[s.name] = st.step;
+        states[it->second] = std::move(st);
+      }
+    }
+  }
 
   for (const auto& w : plan_writes(specs)) {
     const ShardSpec& s = specs[w.spec];
-    add("model/" + s.name, w.row_begin, w.row_end, rows_of(s.local.detach(), w.local_row, w.row_end - w.row_begin));
+    const int64_t n = w.row_end - w.row_begin;
+    add("model/" + s.name, w.row_begin, w.row_end, rows_of(s.local.detach(), w.local_row, n));
+    for (const auto& [name, t] : states[w.spec].tensors) {
+      const std::string key = "optim/" + s.name + "/" + name;
+      p.optim_tensors[key] = {{"kind", "optimizer"}, {"dtype", safetensors_dtype(s.dtype)}, {"shape", s.global_shape}};
+      add(key, w.row_begin, w.row_end, rows_of(t.detach(), w.local_row, n));
+    }
   }
   // Buffers: every rank holds them whole; their rows are split over all ranks like replicas'.
   size_t index = specs.size();
@@ -84,9 +125,33 @@ Planned plan_model(const FSDPModule& model, json* tensors_meta) {
   return p;
 }
 
-}  // namespace
+// Rank 0's record of the optimizer: its type, each param group's hyperparameters and parameters
+// (by name), and each parameter's step (every rank's, which must agree).
+json optimizer_record(const FSDPModule& model, const torch::optim::Optimizer& opt, const std::string& type,
+                      const std::vector<std::string>& parts) {
+  const auto specs = model.shard_specs();
+  const auto index = spec_index(specs);
+  json groups = json::array();
+  for (const auto& group : opt.param_groups()) {
+    json names = json::array();
+    for (const auto& param : group.params()) names.push_back(specs[index.at(param.unsafeGetTensorImpl())].name);
+    groups.push_back({{"options", detail::group_options(group, type)}, {"params", names}});
+  }
+  json steps = json::object();
+  for (size_t r = 0; r < parts.size(); ++r) {
+    const json part = json::parse(parts[r]);  // kept alive: the loop's range refers into it
+    for (const auto& [name, step] : part["steps"].items()) {
+      TORCH_CHECK(!steps.contains(name) || steps[name] == step, "the optimizer's step of parameter '", name, "' is ",
+                  steps.contains(name) ? steps[name].dump() : "", " on one rank but ", step.dump(), " on rank ", r,
+                  ": every rank must step the optimizer the same number of times.");
+      steps[name] = step;
+    }
+  }
+  return {{"type", type}, {"param_groups", groups}, {"steps", steps}};
+}
 
-SaveResult save(const std::string& root, const FSDPModule& model, const SaveOptions& options) {
+SaveResult save_checkpoint(const std::string& root, const FSDPModule& model, const torch::optim::Optimizer* opt,
+                           const SaveOptions& options) {
   const auto t0 = std::chrono::steady_clock::now();
   const auto& pg = model.process_group();
   const auto timeout = model.options().timeout();
@@ -108,15 +173,18 @@ SaveResult save(const std::string& root, const FSDPModule& model, const SaveOpti
 
   json tensors_meta = json::object();  // rank 0's: every tensor's dtype, shape and (below) chunks
   std::string part;                    // this rank's chunks, for the manifest
+  std::string type;                    // the optimizer's
   SaveResult result;
   phase("writing this rank's file", [&] {
-    Planned p = plan_model(model, rank == 0 ? &tensors_meta : nullptr);
+    if (opt != nullptr) type = detail::optimizer_type(*opt, "fsdp::checkpoint::save");
+    Planned p = plan_model(model, opt, type, rank == 0 ? &tensors_meta : nullptr);
     const FileRecord file =
         write_safetensors(staging + "/" + rank_file(rank), p.tensors, {{"rank", std::to_string(rank)}},
                           WriteOptions().block_bytes(options.block_bytes()).min_blocks(kMinBlocks));
     for (const auto& t : file.tensors) result.bytes_written += static_cast<int64_t>(t.end - t.begin);
     // This rank's part of the manifest: its chunks, in the file's order.
-    json mine = {{"rank", rank}, {"file", rank_file(rank)}, {"bytes", file.size}, {"chunks", json::array()}};
+    json mine = {{"rank", rank},     {"file", rank_file(rank)}, {"bytes", file.size}, {"tensors", p.optim_tensors},
+                 {"steps", p.steps}, {"chunks", json::array()}};
     for (size_t i = 0; i < p.keys.size(); ++i) {
       const auto& t = file.tensors[i];
       mine["chunks"].push_back({{"tensor", p.keys[i]},
@@ -137,6 +205,12 @@ SaveResult save(const std::string& root, const FSDPModule& model, const SaveOpti
     for (int r = 0; r < W; ++r) {
       const json mine = json::parse(parts[r]);
       files.push_back({{"name", mine["file"]}, {"rank", r}, {"bytes", mine["bytes"]}});
+      for (const auto& [key, t] : mine["tensors"].items()) {  // optimizer state, as its writers see it
+        if (!tensors_meta.contains(key)) {
+          tensors_meta[key] = t;
+          tensors_meta[key]["chunks"] = json::array();
+        }
+      }
       for (const auto& c : mine["chunks"]) {
         json chunk = {{"rows", c["rows"]},
                       {"file", r},
@@ -151,7 +225,21 @@ SaveResult save(const std::string& root, const FSDPModule& model, const SaveOpti
       auto& chunks = t["chunks"];
       std::sort(chunks.begin(), chunks.end(),
                 [](const json& a, const json& b) { return a["rows"][0].get<int64_t>() < b["rows"][0].get<int64_t>(); });
+      // Every row once: an optimizer state that some of its writers lack (a rank that never
+      // stepped) leaves rows without a chunk.
+      const auto shape = t["shape"].get<std::vector<int64_t>>();
+      int64_t next = 0;
+      for (const auto& c : chunks) {
+        if (c["rows"][0].get<int64_t>() != next) break;
+        next = c["rows"][1].get<int64_t>();
+      }
+      const bool empty = std::find(shape.begin(), shape.end(), 0) != shape.end();
+      TORCH_CHECK(empty || next == (shape.empty() ? 1 : shape[0]), "tensor '", key, "' has rows ", next,
+                  " and on without a writer: the ranks that hold them have no such state. Step the optimizer on "
+                  "every rank before saving.");
     }
+    json optimizer = nullptr;
+    if (opt != nullptr) optimizer = optimizer_record(model, *opt, type, parts);
     const json manifest = {{"format", "libtorch-fsdp checkpoint"},
                            {"format_version", kFormatVersion},
                            {"library_version", FSDP_VERSION},
@@ -161,6 +249,7 @@ SaveResult save(const std::string& root, const FSDPModule& model, const SaveOpti
                            {"block_bytes", options.block_bytes()},
                            {"strategies", units},
                            {"metadata", options.metadata()},
+                           {"optimizer", optimizer},
                            {"files", files},
                            {"tensors", tensors_meta}};
     write_atomically(staging, kManifest, manifest.dump(1));
@@ -170,6 +259,17 @@ SaveResult save(const std::string& root, const FSDPModule& model, const SaveOpti
   result.path = root + "/" + name;
   result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return result;
+}
+
+}  // namespace
+
+SaveResult save(const std::string& root, const FSDPModule& model, const SaveOptions& options) {
+  return save_checkpoint(root, model, nullptr, options);
+}
+
+SaveResult save(const std::string& root, const FSDPModule& model, const torch::optim::Optimizer& optimizer,
+                const SaveOptions& options) {
+  return save_checkpoint(root, model, &optimizer, options);
 }
 
 }  // namespace fsdp::checkpoint

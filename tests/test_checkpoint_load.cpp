@@ -6,9 +6,12 @@
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/commit.h"
 #include "checkpoint/manifest.h"
+#include "checkpoint/safetensors.h"
+#include "optim/fused_adamw.h"
 #include "tests/models.h"
 #include "tests/temp_dir.h"
 
+#include <c10/util/accumulate.h>
 #include <torch/serialize.h>
 #include <nlohmann/json.hpp>
 
@@ -20,6 +23,7 @@
 #include <fstream>
 #include <iostream>
 #include <iterator>
+#include <map>
 #include <memory>
 
 namespace fsdp::testing {
@@ -107,29 +111,93 @@ torch::OrderedDict<std::string, at::Tensor> read_reference(const std::string& pa
   return out;
 }
 
-// At N ranks: each case trained one step (so that no weight is its initial value), saved, and its
-// full weights written beside it by rank 0 as the reference.
+// The optimizers: SGD with momentum, AdamW and FusedAdamW (an AdamW: each loads the other's state).
+enum class Opt { kSGD, kAdamW, kFused };
+const char* opt_label(Opt o) {
+  return o == Opt::kSGD ? "sgd" : o == Opt::kAdamW ? "adamw" : "fused";
+}
+Opt opt_of(int N, size_t i) {  // rotating with the world size, so that each case meets each optimizer
+  return static_cast<Opt>((i + static_cast<size_t>(N)) % 3);
+}
+std::unique_ptr<torch::optim::Optimizer> make_opt(Opt o, const FSDPModule& model) {
+  if (o == Opt::kSGD)
+    return std::make_unique<torch::optim::SGD>(model.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  if (o == Opt::kAdamW)
+    return std::make_unique<torch::optim::AdamW>(model.parameters(), torch::optim::AdamWOptions(0.02));
+  return std::make_unique<optim::FusedAdamW>(model, torch::optim::AdamWOptions(0.02));
+}
+
+// One training step on the global batch of `step` (this rank's rows of it); the global loss.
+template <typename Model>
+double train_step(Model& model, torch::optim::Optimizer& opt, Rank& r, int step) {
+  torch::manual_seed(100 + step);
+  auto x = torch::randn({kGlobalBatch, 7});
+  auto loss = model(local_rows(x, r.rank, r.world_size)).square().mean();
+  loss.backward();
+  opt.step();
+  opt.zero_grad();
+  at::Tensor l = loss.detach() / r.world_size;
+  all_reduce_sum(r, l);
+  return l.item<double>();
+}
+
+// Every tensor of a checkpoint, whole, read chunk by chunk.
+std::map<std::string, at::Tensor> read_all(const std::string& dir) {
+  const auto m = checkpoint::read_manifest(dir);
+  std::map<std::string, at::Tensor> out;
+  for (const auto& t : m.tensors) {
+    at::Tensor full = at::empty(t.shape, at::TensorOptions().dtype(checkpoint::scalar_type_of(t.dtype, t.key)));
+    const uint64_t row_bytes = t.rows() > 0 ? t.bytes() / t.rows() : 0;
+    for (const auto& c : t.chunks) {
+      checkpoint::read_bytes(dir + "/" + m.files[c.file].name, c.begin, c.end - c.begin,
+                             static_cast<char*>(full.data_ptr()) + c.row_begin * row_bytes);
+    }
+    out[t.key] = full;
+  }
+  return out;
+}
+
+// At N ranks: each case trained one step with its optimizer (so that no weight or moment is its
+// initial value), saved, its full weights written beside it by rank 0 as the reference, and then
+// trained two more steps, whose losses are the reference for a load that continues training.
 void save_all(Rank& r) {
   const std::string root = root_dir();
-  for (const Case& c : saved_cases(r.world_size)) {
+  const auto cases = saved_cases(r.world_size);
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const Case& c = cases[i];
+    const std::string name = ckpt_name(r.world_size, c);
     auto model = wrap(c, r, 7);
-    torch::optim::SGD opt(model->parameters(), 0.1);
-    torch::manual_seed(9);
-    auto x = torch::randn({kGlobalBatch, 7});
-    model(local_rows(x, r.rank, r.world_size)).square().mean().backward();
-    opt.step();
-    model->zero_grad();
+    auto opt = make_opt(opt_of(r.world_size, i), model);
+    train_step(model, *opt, r, 0);
     const auto full = model.full_state_dict(/*rank0_only=*/true);
-    checkpoint::save(root, model, checkpoint::SaveOptions().name(ckpt_name(r.world_size, c)).step(1));
+    const auto res = checkpoint::save(root, model, *opt, checkpoint::SaveOptions().name(name).step(1));
+    if (r.rank == 0) {
+      // Each unique byte once: the chunks add up to the model's and the moments' bytes, from shapes.
+      const int64_t moments = opt_of(r.world_size, i) == Opt::kSGD ? 1 : 2;
+      int64_t unique = 0;
+      for (const auto& s : model.shard_specs()) {
+        unique +=
+            (1 + moments) * c10::multiply_integers(s.global_shape) * static_cast<int64_t>(c10::elementSize(s.dtype));
+      }
+      for (const auto& b : model.buffers()) unique += b.numel() * b.element_size();
+      EXPECT_EQ(res.bytes_total, unique) << name;
+      const auto m = checkpoint::read_manifest(res.path);
+      EXPECT_EQ(m.optimizer.steps.size(), moments == 2 ? model.shard_specs().size() : 0u) << name;
+      for (const auto& kv : m.optimizer.steps) EXPECT_EQ(kv.second, 1) << name << ": " << kv.first;
+    }
+    const double l1 = train_step(model, *opt, r, 1), l2 = train_step(model, *opt, r, 2);
     if (r.rank == 0) {
       torch::serialize::OutputArchive out;
       for (const auto& kv : full) out.write(kv.key(), kv.value());
-      out.save_to(root + "/" + ckpt_name(r.world_size, c) + ".ref");
+      out.write("loss1", torch::tensor(l1, torch::kDouble));
+      out.write("loss2", torch::tensor(l2, torch::kDouble));
+      out.save_to(root + "/" + name + ".ref");
     }
   }
 }
 
-// At M ranks: every checkpoint of every N, with its own strategy and with another (rotating).
+// At M ranks: every checkpoint of every N, with its own strategy and with another (rotating), and
+// AdamW's state into FusedAdamW and back on the second load.
 void load_all(Rank& r) {
   const std::string root = root_dir();
   const int M = r.world_size;
@@ -139,17 +207,26 @@ void load_all(Rank& r) {
     const auto saved = saved_cases(N);
     for (size_t i = 0; i < saved.size(); ++i) {
       const std::string name = ckpt_name(N, saved[i]);
-      const auto want = read_reference(root + "/" + name + ".ref");
-      for (const Case& c : {load_cases[i], load_cases[(i + 1 + N) % load_cases.size()]}) {
-        const std::string what = name + " loaded at " + std::to_string(M) + " ranks as " + c.label;
+      auto want = read_reference(root + "/" + name + ".ref");
+      const double loss1 = want["loss1"].item<double>(), loss2 = want["loss2"].item<double>();
+      want.erase("loss1");
+      want.erase("loss2");
+      for (int second = 0; second < 2; ++second) {
+        const Case& c = load_cases[second ? (i + 1 + N) % load_cases.size() : i];
+        Opt o = opt_of(N, i);
+        if (second && o != Opt::kSGD) o = o == Opt::kAdamW ? Opt::kFused : Opt::kAdamW;
+        const std::string what =
+            name + " loaded at " + std::to_string(M) + " ranks as " + c.label + " with " + opt_label(o);
         SCOPED_TRACE(what);
         auto model = wrap(c, r, 1234);  // other weights before the load
-        const auto res = checkpoint::load(root + "/" + name, model);
+        auto opt = make_opt(o, model);
+        const auto res = checkpoint::load(root + "/" + name, model, *opt);
         EXPECT_EQ(res.saved_world_size, N);
         EXPECT_EQ(res.step, 1);
-        // Needed: the rows this rank holds, from shapes; read: at least those.
+        // Needed: the rows this rank holds of each parameter and of each of its moments, from shapes.
         int64_t mine = 0;
-        for (const auto& s : model.shard_specs()) mine += s.local.numel() * s.local.element_size();
+        const int64_t moments = o == Opt::kSGD ? 1 : 2;
+        for (const auto& s : model.shard_specs()) mine += (1 + moments) * s.local.numel() * s.local.element_size();
         for (const auto& b : model.buffers()) mine += b.numel() * b.element_size();
         EXPECT_EQ(res.bytes_needed, mine);
         EXPECT_GE(res.bytes_read, res.bytes_needed);
@@ -159,8 +236,29 @@ void load_all(Rank& r) {
         expect_bit_exact(model.full_state_dict(), want, what);
         if (::testing::Test::HasFailure()) return;
 
+        if (!second) {
+          // Saved again at M right away: every tensor (the moments too) and the optimizer's record
+          // equal the original's bit for bit.
+          const std::string again = name + "-at" + std::to_string(M);
+          checkpoint::save(root, model, *opt, checkpoint::SaveOptions().name(again).step(1));
+          if (r.rank == 0) {
+            const auto a = read_all(root + "/" + name), b = read_all(root + "/" + again);
+            ASSERT_EQ(a.size(), b.size());
+            for (const auto& [key, t] : a) {
+              ASSERT_EQ(b.count(key), 1u) << key;
+              EXPECT_TRUE(t.equal(b.at(key))) << what << ": " << key;
+            }
+            const auto ma = checkpoint::read_manifest(root + "/" + name),
+                       mb = checkpoint::read_manifest(root + "/" + again);
+            EXPECT_EQ(ma.optimizer.steps, mb.optimizer.steps);
+            ASSERT_EQ(ma.optimizer.param_groups.size(), mb.optimizer.param_groups.size());
+            EXPECT_EQ(ma.optimizer.param_groups[0].options, mb.optimizer.param_groups[0].options);
+            EXPECT_EQ(ma.optimizer.param_groups[0].params, mb.optimizer.param_groups[0].params);
+          }
+        }
+
         // It computes what a plain model loaded from the same checkpoint computes (ZeRO-1's full
-        // parameters were gathered again from the loaded rows).
+        // parameters were gathered again from the loaded rows) ...
         torch::manual_seed(4321);
         auto plain = std::make_shared<PlainMLPImpl>();
         checkpoint::load(root + "/" + name, *plain);
@@ -170,6 +268,10 @@ void load_all(Rank& r) {
         auto loss = model(local_rows(x, r.rank, M)).square().mean().detach() / M;
         all_reduce_sum(r, loss);
         EXPECT_NEAR(loss.item<double>(), plain->forward(x).square().mean().item<double>(), 1e-6);
+        // ... and training goes on as it did at N ranks without the interruption.
+        const double l1 = train_step(model, *opt, r, 1), l2 = train_step(model, *opt, r, 2);
+        EXPECT_NEAR(l1, loss1, 1e-5 * std::abs(loss1)) << what;
+        EXPECT_NEAR(l2, loss2, 1e-5 * std::abs(loss2)) << what;
       }
     }
   }
@@ -231,7 +333,10 @@ void check_faults(Rank& r) {
   const std::string root = shared_dir() + "/ckpts";
   const Case full{"full", ShardingStrategy::kFullShard, 0, false};
   auto saved = wrap(full, r, 7);
-  checkpoint::save(root, saved, checkpoint::SaveOptions().name("good").step(3));
+  auto sgd = make_opt(Opt::kSGD, saved);
+  train_step(saved, *sgd, r, 0);
+  checkpoint::save(root, saved, *sgd, checkpoint::SaveOptions().name("good").step(3));
+  checkpoint::save(root, saved, checkpoint::SaveOptions().name("model-only").step(3));
   const std::string good = root + "/good";
   const auto m = checkpoint::read_manifest(good);
   const checkpoint::ManifestTensor* fc1 = nullptr;
@@ -326,6 +431,38 @@ void check_faults(Rank& r) {
     want.erase("running");
     want.erase("count");
     expect_bit_exact(model.full_state_dict(), want, "not strict");
+  }
+  // The optimizer: another type, another param group, none saved; an optimizer the format does
+  // not support is refused by the save on every rank.
+  {
+    auto model = wrap(full, r, 1234);
+    const auto before = model.full_state_dict();
+    auto adamw = make_opt(Opt::kAdamW, model);
+    std::string msg = error_of([&] { checkpoint::load(good, model, *adamw); });
+    EXPECT_NE(
+        msg.find("holds SGD state, but the optimizer is AdamW: load it into the optimizer type it was saved from"),
+        std::string::npos)
+        << msg;
+    msg = error_of([&] { checkpoint::load(root + "/model-only", model, *adamw); });
+    EXPECT_NE(msg.find("was saved without an optimizer: load the model alone"), std::string::npos) << msg;
+    auto params = model->parameters();
+    params.pop_back();
+    torch::optim::SGD fewer(params, torch::optim::SGDOptions(0.5).momentum(0.9));
+    msg = error_of([&] { checkpoint::load(good, model, fewer); });
+    EXPECT_NE(msg.find("param group 0 of the optimizer holds 6 parameters that are not those it was saved with (7, "
+                       "first: 'scale')"),
+              std::string::npos)
+        << msg;
+    EXPECT_EQ(fewer.param_groups()[0].options().get_lr(), 0.5);  // untouched
+    EXPECT_TRUE(fewer.state().empty());
+    expect_bit_exact(model.full_state_dict(), before, "optimizer faults: the model is untouched");
+    torch::optim::RMSprop rmsprop(model->parameters());
+    msg = error_of([&] { checkpoint::save(root, model, rmsprop, checkpoint::SaveOptions().name("rmsprop")); });
+    EXPECT_NE(msg.find("optimizer type torch::optim::RMSprop is not supported (torch::optim::SGD, Adam, AdamW and "
+                       "fsdp::optim::FusedAdamW are)"),
+              std::string::npos)
+        << msg;
+    EXPECT_EQ(checkpoint::latest_checkpoint(root), root + "/model-only");
   }
   // The plain path: the same checks, and a flipped byte leaves the module as it was.
   if (r.rank == 0) {
