@@ -7,8 +7,10 @@
 //   auto l = fsdp::checkpoint::load("ckpts", model);   // the latest, on any number of ranks
 //   auto l = fsdp::checkpoint::load("ckpts/step-000100", *plain_model);   // one process, unwrapped
 //
-// Saved and loaded so far: the model's parameters and buffers, the step and the user's metadata.
-// Not yet (issue 12, docs/roadmap.md): optimizer state, RNG states.
+//   fsdp::checkpoint::save("ckpts", model, optimizer, ...); fsdp::checkpoint::load("ckpts", model, optimizer);
+//
+// Saved and loaded: the model's parameters and buffers, the optimizer's state, each rank's random
+// number generators, the step and the user's metadata.
 #pragma once
 
 #include "fsdp/fully_shard.h"
@@ -37,6 +39,9 @@ struct SaveOptions {
   TORCH_ARG(uint64_t, block_bytes) = uint64_t{1} << 20;
   /// The user's own key/values, kept in the manifest.
   TORCH_ARG(Metadata, metadata);
+  /// Each rank's random number generator states (CPU, and each CUDA device's), which a load
+  /// restores (see LoadOptions::rng_states).
+  TORCH_ARG(bool, rng_states) = true;
 };
 
 struct SaveResult {
@@ -64,6 +69,11 @@ struct LoadOptions {
   /// PyTorch's strict state-dict loading do); with false they are left unread. A tensor the model
   /// has and the checkpoint lacks is always refused.
   TORCH_ARG(bool, strict) = true;
+  /// Restore the random number generators: rank r takes the states rank r saved; a rank the saving
+  /// job did not have (a load on more ranks) seeds its own from a checksum of rank 0's saved state
+  /// and its rank, so the same resume draws the same numbers. Nothing happens for a checkpoint
+  /// saved without them.
+  TORCH_ARG(bool, rng_states) = true;
 };
 
 struct LoadResult {
@@ -79,7 +89,10 @@ struct LoadResult {
   int64_t bytes_needed_total = 0, bytes_read_total = 0;
   int64_t manifest_bytes = 0;
   int64_t preads = 0, files_opened = 0;  ///< this rank's
-  double seconds = 0;                    ///< this rank, from the call to its return
+  /// This rank's generators: "restored" (its saved states), "derived" (a new rank), "not saved",
+  /// or "not loaded" (LoadOptions::rng_states false, or a plain module).
+  std::string rng = "not loaded";
+  double seconds = 0;  ///< this rank, from the call to its return
 };
 
 /// Loads the checkpoint at `path` (a checkpoint directory, or a root: its latest) into `model`,

@@ -7,9 +7,11 @@
 #include "checkpoint/internal/collectives.h"
 #include "checkpoint/internal/optimizer_state.h"
 #include "checkpoint/internal/reader.h"
+#include "checkpoint/internal/rng_state.h"
 #include "checkpoint/manifest.h"
 #include "checkpoint/safetensors.h"
 
+#include <ATen/ops/empty.h>
 #include <ATen/ops/tensor.h>
 #include <c10/util/Exception.h>
 
@@ -198,6 +200,39 @@ void install(const Manifest& m, torch::optim::Optimizer& opt, const OptimizerPla
   }
 }
 
+// This rank's generator states to load, or the checksum its own derive from.
+struct RngPlan {
+  std::vector<std::pair<std::string, at::Tensor>> states;  // name, destination
+  bool saved = false;                                      // the checkpoint has generator states
+  uint32_t base = 0;                                       // rank 0's CPU state's first checksum
+};
+
+RngPlan plan_rng(const Manifest& m, int rank, std::vector<Wanted>& wanted) {
+  RngPlan plan;
+  const std::string mine = detail::rng_prefix(rank), first = detail::rng_prefix(0) + "cpu";
+  for (const auto& t : m.tensors) {
+    if (t.kind != "rng") continue;
+    plan.saved = true;
+    if (t.key == first && !t.chunks.empty() && !t.chunks[0].crc32c.empty()) plan.base = t.chunks[0].crc32c[0];
+    if (t.key.rfind(mine, 0) != 0) continue;
+    const at::ScalarType type = scalar_type_of(t.dtype, t.key);
+    at::Tensor dst = at::empty(t.shape, at::TensorOptions().dtype(type));
+    wanted.push_back({t.key, "rng", type, t.shape, 0, t.rows(), dst});
+    plan.states.emplace_back(t.key.substr(mine.size()), dst);
+  }
+  return plan;
+}
+
+std::string apply_rng(const RngPlan& plan, int rank) {
+  if (!plan.saved) return "not saved";
+  if (plan.states.empty()) {
+    detail::derive_rng_states(plan.base, rank);
+    return "derived";
+  }
+  for (const auto& [name, state] : plan.states) detail::set_rng_state(name, state);
+  return "restored";
+}
+
 LoadResult load_checkpoint(const std::string& path, FSDPModule& model, torch::optim::Optimizer* opt,
                            const LoadOptions& options) {
   const auto t0 = std::chrono::steady_clock::now();
@@ -213,6 +248,7 @@ LoadResult load_checkpoint(const std::string& path, FSDPModule& model, torch::op
 
   Manifest m;
   OptimizerPlan optim;
+  RngPlan rng;
   std::unique_ptr<detail::ShardReader> reader;
   phase("checking the checkpoint against the model", [&] {
     for (const auto& u : model.units()) {
@@ -232,6 +268,7 @@ LoadResult load_checkpoint(const std::string& path, FSDPModule& model, torch::op
           {"model/" + kv.key(), "buffer", b.scalar_type(), b.sizes().vec(), 0, b.dim() == 0 ? 1 : b.size(0), b});
     }
     if (opt != nullptr) optim = plan_optimizer(m, model, *opt, wanted);
+    if (options.rng_states()) rng = plan_rng(m, rank, wanted);
     reader = std::make_unique<detail::ShardReader>(m, match(m, wanted, options.strict(), ""));
     reader->open_files();
   });
@@ -240,8 +277,10 @@ LoadResult load_checkpoint(const std::string& path, FSDPModule& model, torch::op
   reader->apply();
   model.mark_shards_written();  // ZeRO-1: the full parameters are gathered again from the rows
   if (opt != nullptr) install(m, *opt, optim);
+  const std::string rng_outcome = options.rng_states() ? apply_rng(rng, rank) : "not loaded";
 
   LoadResult r = result_of(m, reader->stats());
+  r.rng = rng_outcome;
   at::Tensor totals = at::tensor({r.bytes_needed, r.bytes_read}, at::kLong);
   model.all_reduce(totals, c10d::ReduceOp::SUM, call + ": totals");
   r.bytes_needed_total = totals[0].item<int64_t>();

@@ -5,6 +5,7 @@
 #include "checkpoint/commit.h"
 #include "checkpoint/internal/collectives.h"
 #include "checkpoint/internal/optimizer_state.h"
+#include "checkpoint/internal/rng_state.h"
 #include "checkpoint/manifest.h"
 #include "checkpoint/plan.h"
 #include "checkpoint/safetensors.h"
@@ -46,7 +47,7 @@ struct Planned {
   std::vector<std::string> keys;
   std::vector<std::pair<int64_t, int64_t>> rows;
   std::vector<std::pair<std::string, at::Tensor>> tensors;  // file entry name -> data
-  json optim_tensors = json::object();
+  json extra_tensors = json::object();                      // optimizer and generator states: kind, dtype, shape
   json steps = json::object();
 };
 
@@ -57,7 +58,7 @@ std::map<const void*, size_t> spec_index(const std::vector<ShardSpec>& specs) {
   return out;
 }
 
-Planned plan_model(const FSDPModule& model, const torch::optim::Optimizer* opt, const std::string& type,
+Planned plan_model(const FSDPModule& model, const torch::optim::Optimizer* opt, const std::string& type, bool rng,
                    json* tensors_meta) {
   Planned p;
   auto add = [&](const std::string& key, int64_t b, int64_t e, const at::Tensor& data) {
@@ -104,7 +105,7 @@ Planned plan_model(const FSDPModule& model, const torch::optim::Optimizer* opt, 
     add("model/" + s.name, w.row_begin, w.row_end, rows_of(s.local.detach(), w.local_row, n));
     for (const auto& [name, t] : states[w.spec].tensors) {
       const std::string key = "optim/" + s.name + "/" + name;
-      p.optim_tensors[key] = {{"kind", "optimizer"}, {"dtype", safetensors_dtype(s.dtype)}, {"shape", s.global_shape}};
+      p.extra_tensors[key] = {{"kind", "optimizer"}, {"dtype", safetensors_dtype(s.dtype)}, {"shape", s.global_shape}};
       add(key, w.row_begin, w.row_end, rows_of(t.detach(), w.local_row, n));
     }
   }
@@ -121,6 +122,15 @@ Planned plan_model(const FSDPModule& model, const torch::optim::Optimizer* opt, 
                               {"chunks", json::array()}};
     const auto [first, last] = replica_part(rows, model.world_size(), model.rank(), index++);
     if (last > first) add(key, first, last, rows_of(b.detach(), first, last - first));
+  }
+  // This rank's generators: its own, written by it alone.
+  if (rng) {
+    for (const auto& [name, state] : detail::rng_states()) {
+      const std::string key = detail::rng_prefix(model.rank()) + name;
+      p.extra_tensors[key] = {
+          {"kind", "rng"}, {"dtype", safetensors_dtype(state.scalar_type())}, {"shape", state.sizes().vec()}};
+      add(key, 0, state.size(0), state);
+    }
   }
   return p;
 }
@@ -177,13 +187,13 @@ SaveResult save_checkpoint(const std::string& root, const FSDPModule& model, con
   SaveResult result;
   phase("writing this rank's file", [&] {
     if (opt != nullptr) type = detail::optimizer_type(*opt, "fsdp::checkpoint::save");
-    Planned p = plan_model(model, opt, type, rank == 0 ? &tensors_meta : nullptr);
+    Planned p = plan_model(model, opt, type, options.rng_states(), rank == 0 ? &tensors_meta : nullptr);
     const FileRecord file =
         write_safetensors(staging + "/" + rank_file(rank), p.tensors, {{"rank", std::to_string(rank)}},
                           WriteOptions().block_bytes(options.block_bytes()).min_blocks(kMinBlocks));
     for (const auto& t : file.tensors) result.bytes_written += static_cast<int64_t>(t.end - t.begin);
     // This rank's part of the manifest: its chunks, in the file's order.
-    json mine = {{"rank", rank},     {"file", rank_file(rank)}, {"bytes", file.size}, {"tensors", p.optim_tensors},
+    json mine = {{"rank", rank},     {"file", rank_file(rank)}, {"bytes", file.size}, {"tensors", p.extra_tensors},
                  {"steps", p.steps}, {"chunks", json::array()}};
     for (size_t i = 0; i < p.keys.size(); ++i) {
       const auto& t = file.tensors[i];
@@ -205,7 +215,7 @@ SaveResult save_checkpoint(const std::string& root, const FSDPModule& model, con
     for (int r = 0; r < W; ++r) {
       const json mine = json::parse(parts[r]);
       files.push_back({{"name", mine["file"]}, {"rank", r}, {"bytes", mine["bytes"]}});
-      for (const auto& [key, t] : mine["tensors"].items()) {  // optimizer state, as its writers see it
+      for (const auto& [key, t] : mine["tensors"].items()) {  // optimizer and generator states, as written
         if (!tensors_meta.contains(key)) {
           tensors_meta[key] = t;
           tensors_meta[key]["chunks"] = json::array();

@@ -10,6 +10,8 @@
 // Exit status: 0 trained; 2 a bad flag or --data file (nothing trained); 1 anything else, such as
 // a loss or gradient norm that is no longer finite, or an error from the library (a collective
 // timed out, a peer died), printed as "train_gpt (rank R): <message>".
+#include "checkpoint/checkpoint.h"
+#include "checkpoint/commit.h"
 #include "examples/cli.h"
 #include "examples/gpt.h"
 #include "examples/run_flags.h"
@@ -57,6 +59,9 @@ struct Args : cli::RunFlags {
   bool no_sync = false;    // communicate only in the last micro-batch
   double clip = 0;         // max global gradient norm (0: no clipping)
   bool fused = false;      // fsdp::optim::FusedAdamW instead of torch::optim::AdamW
+  std::string save_dir;    // sharded checkpoints (fsdp::checkpoint) go here
+  int64_t save_every = 0;  // steps between checkpoints (0: none)
+  bool resume = false;     // from save_dir's latest checkpoint, when there is one
   bool help = false;
 };
 
@@ -66,7 +71,7 @@ const char* const kUsage =
     "                 [--block-size T] [--data FILE] [--max-data-mb MB] [--prefetch K] [--grad-accum M]\n"
     "                 [--no-sync] [--clip MAX_NORM] [--fused] [--json] [--timeout SECONDS]\n"
     "                 [--strategy full|grad-op|optimizer|replicate|hybrid] [--shard-group-size S]\n"
-    "                 [--bucket-mb MB] [--build-sharded]\n"
+    "                 [--bucket-mb MB] [--build-sharded] [--save-dir DIR [--save-every K] [--resume]]\n"
     "  --strategy: full sharding (ZeRO-3), SHARD_GRAD_OP (ZeRO-2), optimizer state only (ZeRO-1),\n"
     "  replicated (DDP), or hybrid: full sharding inside groups of S consecutive ranks (default N/2).\n"
     "  --build-sharded: shard each block while the model is built (a model larger than one rank).\n"
@@ -75,6 +80,10 @@ const char* const kUsage =
     "  --data: a regular file of at most --max-data-mb MiB (default 64), each byte a token.\n"
     "  --clip 0 (default) does not clip; the gradient norm is checked every step either way.\n"
     "  --timeout: bound on start-up and every collective, in seconds (default: $FSDP_TIMEOUT, else 600).\n"
+    "  --save-dir DIR --save-every K: a sharded checkpoint (model, optimizer, generators, seed and data\n"
+    "  position) under DIR after every K steps, every rank writing its part; --resume: continue from\n"
+    "  DIR's latest checkpoint, on any number of ranks and strategy, taking its step, seed and data\n"
+    "  position whatever the flags say (none there: start at step 0). --steps is the last step + 1.\n"
     "  Exit status: 0 trained, 2 bad flags or --data, 1 other errors (a non-finite loss or gradient norm).\n";
 
 /// "train_gpt (rank R)" for messages; the rank from the launcher's RANK until the group exists.
@@ -99,8 +108,8 @@ Args parse(int argc, char** argv) {
       a.help = true;
       continue;
     }
-    if (k == "--json" || k == "--no-sync" || k == "--fused") {
-      (k == "--json" ? a.json : k == "--no-sync" ? a.no_sync : a.fused) = true;
+    if (k == "--json" || k == "--no-sync" || k == "--fused" || k == "--resume") {
+      (k == "--json" ? a.json : k == "--no-sync" ? a.no_sync : k == "--fused" ? a.fused : a.resume) = true;
       continue;
     }
     // The value of a flag; never the next flag (a negative number has one dash).
@@ -123,12 +132,19 @@ Args parse(int argc, char** argv) {
       a.grad_accum = cli::parse_int(k, value(), 1);
     else if (k == "--clip")
       a.clip = cli::parse_double(k, value(), 0, true);
+    else if (k == "--save-dir")
+      a.save_dir = value();
+    else if (k == "--save-every")
+      a.save_every = cli::parse_int(k, value(), 1);
     else
       usage_error("unknown flag '" + k + "'");
   }
   if (a.optimizer != "adamw" && a.optimizer != "sgd") usage_error("--optimizer must be adamw or sgd");
   cli::check_run_flags(a);
   if (a.fused && a.optimizer != "adamw") usage_error("--fused is an AdamW; it cannot be used with --optimizer sgd");
+  if (a.save_dir.empty() && (a.save_every > 0 || a.resume)) {
+    usage_error(std::string(a.resume ? "--resume" : "--save-every") + " needs --save-dir DIR");
+  }
   return a;
 }
 
@@ -266,6 +282,32 @@ int run(const Args& args) {
         model.parameters(), torch::optim::SGDOptions(args.lr).momentum(0.9).weight_decay(args.weight_decay));
   }
 
+  // --resume: the checkpoint's step, seed and data position (the batches are drawn from the seed
+  // and the step), whatever the flags say; the model, the optimizer and the generators from it.
+  int64_t first_step = 0;
+  uint64_t seed = args.seed;
+  if (args.resume) {
+    if (fsdp::checkpoint::latest_checkpoint(args.save_dir).empty()) {
+      if (rank == 0) std::cerr << who() << ": no checkpoint under '" << args.save_dir << "'; starting at step 0\n";
+    } else {
+      const auto res = fsdp::checkpoint::load(args.save_dir, model, *opt);
+      const auto meta = [&](const char* key) {
+        const auto it = res.metadata.find(key);
+        if (it == res.metadata.end()) {
+          throw std::runtime_error("checkpoint '" + res.path + "' has no '" + key +
+                                   "': it was not saved by train_gpt. Pass another --save-dir.");
+        }
+        return it->second;
+      };
+      seed = std::stoull(meta("seed"));
+      first_step = std::stoll(meta("data_position"));
+      if (rank == 0) {
+        std::cerr << who() << ": resumed from '" << res.path << "' (saved by " << res.saved_world_size
+                  << " rank(s)) at step " << first_step << ", seed " << seed << "\n";
+      }
+    }
+  }
+
   if (rank == 0 && !args.json) {
     std::cout << "train_gpt: " << world << " rank(s), " << n_params << " parameters, " << args.model.n_layer
               << " sharded blocks, global batch " << args.batch_size << " x " << T << " tokens (" << local_batch
@@ -279,13 +321,13 @@ int run(const Args& args) {
 
   int64_t last_peak = 0, last_state = 0;
   double total_ms = 0;
-  for (int64_t step = 0; step < args.steps; ++step) {
+  for (int64_t step = first_step; step < args.steps; ++step) {
     opt->zero_grad();
     fsdp::memory::reset_peak();
     const auto t0 = std::chrono::steady_clock::now();
 
     // The global batch of this step, the same on every rank; this rank takes its rows.
-    auto gen = at::make_generator<at::CPUGeneratorImpl>(args.seed * 1000003 + static_cast<uint64_t>(step));
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(seed * 1000003 + static_cast<uint64_t>(step));
     auto offsets = torch::randint(data.size(0) - T - 1, {args.batch_size}, gen, torch::kLong);
     auto loss = torch::zeros({}, torch::kDouble);  // this rank's mean over its rows of the step
     for (int64_t m = 0; m < K; ++m) {
@@ -308,7 +350,7 @@ int run(const Args& args) {
     const int64_t state = fsdp::optim::state_bytes(model.parameters(), opt.get()).total();
     const int64_t peak = fsdp::memory::stats().peak_bytes;
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-    if (step > 0) total_ms += ms;
+    if (step > first_step) total_ms += ms;
 
     auto global_loss = loss.detach().to(torch::kDouble).reshape({1});
     fsdp::all_reduce(pg, global_loss);
@@ -343,6 +385,17 @@ int run(const Args& args) {
           << "), check --data, or clip with --clip MAX_NORM.";
       throw std::runtime_error(msg.str());
     }
+    if (args.save_every > 0 && (step + 1) % args.save_every == 0) {
+      // Named by the next step to run: a resume starts there.
+      const auto res = fsdp::checkpoint::save(
+          args.save_dir, model, *opt,
+          fsdp::checkpoint::SaveOptions().step(step + 1).metadata(
+              {{"seed", std::to_string(seed)}, {"data_position", std::to_string(step + 1)}, {"example", "train_gpt"}}));
+      if (rank == 0) {
+        std::cerr << who() << ": saved '" << res.path << "' (" << mib(res.bytes_total) << " in " << res.seconds
+                  << " s)\n";
+      }
+    }
   }
 
   // Per-rank memory of the last step, gathered on rank 0.
@@ -350,7 +403,8 @@ int run(const Args& args) {
   per_rank[rank][0] = last_peak;
   per_rank[rank][1] = last_state;
   fsdp::all_reduce(pg, per_rank);
-  const double mean_ms = args.steps > 1 ? total_ms / static_cast<double>(args.steps - 1) : 0.0;
+  const int64_t timed = args.steps - first_step - 1;  // steps after the first one run
+  const double mean_ms = timed > 0 ? total_ms / static_cast<double>(timed) : 0.0;
   auto step_ms = torch::zeros({world}, torch::kDouble);
   step_ms[rank] = mean_ms;
   fsdp::all_reduce(pg, step_ms);
@@ -378,8 +432,9 @@ int run(const Args& args) {
       std::printf("  rank %d: peak %s, state %s\n", r, mib(per_rank[r][0].item<int64_t>()).c_str(),
                   mib(per_rank[r][1].item<int64_t>()).c_str());
     }
-    if (args.steps > 1) {
-      std::printf("mean step time (steps 1..%lld): %.1f ms\n", static_cast<long long>(args.steps - 1), mean_ms);
+    if (timed > 0) {
+      std::printf("mean step time (steps %lld..%lld): %.1f ms\n", static_cast<long long>(first_step + 1),
+                  static_cast<long long>(args.steps - 1), mean_ms);
     }
   }
   return 0;

@@ -111,6 +111,10 @@ torch::OrderedDict<std::string, at::Tensor> read_reference(const std::string& pa
   return out;
 }
 
+int64_t rng_bytes() {
+  return at::globalContext().defaultGenerator(at::Device(at::kCPU)).get_state().numel();
+}
+
 // The optimizers: SGD with momentum, AdamW and FusedAdamW (an AdamW: each loads the other's state).
 enum class Opt { kSGD, kAdamW, kFused };
 const char* opt_label(Opt o) {
@@ -180,7 +184,8 @@ void save_all(Rank& r) {
             (1 + moments) * c10::multiply_integers(s.global_shape) * static_cast<int64_t>(c10::elementSize(s.dtype));
       }
       for (const auto& b : model.buffers()) unique += b.numel() * b.element_size();
-      EXPECT_EQ(res.bytes_total, unique) << name;
+      // Apart: each rank's CPU generator state (no CUDA here).
+      EXPECT_EQ(res.bytes_total, unique + r.world_size * rng_bytes()) << name;
       const auto m = checkpoint::read_manifest(res.path);
       EXPECT_EQ(m.optimizer.steps.size(), moments == 2 ? model.shard_specs().size() : 0u) << name;
       for (const auto& kv : m.optimizer.steps) EXPECT_EQ(kv.second, 1) << name << ": " << kv.first;
@@ -228,7 +233,9 @@ void load_all(Rank& r) {
         const int64_t moments = o == Opt::kSGD ? 1 : 2;
         for (const auto& s : model.shard_specs()) mine += (1 + moments) * s.local.numel() * s.local.element_size();
         for (const auto& b : model.buffers()) mine += b.numel() * b.element_size();
+        if (r.rank < N) mine += rng_bytes();  // its own generator's state
         EXPECT_EQ(res.bytes_needed, mine);
+        EXPECT_EQ(res.rng, r.rank < N ? "restored" : "derived");
         EXPECT_GE(res.bytes_read, res.bytes_needed);
         EXPECT_LE(res.files_opened, N);
         needed += res.bytes_needed;
@@ -242,7 +249,11 @@ void load_all(Rank& r) {
           const std::string again = name + "-at" + std::to_string(M);
           checkpoint::save(root, model, *opt, checkpoint::SaveOptions().name(again).step(1));
           if (r.rank == 0) {
-            const auto a = read_all(root + "/" + name), b = read_all(root + "/" + again);
+            auto a = read_all(root + "/" + name), b = read_all(root + "/" + again);
+            for (auto* all : {&a, &b}) {  // each rank's generators: as many as ranks saved
+              for (auto it = all->begin(); it != all->end();)
+                it = it->first.rfind("rng/", 0) == 0 ? all->erase(it) : ++it;
+            }
             ASSERT_EQ(a.size(), b.size());
             for (const auto& [key, t] : a) {
               ASSERT_EQ(b.count(key), 1u) << key;
@@ -483,6 +494,64 @@ void check_faults(Rank& r) {
 
 TEST(CheckpointLoad, EachFaultItsOwnErrorOnEveryRankAndTheModelUntouched) {
   run_ranks(2, check_faults);
+}
+
+// Generator states: saved at 2 ranks, loaded at 3. Ranks 0 and 1 draw what they drew after the
+// save; rank 2, new, derives its own: the same on every such load, unlike the others'.
+std::vector<float> draw() {
+  const auto t = torch::rand({4});
+  return {t.data_ptr<float>(), t.data_ptr<float>() + 4};
+}
+void save_rng(Rank& r) {
+  const Case full{"full", ShardingStrategy::kFullShard, 0, false};
+  auto model = wrap(full, r, 7);
+  torch::manual_seed(50 + r.rank);
+  draw();
+  checkpoint::save(root_dir(), model, checkpoint::SaveOptions().name("rng"));
+  torch::save(torch::tensor(draw()), root_dir() + "/draw-" + std::to_string(r.rank) + ".pt");
+}
+void load_rng(Rank& r) {
+  const Case full{"full", ShardingStrategy::kFullShard, 0, false};
+  auto model = wrap(full, r, 1234);
+  std::vector<std::vector<float>> draws;
+  for (uint64_t seed : {999, 12345}) {
+    torch::manual_seed(seed + r.rank);
+    const auto res = checkpoint::load(root_dir() + "/rng", model);
+    EXPECT_EQ(res.rng, r.rank < 2 ? "restored" : "derived");
+    draws.push_back(draw());
+  }
+  EXPECT_EQ(draws[0], draws[1]) << "the same load draws the same numbers";
+  if (r.rank < 2) {
+    at::Tensor saved;
+    torch::load(saved, root_dir() + "/draw-" + std::to_string(r.rank) + ".pt");
+    EXPECT_EQ(draws[0], std::vector<float>(saved.data_ptr<float>(), saved.data_ptr<float>() + 4));
+  }
+  // Every rank's draws differ from every other's.
+  auto mine = torch::tensor(draws[0]);
+  auto gathered = torch::zeros({3, 4});
+  gathered[r.rank] = mine;
+  all_reduce_sum(r, gathered);
+  for (int a = 0; a < 3; ++a) {
+    for (int b = a + 1; b < 3; ++b) EXPECT_FALSE(gathered[a].equal(gathered[b])) << a << " and " << b;
+  }
+  // Not restored when not asked for, nor from a checkpoint saved without them.
+  torch::manual_seed(77);
+  const auto before = draw();
+  torch::manual_seed(77);
+  EXPECT_EQ(checkpoint::load(root_dir() + "/rng", model, checkpoint::LoadOptions().rng_states(false)).rng,
+            "not loaded");
+  EXPECT_EQ(draw(), before);
+}
+
+TEST(CheckpointLoad, GeneratorStatesRestoredAndDerivedForNewRanks) {
+  std::unique_ptr<TempDir> tmp;
+  RunOptions o;
+  if (!in_rank_process()) {
+    tmp = std::make_unique<TempDir>();
+    o.env["FSDP_TEST_CKPT_ROOT"] = tmp->path;
+  }
+  run_ranks(2, save_rng, o);
+  run_ranks(3, load_rng, o);
 }
 
 }  // namespace

@@ -51,7 +51,8 @@ TEST(CheckpointTool, VerifiesAGoodCheckpointAndNamesEachFault) {
 
     auto ok = tool("verify " + root, tmp.path);  // a root: its latest checkpoint
     EXPECT_EQ(ok.rc, 0) << ok.out;
-    EXPECT_NE(ok.out.find("OK (1 files, 7 tensors"), std::string::npos) << ok.out;
+    // 7 parameters and the one rank's CPU generator state.
+    EXPECT_NE(ok.out.find("OK (1 files, 8 tensors"), std::string::npos) << ok.out;
     auto listing = tool("inspect " + res.path, tmp.path);
     EXPECT_EQ(listing.rc, 0) << listing.out;
     EXPECT_NE(listing.out.find("step 5, saved by 1 ranks"), std::string::npos) << listing.out;
