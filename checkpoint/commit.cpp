@@ -1,5 +1,7 @@
 #include "checkpoint/commit.h"
 
+#include "checkpoint/internal/crash_point.h"
+
 #include <c10/util/Exception.h>
 
 #include <dirent.h>
@@ -19,6 +21,8 @@ namespace fsdp::checkpoint {
 namespace {
 
 constexpr const char* kStagingPrefix = ".staging-";
+// A committed checkpoint being replaced by a new save of its name (see begin_staging).
+constexpr const char* kReplacedPrefix = ".replaced-";
 
 std::string system_error() {
   return std::strerror(errno);
@@ -91,14 +95,22 @@ std::string staging_path(const std::string& root, const std::string& name) {
 std::string begin_staging(const std::string& root, const std::string& name) {
   check_name(name);
   make_dirs(root);
-  // What a save that crashed left: staging directories and a half-written `latest`.
+  // What a save that crashed left: staging directories, a half-written `latest`, a checkpoint
+  // half replaced.
   for (const auto& e : entries(root)) {
-    if (e.rfind(kStagingPrefix, 0) == 0 || e == std::string(".") + kLatest + ".tmp") remove_tree(root + "/" + e);
+    if (e.rfind(kStagingPrefix, 0) == 0 || e.rfind(kReplacedPrefix, 0) == 0 ||
+        e == std::string(".") + kLatest + ".tmp") {
+      remove_tree(root + "/" + e);
+    }
   }
+  // A committed checkpoint of this name that `latest` names is refused; one it does not name (a
+  // save that crashed after its rename and before `latest`, or a run that went back to an earlier
+  // checkpoint and got here again) is replaced at the commit, atomically.
   const std::string final_dir = root + "/" + name;
-  TORCH_CHECK(!exists(final_dir), "fsdp::checkpoint: '", final_dir,
-              "' exists already; a save never writes into an existing checkpoint. Save under another name (the "
-              "step, say), or remove it first.");
+  TORCH_CHECK(!exists(final_dir) || (exists(final_dir + "/" + kManifest) && latest_checkpoint(root) != final_dir),
+              "fsdp::checkpoint: '", final_dir, "' exists already and ",
+              exists(final_dir + "/" + kManifest) ? "is the latest checkpoint" : "is not a checkpoint",
+              "; a save never writes into it. Save under another name (the step, say), or remove it first.");
   const std::string staging = staging_path(root, name);
   TORCH_CHECK(::mkdir(staging.c_str(), 0755) == 0, "fsdp::checkpoint: cannot create the staging directory '", staging,
               "': ", system_error());
@@ -124,9 +136,11 @@ void write_atomically(const std::string& dir, const std::string& name, const std
     TORCH_CHECK(f.good(), "fsdp::checkpoint: cannot write '", tmp, "'");
   }
   fsync_path(tmp);
+  detail::crash_point(name == kLatest ? "latest-written" : "manifest-written", 0);
   TORCH_CHECK(::rename(tmp.c_str(), path.c_str()) == 0, "fsdp::checkpoint: cannot rename '", tmp, "' to '", path,
               "': ", system_error());
   fsync_path(dir);
+  detail::crash_point(name == kLatest ? "latest-renamed" : "manifest-renamed", 0);
 }
 
 std::string commit(const std::string& root, const std::string& staging, const std::string& name) {
@@ -135,11 +149,23 @@ std::string commit(const std::string& root, const std::string& staging, const st
               ": only a complete checkpoint is committed.");
   fsync_path(staging);
   const std::string final_dir = root + "/" + name;
-  TORCH_CHECK(!exists(final_dir), "fsdp::checkpoint: '", final_dir, "' appeared during the save; not replacing it.");
+  // A committed checkpoint of this name that begin_staging allowed (not the latest) is moved aside
+  // first; a crash before the new one's rename leaves it under a '.' name, which nothing loads and
+  // the next save removes.
+  const std::string replaced = root + "/" + kReplacedPrefix + name;
+  const bool replacing = exists(final_dir);
+  if (replacing) {
+    TORCH_CHECK(latest_checkpoint(root) != final_dir, "fsdp::checkpoint: '", final_dir,
+                "' became the latest checkpoint during the save; not replacing it.");
+    TORCH_CHECK(::rename(final_dir.c_str(), replaced.c_str()) == 0, "fsdp::checkpoint: cannot move '", final_dir,
+                "' aside to replace it: ", system_error());
+  }
   TORCH_CHECK(::rename(staging.c_str(), final_dir.c_str()) == 0, "fsdp::checkpoint: cannot rename '", staging, "' to '",
               final_dir, "': ", system_error());
   fsync_path(root);
+  detail::crash_point("directory-renamed", 0);
   write_atomically(root, kLatest, name + "\n");
+  if (replacing) remove_tree(replaced);
   return final_dir;
 }
 

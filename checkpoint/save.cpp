@@ -4,6 +4,7 @@
 
 #include "checkpoint/commit.h"
 #include "checkpoint/internal/collectives.h"
+#include "checkpoint/internal/crash_point.h"
 #include "checkpoint/internal/optimizer_state.h"
 #include "checkpoint/internal/rng_state.h"
 #include "checkpoint/manifest.h"
@@ -179,6 +180,7 @@ SaveResult save_checkpoint(const std::string& root, const FSDPModule& model, con
   const std::string staging = staging_path(root, name);
   phase("creating the staging directory", [&] {
     if (rank == 0) begin_staging(root, name);
+    detail::crash_point("staged", rank);
   });
 
   json tensors_meta = json::object();  // rank 0's: every tensor's dtype, shape and (below) chunks
@@ -188,9 +190,13 @@ SaveResult save_checkpoint(const std::string& root, const FSDPModule& model, con
   phase("writing this rank's file", [&] {
     if (opt != nullptr) type = detail::optimizer_type(*opt, "fsdp::checkpoint::save");
     Planned p = plan_model(model, opt, type, options.rng_states(), rank == 0 ? &tensors_meta : nullptr);
+    const std::string path = staging + "/" + rank_file(rank);
     const FileRecord file =
-        write_safetensors(staging + "/" + rank_file(rank), p.tensors, {{"rank", std::to_string(rank)}},
-                          WriteOptions().block_bytes(options.block_bytes()).min_blocks(kMinBlocks));
+        write_safetensors(path, p.tensors, {{"rank", std::to_string(rank)}},
+                          WriteOptions().block_bytes(options.block_bytes()).min_blocks(kMinBlocks).fsync(false));
+    detail::crash_point("data-written", rank);
+    fsync_path(path);
+    detail::crash_point("data-fsynced", rank);
     for (const auto& t : file.tensors) result.bytes_written += static_cast<int64_t>(t.end - t.begin);
     // This rank's part of the manifest: its chunks, in the file's order.
     json mine = {{"rank", rank},     {"file", rank_file(rank)}, {"bytes", file.size}, {"tensors", p.extra_tensors},
@@ -205,6 +211,7 @@ SaveResult save_checkpoint(const std::string& root, const FSDPModule& model, con
     }
     part = mine.dump();
   });
+  detail::crash_point("agreed", rank);
   const auto parts = detail::gather_to_rank0(pg, part, timeout, "gathering the manifest's parts for " + where);
 
   phase("writing the manifest and committing", [&] {

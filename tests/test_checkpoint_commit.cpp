@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <fstream>
+#include <iterator>
 #include <string>
 
 namespace fsdp::testing {
@@ -82,11 +83,33 @@ TEST(CheckpointCommit, ACommittedCheckpointIsNeverWrittenInto) {
   TempDir t;
   save(t.path, "warmup");
   const std::string msg = error_of([&] { begin_staging(t.path, "warmup"); });
-  EXPECT_NE(msg.find("exists already; a save never writes into an existing checkpoint"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("exists already and is the latest checkpoint; a save never writes into it"), std::string::npos)
+      << msg;
+  ::mkdir((t.path + "/other").c_str(), 0755);  // not a checkpoint: never replaced either
+  EXPECT_NE(error_of([&] { begin_staging(t.path, "other"); }).find("exists already and is not a checkpoint"),
+            std::string::npos);
   for (const std::string bad : {"", "a/b", ".hidden", "latest"}) {
     EXPECT_NE(error_of([&] { begin_staging(t.path, bad); }).find("cannot name a checkpoint"), std::string::npos)
         << "'" << bad << "'";
   }
+}
+
+TEST(CheckpointCommit, ACommittedCheckpointLatestDoesNotNameIsReplacedWhole) {
+  // A save that died after renaming its directory, before `latest`: the previous one stays the
+  // latest, and the next save of the same name (a job resumed from the latest) replaces it.
+  TempDir t;
+  const std::string first = save(t.path, step_name(10));
+  const std::string orphan = begin_staging(t.path, step_name(20));
+  put(orphan + "/" + kManifest, "{\"old\": 1}");
+  ASSERT_EQ(::rename(orphan.c_str(), (t.path + "/" + step_name(20)).c_str()), 0);
+  EXPECT_EQ(latest_checkpoint(t.path), first);
+  const std::string again = save(t.path, step_name(20));
+  EXPECT_EQ(latest_checkpoint(t.path), again);
+  EXPECT_TRUE(exists(again + "/rank-00000.safetensors")) << "the new one's files";
+  std::ifstream m(again + "/" + kManifest);
+  std::string text((std::istreambuf_iterator<char>(m)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(text.find("old"), std::string::npos) << "nothing of the old one left";
+  EXPECT_FALSE(exists(t.path + "/.replaced-" + step_name(20)));
 }
 
 TEST(CheckpointCommit, KeepLastKeepsTheNewest) {

@@ -128,18 +128,20 @@ void check_all(Rank& r) {
   if (W == 4) cases.push_back({ShardingStrategy::kHybridShard, 2, false});
   for (size_t i = 0; i < cases.size(); ++i) check_save(r, cases[i], root, static_cast<int64_t>(i + 1));
 
-  // A save that fails on one rank (rank 0 finds the name committed) fails on every rank, each
-  // saying where, and leaves the latest checkpoint as it was.
+  // A save that fails on one rank (rank 0 finds the name is the latest checkpoint's) fails on
+  // every rank, each saying where, and leaves the latest checkpoint as it was.
   const std::string latest = checkpoint::latest_checkpoint(root);
+  const std::string latest_name = latest.substr(root.size() + 1);
   auto model = fsdp::fully_shard(std::make_shared<BufferedMLPImpl>(), r.pg, test_options());
-  const std::string msg = error_of([&] { checkpoint::save(root, model, checkpoint::SaveOptions().step(1)); });
+  const std::string msg = error_of([&] { checkpoint::save(root, model, checkpoint::SaveOptions().name(latest_name)); });
   const std::string where = "fsdp::checkpoint::save (rank " + std::to_string(r.rank) + " of " + std::to_string(W) +
-                            ", '" + root + "/step-000001'): creating the staging directory failed ";
+                            ", '" + latest + "'): creating the staging directory failed ";
   EXPECT_NE(msg.find(where + (r.rank == 0 ? "here: " : "on another rank (its error says why); nothing was committed.")),
             std::string::npos)
       << msg;
   if (r.rank == 0)
-    EXPECT_NE(msg.find("exists already; a save never writes into an existing checkpoint"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("exists already and is the latest checkpoint; a save never writes into it"), std::string::npos)
+        << msg;
   EXPECT_EQ(checkpoint::latest_checkpoint(root), latest);
   // The harness removes only the files of its directory: the checkpoint tree goes here.
   auto t = torch::zeros({1});

@@ -1,0 +1,21 @@
+// Fault injection for the crash-safety tests (docs/checkpoint-format.md, "Crash safety"): with
+// FSDP_CHECKPOINT_CRASH_AT="<point>@<rank>" in its environment, the process of that rank SIGKILLs
+// itself when a save reaches <point>, as a node that dies there would. Unset (always, outside
+// tests), a crash point costs one cached lookup. Internal to the checkpoint library.
+#pragma once
+
+namespace fsdp::checkpoint::detail {
+
+/// The points of a save, in order (`rank`: the caller's).
+///   staged             rank 0 created the staging directory
+///   data-written       this rank's file is written, not yet fsynced
+///   data-fsynced       ... and fsynced
+///   agreed             every rank said its file is durable
+///   manifest-written   rank 0: the manifest under its temporary name, fsynced, not renamed
+///   manifest-renamed   ... renamed to manifest.json, the staging directory fsynced
+///   directory-renamed  rank 0: the staging directory renamed to its final name, the root fsynced
+///   latest-written     rank 0: the new `latest` under its temporary name, not renamed
+///   latest-renamed     ... renamed: the save is complete
+void crash_point(const char* point, int rank);
+
+}  // namespace fsdp::checkpoint::detail
