@@ -5,12 +5,12 @@
 #include "checkpoint/commit.h"
 #include "checkpoint/internal/collectives.h"
 #include "checkpoint/internal/crash_point.h"
+#include "checkpoint/internal/manifest_builder.h"
 #include "checkpoint/internal/optimizer_state.h"
 #include "checkpoint/internal/rng_state.h"
 #include "checkpoint/manifest.h"
 #include "checkpoint/plan.h"
 #include "checkpoint/safetensors.h"
-#include "fsdp_version.h"
 
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
@@ -70,10 +70,8 @@ Planned plan_model(const FSDPModule& model, const torch::optim::Optimizer* opt, 
   const auto specs = model.shard_specs();
   if (tensors_meta != nullptr) {
     for (const auto& s : specs) {
-      (*tensors_meta)["model/" + s.name] = {{"kind", "parameter"},
-                                            {"dtype", safetensors_dtype(s.dtype)},
-                                            {"shape", s.global_shape},
-                                            {"chunks", json::array()}};
+      (*tensors_meta)["model/" + s.name] = {
+          {"kind", "parameter"}, {"dtype", safetensors_dtype(s.dtype)}, {"shape", s.global_shape}};
     }
   }
   // Each parameter's optimizer state, which has its layout: this rank's rows of it.
@@ -117,10 +115,8 @@ Planned plan_model(const FSDPModule& model, const torch::optim::Optimizer* opt, 
     const std::string key = "model/" + kv.key();
     const int64_t rows = b.dim() == 0 ? 1 : b.size(0);
     if (tensors_meta != nullptr)
-      (*tensors_meta)[key] = {{"kind", "buffer"},
-                              {"dtype", safetensors_dtype(b.scalar_type())},
-                              {"shape", b.sizes().vec()},
-                              {"chunks", json::array()}};
+      (*tensors_meta)[key] = {
+          {"kind", "buffer"}, {"dtype", safetensors_dtype(b.scalar_type())}, {"shape", b.sizes().vec()}};
     const auto [first, last] = replica_part(rows, model.world_size(), model.rank(), index++);
     if (last > first) add(key, first, last, rows_of(b.detach(), first, last - first));
   }
@@ -136,10 +132,9 @@ Planned plan_model(const FSDPModule& model, const torch::optim::Optimizer* opt, 
   return p;
 }
 
-// Rank 0's record of the optimizer: its type, each param group's hyperparameters and parameters
-// (by name), and each parameter's step (every rank's, which must agree).
-json optimizer_record(const FSDPModule& model, const torch::optim::Optimizer& opt, const std::string& type,
-                      const std::vector<std::string>& parts) {
+// Rank 0's record of the optimizer: its type and each param group's hyperparameters and
+// parameters (by name); the steps come from every rank's part (manifest_builder.h).
+json optimizer_record(const FSDPModule& model, const torch::optim::Optimizer& opt, const std::string& type) {
   const auto specs = model.shard_specs();
   const auto index = spec_index(specs);
   json groups = json::array();
@@ -148,17 +143,7 @@ json optimizer_record(const FSDPModule& model, const torch::optim::Optimizer& op
     for (const auto& param : group.params()) names.push_back(specs[index.at(param.unsafeGetTensorImpl())].name);
     groups.push_back({{"options", detail::group_options(group, type)}, {"params", names}});
   }
-  json steps = json::object();
-  for (size_t r = 0; r < parts.size(); ++r) {
-    const json part = json::parse(parts[r]);  // kept alive: the loop's range refers into it
-    for (const auto& [name, step] : part["steps"].items()) {
-      TORCH_CHECK(!steps.contains(name) || steps[name] == step, "the optimizer's step of parameter '", name, "' is ",
-                  steps.contains(name) ? steps[name].dump() : "", " on one rank but ", step.dump(), " on rank ", r,
-                  ": every rank must step the optimizer the same number of times.");
-      steps[name] = step;
-    }
-  }
-  return {{"type", type}, {"param_groups", groups}, {"steps", steps}};
+  return {{"type", type}, {"param_groups", groups}};
 }
 
 SaveResult save_checkpoint(const std::string& root, const FSDPModule& model, const torch::optim::Optimizer* opt,
@@ -183,7 +168,7 @@ SaveResult save_checkpoint(const std::string& root, const FSDPModule& model, con
     detail::crash_point("staged", rank);
   });
 
-  json tensors_meta = json::object();  // rank 0's: every tensor's dtype, shape and (below) chunks
+  json tensors_meta = json::object();  // rank 0's: every model tensor's kind, dtype and shape
   std::string part;                    // this rank's chunks, for the manifest
   std::string type;                    // the optimizer's
   SaveResult result;
@@ -199,17 +184,20 @@ SaveResult save_checkpoint(const std::string& root, const FSDPModule& model, con
     detail::crash_point("data-fsynced", rank);
     for (const auto& t : file.tensors) result.bytes_written += static_cast<int64_t>(t.end - t.begin);
     // This rank's part of the manifest: its chunks, in the file's order.
-    json mine = {{"rank", rank},     {"file", rank_file(rank)}, {"bytes", file.size}, {"tensors", p.extra_tensors},
-                 {"steps", p.steps}, {"chunks", json::array()}};
+    detail::RankPart mine;
+    mine.file = rank_file(rank);
+    mine.file_bytes = file.size;
+    mine.tensors = p.extra_tensors;
+    mine.steps = p.steps;
     for (size_t i = 0; i < p.keys.size(); ++i) {
       const auto& t = file.tensors[i];
-      mine["chunks"].push_back({{"tensor", p.keys[i]},
-                                {"rows", {p.rows[i].first, p.rows[i].second}},
-                                {"bytes", {t.begin, t.end}},
-                                {"block_bytes", t.block_bytes},
-                                {"crc32c", t.crc32c}});
+      mine.chunks.push_back({{"tensor", p.keys[i]},
+                             {"rows", {p.rows[i].first, p.rows[i].second}},
+                             {"bytes", {t.begin, t.end}},
+                             {"block_bytes", t.block_bytes},
+                             {"crc32c", t.crc32c}});
     }
-    part = mine.dump();
+    part = mine.dump(rank);
   });
   detail::crash_point("agreed", rank);
   const auto parts = detail::gather_to_rank0(pg, part, timeout, "gathering the manifest's parts for " + where);
@@ -218,58 +206,16 @@ SaveResult save_checkpoint(const std::string& root, const FSDPModule& model, con
     if (rank != 0) return;
     json units = json::object();
     for (const auto& u : model.units()) units[u.name.empty() ? "<root>" : u.name] = to_string(u.strategy);
-    json files = json::array();
-    for (int r = 0; r < W; ++r) {
-      const json mine = json::parse(parts[r]);
-      files.push_back({{"name", mine["file"]}, {"rank", r}, {"bytes", mine["bytes"]}});
-      for (const auto& [key, t] : mine["tensors"].items()) {  // optimizer and generator states, as written
-        if (!tensors_meta.contains(key)) {
-          tensors_meta[key] = t;
-          tensors_meta[key]["chunks"] = json::array();
-        }
-      }
-      for (const auto& c : mine["chunks"]) {
-        json chunk = {{"rows", c["rows"]},
-                      {"file", r},
-                      {"bytes", c["bytes"]},
-                      {"block_bytes", c["block_bytes"]},
-                      {"crc32c", c["crc32c"]}};
-        tensors_meta.at(c["tensor"].get<std::string>())["chunks"].push_back(std::move(chunk));
-        result.bytes_total += c["bytes"][1].get<int64_t>() - c["bytes"][0].get<int64_t>();
-      }
-    }
-    for (auto& [key, t] : tensors_meta.items()) {
-      auto& chunks = t["chunks"];
-      std::sort(chunks.begin(), chunks.end(),
-                [](const json& a, const json& b) { return a["rows"][0].get<int64_t>() < b["rows"][0].get<int64_t>(); });
-      // Every row once: an optimizer state that some of its writers lack (a rank that never
-      // stepped) leaves rows without a chunk.
-      const auto shape = t["shape"].get<std::vector<int64_t>>();
-      int64_t next = 0;
-      for (const auto& c : chunks) {
-        if (c["rows"][0].get<int64_t>() != next) break;
-        next = c["rows"][1].get<int64_t>();
-      }
-      const bool empty = std::find(shape.begin(), shape.end(), 0) != shape.end();
-      TORCH_CHECK(empty || next == (shape.empty() ? 1 : shape[0]), "tensor '", key, "' has rows ", next,
-                  " and on without a writer: the ranks that hold them have no such state. Step the optimizer on "
-                  "every rank before saving.");
-    }
-    json optimizer = nullptr;
-    if (opt != nullptr) optimizer = optimizer_record(model, *opt, type, parts);
-    const json manifest = {{"format", "libtorch-fsdp checkpoint"},
-                           {"format_version", kFormatVersion},
-                           {"library_version", FSDP_VERSION},
-                           {"name", name},
-                           {"step", options.step()},
-                           {"world_size", W},
-                           {"block_bytes", options.block_bytes()},
-                           {"strategies", units},
-                           {"metadata", options.metadata()},
-                           {"optimizer", optimizer},
-                           {"files", files},
-                           {"tensors", tensors_meta}};
-    write_atomically(staging, kManifest, manifest.dump(1));
+    detail::ManifestHeader header;
+    header.name = name;
+    header.step = options.step();
+    header.world_size = W;
+    header.block_bytes = options.block_bytes();
+    header.strategies = units;
+    header.metadata = options.metadata();
+    if (opt != nullptr) header.optimizer = optimizer_record(model, *opt, type);
+    const std::string manifest = detail::assemble_manifest(header, tensors_meta, parts, result.bytes_total);
+    write_atomically(staging, kManifest, manifest);
     commit(root, staging, name);
     keep_last(root, options.keep_last());
   });
