@@ -9,6 +9,7 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -17,6 +18,7 @@
 #include <cstdio>
 #include <cstring>
 #include <tuple>
+#include <utility>
 
 namespace fsdp::checkpoint::detail {
 
@@ -31,10 +33,48 @@ struct ShardReader::Piece {
   size_t range = 0;  // the read that holds it
 };
 
+// Host memory for one read: mapped directly, in huge pages where the kernel gives them (a load
+// fills hundreds of MB at once, and faulting them in 4 KiB pages costs as much as the read), not
+// zeroed by us (every byte is read into).
+class HostBuffer {
+ public:
+  HostBuffer() = default;
+  HostBuffer(const HostBuffer&) = delete;
+  HostBuffer& operator=(const HostBuffer&) = delete;
+  HostBuffer(HostBuffer&& o) noexcept : p_(std::exchange(o.p_, nullptr)), n_(std::exchange(o.n_, 0)) {}
+  HostBuffer& operator=(HostBuffer&& o) noexcept {
+    reset();
+    p_ = std::exchange(o.p_, nullptr);
+    n_ = std::exchange(o.n_, 0);
+    return *this;
+  }
+  ~HostBuffer() { reset(); }
+  void allocate(size_t n) {
+    reset();
+    if (n == 0) return;
+    void* p = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    TORCH_CHECK(p != MAP_FAILED, "cannot map ", n,
+                " bytes of host memory for a checkpoint read: ", std::strerror(errno));
+    if (n >= (size_t{2} << 20)) ::madvise(p, n, MADV_HUGEPAGE);
+    p_ = static_cast<uint8_t*>(p);
+    n_ = n;
+  }
+  void reset() {
+    if (p_ != nullptr) ::munmap(p_, n_);
+    p_ = nullptr;
+    n_ = 0;
+  }
+  uint8_t* get() const { return p_; }
+
+ private:
+  uint8_t* p_ = nullptr;
+  size_t n_ = 0;
+};
+
 struct ShardReader::Range {
   size_t file = 0;
   uint64_t begin = 0, end = 0;
-  std::unique_ptr<uint8_t[]> data;  // not zeroed: every byte is read
+  HostBuffer data;
 };
 
 namespace {
@@ -125,7 +165,7 @@ void ShardReader::read() {
     const int fd = fds_[r.file];
     TORCH_CHECK(fd >= 0, "ShardReader::read before open_files");
     const uint64_t size = r.end - r.begin;
-    r.data.reset(new uint8_t[size]);
+    r.data.allocate(size);
     uint64_t done = 0;
     while (done < size) {
       const ssize_t n = ::pread(fd, r.data.get() + done, size - done, static_cast<off_t>(r.begin + done));
