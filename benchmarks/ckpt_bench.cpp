@@ -193,7 +193,9 @@ auto build(const Flags& f, const Job& j, uint64_t seed) {
 }
 
 int save_mode(const Flags& f, const Job& j) {
-  auto [model, opt] = build(f, j, 1);
+  auto built = build(f, j, 1);
+  auto& model = built.first;
+  auto& opt = built.second;
   ::mkdir(f.dir.c_str(), 0755);
   ::mkdir((f.dir + "/raw").c_str(), 0755);
   int64_t mine = 0;
@@ -242,7 +244,9 @@ int save_mode(const Flags& f, const Job& j) {
 }
 
 int load_mode(const Flags& f, const Job& j) {
-  auto [model, opt] = build(f, j, 2);
+  auto built = build(f, j, 2);
+  auto& model = built.first;
+  auto& opt = built.second;
   int saved_ranks = 0;
   while (::access(raw_file(f.dir, saved_ranks).c_str(), F_OK) == 0) ++saved_ranks;
   const std::string ckpt = fsdp::checkpoint::latest_checkpoint(f.dir);

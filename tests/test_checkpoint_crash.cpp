@@ -38,7 +38,9 @@ torch::OrderedDict<std::string, at::Tensor> plain_of_step(int64_t step) {
 // A save of `step` at 2 ranks; with a crash point set, one rank dies on reaching it and the other
 // fails at its next collective (a save that was cut).
 void save_step(Rank& r) {
-  const int64_t step = std::atoll(std::getenv("FSDP_TEST_STEP"));
+  const char* step_env = std::getenv("FSDP_TEST_STEP");
+  ASSERT_NE(step_env, nullptr);
+  const int64_t step = std::atoll(step_env);
   auto model = model_of_step(r, step);
   const char* crash = std::getenv("FSDP_CHECKPOINT_CRASH_AT");
   try {

@@ -12,6 +12,7 @@
 #include "tests/temp_dir.h"
 
 #include <c10/util/accumulate.h>
+#include <torch/optim/rmsprop.h>
 #include <torch/serialize.h>
 #include <nlohmann/json.hpp>
 
@@ -357,6 +358,32 @@ void check_faults(Rank& r) {
   ASSERT_NE(fc1, nullptr);
   ASSERT_EQ(fc1->chunks.size(), 2u);  // rows 0-6 by rank 0, 7-12 by rank 1: each rank reads its own
   const uint64_t in_rank1s_rows = fc1->chunks[1].begin + 5;
+#ifdef FSDP_PYTHON
+  {
+    // Each rank's file opens with Python's safetensors; what Python loaded (written back by it and
+    // read here) equals this rank's C++ shards, bit for bit.
+    char file[64];
+    std::snprintf(file, sizeof(file), "/rank-%05d.safetensors", r.rank);
+    const std::string back = shared_dir() + "/python-" + std::to_string(r.rank) + ".safetensors";
+    const std::string cmd = std::string(FSDP_PYTHON) + " " + FSDP_SOURCE_DIR +
+                            "/tests/check_safetensors_in_python.py " + good + file + " " + back + " > " + back +
+                            ".log 2>&1";
+    ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+    const auto rec = checkpoint::read_safetensors_header(back);
+    int compared = 0;
+    for (const auto& s : saved.shard_specs()) {
+      for (const auto& t : rec.tensors) {
+        const std::string prefix = "model/" + s.name + "[";
+        if (t.name.rfind(prefix, 0) != 0) continue;
+        const int64_t b = std::stoll(t.name.substr(prefix.size())), e = std::stoll(t.name.substr(t.name.find(':') + 1));
+        const at::Tensor rows = s.local.dim() == 0 ? s.local : s.local.narrow(0, b - s.row_begin, e - b);
+        EXPECT_TRUE(checkpoint::read_tensor(back, t).equal(rows.detach())) << t.name;
+        ++compared;
+      }
+    }
+    EXPECT_GT(compared, 2) << "rank " << r.rank << " wrote rows of several parameters";
+  }
+#endif
   auto barrier = [&] {
     auto t = torch::zeros({1});
     all_reduce_sum(r, t);

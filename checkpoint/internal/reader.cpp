@@ -3,10 +3,10 @@
 #include "checkpoint/internal/crc32c.h"
 #include "checkpoint/safetensors.h"
 
+#include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <c10/util/Exception.h>
-#include <torch/csrc/autograd/grad_mode.h>
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -196,7 +196,7 @@ void ShardReader::read() {
 }
 
 void ShardReader::apply() {
-  torch::NoGradGuard no_grad;  // the targets are often parameters
+  at::NoGradGuard no_grad;  // the targets are often parameters
   for (const Piece& p : pieces_) {
     const ReadTarget& t = targets_[p.target];
     const Range& r = ranges_[p.range];
