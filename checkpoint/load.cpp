@@ -178,12 +178,28 @@ OptimizerPlan plan_optimizer(const Manifest& m, const FSDPModule& model, const t
       }
       const auto step = m.optimizer.steps.find(s.name);
       if (step != m.optimizer.steps.end()) p.step = step->second;
+      TORCH_CHECK(plan.type == "SGD" || p.names.empty() || p.step >= 0, "checkpoint '", m.dir, "' holds ", plan.type,
+                  " state of parameter '", s.name,
+                  "' but no step for it: the manifest was edited or written by another program.");
       plan.params.push_back(std::move(p));
     }
     const auto& want = m.optimizer.param_groups[g].params;
-    TORCH_CHECK(names == want, "param group ", g, " of the optimizer holds ", names.size(),
-                " parameters that are not those it was saved with (", want.size(), ", first: '",
-                want.empty() ? "" : want[0], "'): build the optimizer with the param groups it was saved with.");
+    if (names != want) {
+      const std::set<std::string> have(names.begin(), names.end()), saved_set(want.begin(), want.end());
+      std::string missing, extra;
+      for (const auto& n : want) {
+        if (have.count(n) == 0) missing += (missing.empty() ? "" : ", ") + n;
+      }
+      for (const auto& n : names) {
+        if (saved_set.count(n) == 0) extra += (extra.empty() ? "" : ", ") + n;
+      }
+      TORCH_CHECK(false, "param group ", g, " of the optimizer does not hold the parameters it was saved with (",
+                  names.size(), " now, ", want.size(), " saved",
+                  missing.empty() ? std::string() : "; saved, not in the group: " + missing,
+                  extra.empty() ? std::string() : "; in the group, not saved: " + extra,
+                  missing.empty() && extra.empty() ? "; the same parameters in another order" : "",
+                  "): build the optimizer with the param groups it was saved with.");
+    }
   }
   for (const auto& kv : saved) {
     TORCH_CHECK(in_groups.count(kv.first) == 1, "checkpoint '", m.dir, "' holds optimizer state of '", kv.first,
@@ -251,12 +267,10 @@ LoadResult load_checkpoint(const std::string& path, FSDPModule& model, torch::op
   RngPlan rng;
   std::unique_ptr<detail::ShardReader> reader;
   phase("checking the checkpoint against the model", [&] {
-    for (const auto& u : model.units()) {
-      TORCH_CHECK(!u.unsharded || u.strategy == ShardingStrategy::kShardOptimizerState, "unit '",
-                  u.name.empty() ? "<root>" : u.name,
-                  "' is gathered (inside a step): load between steps, after the optimizer's step and before the "
-                  "next forward.");
-    }
+    TORCH_CHECK(!model.step_in_progress(),
+                "a step is under way (a forward ran with gradients and its backward has not, or this is inside the "
+                "forward or the backward): load between steps, after the optimizer's step and before the next "
+                "forward; a forward that needs no backward runs under torch::NoGradGuard.");
     m = read_manifest(resolve_checkpoint(path));
     std::vector<Wanted> wanted;
     for (const ShardSpec& s : model.shard_specs()) {
@@ -267,9 +281,13 @@ LoadResult load_checkpoint(const std::string& path, FSDPModule& model, torch::op
       wanted.push_back(
           {"model/" + kv.key(), "buffer", b.scalar_type(), b.sizes().vec(), 0, b.dim() == 0 ? 1 : b.size(0), b});
     }
-    if (opt != nullptr) optim = plan_optimizer(m, model, *opt, wanted);
-    if (options.rng_states()) rng = plan_rng(m, rank, wanted);
-    reader = std::make_unique<detail::ShardReader>(m, match(m, wanted, options.strict(), ""));
+    // The model first: a different model is reported as one, not as its optimizer's groups.
+    auto targets = match(m, wanted, options.strict(), "");
+    std::vector<Wanted> more;
+    if (opt != nullptr) optim = plan_optimizer(m, model, *opt, more);
+    if (options.rng_states()) rng = plan_rng(m, rank, more);
+    for (auto& t : match(m, more, /*strict=*/false, "")) targets.push_back(std::move(t));
+    reader = std::make_unique<detail::ShardReader>(m, std::move(targets));
     reader->open_files();
   });
   phase("reading and verifying this rank's rows", [&] { reader->read(); });

@@ -52,12 +52,24 @@ Manifest read_manifest(const std::string& dir) {
         m.optimizer.param_groups.push_back(
             {g.at("options").get<std::map<std::string, double>>(), g.at("params").get<std::vector<std::string>>()});
       }
-      m.optimizer.steps = o.at("steps").get<std::map<std::string, int64_t>>();
+      for (const auto& [name, step] : o.at("steps").items()) {
+        TORCH_CHECK(step.is_number_integer() && step.get<int64_t>() >= 0, "fsdp::checkpoint: '", path,
+                    "' gives parameter '", name, "' the optimizer step ", step.dump(),
+                    ", not a whole number from 0: the manifest is corrupt.");
+        m.optimizer.steps[name] = step.get<int64_t>();
+      }
     }
     for (const auto& fe : j.at("files")) {
       m.files.push_back({fe.at("name").get<std::string>(), fe.at("rank").get<int>(), fe.at("bytes").get<uint64_t>()});
       TORCH_CHECK(m.files.back().name.find('/') == std::string::npos, "fsdp::checkpoint: '", path,
                   "' names a file outside its directory ('", m.files.back().name, "').");
+    }
+    TORCH_CHECK(m.world_size >= 1 && m.files.size() == static_cast<size_t>(m.world_size), "fsdp::checkpoint: '", path,
+                "' says ", m.world_size, " ranks saved it but lists ", m.files.size(),
+                " files: the manifest is corrupt.");
+    for (size_t i = 0; i < m.files.size(); ++i) {
+      TORCH_CHECK(m.files[i].rank == static_cast<int>(i), "fsdp::checkpoint: '", path, "' lists file ", i, " ('",
+                  m.files[i].name, "') as rank ", m.files[i].rank, "'s: the manifest is corrupt.");
     }
     for (const auto& [key, t] : j.at("tensors").items()) {
       ManifestTensor mt;

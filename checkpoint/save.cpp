@@ -163,17 +163,18 @@ SaveResult save_checkpoint(const std::string& root, const FSDPModule& model, con
   };
 
   const std::string staging = staging_path(root, name);
+  std::string type;  // the optimizer's
   phase("creating the staging directory", [&] {
+    // An optimizer the format cannot hold is refused before anything is on disk.
+    if (opt != nullptr) type = detail::optimizer_type(*opt, "fsdp::checkpoint::save");
     if (rank == 0) begin_staging(root, name);
     detail::crash_point("staged", rank);
   });
 
   json tensors_meta = json::object();  // rank 0's: every model tensor's kind, dtype and shape
   std::string part;                    // this rank's chunks, for the manifest
-  std::string type;                    // the optimizer's
   SaveResult result;
   phase("writing this rank's file", [&] {
-    if (opt != nullptr) type = detail::optimizer_type(*opt, "fsdp::checkpoint::save");
     Planned p = plan_model(model, opt, type, options.rng_states(), rank == 0 ? &tensors_meta : nullptr);
     const std::string path = staging + "/" + rank_file(rank);
     const FileRecord file =

@@ -145,6 +145,9 @@ Args parse(int argc, char** argv) {
   if (a.save_dir.empty() && (a.save_every > 0 || a.resume)) {
     usage_error(std::string(a.resume ? "--resume" : "--save-every") + " needs --save-dir DIR");
   }
+  if (!a.save_dir.empty() && a.save_every == 0 && !a.resume) {
+    usage_error("--save-dir alone saves nothing: add --save-every K (a checkpoint every K steps), or --resume");
+  }
   return a;
 }
 

@@ -282,4 +282,13 @@ int FSDPModule::world_size() const {
   return root_->state().comm.world_size();
 }
 
+bool FSDPModule::step_in_progress() const {
+  const RunState& state = root_->state();
+  if (state.in_root_forward || state.in_backward()) return true;
+  for (const auto& w : state.groups) {
+    if (auto g = w.lock(); g && g->backward_pending()) return true;
+  }
+  return false;
+}
+
 }  // namespace fsdp

@@ -125,6 +125,10 @@ class FSDPModule {
   void release_cached_buffers();
   int rank() const;
   int world_size() const;
+  /// Whether a step is under way: inside the forward or the backward, or after a forward with
+  /// gradients whose backward has not run. What writes the parameters from outside (a checkpoint
+  /// load) is refused then: the pending backward would find them changed.
+  bool step_in_progress() const;
   /// The process group the model was wrapped over, and the options it was wrapped with (their
   /// timeout bounds every wait): for what works beside the model on the same ranks (checkpoints).
   const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const;

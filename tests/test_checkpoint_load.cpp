@@ -487,20 +487,72 @@ void check_faults(Rank& r) {
     params.pop_back();
     torch::optim::SGD fewer(params, torch::optim::SGDOptions(0.5).momentum(0.9));
     msg = error_of([&] { checkpoint::load(good, model, fewer); });
-    EXPECT_NE(msg.find("param group 0 of the optimizer holds 6 parameters that are not those it was saved with (7, "
-                       "first: 'scale')"),
+    EXPECT_NE(msg.find("param group 0 of the optimizer does not hold the parameters it was saved with (6 now, 7 "
+                       "saved; saved, not in the group: "),
               std::string::npos)
         << msg;
     EXPECT_EQ(fewer.param_groups()[0].options().get_lr(), 0.5);  // untouched
     EXPECT_TRUE(fewer.state().empty());
     expect_bit_exact(model.full_state_dict(), before, "optimizer faults: the model is untouched");
+    // A load between a forward and its backward is refused (the backward would find its weights
+    // changed), and the backward then runs.
+    {
+      torch::manual_seed(3);
+      auto loss = model(torch::randn({kGlobalBatch / 2, 7})).square().mean();
+      msg = error_of([&] { checkpoint::load(good, model); });
+      EXPECT_NE(msg.find("a step is under way (a forward ran with gradients and its backward has not"),
+                std::string::npos)
+          << msg;
+      loss.backward();
+      model->zero_grad();
+    }
+    // Another model with its optimizer: the model's difference is what is reported.
+    {
+      auto other = fsdp::fully_shard(std::make_shared<UnevenMLPImpl<true>>(), r.pg, test_options());
+      auto other_sgd = make_opt(Opt::kSGD, other);
+      msg = error_of([&] { checkpoint::load(good, other, *other_sgd); });
+      EXPECT_NE(msg.find("does not fit the model; nothing was loaded. In the checkpoint, not in the model (2)"),
+                std::string::npos)
+          << msg;
+    }
+    // Edited optimizer steps and world size: refused, each with its reason.
+    {
+      auto adamw_model = wrap(full, r, 5);
+      auto adam = make_opt(Opt::kAdamW, adamw_model);
+      train_step(adamw_model, *adam, r, 0);
+      checkpoint::save(root, adamw_model, *adam, checkpoint::SaveOptions().name("adamw"));
+      const std::vector<std::pair<std::function<void(nlohmann::json&)>, std::string>> edits = {
+          {[](nlohmann::json& j) { j["optimizer"]["steps"].erase("scale"); },
+           "holds AdamW state of parameter 'scale' but no step for it"},
+          {[](nlohmann::json& j) { j["optimizer"]["steps"]["scale"] = -5; },
+           "gives parameter 'scale' the optimizer step -5, not a whole number from 0"},
+          {[](nlohmann::json& j) { j["optimizer"]["steps"]["scale"] = 2.5; },
+           "gives parameter 'scale' the optimizer step 2.5, not a whole number from 0"},
+          {[](nlohmann::json& j) { j["world_size"] = 7; }, "says 7 ranks saved it but lists 2 files"}};
+      for (size_t e = 0; e < edits.size(); ++e) {
+        const std::string dir = root + "/edited-" + std::to_string(e);
+        if (r.rank == 0) {
+          copy_checkpoint(root + "/adamw", dir);
+          edit_manifest(dir, edits[e].first);
+        }
+        barrier();
+        auto target = wrap(full, r, 1234);
+        auto target_opt = make_opt(Opt::kAdamW, target);
+        const auto before_edit = target.full_state_dict();
+        const std::string m2 = error_of([&] { checkpoint::load(dir, target, *target_opt); });
+        EXPECT_NE(m2.find(edits[e].second), std::string::npos) << m2;
+        EXPECT_TRUE(target_opt->state().empty());
+        expect_bit_exact(target.full_state_dict(), before_edit, "edited optimizer: untouched");
+      }
+    }
     torch::optim::RMSprop rmsprop(model->parameters());
     msg = error_of([&] { checkpoint::save(root, model, rmsprop, checkpoint::SaveOptions().name("rmsprop")); });
     EXPECT_NE(msg.find("optimizer type torch::optim::RMSprop is not supported (torch::optim::SGD, Adam, AdamW and "
                        "fsdp::optim::FusedAdamW are)"),
               std::string::npos)
         << msg;
-    EXPECT_EQ(checkpoint::latest_checkpoint(root), root + "/model-only");
+    EXPECT_EQ(checkpoint::latest_checkpoint(root), root + "/adamw");
+    EXPECT_FALSE(::access((root + "/.staging-rmsprop").c_str(), F_OK) == 0) << "refused before the disk";
   }
   // The plain path: the same checks, and a flipped byte leaves the module as it was.
   if (r.rank == 0) {

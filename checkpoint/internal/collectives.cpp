@@ -37,7 +37,7 @@ void agree(const FSDPModule& model, const std::string& call, const std::string& 
   }
   at::Tensor failed = at::full({1}, error.empty() ? 0 : 1, at::kLong);
   model.all_reduce(failed, c10d::ReduceOp::MAX, call + ": " + phase);
-  TORCH_CHECK(error.empty(), where, ": ", phase, " failed here: ", error);
+  TORCH_CHECK(error.empty(), where, ": ", phase, " failed on this rank: ", error);
   TORCH_CHECK(failed.item<int64_t>() == 0, where, ": ", phase, " failed on another rank (its error says why); ",
               consequence, ".");
 }

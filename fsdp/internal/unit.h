@@ -43,6 +43,8 @@ class Unit : public std::enable_shared_from_this<Unit> {
   int64_t replication() const { return world_size_ / S_; }
   /// Whether the parameters point at their full views now (forward, backward), not their shards.
   bool is_unsharded() const { return state_ == UnitState::kUnsharded; }
+  /// Its forward ran with gradients and its backward has not finished (FSDPModule::step_in_progress).
+  bool backward_pending() const { return backward_ != BackwardPhase::kIdle; }
   const std::vector<ParamSlot>& slots() const { return slots_; }
   int64_t shard_numel() const { return buffers_.shard_numel; }
   /// This rank's rows of every parameter, padded: what the parameters alias between steps.
