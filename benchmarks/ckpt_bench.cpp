@@ -50,7 +50,7 @@ struct Flags {
   std::string mode, dir;
   std::string strategy = "full";  // full | grad-op | optimizer | replicate | hybrid (groups of 2)
   gpt::Config model;
-  int reps = 4;
+  int reps = 6;
   std::vector<int> ranks{128, 256, 512, 1024};
 };
 
@@ -137,12 +137,13 @@ std::string raw_file(const std::string& dir, int rank) {
   return dir + "/raw/rank-" + std::to_string(rank) + ".bin";
 }
 
-void raw_write(const std::string& path, int64_t bytes) {
-  std::vector<char> buf(kIo, 'x');
+// `src` (the bytes, in memory, as a save's tensors are) written to `path` in kIo writes, fsynced.
+void raw_write(const std::string& path, const std::vector<char>& src) {
+  const auto bytes = static_cast<int64_t>(src.size());
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   TORCH_CHECK(fd >= 0, "cannot create ", path);
   for (int64_t done = 0; done < bytes;) {
-    const ssize_t w = ::write(fd, buf.data(), static_cast<size_t>(std::min<int64_t>(kIo, bytes - done)));
+    const ssize_t w = ::write(fd, src.data() + done, static_cast<size_t>(std::min<int64_t>(kIo, bytes - done)));
     TORCH_CHECK(w > 0, "write to ", path, " failed");
     done += w;
   }
@@ -150,9 +151,10 @@ void raw_write(const std::string& path, int64_t bytes) {
   ::close(fd);
 }
 
-// `bytes` from the raw files, taken as one stream, from `offset` on.
-void raw_read(const std::string& dir, int files, int64_t offset, int64_t bytes) {
-  std::vector<char> buf(kIo);
+// `bytes` from the raw files, taken as one stream, from `offset` on, into `dst` (memory that holds
+// them all, as a load's does), in kIo reads.
+void raw_read(const std::string& dir, int files, int64_t offset, int64_t bytes, std::vector<char>& dst) {
+  char* out = dst.data();
   for (int f = 0; f < files && bytes > 0; ++f) {
     const std::string path = raw_file(dir, f);
     struct stat st {};
@@ -164,8 +166,9 @@ void raw_read(const std::string& dir, int files, int64_t offset, int64_t bytes) 
     const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
     ::lseek(fd, offset, SEEK_SET);
     for (int64_t left = std::min<int64_t>(bytes, st.st_size - offset); left > 0;) {
-      const ssize_t r = ::read(fd, buf.data(), static_cast<size_t>(std::min<int64_t>(kIo, left)));
+      const ssize_t r = ::read(fd, out, static_cast<size_t>(std::min<int64_t>(kIo, left)));
       TORCH_CHECK(r > 0, "read of ", path, " failed");
+      out += r;
       left -= r;
       bytes -= r;
     }
@@ -198,18 +201,22 @@ int save_mode(const Flags& f, const Job& j) {
   auto& opt = built.second;
   ::mkdir(f.dir.c_str(), 0755);
   ::mkdir((f.dir + "/raw").c_str(), 0755);
-  int64_t mine = 0;
+  int64_t mine = 0;  // this rank's bytes in the last save (the first save runs before any raw write)
   for (int rep = 0; rep < f.reps; ++rep) {
     fsdp::checkpoint::SaveResult res;
     double save_s = 0, raw_s = 0;
     auto save = [&] {
       save_s = timed(j.pg, [&] {
-        res = fsdp::checkpoint::save(f.dir, model, *opt,
-                                     fsdp::checkpoint::SaveOptions().name("rep-" + std::to_string(rep)).step(rep));
+        res = fsdp::checkpoint::save(
+            f.dir, model, *opt,
+            fsdp::checkpoint::SaveOptions().name("rep-" + std::to_string(rep)).step(rep).keep_last(1));
       });
       mine = res.bytes_written;
     };
-    auto raw = [&] { raw_s = timed(j.pg, [&] { raw_write(raw_file(f.dir, j.rank), mine); }); };
+    auto raw = [&] {
+      const std::vector<char> src(static_cast<size_t>(mine), 'x');  // in memory (touched) before the clock
+      raw_s = timed(j.pg, [&] { raw_write(raw_file(f.dir, j.rank), src); });
+    };
     if (rep % 2 == 0) {
       save();
       raw();
@@ -264,7 +271,8 @@ int load_mode(const Flags& f, const Job& j) {
       mine[j.rank] = res.bytes_read;
       fsdp::all_reduce(j.pg, mine);
       const int64_t offset = j.rank == 0 ? 0 : mine.narrow(0, 0, j.rank).sum().item<int64_t>();
-      raw_s = timed(j.pg, [&] { raw_read(f.dir, saved_ranks, offset, res.bytes_read); });
+      std::vector<char> dst(static_cast<size_t>(res.bytes_read), 0);  // touched before the clock
+      raw_s = timed(j.pg, [&] { raw_read(f.dir, saved_ranks, offset, res.bytes_read, dst); });
     };
     if (rep % 2 == 0) {  // the first load tells how many bytes the raw read is to match
       load();

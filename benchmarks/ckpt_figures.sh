@@ -15,7 +15,7 @@ torchrun=("$venv/bin/torchrun" --standalone --no-python)
 echo "# $(date -u +%FT%TZ) $(git -C "$root" rev-parse --short HEAD) $(nproc --all) cores; dir $dir ($(df -T "$dir" | awk 'NR==2 {print $2}'))"
 run "${torchrun[@]}" --nproc-per-node 4 "$bench" save --dir "$dir/full"
 run "${torchrun[@]}" --nproc-per-node 3 "$bench" load --dir "$dir/full"
-run "${torchrun[@]}" --nproc-per-node 4 "$bench" save --dir "$dir/replicate" --strategy replicate --reps 2
-run "${torchrun[@]}" --nproc-per-node 4 "$bench" save --dir "$dir/hybrid" --strategy hybrid --reps 2
+run "${torchrun[@]}" --nproc-per-node 4 "$bench" save --dir "$dir/replicate" --strategy replicate --reps 4
+run "${torchrun[@]}" --nproc-per-node 4 "$bench" save --dir "$dir/hybrid" --strategy hybrid --reps 4
 run "$bench" simulate --ranks 128,256,512,1024
 rm -rf "$dir"
