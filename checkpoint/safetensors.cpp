@@ -122,53 +122,103 @@ uint64_t checksum_block(uint64_t bytes, uint64_t max_block, uint64_t min_blocks)
   return std::min(max_block, std::max(kPage, (share + kPage - 1) / kPage * kPage));
 }
 
-FileRecord write_safetensors(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
-                             std::map<std::string, std::string> metadata, const WriteOptions& options) {
-  TORCH_CHECK(options.alignment() >= 8 && options.block_bytes() > 0 && options.min_blocks() > 0,
-              "fsdp::checkpoint::write_safetensors: the alignment must be at least 8, the block size and the "
-              "number of blocks positive");
+struct SafetensorsWriter::Impl {
   FileRecord rec;
-  rec.path = path;
-  metadata["format"] = "pt";
-  rec.metadata = metadata;
+  Fd fd;
+  SequentialWriter out;
+  size_t tensor = 0;      // the tensor being written
+  uint64_t written = 0;   // bytes of the data buffer so far
+  Impl(const std::string& path) : fd(path, O_WRONLY | O_CREAT | O_TRUNC), out(fd.fd, path) {}
+};
 
+SafetensorsWriter::SafetensorsWriter(const std::string& path, std::vector<TensorRecord> tensors,
+                                     std::map<std::string, std::string> metadata, uint64_t alignment) {
+  TORCH_CHECK(alignment >= 8, "fsdp::checkpoint::SafetensorsWriter: the alignment must be at least 8");
+  metadata["format"] = "pt";
   // The header, from shapes alone: offsets into the data buffer, in the given order.
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   header[kMetadataKey] = metadata;
   std::set<std::string> names;
   uint64_t offset = 0;
+  for (auto& tr : tensors) {
+    TORCH_CHECK(tr.name != kMetadataKey && names.insert(tr.name).second, "fsdp::checkpoint: tensor name '", tr.name,
+                "' is reserved or given twice for '", path, "'.");
+    const uint64_t bytes = numel_of(tr.shape) * c10::elementSize(scalar_type_of(tr.dtype, "tensor '" + tr.name + "'"));
+    tr.begin = offset;
+    tr.end = offset + bytes;
+    offset = tr.end;
+    header[tr.name] = {{"dtype", tr.dtype}, {"shape", tr.shape}, {"data_offsets", {tr.begin, tr.end}}};
+  }
+  std::string text = header.dump();
+  const uint64_t padded = (8 + text.size() + alignment - 1) / alignment * alignment - 8;
+  text.append(padded - text.size(), ' ');
+
+  impl_ = std::make_unique<Impl>(path);
+  TORCH_CHECK(impl_->fd.fd >= 0, "fsdp::checkpoint: cannot create '", path, "': ", system_error());
+  FileRecord& rec = impl_->rec;
+  rec.path = path;
+  rec.metadata = std::move(metadata);
+  rec.data_start = 8 + text.size();
+  rec.size = rec.data_start + offset;
+  for (auto& tr : tensors) {
+    tr.begin += rec.data_start;
+    tr.end += rec.data_start;
+  }
+  rec.tensors = std::move(tensors);
+  uint8_t length[8];
+  for (int i = 0; i < 8; ++i) length[i] = static_cast<uint8_t>(text.size() >> (8 * i));  // little-endian
+  impl_->out.append(length, 8, "the header");
+  impl_->out.append(text.data(), text.size(), "the header");
+}
+
+SafetensorsWriter::~SafetensorsWriter() = default;
+
+const FileRecord& SafetensorsWriter::record() const {
+  return impl_->rec;
+}
+
+void SafetensorsWriter::write(const void* data, uint64_t n) {
+  Impl& w = *impl_;
+  const uint64_t total = w.rec.size - w.rec.data_start;
+  TORCH_CHECK(w.written + n <= total, "fsdp::checkpoint: ", n, " more bytes for '", w.rec.path, "', whose tensors hold ",
+              total - w.written, " more.");
+  while (w.tensor < w.rec.tensors.size() && w.rec.data_start + w.written >= w.rec.tensors[w.tensor].end) ++w.tensor;
+  const std::string what =
+      w.tensor < w.rec.tensors.size() ? "tensor '" + w.rec.tensors[w.tensor].name + "'" : std::string("the data");
+  w.out.append(data, n, what);
+  w.written += n;
+}
+
+FileRecord SafetensorsWriter::finish(bool fsync) {
+  Impl& w = *impl_;
+  TORCH_CHECK(w.rec.data_start + w.written == w.rec.size, "fsdp::checkpoint: '", w.rec.path, "' got ", w.written,
+              " bytes of data, but its tensors hold ", w.rec.size - w.rec.data_start, ".");
+  w.out.flush("the data");
+  if (fsync) {
+    TORCH_CHECK(::fsync(w.fd.fd) == 0, "fsdp::checkpoint: fsync of '", w.rec.path, "' failed: ", system_error());
+  }
+  return w.rec;
+}
+
+FileRecord write_safetensors(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                             std::map<std::string, std::string> metadata, const WriteOptions& options) {
+  TORCH_CHECK(options.alignment() >= 8 && options.block_bytes() > 0 && options.min_blocks() > 0,
+              "fsdp::checkpoint::write_safetensors: the alignment must be at least 8, the block size and the "
+              "number of blocks positive");
+  std::vector<TensorRecord> records;
   std::vector<at::Tensor> data;
   for (const auto& [name, t] : tensors) {
-    TORCH_CHECK(name != kMetadataKey && names.insert(name).second, "fsdp::checkpoint: tensor name '", name,
-                "' is reserved or given twice for '", path, "'.");
     TORCH_CHECK(t.defined() && t.device().is_cpu(), "fsdp::checkpoint: tensor '", name, "' for '", path,
                 "' is undefined or not on the CPU; copy it to the CPU first.");
     TensorRecord tr;
     tr.name = name;
     tr.dtype = safetensors_dtype(t.scalar_type());
     tr.shape = t.sizes().vec();
-    const uint64_t bytes = static_cast<uint64_t>(t.numel()) * t.element_size();
-    tr.begin = offset;
-    tr.end = offset + bytes;
-    offset = tr.end;
-    header[name] = {{"dtype", tr.dtype}, {"shape", tr.shape}, {"data_offsets", {tr.begin, tr.end}}};
-    rec.tensors.push_back(std::move(tr));
+    records.push_back(std::move(tr));
     data.push_back(t.contiguous());
   }
-  std::string text = header.dump();
-  const uint64_t a = options.alignment();
-  const uint64_t padded = (8 + text.size() + a - 1) / a * a - 8;
-  text.append(padded - text.size(), ' ');
-  rec.data_start = 8 + text.size();
-  rec.size = rec.data_start + offset;
-
-  Fd f(path, O_WRONLY | O_CREAT | O_TRUNC);
-  TORCH_CHECK(f.fd >= 0, "fsdp::checkpoint: cannot create '", path, "': ", system_error());
-  SequentialWriter out(f.fd, path);
-  uint8_t length[8];
-  for (int i = 0; i < 8; ++i) length[i] = static_cast<uint8_t>(text.size() >> (8 * i));  // little-endian
-  out.append(length, 8, "the header");
-  out.append(text.data(), text.size(), "the header");
+  SafetensorsWriter writer(path, std::move(records), std::move(metadata), options.alignment());
+  FileRecord rec = writer.record();
   for (size_t i = 0; i < data.size(); ++i) {
     TensorRecord& tr = rec.tensors[i];
     const auto* p = static_cast<const uint8_t*>(data[i].data_ptr());
@@ -177,14 +227,9 @@ FileRecord write_safetensors(const std::string& path, const std::vector<std::pai
     for (uint64_t b = 0; b < bytes; b += tr.block_bytes) {
       tr.crc32c.push_back(crc32c(p + b, std::min(tr.block_bytes, bytes - b)));
     }
-    out.append(p, bytes, "tensor '" + tr.name + "'");
-    tr.begin += rec.data_start;
-    tr.end += rec.data_start;
+    writer.write(p, bytes);
   }
-  out.flush("the data");
-  if (options.fsync()) {
-    TORCH_CHECK(::fsync(f.fd) == 0, "fsdp::checkpoint: fsync of '", path, "' failed: ", system_error());
-  }
+  writer.finish(options.fsync());
   return rec;
 }
 

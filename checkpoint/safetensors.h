@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -68,6 +69,28 @@ uint64_t checksum_block(uint64_t bytes, uint64_t max_block, uint64_t min_blocks)
 /// checksums included. Errors name the file, the tensor and the system's reason.
 FileRecord write_safetensors(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                              std::map<std::string, std::string> metadata = {}, const WriteOptions& options = {});
+
+/// A safetensors file written piece by piece, for data that is never in memory whole (a tensor
+/// assembled from many ranks' chunks): the header comes from the tensors' names, dtypes and shapes,
+/// then write() takes the data buffer's bytes in order, in pieces of any size, through large
+/// sequential writes. finish() checks that every byte came and fsyncs.
+class SafetensorsWriter {
+ public:
+  /// `tensors`: name, dtype (safetensors' name) and shape of each, in file order.
+  SafetensorsWriter(const std::string& path, std::vector<TensorRecord> tensors,
+                    std::map<std::string, std::string> metadata = {}, uint64_t alignment = 4096);
+  ~SafetensorsWriter();
+  SafetensorsWriter(const SafetensorsWriter&) = delete;
+  SafetensorsWriter& operator=(const SafetensorsWriter&) = delete;
+  /// The file as it will be: offsets of every tensor (no checksums).
+  const FileRecord& record() const;
+  void write(const void* data, uint64_t n);
+  FileRecord finish(bool fsync = true);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
 
 /// Reads and checks a safetensors file's header: its length against the file's size, the JSON,
 /// known dtypes, each tensor's bytes against its shape, offsets that cover the data buffer exactly
