@@ -3,9 +3,13 @@
 //   fsdp-ckpt inspect DIR   what was saved: step, world size, strategies, files, tensors
 //   fsdp-ckpt verify DIR    every file against the manifest and every checksum, in parallel
 //                           threads; exit status 1 on any fault, each named
+//   fsdp-ckpt consolidate DIR OUT [--max-shard-bytes N] [--optimizer]
+//                           Hugging Face-style safetensors files in the new directory OUT
+//                           (checkpoint/consolidate.h)
 //
 // DIR is a checkpoint directory, or a root with a `latest` pointer.
 #include "checkpoint/commit.h"
+#include "checkpoint/consolidate.h"
 #include "checkpoint/internal/crc32c.h"
 #include "checkpoint/manifest.h"
 #include "checkpoint/safetensors.h"
@@ -14,7 +18,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
 #include <mutex>
 #include <sstream>
@@ -132,15 +138,47 @@ int verify(const std::string& dir) {
   return 0;
 }
 
+int consolidate_command(int argc, char** argv) {
+  ConsolidateOptions o;
+  for (int i = 4; i < argc; ++i) {
+    const std::string k = argv[i];
+    if (k == "--optimizer") {
+      o.optimizer(true);
+    } else if (k == "--max-shard-bytes" && i + 1 < argc) {
+      const std::string v = argv[++i];
+      char* end = nullptr;
+      errno = 0;
+      const unsigned long long n = std::strtoull(v.c_str(), &end, 10);
+      if (v.empty() || v[0] == '-' || *end != '\0' || errno != 0) {
+        std::cerr << "fsdp-ckpt consolidate: --max-shard-bytes takes a whole number of bytes, not '" << v << "'\n";
+        return kUsage;
+      }
+      o.max_shard_bytes(n);
+    } else {
+      std::cerr << "fsdp-ckpt consolidate: unknown argument '" << k << "'\n";
+      return kUsage;
+    }
+  }
+  const auto r = consolidate(argv[2], argv[3], o);
+  std::printf("fsdp-ckpt consolidate: %s: %llu bytes of tensors in %zu file(s):\n", r.dir.c_str(),
+              static_cast<unsigned long long>(r.tensor_bytes), r.files.size());
+  for (const auto& f : r.files) std::printf("  %s\n", f.c_str());
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 3 || (std::string(argv[1]) != "inspect" && std::string(argv[1]) != "verify")) {
-    std::cerr << "usage: fsdp-ckpt inspect DIR | fsdp-ckpt verify DIR\n";
+  const std::string cmd = argc > 1 ? argv[1] : "";
+  const bool ok = (argc == 3 && (cmd == "inspect" || cmd == "verify")) || (argc >= 4 && cmd == "consolidate");
+  if (!ok) {
+    std::cerr << "usage: fsdp-ckpt inspect DIR | fsdp-ckpt verify DIR |\n"
+                 "       fsdp-ckpt consolidate DIR OUT [--max-shard-bytes N] [--optimizer]\n";
     return kUsage;
   }
   try {
-    return std::string(argv[1]) == "inspect" ? inspect(argv[2]) : verify(argv[2]);
+    if (cmd == "consolidate") return consolidate_command(argc, argv);
+    return cmd == "inspect" ? inspect(argv[2]) : verify(argv[2]);
   } catch (const c10::Error& e) {
     std::cerr << "fsdp-ckpt " << argv[1] << ": " << e.what_without_backtrace() << "\n";
     return 1;

@@ -1,0 +1,98 @@
+// fsdp::checkpoint::consolidate (fsdp-ckpt consolidate): a checkpoint saved at 2 ranks (a mix of
+// strategies, AdamW) becomes one model.safetensors, or Hugging Face-style shards with an index and
+// the optimizer's state, each tensor equal to the model's full weights bit for bit; Python's
+// safetensors loads both forms, and tools/read_checkpoint.py reads the sharded checkpoint itself.
+#include "checkpoint/consolidate.h"
+#include "tests/checkpoint_helpers.h"
+#include "tests/temp_dir.h"
+
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+
+namespace fsdp::testing {
+namespace {
+
+void check_consolidate(Rank& r) {
+  const std::string root = shared_dir() + "/ckpts";
+  auto model = wrap({"mixed", ShardingStrategy::kFullShard, 0, true}, r, 7);
+  auto opt = make_opt(Opt::kAdamW, model);
+  train_step(model, *opt, r, 0);
+  const auto res = checkpoint::save(root, model, *opt, checkpoint::SaveOptions().step(1));
+  const auto full = model.full_state_dict();
+  if (r.rank != 0) return;
+
+  const std::string single = shared_dir() + "/single", sharded = shared_dir() + "/sharded";
+  const auto one = checkpoint::consolidate(root, single);
+  ASSERT_EQ(one.files, std::vector<std::string>{single + "/model.safetensors"});
+  const auto rec = checkpoint::read_safetensors_header(one.files[0]);
+  ASSERT_EQ(rec.tensors.size(), full.size());
+  uint64_t bytes = 0;
+  for (const auto& t : rec.tensors) {
+    const at::Tensor* want = full.find(t.name);
+    ASSERT_NE(want, nullptr) << t.name;
+    EXPECT_TRUE(checkpoint::read_tensor(one.files[0], t).equal(*want)) << t.name;
+    bytes += t.end - t.begin;
+  }
+  EXPECT_EQ(one.tensor_bytes, bytes);
+
+  // Files of at most 200 bytes of data (a larger tensor alone), with the index and the optimizer.
+  const auto many =
+      checkpoint::consolidate(root, sharded, checkpoint::ConsolidateOptions().max_shard_bytes(200).optimizer(true));
+  EXPECT_GT(many.files.size(), 4u);
+  std::ifstream index_file(sharded + "/model.safetensors.index.json");
+  const auto index = nlohmann::json::parse(index_file);
+  EXPECT_EQ(index["metadata"]["total_size"].get<uint64_t>(), bytes);
+  EXPECT_EQ(index["weight_map"].size(), full.size());
+  for (const auto& [name, file] : index["weight_map"].items()) {
+    const auto part = checkpoint::read_safetensors_header(sharded + "/" + file.get<std::string>());
+    int found = 0;
+    for (const auto& t : part.tensors) {
+      if (t.name != name) continue;
+      ++found;
+      EXPECT_TRUE(checkpoint::read_tensor(part.path, t).equal(*full.find(name))) << name;
+    }
+    EXPECT_EQ(found, 1) << name << " in " << file;
+    if (part.tensors.size() > 1) EXPECT_LE(part.size - part.data_start, 200u) << part.path;
+  }
+
+  // Refused: an existing directory; a corrupt checkpoint (and nothing is left behind).
+  std::string msg = error_of([&] { checkpoint::consolidate(root, single); });
+  EXPECT_NE(msg.find("exists; give a new directory"), std::string::npos) << msg;
+  const std::string bad = shared_dir() + "/bad", out = shared_dir() + "/out";
+  copy_checkpoint(res.path, bad);
+  const auto m = checkpoint::read_manifest(bad);
+  flip_byte(bad + "/" + m.files[m.tensors[0].chunks[0].file].name, m.tensors[0].chunks[0].begin);
+  msg = error_of([&] { checkpoint::consolidate(bad, out); });
+  EXPECT_NE(msg.find("tensor '" + m.tensors[0].key + "' rows"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("does not match the manifest: the file is corrupt"), std::string::npos) << msg;
+  struct stat st {};
+  EXPECT_NE(::stat(out.c_str(), &st), 0) << "no output after a failure";
+  msg = error_of([&] { checkpoint::consolidate(root, out, checkpoint::ConsolidateOptions().optimizer(true)); });
+  EXPECT_EQ(msg, "");  // an optimizer was saved: no error
+
+#ifdef FSDP_PYTHON
+  // Python: both forms with safetensors.torch.load_file, and the sharded checkpoint itself.
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (const auto& kv : full) tensors.emplace_back(kv.key(), kv.value());
+  const std::string reference = shared_dir() + "/reference.safetensors";
+  checkpoint::write_safetensors(reference, tensors);
+  const std::string log = shared_dir() + "/python.log";
+  const std::string cmd = std::string(FSDP_PYTHON) + " " + FSDP_SOURCE_DIR + "/tests/check_consolidated_in_python.py " +
+                          reference + " " + root + " " + single + " " + sharded + " > " + log + " 2>&1";
+  const int rc = std::system(cmd.c_str());
+  std::ifstream in(log);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(rc, 0) << text;
+  std::cout << text;
+#endif
+}
+
+TEST(CheckpointConsolidate, OneFileOrHuggingFaceShardsEqualTheModelAndLoadInPython) {
+  run_ranks(2, check_consolidate);
+}
+
+}  // namespace
+}  // namespace fsdp::testing
