@@ -7,6 +7,8 @@
 3. The same command on 3 ranks with --steps 20 --resume (and another --seed, which the checkpoint
    overrides) logs steps 10-19 with the reference losses (1e-5 relative); so does one process with
    another strategy and FusedAdamW, from the same checkpoint.
+4. `fsdp-ckpt consolidate D OUT` writes OUT/model.safetensors, which Python's safetensors loads and
+   which equals the checkpoint's tensors (tools/read_checkpoint.py), bit for bit.
 """
 import argparse
 import os
@@ -14,8 +16,11 @@ import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+here = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(here, "..", "benchmarks"))
+sys.path.insert(0, os.path.join(here, "..", "tools"))
 from train_gpt_runs import command, run  # noqa: E402
+from read_checkpoint import read_checkpoint  # noqa: E402
 
 
 def check(rows, reference, first, what):
@@ -59,6 +64,16 @@ def main():
                                ["--steps", "20", "--resume", "--save-dir", d, "--json", "--strategy", "replicate",
                                 "--fused"]), a.timeout)
         check(other, reference, 10, "1 rank, replicate, FusedAdamW, resumed")
+        out = os.path.join(d, "consolidated")
+        c = subprocess.run([a.fsdp_ckpt, "consolidate", d, out], capture_output=True, text=True, timeout=a.timeout)
+        if c.returncode != 0:
+            sys.exit(f"FAILED: fsdp-ckpt consolidate exited {c.returncode}\n{c.stdout}\n{c.stderr}")
+        import torch
+        from safetensors.torch import load_file
+        got, want = load_file(os.path.join(out, "model.safetensors")), read_checkpoint(d)
+        if set(got) != set(want) or any(not torch.equal(got[k], want[k]) for k in want):
+            sys.exit("FAILED: the consolidated model.safetensors differs from the checkpoint's tensors")
+        print(f"consolidated: {len(got)} tensors in model.safetensors equal the checkpoint's")
 
 
 if __name__ == "__main__":
