@@ -21,6 +21,7 @@
 #include <torch/optim/optimizer.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 
@@ -111,6 +112,16 @@ LoadResult load(const std::string& path, FSDPModule& model, const LoadOptions& o
 /// Optimizer.load_state_dict. Checked with the model, before either changes.
 LoadResult load(const std::string& path, FSDPModule& model, torch::optim::Optimizer& optimizer,
                 const LoadOptions& options = {});
+
+/// Loads Hugging Face safetensors weights into `model` on any number of ranks, each rank reading
+/// only the bytes of its rows: `path` is a .safetensors file, a model.safetensors.index.json, or a
+/// directory holding one of them (the index first). `name_map` turns each tensor's name in the
+/// files into the model's LibTorch name ("" skips the tensor); without it the names are taken as
+/// they are. Checked like a checkpoint (every parameter and buffer present, dtype and shape; with
+/// `strict`, no other tensor) on every rank before the model changes; the files carry no
+/// checksums, so their bytes are not verified. Collective, between steps.
+LoadResult load_safetensors(const std::string& path, FSDPModule& model, const LoadOptions& options = {},
+                            const std::function<std::string(const std::string&)>& name_map = {});
 
 /// Loads the checkpoint at `path`, saved by any number of ranks, into a plain (unwrapped) module
 /// in one process: every parameter and buffer whole, with the same checks (for inference or

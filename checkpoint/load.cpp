@@ -8,6 +8,7 @@
 #include "checkpoint/internal/optimizer_state.h"
 #include "checkpoint/internal/reader.h"
 #include "checkpoint/internal/rng_state.h"
+#include "checkpoint/internal/safetensors_manifest.h"
 #include "checkpoint/manifest.h"
 #include "checkpoint/safetensors.h"
 
@@ -19,6 +20,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <functional>
 #include <map>
 #include <set>
 #include <sstream>
@@ -250,7 +252,8 @@ std::string apply_rng(const RngPlan& plan, int rank) {
 }
 
 LoadResult load_checkpoint(const std::string& path, FSDPModule& model, torch::optim::Optimizer* opt,
-                           const LoadOptions& options) {
+                           const LoadOptions& options,
+                           const std::function<std::string(const std::string&)>* hf_names = nullptr) {
   const auto t0 = std::chrono::steady_clock::now();
   const int rank = model.rank(), W = model.world_size();
   const std::string where =
@@ -271,7 +274,13 @@ LoadResult load_checkpoint(const std::string& path, FSDPModule& model, torch::op
                 "a step is under way (a forward ran with gradients and its backward has not, or this is inside the "
                 "forward or the backward): load between steps, after the optimizer's step and before the next "
                 "forward; a forward that needs no backward runs under torch::NoGradGuard.");
-    m = read_manifest(resolve_checkpoint(path));
+    if (hf_names != nullptr) {
+      std::set<std::string> buffers;
+      for (const auto& kv : model.named_buffers()) buffers.insert(kv.key());
+      m = detail::safetensors_manifest(path, buffers, *hf_names);
+    } else {
+      m = read_manifest(resolve_checkpoint(path));
+    }
     std::vector<Wanted> wanted;
     for (const ShardSpec& s : model.shard_specs()) {
       wanted.push_back({"model/" + s.name, "parameter", s.dtype, s.global_shape, s.row_begin, s.row_end, s.local});
@@ -316,6 +325,13 @@ LoadResult load(const std::string& path, FSDPModule& model, const LoadOptions& o
 LoadResult load(const std::string& path, FSDPModule& model, torch::optim::Optimizer& optimizer,
                 const LoadOptions& options) {
   return load_checkpoint(path, model, &optimizer, options);
+}
+
+LoadResult load_safetensors(const std::string& path, FSDPModule& model, const LoadOptions& options,
+                            const std::function<std::string(const std::string&)>& name_map) {
+  LoadOptions o = options;
+  o.rng_states(false);
+  return load_checkpoint(path, model, nullptr, o, &name_map);
 }
 
 LoadResult load(const std::string& path, torch::nn::Module& module, const LoadOptions& options) {

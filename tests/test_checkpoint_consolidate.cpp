@@ -1,7 +1,8 @@
 // fsdp::checkpoint::consolidate (fsdp-ckpt consolidate): a checkpoint saved at 2 ranks (a mix of
 // strategies, AdamW) becomes one model.safetensors, or Hugging Face-style shards with an index and
 // the optimizer's state, each tensor equal to the model's full weights bit for bit; Python's
-// safetensors loads both forms, and tools/read_checkpoint.py reads the sharded checkpoint itself.
+// safetensors loads both forms, and tools/read_checkpoint.py reads the sharded checkpoint itself;
+// the consolidated file loads back into a model sharded another way (load_safetensors).
 #include "checkpoint/consolidate.h"
 #include "tests/checkpoint_helpers.h"
 #include "tests/temp_dir.h"
@@ -22,10 +23,17 @@ void check_consolidate(Rank& r) {
   train_step(model, *opt, r, 0);
   const auto res = checkpoint::save(root, model, *opt, checkpoint::SaveOptions().step(1));
   const auto full = model.full_state_dict();
+  const std::string single = shared_dir() + "/single", sharded = shared_dir() + "/sharded";
+  checkpoint::ConsolidateResult one;
+  if (r.rank == 0) one = checkpoint::consolidate(root, single);
+  auto t = torch::zeros({1});
+  all_reduce_sum(r, t);
+  // The round trip: the consolidated file loads into a model sharded another way, bit for bit.
+  auto other = wrap({"zero1", ShardingStrategy::kShardOptimizerState, 0, false}, r, 99);
+  checkpoint::load_safetensors(single + "/model.safetensors", other);
+  expect_bit_exact(other.full_state_dict(), full, "consolidated, loaded as ZeRO-1");
   if (r.rank != 0) return;
 
-  const std::string single = shared_dir() + "/single", sharded = shared_dir() + "/sharded";
-  const auto one = checkpoint::consolidate(root, single);
   ASSERT_EQ(one.files, std::vector<std::string>{single + "/model.safetensors"});
   const auto rec = checkpoint::read_safetensors_header(one.files[0]);
   ASSERT_EQ(rec.tensors.size(), full.size());

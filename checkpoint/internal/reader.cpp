@@ -108,9 +108,13 @@ ShardReader::ShardReader(const Manifest& manifest, std::vector<ReadTarget> targe
       const uint64_t to = static_cast<uint64_t>(b - c.row_begin) * row_bytes;
       p.copy_begin = c.begin + from;
       p.copy_bytes = to - from;
-      // Whole checksum blocks only, counted from the chunk's first byte.
-      p.lo = c.begin + from / c.block_bytes * c.block_bytes;
-      p.hi = std::min(c.end, c.begin + (to + c.block_bytes - 1) / c.block_bytes * c.block_bytes);
+      if (c.crc32c.empty()) {  // no checksums (a Hugging Face file): the needed bytes alone
+        p.lo = p.copy_begin;
+        p.hi = p.copy_begin + p.copy_bytes;
+      } else {  // whole checksum blocks only, counted from the chunk's first byte
+        p.lo = c.begin + from / c.block_bytes * c.block_bytes;
+        p.hi = std::min(c.end, c.begin + (to + c.block_bytes - 1) / c.block_bytes * c.block_bytes);
+      }
       pieces_.push_back(p);
     }
   }
@@ -181,6 +185,7 @@ void ShardReader::read() {
   for (const Piece& p : pieces_) {
     const ManifestChunk& c = *p.chunk;
     const Range& r = ranges_[p.range];
+    if (c.crc32c.empty()) continue;  // nothing to verify against
     for (uint64_t at = p.lo; at < p.hi; at += c.block_bytes) {
       const uint64_t n = std::min(c.block_bytes, c.end - at);
       const size_t block = (at - c.begin) / c.block_bytes;

@@ -1,7 +1,8 @@
 // Reading the rows a rank needs out of a checkpoint, whatever number of ranks saved it: the byte
 // ranges of the chunks that overlap each destination's rows, rounded out to their checksum blocks
 // only (never whole chunks or files), read with sorted preads through one descriptor per file,
-// every block checked against the manifest's CRC32C before a byte is applied. Internal to the
+// every block checked against the manifest's CRC32C before a byte is applied. A chunk without
+// checksums (a Hugging Face file's tensor) is read for exactly the bytes needed, unverified. Internal to the
 // checkpoint library (checkpoint/load.cpp).
 #pragma once
 
