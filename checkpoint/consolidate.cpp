@@ -1,7 +1,6 @@
 #include "checkpoint/consolidate.h"
 
 #include "checkpoint/commit.h"
-#include "checkpoint/internal/crc32c.h"
 #include "checkpoint/manifest.h"
 #include "checkpoint/safetensors.h"
 
@@ -80,22 +79,13 @@ class Consolidator {
                   path, "' is larger than the read buffer: the manifest is corrupt.");
       for (uint64_t at = c.begin; at < c.end; at += piece) {
         const uint64_t n = std::min(piece, c.end - at);
-        for (uint64_t done = 0; done < n;) {
-          const ssize_t r = ::pread(fd, buf_.get() + done, n - done, static_cast<off_t>(at + done));
-          if (r < 0 && errno == EINTR) continue;
-          TORCH_CHECK(r > 0, "fsdp::checkpoint::consolidate: reading bytes [", at, ", ", at + n, ") of '", path,
-                      "' failed: ", r == 0 ? "the file is truncated" : std::strerror(errno));
-          done += static_cast<uint64_t>(r);
-        }
-        for (uint64_t b = 0; b < n; b += c.block_bytes) {
-          const uint64_t len = std::min(c.block_bytes, n - b);
-          const size_t block = (at + b - c.begin) / c.block_bytes;
-          const uint32_t got = crc32c(buf_.get() + b, len);
-          TORCH_CHECK(got == c.crc32c[block], "fsdp::checkpoint::consolidate: tensor '", t.key, "' rows ", c.row_begin,
-                      " to ", c.row_end, " in '", path, "', checksum block ", block,
-                      " does not match the manifest: the file is corrupt ('fsdp-ckpt verify ", m_.dir,
-                      "' lists every fault). Nothing was written.");
-        }
+        pread_exactly(fd, path, at, n, buf_.get());
+        uint32_t got = 0;
+        const int64_t block = first_bad_block(c, at, buf_.get(), n, got);
+        TORCH_CHECK(block < 0, "fsdp::checkpoint::consolidate: tensor '", t.key, "' rows ", c.row_begin, " to ",
+                    c.row_end, " in '", path, "', checksum block ", block,
+                    " does not match the manifest: the file is corrupt ('fsdp-ckpt verify ", m_.dir,
+                    "' lists every fault). Nothing was written.");
         w.write(buf_.get(), n);
       }
     }

@@ -1,15 +1,26 @@
 #include "checkpoint/manifest.h"
 
 #include "checkpoint/commit.h"
+#include "checkpoint/internal/crc32c.h"
 #include "checkpoint/safetensors.h"
 
 #include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <fstream>
 
 namespace fsdp::checkpoint {
+
+int64_t first_bad_block(const ManifestChunk& c, uint64_t at, const uint8_t* data, uint64_t n, uint32_t& got) {
+  for (uint64_t b = 0; b < n; b += c.block_bytes) {
+    const size_t block = (at + b - c.begin) / c.block_bytes;
+    got = crc32c(data + b, std::min(c.block_bytes, n - b));
+    if (got != c.crc32c.at(block)) return static_cast<int64_t>(block);
+  }
+  return -1;
+}
 
 uint64_t ManifestTensor::bytes() const {
   uint64_t n = c10::elementSize(scalar_type_of(dtype, key));

@@ -20,6 +20,12 @@ struct ManifestChunk {
   std::vector<uint32_t> crc32c;        ///< per block of block_bytes from begin
 };
 
+/// Checks bytes [at, at + n) of chunk `c`'s file, held at `data`, against the chunk's checksums:
+/// `at` is on one of its block boundaries and the bytes are whole blocks (the chunk's last one may
+/// be short). Returns the index of the first block that differs, its CRC32C in `got`; -1 when all
+/// match.
+int64_t first_bad_block(const ManifestChunk& c, uint64_t at, const uint8_t* data, uint64_t n, uint32_t& got);
+
 struct ManifestTensor {
   std::string key;   ///< "model/<name>", "optim/<parameter name>/<state name>"
   std::string kind;  ///< "parameter", "buffer", "optimizer"

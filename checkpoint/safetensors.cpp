@@ -126,8 +126,8 @@ struct SafetensorsWriter::Impl {
   FileRecord rec;
   Fd fd;
   SequentialWriter out;
-  size_t tensor = 0;      // the tensor being written
-  uint64_t written = 0;   // bytes of the data buffer so far
+  size_t tensor = 0;     // the tensor being written
+  uint64_t written = 0;  // bytes of the data buffer so far
   Impl(const std::string& path) : fd(path, O_WRONLY | O_CREAT | O_TRUNC), out(fd.fd, path) {}
 };
 
@@ -180,8 +180,8 @@ const FileRecord& SafetensorsWriter::record() const {
 void SafetensorsWriter::write(const void* data, uint64_t n) {
   Impl& w = *impl_;
   const uint64_t total = w.rec.size - w.rec.data_start;
-  TORCH_CHECK(w.written + n <= total, "fsdp::checkpoint: ", n, " more bytes for '", w.rec.path, "', whose tensors hold ",
-              total - w.written, " more.");
+  TORCH_CHECK(w.written + n <= total, "fsdp::checkpoint: ", n, " more bytes for '", w.rec.path,
+              "', whose tensors hold ", total - w.written, " more.");
   while (w.tensor < w.rec.tensors.size() && w.rec.data_start + w.written >= w.rec.tensors[w.tensor].end) ++w.tensor;
   const std::string what =
       w.tensor < w.rec.tensors.size() ? "tensor '" + w.rec.tensors[w.tensor].name + "'" : std::string("the data");
@@ -300,13 +300,11 @@ FileRecord read_safetensors_header(const std::string& path) {
   return rec;
 }
 
-void read_bytes(const std::string& path, uint64_t offset, uint64_t n, void* dst) {
-  Fd f(path, O_RDONLY);
-  TORCH_CHECK(f.fd >= 0, "fsdp::checkpoint: cannot open '", path, "': ", system_error());
+void pread_exactly(int fd, const std::string& path, uint64_t offset, uint64_t n, void* dst) {
   auto* p = static_cast<char*>(dst);
   uint64_t done = 0;
   while (done < n) {
-    const ssize_t r = ::pread(f.fd, p + done, n - done, static_cast<off_t>(offset + done));
+    const ssize_t r = ::pread(fd, p + done, n - done, static_cast<off_t>(offset + done));
     if (r < 0 && errno == EINTR) continue;
     TORCH_CHECK(r >= 0, "fsdp::checkpoint: reading bytes [", offset, ", ", offset + n, ") of '", path,
                 "' failed: ", system_error());
@@ -314,6 +312,12 @@ void read_bytes(const std::string& path, uint64_t offset, uint64_t n, void* dst)
                 " that is needed: it is truncated.");
     done += static_cast<uint64_t>(r);
   }
+}
+
+void read_bytes(const std::string& path, uint64_t offset, uint64_t n, void* dst) {
+  Fd f(path, O_RDONLY);
+  TORCH_CHECK(f.fd >= 0, "fsdp::checkpoint: cannot open '", path, "': ", system_error());
+  pread_exactly(f.fd, path, offset, n, dst);
 }
 
 at::Tensor read_tensor(const std::string& path, const TensorRecord& record) {

@@ -100,6 +100,8 @@ FileRecord read_safetensors_header(const std::string& path);
 /// Reads bytes [offset, offset + n) of the file at `path` into `dst` (pread until done); a short
 /// file or a failed read is an error naming the file and the range.
 void read_bytes(const std::string& path, uint64_t offset, uint64_t n, void* dst);
+/// The same through an open descriptor `fd` of `path` (for readers that keep one per file).
+void pread_exactly(int fd, const std::string& path, uint64_t offset, uint64_t n, void* dst);
 
 /// A tensor of a file read whole into a new CPU tensor.
 at::Tensor read_tensor(const std::string& path, const TensorRecord& record);

@@ -1,6 +1,5 @@
 #include "checkpoint/internal/reader.h"
 
-#include "checkpoint/internal/crc32c.h"
 #include "checkpoint/safetensors.h"
 
 #include <ATen/core/grad_mode.h>
@@ -170,33 +169,24 @@ void ShardReader::read() {
     TORCH_CHECK(fd >= 0, "ShardReader::read before open_files");
     const uint64_t size = r.end - r.begin;
     r.data.allocate(size);
-    uint64_t done = 0;
-    while (done < size) {
-      const ssize_t n = ::pread(fd, r.data.get() + done, size - done, static_cast<off_t>(r.begin + done));
-      if (n < 0 && errno == EINTR) continue;
-      const std::string path = m_.dir + "/" + m_.files[r.file].name;
-      TORCH_CHECK(n >= 0, "reading bytes [", r.begin, ", ", r.end, ") of '", path, "' failed: ", std::strerror(errno));
-      TORCH_CHECK(n > 0, "'", path, "' ends at byte ", r.begin + done, ", before byte ", r.end,
-                  " that is needed: it is truncated. Restore the file, or load an earlier checkpoint.");
-      done += static_cast<uint64_t>(n);
-    }
+    pread_exactly(fd, m_.dir + "/" + m_.files[r.file].name, r.begin, size, r.data.get());
   }
   // Every block read, against the manifest (pieces share no block: each is one tensor's chunk).
   for (const Piece& p : pieces_) {
     const ManifestChunk& c = *p.chunk;
     const Range& r = ranges_[p.range];
     if (c.crc32c.empty()) continue;  // nothing to verify against
-    for (uint64_t at = p.lo; at < p.hi; at += c.block_bytes) {
-      const uint64_t n = std::min(c.block_bytes, c.end - at);
-      const size_t block = (at - c.begin) / c.block_bytes;
-      const uint32_t got = crc32c(r.data.get() + (at - r.begin), n);
-      TORCH_CHECK(got == c.crc32c[block], "tensor '", p.tensor->key, "' rows ", c.row_begin, " to ", c.row_end, " in '",
-                  m_.dir, "/", m_.files[c.file].name, "', bytes ", at, " to ", at + n, " (checksum block ", block,
-                  "): CRC32C ", hex(got), " but the manifest says ", hex(c.crc32c[block]),
-                  ". The file is corrupt; nothing was loaded. Restore it or load an earlier checkpoint ('fsdp-ckpt "
-                  "verify ",
-                  m_.dir, "' lists every fault).");
-    }
+    uint32_t got = 0;
+    const int64_t block = first_bad_block(c, p.lo, r.data.get() + (p.lo - r.begin), p.hi - p.lo, got);
+    if (block < 0) continue;
+    const uint64_t at = c.begin + static_cast<uint64_t>(block) * c.block_bytes;
+    const uint64_t n = std::min(c.block_bytes, c.end - at);
+    TORCH_CHECK(false, "tensor '", p.tensor->key, "' rows ", c.row_begin, " to ", c.row_end, " in '", m_.dir, "/",
+                m_.files[c.file].name, "', bytes ", at, " to ", at + n, " (checksum block ", block, "): CRC32C ",
+                hex(got), " but the manifest says ", hex(c.crc32c[block]),
+                ". The file is corrupt; nothing was loaded. Restore it or load an earlier checkpoint ('fsdp-ckpt "
+                "verify ",
+                m_.dir, "' lists every fault).");
   }
 }
 
