@@ -43,6 +43,14 @@ struct SaveOptions {
   /// Each rank's random number generator states (CPU, and each CUDA device's), which a load
   /// restores (see LoadOptions::rng_states).
   TORCH_ARG(bool, rng_states) = true;
+  /// Threads writing this rank's file at once, each whole 8 MiB blocks at their offsets (a
+  /// parallel filesystem serves concurrent writes to one file from several storage servers).
+  TORCH_ARG(int, io_threads) = 1;
+  /// Write with O_DIRECT through aligned buffers, bypassing the page cache (which a checkpoint
+  /// would otherwise fill and evict the job's pages from): the alignment comes from statx where
+  /// the kernel gives it, 4096 otherwise. The files are the same byte for byte. A filesystem that
+  /// does not support direct I/O is an error; leave it off there.
+  TORCH_ARG(bool, direct_io) = false;
 };
 
 struct SaveResult {
@@ -75,6 +83,8 @@ struct LoadOptions {
   /// and its rank, so the same resume draws the same numbers. Nothing happens for a checkpoint
   /// saved without them.
   TORCH_ARG(bool, rng_states) = true;
+  /// Threads issuing this rank's preads at once (each at most 8 MiB).
+  TORCH_ARG(int, io_threads) = 1;
 };
 
 struct LoadResult {

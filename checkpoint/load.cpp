@@ -262,7 +262,7 @@ LoadResult load_checkpoint(const std::string& path, FSDPModule& model, torch::op
   // Every phase ends with every rank agreeing that it went well, so that a fault on one rank
   // leaves the model untouched on all: nothing is written before the last agreement.
   auto phase = [&](const char* what, const std::function<void()>& fn) {
-    detail::agree(model, call, where, what, "the model was left as it was", fn);
+    detail::agree(detail::Group::of(model), call, where, what, "the model was left as it was", fn);
   };
 
   Manifest m;
@@ -299,7 +299,7 @@ LoadResult load_checkpoint(const std::string& path, FSDPModule& model, torch::op
     reader = std::make_unique<detail::ShardReader>(m, std::move(targets));
     reader->open_files();
   });
-  phase("reading and verifying this rank's rows", [&] { reader->read(); });
+  phase("reading and verifying this rank's rows", [&] { reader->read(options.io_threads()); });
   // Every rank has its bytes, verified: now the model (and the optimizer) change.
   reader->apply();
   model.mark_shards_written();  // ZeRO-1: the full parameters are gathered again from the rows

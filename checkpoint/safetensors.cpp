@@ -1,6 +1,9 @@
 #include "checkpoint/safetensors.h"
 
+#include "checkpoint/commit.h"
+#include "checkpoint/internal/crash_point.h"
 #include "checkpoint/internal/crc32c.h"
+#include "checkpoint/internal/parallel_io.h"
 
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
@@ -78,8 +81,10 @@ class SequentialWriter {
  private:
   static constexpr size_t kBuffer = size_t{8} << 20;
   void write_all(const char* p, size_t n, const std::string& what) {
+    const int injected = detail::injected_write_error(path_);
     while (n > 0) {
-      const ssize_t w = ::write(fd_, p, n);
+      errno = injected;
+      const ssize_t w = injected != 0 ? -1 : ::write(fd_, p, n);
       if (w < 0 && errno == EINTR) continue;
       TORCH_CHECK(w > 0, "fsdp::checkpoint: writing ", what, " to '", path_, "' failed: ", system_error());
       p += w;
@@ -131,11 +136,15 @@ struct SafetensorsWriter::Impl {
   Impl(const std::string& path) : fd(path, O_WRONLY | O_CREAT | O_TRUNC), out(fd.fd, path) {}
 };
 
-SafetensorsWriter::SafetensorsWriter(const std::string& path, std::vector<TensorRecord> tensors,
-                                     std::map<std::string, std::string> metadata, uint64_t alignment) {
-  TORCH_CHECK(alignment >= 8, "fsdp::checkpoint::SafetensorsWriter: the alignment must be at least 8");
+namespace {
+
+// The file's first bytes (the header's length, then its JSON padded with spaces so that the data
+// starts at a multiple of `alignment`), from the tensors' names, dtypes and shapes; `rec` gets the
+// file's layout, offsets absolute.
+std::string header_of(const std::string& path, std::vector<TensorRecord> tensors,
+                      std::map<std::string, std::string> metadata, uint64_t alignment, FileRecord& rec) {
+  TORCH_CHECK(alignment >= 8, "fsdp::checkpoint: the alignment of '", path, "' must be at least 8");
   metadata["format"] = "pt";
-  // The header, from shapes alone: offsets into the data buffer, in the given order.
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   header[kMetadataKey] = metadata;
   std::set<std::string> names;
@@ -152,10 +161,6 @@ SafetensorsWriter::SafetensorsWriter(const std::string& path, std::vector<Tensor
   std::string text = header.dump();
   const uint64_t padded = (8 + text.size() + alignment - 1) / alignment * alignment - 8;
   text.append(padded - text.size(), ' ');
-
-  impl_ = std::make_unique<Impl>(path);
-  TORCH_CHECK(impl_->fd.fd >= 0, "fsdp::checkpoint: cannot create '", path, "': ", system_error());
-  FileRecord& rec = impl_->rec;
   rec.path = path;
   rec.metadata = std::move(metadata);
   rec.data_start = 8 + text.size();
@@ -165,10 +170,21 @@ SafetensorsWriter::SafetensorsWriter(const std::string& path, std::vector<Tensor
     tr.end += rec.data_start;
   }
   rec.tensors = std::move(tensors);
-  uint8_t length[8];
-  for (int i = 0; i < 8; ++i) length[i] = static_cast<uint8_t>(text.size() >> (8 * i));  // little-endian
-  impl_->out.append(length, 8, "the header");
-  impl_->out.append(text.data(), text.size(), "the header");
+  std::string out(8, '\0');
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>(text.size() >> (8 * i));  // little-endian
+  return out + text;
+}
+
+}  // namespace
+
+SafetensorsWriter::SafetensorsWriter(const std::string& path, std::vector<TensorRecord> tensors,
+                                     std::map<std::string, std::string> metadata, uint64_t alignment) {
+  FileRecord rec;
+  const std::string header = header_of(path, std::move(tensors), std::move(metadata), alignment, rec);
+  impl_ = std::make_unique<Impl>(path);
+  TORCH_CHECK(impl_->fd.fd >= 0, "fsdp::checkpoint: cannot create '", path, "': ", system_error());
+  impl_->rec = std::move(rec);
+  impl_->out.append(header.data(), header.size(), "the header");
 }
 
 SafetensorsWriter::~SafetensorsWriter() = default;
@@ -217,8 +233,9 @@ FileRecord write_safetensors(const std::string& path, const std::vector<std::pai
     records.push_back(std::move(tr));
     data.push_back(t.contiguous());
   }
-  SafetensorsWriter writer(path, std::move(records), std::move(metadata), options.alignment());
-  FileRecord rec = writer.record();
+  FileRecord rec;
+  const std::string header = header_of(path, std::move(records), std::move(metadata), options.alignment(), rec);
+  std::vector<detail::IoPiece> pieces{{header.data(), header.size()}};
   for (size_t i = 0; i < data.size(); ++i) {
     TensorRecord& tr = rec.tensors[i];
     const auto* p = static_cast<const uint8_t*>(data[i].data_ptr());
@@ -227,9 +244,13 @@ FileRecord write_safetensors(const std::string& path, const std::vector<std::pai
     for (uint64_t b = 0; b < bytes; b += tr.block_bytes) {
       tr.crc32c.push_back(crc32c(p + b, std::min(tr.block_bytes, bytes - b)));
     }
-    writer.write(p, bytes);
+    pieces.push_back({p, bytes});
   }
-  writer.finish(options.fsync());
+  detail::IoOptions io;
+  io.threads = options.threads();
+  io.direct = options.direct();
+  detail::write_pieces(path, pieces, io);
+  if (options.fsync()) fsync_path(path);
   return rec;
 }
 

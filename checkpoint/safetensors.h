@@ -55,6 +55,11 @@ struct WriteOptions {
   TORCH_ARG(uint64_t, min_blocks) = 1;
   /// fsync the file before returning.
   TORCH_ARG(bool, fsync) = true;
+  /// Threads writing the file at once, each 8 MiB blocks at their offsets.
+  TORCH_ARG(int, threads) = 1;
+  /// Write with O_DIRECT, bypassing the page cache, through aligned buffers (the alignment from
+  /// statx, 4096 where the kernel does not say). A filesystem without direct I/O is an error.
+  TORCH_ARG(bool, direct) = false;
 };
 
 /// The checksum block of a tensor of `bytes` bytes: `max_block`, or, when that gives fewer than
@@ -64,7 +69,7 @@ struct WriteOptions {
 uint64_t checksum_block(uint64_t bytes, uint64_t max_block, uint64_t min_blocks);
 
 /// Writes `tensors` (on CPU, any strides: their elements in row-major order) as one safetensors file
-/// at `path`, created or truncated, in large sequential writes, with `metadata` ("format": "pt"
+/// at `path`, created or truncated, in large writes (WriteOptions: threads, O_DIRECT), with `metadata` ("format": "pt"
 /// added), and fsyncs it. Names must be unique and not "__metadata__". Returns what was written,
 /// checksums included. Errors name the file, the tensor and the system's reason.
 FileRecord write_safetensors(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,

@@ -1,228 +1,28 @@
 // fsdp::checkpoint::save: each rank writes its rows into its own file in the staging directory;
-// rank 0 gathers each rank's list of chunks (not the data), writes the manifest and commits.
+// rank 0 gathers each rank's list of chunks (not the data), writes the manifest and commits
+// (internal/save_steps.h), all on the caller's thread over the model's process group.
 #include "checkpoint/checkpoint.h"
 
-#include "checkpoint/commit.h"
-#include "checkpoint/internal/collectives.h"
-#include "checkpoint/internal/crash_point.h"
-#include "checkpoint/internal/manifest_builder.h"
-#include "checkpoint/internal/optimizer_state.h"
-#include "checkpoint/internal/rng_state.h"
-#include "checkpoint/manifest.h"
-#include "checkpoint/plan.h"
-#include "checkpoint/safetensors.h"
+#include "checkpoint/internal/save_steps.h"
 
-#include <c10/util/Exception.h>
-#include <nlohmann/json.hpp>
-
-#include <algorithm>
 #include <chrono>
-#include <cstdio>
-#include <functional>
-#include <map>
+#include <string>
 
 namespace fsdp::checkpoint {
 namespace {
 
-using json = nlohmann::ordered_json;
-
-// A chunk of fewer than this many blocks of block_bytes gets smaller blocks (checksum_block): a
-// load on another number of ranks reads at most about 1/64th of a chunk beyond its need at each
-// end of what it needs, so that what it reads stays within 1.05 x what it needs.
-constexpr uint64_t kMinBlocks = 64;
-
-std::string rank_file(int rank) {
-  char buf[40];
-  std::snprintf(buf, sizeof(buf), "rank-%05d.safetensors", rank);
-  return buf;
-}
-
-// Rows [first, first + n) of a tensor's dim 0 (a scalar is its one row).
-at::Tensor rows_of(const at::Tensor& t, int64_t first, int64_t n) {
-  return t.dim() == 0 ? t : t.narrow(0, first, n);
-}
-
-// What this rank writes: (manifest key, global rows, the rows' tensor); the optimizer state it
-// writes (kind, dtype, global shape per key) and the steps of the parameters it has state for.
-struct Planned {
-  std::vector<std::string> keys;
-  std::vector<std::pair<int64_t, int64_t>> rows;
-  std::vector<std::pair<std::string, at::Tensor>> tensors;  // file entry name -> data
-  json extra_tensors = json::object();                      // optimizer and generator states: kind, dtype, shape
-  json steps = json::object();
-};
-
-// The model's parameter that the optimizer's `param` is: its index in `specs`.
-std::map<const void*, size_t> spec_index(const std::vector<ShardSpec>& specs) {
-  std::map<const void*, size_t> out;
-  for (size_t i = 0; i < specs.size(); ++i) out[specs[i].local.unsafeGetTensorImpl()] = i;
-  return out;
-}
-
-Planned plan_model(const FSDPModule& model, const torch::optim::Optimizer* opt, const std::string& type, bool rng,
-                   json* tensors_meta) {
-  Planned p;
-  auto add = [&](const std::string& key, int64_t b, int64_t e, const at::Tensor& data) {
-    p.keys.push_back(key);
-    p.rows.emplace_back(b, e);
-    p.tensors.emplace_back(key + "[" + std::to_string(b) + ":" + std::to_string(e) + "]", data);
-  };
-  const auto specs = model.shard_specs();
-  if (tensors_meta != nullptr) {
-    for (const auto& s : specs) {
-      (*tensors_meta)["model/" + s.name] = {
-          {"kind", "parameter"}, {"dtype", safetensors_dtype(s.dtype)}, {"shape", s.global_shape}};
-    }
-  }
-  // Each parameter's optimizer state, which has its layout: this rank's rows of it.
-  std::vector<detail::ParamState> states(specs.size());
-  if (opt != nullptr) {
-    const auto index = spec_index(specs);
-    for (const auto& group : opt->param_groups()) {
-      for (const auto& param : group.params()) {
-        const auto it = index.find(param.unsafeGetTensorImpl());
-        TORCH_CHECK(it != index.end(), "the optimizer holds a parameter of shape ", param.sizes(),
-                    " that is not one of the wrapped model's: build the optimizer on the wrapped model's parameters "
-                    "(model->parameters() after fsdp::fully_shard).");
-        const ShardSpec& s = specs[it->second];
-        detail::ParamState st = detail::param_state(*opt, type, param);
-        for (const auto& [name, t] : st.tensors) {
-          TORCH_CHECK(t.sizes() == s.local.sizes() && t.scalar_type() == s.dtype && t.device() == s.local.device(),
-                      "the optimizer's '", name, "' of parameter '", s.name, "' is ", t.scalar_type(), " ", t.sizes(),
-                      " but this rank's rows of the parameter are ", s.dtype, " ", s.local.sizes(),
-                      ": it does not have the parameter's layout.");
-        }
-        if (st.step >= 0) p.steps[s.name] = st.step;
-        states[it->second] = std::move(st);
-      }
-    }
-  }
-
-  for (const auto& w : plan_writes(specs)) {
-    const ShardSpec& s = specs[w.spec];
-    const int64_t n = w.row_end - w.row_begin;
-    add("model/" + s.name, w.row_begin, w.row_end, rows_of(s.local.detach(), w.local_row, n));
-    for (const auto& [name, t] : states[w.spec].tensors) {
-      const std::string key = "optim/" + s.name + "/" + name;
-      p.extra_tensors[key] = {{"kind", "optimizer"}, {"dtype", safetensors_dtype(s.dtype)}, {"shape", s.global_shape}};
-      add(key, w.row_begin, w.row_end, rows_of(t.detach(), w.local_row, n));
-    }
-  }
-  // Buffers: every rank holds them whole; their rows are split over all ranks like replicas'.
-  size_t index = specs.size();
-  for (const auto& kv : model.named_buffers()) {
-    const at::Tensor& b = kv.value();
-    const std::string key = "model/" + kv.key();
-    const int64_t rows = b.dim() == 0 ? 1 : b.size(0);
-    if (tensors_meta != nullptr)
-      (*tensors_meta)[key] = {
-          {"kind", "buffer"}, {"dtype", safetensors_dtype(b.scalar_type())}, {"shape", b.sizes().vec()}};
-    const auto [first, last] = replica_part(rows, model.world_size(), model.rank(), index++);
-    if (last > first) add(key, first, last, rows_of(b.detach(), first, last - first));
-  }
-  // This rank's generators: its own, written by it alone.
-  if (rng) {
-    for (const auto& [name, state] : detail::rng_states()) {
-      const std::string key = detail::rng_prefix(model.rank()) + name;
-      p.extra_tensors[key] = {
-          {"kind", "rng"}, {"dtype", safetensors_dtype(state.scalar_type())}, {"shape", state.sizes().vec()}};
-      add(key, 0, state.size(0), state);
-    }
-  }
-  return p;
-}
-
-// Rank 0's record of the optimizer: its type and each param group's hyperparameters and
-// parameters (by name); the steps come from every rank's part (manifest_builder.h).
-json optimizer_record(const FSDPModule& model, const torch::optim::Optimizer& opt, const std::string& type) {
-  const auto specs = model.shard_specs();
-  const auto index = spec_index(specs);
-  json groups = json::array();
-  for (const auto& group : opt.param_groups()) {
-    json names = json::array();
-    for (const auto& param : group.params()) names.push_back(specs[index.at(param.unsafeGetTensorImpl())].name);
-    groups.push_back({{"options", detail::group_options(group, type)}, {"params", names}});
-  }
-  return {{"type", type}, {"param_groups", groups}};
-}
-
 SaveResult save_checkpoint(const std::string& root, const FSDPModule& model, const torch::optim::Optimizer* opt,
                            const SaveOptions& options) {
   const auto t0 = std::chrono::steady_clock::now();
-  const auto& pg = model.process_group();
-  const auto timeout = model.options().timeout();
-  const int rank = model.rank(), W = model.world_size();
-  const std::string name = options.name().empty() ? step_name(options.step()) : options.name();
-  const std::string where = "fsdp::checkpoint::save (rank " + std::to_string(rank) + " of " + std::to_string(W) +
-                            ", '" + root + "/" + name + "')";
-  // Each phase ends with every rank agreeing that it went well: a failure anywhere is every
-  // rank's error, and nothing is committed.
-  const std::string call = "fsdp::checkpoint::save of '" + root + "/" + name + "'";  // the same on every rank
-  auto phase = [&](const char* what, const std::function<void()>& fn) {
-    detail::agree(model, call, where, what, "nothing was committed", fn);
-  };
-
-  const std::string staging = staging_path(root, name);
-  std::string type;  // the optimizer's
-  phase("creating the staging directory", [&] {
-    // An optimizer the format cannot hold is refused before anything is on disk.
-    if (opt != nullptr) type = detail::optimizer_type(*opt, "fsdp::checkpoint::save");
-    if (rank == 0) begin_staging(root, name);
-    detail::crash_point("staged", rank);
-  });
-
-  json tensors_meta = json::object();  // rank 0's: every model tensor's kind, dtype and shape
-  std::string part;                    // this rank's chunks, for the manifest
-  SaveResult result;
-  phase("writing this rank's file", [&] {
-    Planned p = plan_model(model, opt, type, options.rng_states(), rank == 0 ? &tensors_meta : nullptr);
-    const std::string path = staging + "/" + rank_file(rank);
-    const FileRecord file =
-        write_safetensors(path, p.tensors, {{"rank", std::to_string(rank)}},
-                          WriteOptions().block_bytes(options.block_bytes()).min_blocks(kMinBlocks).fsync(false));
-    detail::crash_point("data-written", rank);
-    fsync_path(path);
-    detail::crash_point("data-fsynced", rank);
-    for (const auto& t : file.tensors) result.bytes_written += static_cast<int64_t>(t.end - t.begin);
-    // This rank's part of the manifest: its chunks, in the file's order.
-    detail::RankPart mine;
-    mine.file = rank_file(rank);
-    mine.file_bytes = file.size;
-    mine.tensors = p.extra_tensors;
-    mine.steps = p.steps;
-    for (size_t i = 0; i < p.keys.size(); ++i) {
-      const auto& t = file.tensors[i];
-      mine.chunks.push_back({{"tensor", p.keys[i]},
-                             {"rows", {p.rows[i].first, p.rows[i].second}},
-                             {"bytes", {t.begin, t.end}},
-                             {"block_bytes", t.block_bytes},
-                             {"crc32c", t.crc32c}});
-    }
-    part = mine.dump(rank);
-  });
-  detail::crash_point("agreed", rank);
-  const auto parts = detail::gather_to_rank0(pg, part, timeout, "gathering the manifest's parts for " + where);
-
-  phase("writing the manifest and committing", [&] {
-    if (rank != 0) return;
-    json units = json::object();
-    for (const auto& u : model.units()) units[u.name.empty() ? "<root>" : u.name] = to_string(u.strategy);
-    detail::ManifestHeader header;
-    header.name = name;
-    header.step = options.step();
-    header.world_size = W;
-    header.block_bytes = options.block_bytes();
-    header.strategies = units;
-    header.metadata = options.metadata();
-    if (opt != nullptr) header.optimizer = optimizer_record(model, *opt, type);
-    const std::string manifest = detail::assemble_manifest(header, tensors_meta, parts, result.bytes_total);
-    write_atomically(staging, kManifest, manifest);
-    commit(root, staging, name);
-    keep_last(root, options.keep_last());
-  });
-  result.path = root + "/" + name;
-  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return result;
+  detail::PreparedSave prepared;  // named now, for the errors of the first phase
+  prepared.root = root;
+  prepared.name = detail::checkpoint_name(options);
+  // Prepared inside the first agreement: a rank that cannot (an unsupported optimizer) fails
+  // every rank before anything is on disk.
+  SaveResult r = detail::write_and_commit(prepared, detail::Group::of(model), "fsdp::checkpoint::save",
+                                          [&] { prepared = detail::prepare_save(root, model, opt, options); });
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return r;
 }
 
 }  // namespace

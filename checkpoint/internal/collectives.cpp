@@ -25,7 +25,7 @@ void wait(const c10::intrusive_ptr<c10d::Work>& work, const c10d::ProcessGroup& 
 
 }  // namespace
 
-void agree(const FSDPModule& model, const std::string& call, const std::string& where, const std::string& phase,
+void agree(const Group& group, const std::string& call, const std::string& where, const std::string& phase,
            const std::string& consequence, const std::function<void()>& fn) {
   std::string error;
   try {
@@ -36,7 +36,15 @@ void agree(const FSDPModule& model, const std::string& call, const std::string& 
     error = e.what();
   }
   at::Tensor failed = at::full({1}, error.empty() ? 0 : 1, at::kLong);
-  model.all_reduce(failed, c10d::ReduceOp::MAX, call + ": " + phase);
+  if (group.model != nullptr) {
+    group.model->all_reduce(failed, c10d::ReduceOp::MAX, call + ": " + phase);
+  } else if (group.size() > 1) {  // a side group: only the saver's background thread uses it
+    std::vector<at::Tensor> t{failed};
+    c10d::AllreduceOptions o;
+    o.reduceOp = c10d::ReduceOp::MAX;
+    o.timeout = group.timeout;
+    wait(group.pg->getBackend(c10::DeviceType::CPU)->allreduce(t, o), *group.pg, group.timeout, call + ": " + phase);
+  }
   TORCH_CHECK(error.empty(), where, ": ", phase, " failed on this rank: ", error);
   TORCH_CHECK(failed.item<int64_t>() == 0, where, ": ", phase, " failed on another rank (its error says why); ",
               consequence, ".");

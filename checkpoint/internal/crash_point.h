@@ -1,8 +1,10 @@
-// Fault injection for the crash-safety tests (docs/checkpoint-format.md, "Crash safety"): with
+// Fault injection for the crash-safety and disk-error tests (docs/checkpoint-format.md, "Crash safety"): with
 // FSDP_CHECKPOINT_CRASH_AT="<point>@<rank>" in its environment, the process of that rank SIGKILLs
 // itself when a save reaches <point>, as a node that dies there would. Unset (always, outside
 // tests), a crash point costs one cached lookup. Internal to the checkpoint library.
 #pragma once
+
+#include <string>
 
 namespace fsdp::checkpoint::detail {
 
@@ -17,5 +19,9 @@ namespace fsdp::checkpoint::detail {
 ///   latest-written     rank 0: the new `latest` under its temporary name, not renamed
 ///   latest-renamed     ... renamed: the save is complete
 void crash_point(const char* point, int rank);
+
+/// With FSDP_CHECKPOINT_FAIL_WRITE="<ENOSPC|EIO>:<text>", a write to a file whose path contains
+/// <text> fails with that errno, as on a full or failing disk: the error code to fail with, or 0.
+int injected_write_error(const std::string& path);
 
 }  // namespace fsdp::checkpoint::detail

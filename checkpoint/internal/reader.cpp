@@ -1,5 +1,7 @@
 #include "checkpoint/internal/reader.h"
 
+#include "checkpoint/internal/parallel_io.h"
+
 #include "checkpoint/safetensors.h"
 
 #include <ATen/core/grad_mode.h>
@@ -133,8 +135,10 @@ ShardReader::ShardReader(const Manifest& manifest, std::vector<ReadTarget> targe
     }
     p.range = ranges_.size() - 1;
   }
-  for (const Range& r : ranges_) stats_.bytes_read += r.end - r.begin;
-  stats_.preads = ranges_.size();
+  for (const Range& r : ranges_) {
+    stats_.bytes_read += r.end - r.begin;
+    stats_.preads += (r.end - r.begin + kReadBlock - 1) / kReadBlock;  // read() splits a range so
+  }
 }
 
 ShardReader::~ShardReader() {
@@ -163,14 +167,18 @@ void ShardReader::open_files() {
   }
 }
 
-void ShardReader::read() {
+void ShardReader::read(int threads) {
+  std::vector<std::string> paths;
+  for (const auto& f : m_.files) paths.push_back(m_.dir + "/" + f.name);
+  std::vector<ReadRequest> requests;
   for (Range& r : ranges_) {
     const int fd = fds_[r.file];
     TORCH_CHECK(fd >= 0, "ShardReader::read before open_files");
     const uint64_t size = r.end - r.begin;
     r.data.allocate(size);
-    pread_exactly(fd, m_.dir + "/" + m_.files[r.file].name, r.begin, size, r.data.get());
+    requests.push_back({fd, &paths[r.file], r.begin, size, r.data.get()});
   }
+  read_parallel(requests, threads, kReadBlock);
   // Every block read, against the manifest (pieces share no block: each is one tensor's chunk).
   for (const Piece& p : pieces_) {
     const ManifestChunk& c = *p.chunk;

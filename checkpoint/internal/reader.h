@@ -28,13 +28,13 @@ struct ReadTarget {
 struct ReadStats {
   uint64_t bytes_needed = 0;  ///< tensor bytes the targets need
   uint64_t bytes_read = 0;    ///< tensor bytes read: the needed ones and their blocks rounded out
-  uint64_t preads = 0;        ///< read calls (ranges of one file back to back are merged)
+  uint64_t preads = 0;        ///< reads (ranges of one file back to back merged, then split into kReadBlock)
   uint64_t files = 0;         ///< files opened
 };
 
 /// One load's reads, in three steps so that nothing is applied before every rank has read and
 /// checked its part: plan (constructor: pure arithmetic), open_files (each needed file opened once
-/// and its size checked against the manifest: no data read), read (every range, every block
+/// and its size checked against the manifest: no data read), read (every range, on threads, every block
 /// verified, into host memory), apply (copies into the targets). Errors name the file, the tensor
 /// and the rows; the caller adds which call and rank.
 class ShardReader {
@@ -45,7 +45,9 @@ class ShardReader {
   ShardReader& operator=(const ShardReader&) = delete;
 
   void open_files();
-  void read();
+  /// `threads`: preads at once (each at most kReadBlock bytes).
+  void read(int threads = 1);
+  static constexpr uint64_t kReadBlock = uint64_t{8} << 20;
   void apply();
   const ReadStats& stats() const { return stats_; }
 

@@ -1,0 +1,194 @@
+// AsyncSaver: the snapshot on the caller's thread, the write and the commit on a background thread
+// over the saver's own process group (checkpoint/async_save.h, internal/save_steps.h).
+#include "checkpoint/async_save.h"
+
+#include "checkpoint/internal/save_steps.h"
+#include "fsdp/process_group.h"
+
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+
+#include <atomic>
+#include <chrono>
+#include <exception>
+#include <iostream>
+#include <numeric>
+#include <thread>
+#include <vector>
+
+namespace fsdp::checkpoint {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// Each piece of the snapshot starts at a multiple of this, so that every tensor viewed into it is
+// aligned for its dtype (and for vectorized copies).
+constexpr int64_t kAlign = 64;
+
+std::string message_of(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const c10::Error& err) {
+    return err.what_without_backtrace();
+  } catch (const std::exception& err) {
+    return err.what();
+  } catch (...) {
+    return "an unknown exception";
+  }
+}
+
+}  // namespace
+
+struct AsyncSaver::Impl {
+  const FSDPModule& model;
+  AsyncSaveOptions options;
+  detail::Group group;  // the saver's own ranks: never the model's process group (but for one rank)
+  at::Tensor snapshot;  // bytes, reused while large enough
+  std::thread worker;
+  bool started = false;  // a save was started and wait()/save() has not collected it
+  std::string what;      // "the save of 'root/name'", for errors
+  bool report = true;    // false: its error was thrown by save() already (a failed preparation)
+  std::exception_ptr error;
+  SaveResult result;
+  std::atomic<bool> done{false};  // the background thread has ended
+
+  Impl(const FSDPModule& m, const AsyncSaveOptions& o) : model(m), options(o) {
+    group.timeout = m.options().timeout();
+    const auto& pg = m.process_group();
+    if (m.world_size() == 1) {
+      group.pg = pg;  // one rank: no collective is ever issued
+      return;
+    }
+    static std::atomic<int> count{0};  // every rank creates its savers in the same order
+    std::vector<int> ranks(m.world_size());
+    std::iota(ranks.begin(), ranks.end(), 0);
+    group.pg = fsdp::new_subgroup(pg, ranks, "fsdp-checkpoint-async-saver-" + std::to_string(count++));
+  }
+
+  // Waits for the save in flight; returns its error (reported or not), leaving none behind.
+  std::exception_ptr collect(bool& reportable) {
+    if (worker.joinable()) worker.join();
+    started = false;
+    reportable = report;
+    std::exception_ptr e = error;
+    error = nullptr;
+    return e;
+  }
+
+  AsyncSaveStarted save(const std::string& root, const torch::optim::Optimizer* opt, const SaveOptions& save_options) {
+    const auto t0 = Clock::now();
+    AsyncSaveStarted out;
+    const std::string who = "fsdp::checkpoint::AsyncSaver::save (rank " + std::to_string(model.rank()) + " of " +
+                            std::to_string(model.world_size()) + ", '" + root + "/" +
+                            detail::checkpoint_name(save_options) + "')";
+    if (started) {
+      TORCH_CHECK(options.wait_if_busy() || !running(), who, ": ", what,
+                  " is still being written, and this saver does not wait (AsyncSaveOptions::wait_if_busy(false)): "
+                  "nothing was started; call save() again later, or wait() first.");
+      bool reportable = true;
+      const std::exception_ptr e = collect(reportable);
+      out.waited_seconds = since(t0);
+      TORCH_CHECK(!e || !reportable, who, ": nothing was started, because the previous save failed: ", message_of(e));
+    }
+    auto p = std::make_shared<detail::PreparedSave>();
+    p->root = root;
+    p->name = detail::checkpoint_name(save_options);
+    std::exception_ptr failed;
+    try {
+      *p = detail::prepare_save(root, model, opt, save_options);
+      take_snapshot(*p);
+    } catch (...) {
+      failed = std::current_exception();
+    }
+    // The background thread starts even when this rank could not prepare: its first agreement
+    // tells the other ranks, whose saves then fail at once rather than at the timeout.
+    what = "the save of '" + root + "/" + p->name + "'";
+    report = failed == nullptr;
+    started = true;
+    done = false;
+    worker = std::thread([this, p, failed] {
+      try {
+        result = detail::write_and_commit(*p, group, "fsdp::checkpoint::AsyncSaver's background save", [&] {
+          if (failed) std::rethrow_exception(failed);
+        });
+      } catch (...) {
+        error = std::current_exception();
+      }
+      done = true;
+    });
+    if (failed) std::rethrow_exception(failed);
+    out.path = root + "/" + p->name;
+    out.snapshot_bytes = p->bytes();
+    out.seconds = since(t0);
+    return out;
+  }
+
+  // Copies the prepared views into the snapshot and points the save at the copies.
+  void take_snapshot(detail::PreparedSave& p) {
+    std::vector<int64_t> offsets;
+    int64_t total = 0;
+    for (const auto& kv : p.tensors) {
+      offsets.push_back(total);
+      total += (static_cast<int64_t>(kv.second.nbytes()) + kAlign - 1) / kAlign * kAlign;
+    }
+    if (!snapshot.defined() || snapshot.numel() < total) {
+      snapshot = at::Tensor();  // the old one first: never two at once
+      snapshot = at::empty({std::max<int64_t>(total, 1)}, at::kByte);
+    }
+    for (size_t i = 0; i < p.tensors.size(); ++i) {
+      at::Tensor& t = p.tensors[i].second;
+      const auto n = static_cast<int64_t>(t.nbytes());
+      at::Tensor copy = snapshot.narrow(0, offsets[i], n).view(t.scalar_type()).view(t.sizes());
+      copy.copy_(t);
+      t = copy;
+    }
+  }
+
+  bool running() const { return worker.joinable() && !done.load(); }
+};
+
+AsyncSaver::AsyncSaver(const FSDPModule& model, const AsyncSaveOptions& options)
+    : impl_(std::make_unique<Impl>(model, options)) {}
+
+AsyncSaver::~AsyncSaver() {
+  if (!impl_ || !impl_->started) return;
+  bool reportable = true;
+  const std::exception_ptr e = impl_->collect(reportable);
+  if (e && reportable) {
+    std::cerr << "fsdp::checkpoint::AsyncSaver (destroyed): " << impl_->what
+              << " failed and no save() or wait() received the error: " << message_of(e) << std::endl;
+  }
+}
+
+AsyncSaveStarted AsyncSaver::save(const std::string& root, const SaveOptions& options) {
+  return impl_->save(root, nullptr, options);
+}
+
+AsyncSaveStarted AsyncSaver::save(const std::string& root, const torch::optim::Optimizer& optimizer,
+                                  const SaveOptions& options) {
+  return impl_->save(root, &optimizer, options);
+}
+
+SaveResult AsyncSaver::wait() {
+  if (impl_->started) {
+    bool reportable = true;
+    const std::exception_ptr e = impl_->collect(reportable);
+    TORCH_CHECK(!e || !reportable, "fsdp::checkpoint::AsyncSaver::wait (rank ", impl_->model.rank(), " of ",
+                impl_->model.world_size(), "): ", impl_->what, " failed: ", message_of(e));
+  }
+  return impl_->result;
+}
+
+bool AsyncSaver::in_flight() const {
+  return impl_->started;
+}
+
+int64_t AsyncSaver::snapshot_capacity() const {
+  return impl_->snapshot.defined() ? impl_->snapshot.numel() : 0;
+}
+
+}  // namespace fsdp::checkpoint

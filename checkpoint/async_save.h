@@ -1,0 +1,81 @@
+// Asynchronous checkpoints: AsyncSaver::save copies this rank's part of the checkpoint (its rows of
+// the parameters, of the optimizer's state and of the buffers, and its generators) into a host
+// snapshot that the saver keeps for the next save, and returns; a background thread then writes
+// the same file and commits the same way as fsdp::checkpoint::save (docs/checkpoint-format.md),
+// while training goes on.
+//
+//   fsdp::checkpoint::AsyncSaver saver(model);   // collective, once: every rank, same order
+//   for (int64_t step = 1; ...; ++step) {
+//     ... forward, backward, optimizer.step() ...
+//     if (step % 100 == 0) saver.save("ckpts", optimizer, fsdp::checkpoint::SaveOptions().step(step));
+//   }
+//   saver.wait();   // the last save committed (or its error thrown); the destructor waits too
+//
+// The background thread's agreements go over a process group of its own (the model's ranks,
+// rendezvoused once in the constructor), never over the model's: there they would interleave with
+// the training's collectives. They are bounded by the model's timeout, like every wait.
+#pragma once
+
+#include "checkpoint/checkpoint.h"
+
+#include <torch/arg.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace fsdp::checkpoint {
+
+struct AsyncSaveOptions {
+  /// What save() does while the previous save is still being written: wait for it to end (true),
+  /// or throw without starting (false), so that a loop can skip this save and go on training.
+  TORCH_ARG(bool, wait_if_busy) = true;
+};
+
+/// What AsyncSaver::save did before returning.
+struct AsyncSaveStarted {
+  std::string path;            ///< the checkpoint's directory, once committed
+  int64_t snapshot_bytes = 0;  ///< this rank's bytes copied into the snapshot
+  double seconds = 0;          ///< the call's time on this rank: how long training was held
+  double waited_seconds = 0;   ///< of which waiting for the previous save to end
+};
+
+/// One save in flight at a time, its errors kept until they are reported. Between saves it keeps
+/// the snapshot's host memory (the largest rank part so far), so that memory stays flat over many
+/// saves. Not thread-safe: call it from the training loop's thread.
+class AsyncSaver {
+ public:
+  /// Collective over the model's ranks (it creates the saver's process group from the model's):
+  /// every rank constructs its savers in the same order. The model must outlive every save() call;
+  /// the background work does not touch it.
+  explicit AsyncSaver(const FSDPModule& model, const AsyncSaveOptions& options = {});
+  /// Waits for a save in flight. An error nobody received through save() or wait() is printed to
+  /// stderr (a destructor cannot throw).
+  ~AsyncSaver();
+  AsyncSaver(const AsyncSaver&) = delete;
+  AsyncSaver& operator=(const AsyncSaver&) = delete;
+
+  /// Starts saving the model (and `optimizer`'s state) under `root`, collectively: every rank calls
+  /// it with the same arguments, between steps. First it waits for the previous save (or throws,
+  /// see AsyncSaveOptions) and throws that save's error if it failed, starting nothing; then it
+  /// checks what fsdp::checkpoint::save checks before writing (an optimizer the format cannot
+  /// hold is refused here), copies this rank's part into the snapshot and returns. The files,
+  /// manifest and commit are those of fsdp::checkpoint::save with the same arguments, and a failure
+  /// on any rank commits nothing: the previous checkpoint stays the latest.
+  AsyncSaveStarted save(const std::string& root, const SaveOptions& options = {});
+  AsyncSaveStarted save(const std::string& root, const torch::optim::Optimizer& optimizer,
+                        const SaveOptions& options = {});
+  /// Waits for the save in flight to end and returns its result (the last one when none is in
+  /// flight); throws its error, once.
+  SaveResult wait();
+  /// Whether a save was started and wait() has not seen it end (it may have ended already).
+  bool in_flight() const;
+  /// Bytes of host memory the snapshot keeps between saves.
+  int64_t snapshot_capacity() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace fsdp::checkpoint

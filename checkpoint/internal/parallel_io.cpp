@@ -1,0 +1,167 @@
+#include "checkpoint/internal/parallel_io.h"
+
+#include "checkpoint/internal/crash_point.h"
+#include "checkpoint/safetensors.h"
+
+#include <c10/util/Exception.h>
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+namespace fsdp::checkpoint::detail {
+namespace {
+
+constexpr uint64_t kDefaultAlign = 4096;
+
+// Runs work(worker, i) for i in [0, n) on `threads` threads (this one among them; worker: 0 to
+// threads - 1); the first error is rethrown here once every thread has stopped, the others
+// stopping at their next item.
+void run_parallel(size_t n, int threads, const std::function<void(int, size_t)>& work) {
+  std::atomic<size_t> next{0};
+  std::atomic<bool> failed{false};
+  std::string error;
+  std::mutex mu;
+  auto loop = [&](int worker) {
+    try {
+      for (size_t i = next++; i < n && !failed; i = next++) work(worker, i);
+    } catch (const c10::Error& e) {
+      std::lock_guard<std::mutex> lock(mu);
+      if (!failed.exchange(true)) error = e.what_without_backtrace();
+    } catch (const std::exception& e) {
+      std::lock_guard<std::mutex> lock(mu);
+      if (!failed.exchange(true)) error = e.what();
+    }
+  };
+  const int extra = static_cast<int>(std::min<size_t>(n, static_cast<size_t>(std::max(threads, 1)))) - 1;
+  std::vector<std::thread> pool;
+  for (int t = 1; t <= extra; ++t) pool.emplace_back(loop, t);
+  loop(0);
+  for (auto& t : pool) t.join();
+  TORCH_CHECK(!failed, error);
+}
+
+struct AlignedBuffer {
+  void* p = nullptr;
+  AlignedBuffer(uint64_t align, uint64_t n) {
+    TORCH_CHECK(::posix_memalign(&p, align, n) == 0, "fsdp::checkpoint: cannot allocate ", n, " bytes for I/O");
+  }
+  ~AlignedBuffer() { std::free(p); }
+  AlignedBuffer(const AlignedBuffer&) = delete;
+  AlignedBuffer& operator=(const AlignedBuffer&) = delete;
+};
+
+// Direct I/O's alignment for `fd`: offsets, lengths and memory (statx's STATX_DIOALIGN, else 4096).
+uint64_t direct_alignment(int fd, const std::string& path) {
+  struct statx stx {};
+  if (::statx(fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &stx) != 0 || (stx.stx_mask & STATX_DIOALIGN) == 0) {
+    return kDefaultAlign;
+  }
+  TORCH_CHECK(stx.stx_dio_offset_align != 0, "fsdp::checkpoint: the filesystem of '", path,
+              "' does not support direct I/O (statx gives no alignment for it): save without direct_io.");
+  return std::max<uint64_t>({stx.stx_dio_offset_align, stx.stx_dio_mem_align, 512});
+}
+
+void pwrite_all(int fd, const std::string& path, const char* p, uint64_t n, uint64_t offset) {
+  const int injected = injected_write_error(path);
+  while (n > 0) {
+    errno = injected;
+    const ssize_t w = injected != 0 ? -1 : ::pwrite(fd, p, n, static_cast<off_t>(offset));
+    if (w < 0 && errno == EINTR) continue;
+    TORCH_CHECK(w > 0, "fsdp::checkpoint: writing bytes ", offset, " to ", offset + n, " of '", path,
+                "' failed: ", std::strerror(errno));
+    p += w;
+    n -= static_cast<uint64_t>(w);
+    offset += static_cast<uint64_t>(w);
+  }
+}
+
+}  // namespace
+
+void write_pieces(const std::string& path, const std::vector<IoPiece>& pieces, const IoOptions& options) {
+  TORCH_CHECK(options.threads >= 1 && options.block_bytes > 0, "fsdp::checkpoint: ", options.threads,
+              " I/O threads and blocks of ", options.block_bytes, " bytes: both must be positive.");
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | (options.direct ? O_DIRECT : 0), 0644);
+  TORCH_CHECK(fd >= 0, "fsdp::checkpoint: cannot create '", path, "'", options.direct ? " with O_DIRECT" : "", ": ",
+              std::strerror(errno),
+              errno == EINVAL && options.direct
+                  ? " (this filesystem does not support direct I/O: save without direct_io)"
+                  : "");
+  std::unique_ptr<int, void (*)(int*)> closer(new int(fd), [](int* f) {
+    ::close(*f);
+    delete f;
+  });
+  const uint64_t align = options.direct ? direct_alignment(fd, path) : kDefaultAlign;
+  const uint64_t block = std::max(align, options.block_bytes / align * align);
+  // Where each piece starts in the file.
+  std::vector<uint64_t> starts;
+  uint64_t size = 0;
+  for (const auto& p : pieces) {
+    starts.push_back(size);
+    size += p.n;
+  }
+  const size_t blocks = static_cast<size_t>((size + block - 1) / block);
+  const int threads = options.threads;
+  // One aligned buffer per thread, allocated at its first block that needs one.
+  std::vector<std::unique_ptr<AlignedBuffer>> buffers(static_cast<size_t>(threads));
+  run_parallel(blocks, threads, [&](int worker, size_t b) {
+    const uint64_t lo = b * block, hi = std::min(size, lo + block);
+    // The pieces this block overlaps: the first is the last piece starting at or before lo.
+    size_t k = static_cast<size_t>(std::upper_bound(starts.begin(), starts.end(), lo) - starts.begin()) - 1;
+    while (k < pieces.size() && pieces[k].n == 0) ++k;
+    if (!options.direct && k < pieces.size() && starts[k] + pieces[k].n >= hi) {
+      pwrite_all(fd, path, static_cast<const char*>(pieces[k].data) + (lo - starts[k]), hi - lo, lo);
+      return;
+    }
+    auto& mine = buffers[static_cast<size_t>(worker)];
+    if (!mine) mine = std::make_unique<AlignedBuffer>(align, block);
+    auto* buf = static_cast<char*>(mine->p);
+    for (uint64_t at = lo; at < hi; ++k) {
+      const uint64_t end = std::min(hi, starts[k] + pieces[k].n);
+      if (end <= at) continue;
+      std::memcpy(buf + (at - lo), static_cast<const char*>(pieces[k].data) + (at - starts[k]), end - at);
+      at = end;
+    }
+    uint64_t n = hi - lo;
+    if (options.direct && n % align != 0) {  // the tail: padded to the alignment, truncated below
+      const uint64_t padded = (n + align - 1) / align * align;
+      std::memset(buf + n, 0, padded - n);
+      n = padded;
+    }
+    pwrite_all(fd, path, buf, n, lo);
+  });
+  if (options.direct && size % align != 0) {
+    TORCH_CHECK(::ftruncate(fd, static_cast<off_t>(size)) == 0, "fsdp::checkpoint: truncating '", path, "' to ", size,
+                " bytes failed: ", std::strerror(errno));
+  }
+  TORCH_CHECK(::close(*closer.release()) == 0 || errno == EINTR, "fsdp::checkpoint: closing '", path,
+              "' failed: ", std::strerror(errno));
+}
+
+void read_parallel(const std::vector<ReadRequest>& requests, int threads, uint64_t block_bytes) {
+  std::vector<ReadRequest> parts;
+  for (const auto& r : requests) {
+    for (uint64_t at = 0; at < r.n; at += block_bytes) {
+      ReadRequest p = r;
+      p.offset = r.offset + at;
+      p.n = std::min(block_bytes, r.n - at);
+      p.dst = static_cast<char*>(r.dst) + at;
+      parts.push_back(p);
+    }
+  }
+  run_parallel(parts.size(), threads, [&](int, size_t i) {
+    pread_exactly(parts[i].fd, *parts[i].path, parts[i].offset, parts[i].n, parts[i].dst);
+  });
+}
+
+}  // namespace fsdp::checkpoint::detail

@@ -1,0 +1,46 @@
+// Large-file I/O for checkpoints on parallel filesystems (docs/checkpoint-format.md, "I/O"): a
+// file written from pieces of memory by several threads at once, each writing whole blocks of
+// `block_bytes` at their offsets, optionally with O_DIRECT (no page cache: the data goes to the
+// storage servers as it is written, and the copy into the cache is saved) through aligned buffers;
+// and many preads of one file spread over threads. Internal to the checkpoint library.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace fsdp::checkpoint::detail {
+
+struct IoOptions {
+  int threads = 1;                           ///< threads writing (or reading) at once
+  bool direct = false;                       ///< O_DIRECT
+  uint64_t block_bytes = uint64_t{8} << 20;  ///< bytes per write call (rounded to the alignment)
+};
+
+/// A piece of the file: `n` bytes at `data`; the pieces follow each other in the file.
+struct IoPiece {
+  const void* data = nullptr;
+  uint64_t n = 0;
+};
+
+/// Writes the pieces as the file `path` (created or truncated), block by block: the blocks are
+/// shared by `threads` threads, each with its own buffer aligned for direct I/O (a block that lies
+/// inside one piece goes straight from its memory when not direct). With `direct`, the file is
+/// opened with O_DIRECT, the alignment taken from statx (STATX_DIOALIGN) where the kernel gives
+/// it and 4096 otherwise; the last block is written padded to the alignment and the file then
+/// truncated to its size. No fsync (the caller's, once per file). A filesystem that refuses
+/// O_DIRECT is an error that says so. Errors name the file, the bytes and the system's reason.
+void write_pieces(const std::string& path, const std::vector<IoPiece>& pieces, const IoOptions& options);
+
+/// One pread: `n` bytes at `offset` of the file open as `fd` (`path`, for errors) into `dst`.
+struct ReadRequest {
+  int fd = -1;
+  const std::string* path = nullptr;
+  uint64_t offset = 0, n = 0;
+  void* dst = nullptr;
+};
+
+/// The requests, each split into reads of at most `block_bytes`, shared by `threads` threads.
+void read_parallel(const std::vector<ReadRequest>& requests, int threads, uint64_t block_bytes);
+
+}  // namespace fsdp::checkpoint::detail

@@ -1,0 +1,230 @@
+#include "checkpoint/internal/save_steps.h"
+
+#include "checkpoint/commit.h"
+#include "checkpoint/internal/crash_point.h"
+#include "checkpoint/internal/manifest_builder.h"
+#include "checkpoint/internal/optimizer_state.h"
+#include "checkpoint/internal/rng_state.h"
+#include "checkpoint/manifest.h"
+#include "checkpoint/plan.h"
+#include "checkpoint/safetensors.h"
+
+#include <c10/util/Exception.h>
+
+#include <chrono>
+#include <cstdio>
+#include <map>
+
+namespace fsdp::checkpoint::detail {
+namespace {
+
+using json = nlohmann::ordered_json;
+
+// A chunk of fewer than this many blocks of block_bytes gets smaller blocks (checksum_block): a
+// load on another number of ranks reads at most about 1/64th of a chunk beyond its need at each
+// end of what it needs, so that what it reads stays within 1.05 x what it needs.
+constexpr uint64_t kMinBlocks = 64;
+
+std::string rank_file(int rank) {
+  char buf[40];
+  std::snprintf(buf, sizeof(buf), "rank-%05d.safetensors", rank);
+  return buf;
+}
+
+// Rows [first, first + n) of a tensor's dim 0 (a scalar is its one row).
+at::Tensor rows_of(const at::Tensor& t, int64_t first, int64_t n) {
+  return t.dim() == 0 ? t : t.narrow(0, first, n);
+}
+
+// The model's parameter that the optimizer's `param` is: its index in `specs`.
+std::map<const void*, size_t> spec_index(const std::vector<ShardSpec>& specs) {
+  std::map<const void*, size_t> out;
+  for (size_t i = 0; i < specs.size(); ++i) out[specs[i].local.unsafeGetTensorImpl()] = i;
+  return out;
+}
+
+// Rank 0's record of the optimizer: its type and each param group's hyperparameters and
+// parameters (by name); the steps come from every rank's part (manifest_builder.h).
+json optimizer_record(const std::vector<ShardSpec>& specs, const torch::optim::Optimizer& opt,
+                      const std::string& type) {
+  const auto index = spec_index(specs);
+  json groups = json::array();
+  for (const auto& group : opt.param_groups()) {
+    json names = json::array();
+    for (const auto& param : group.params()) names.push_back(specs[index.at(param.unsafeGetTensorImpl())].name);
+    groups.push_back({{"options", detail::group_options(group, type)}, {"params", names}});
+  }
+  return {{"type", type}, {"param_groups", groups}};
+}
+
+}  // namespace
+
+std::string checkpoint_name(const SaveOptions& options) {
+  return options.name().empty() ? step_name(options.step()) : options.name();
+}
+
+int64_t PreparedSave::bytes() const {
+  int64_t n = 0;
+  for (const auto& kv : tensors) n += static_cast<int64_t>(kv.second.nbytes());
+  return n;
+}
+
+PreparedSave prepare_save(const std::string& root, const FSDPModule& model, const torch::optim::Optimizer* opt,
+                          const SaveOptions& options) {
+  PreparedSave p;
+  p.root = root;
+  p.name = checkpoint_name(options);
+  p.rank = model.rank();
+  p.world_size = model.world_size();
+  p.options = options;
+  // An optimizer the format cannot hold is refused before anything is on disk.
+  const std::string type = opt != nullptr ? detail::optimizer_type(*opt, "fsdp::checkpoint::save") : "";
+  auto add = [&](const std::string& key, int64_t b, int64_t e, const at::Tensor& data) {
+    p.keys.push_back(key);
+    p.rows.emplace_back(b, e);
+    p.tensors.emplace_back(key + "[" + std::to_string(b) + ":" + std::to_string(e) + "]", data);
+  };
+  const auto specs = model.shard_specs();
+  if (p.rank == 0) {
+    for (const auto& s : specs) {
+      p.model_tensors["model/" + s.name] = {
+          {"kind", "parameter"}, {"dtype", safetensors_dtype(s.dtype)}, {"shape", s.global_shape}};
+    }
+    for (const auto& u : model.units()) p.strategies[u.name.empty() ? "<root>" : u.name] = to_string(u.strategy);
+    if (opt != nullptr) p.optimizer = optimizer_record(specs, *opt, type);
+  }
+  // Each parameter's optimizer state, which has its layout: this rank's rows of it.
+  std::vector<detail::ParamState> states(specs.size());
+  if (opt != nullptr) {
+    const auto index = spec_index(specs);
+    for (const auto& group : opt->param_groups()) {
+      for (const auto& param : group.params()) {
+        const auto it = index.find(param.unsafeGetTensorImpl());
+        TORCH_CHECK(it != index.end(), "the optimizer holds a parameter of shape ", param.sizes(),
+                    " that is not one of the wrapped model's: build the optimizer on the wrapped model's parameters "
+                    "(model->parameters() after fsdp::fully_shard).");
+        const ShardSpec& s = specs[it->second];
+        detail::ParamState st = detail::param_state(*opt, type, param);
+        for (const auto& [name, t] : st.tensors) {
+          TORCH_CHECK(t.sizes() == s.local.sizes() && t.scalar_type() == s.dtype && t.device() == s.local.device(),
+                      "the optimizer's '", name, "' of parameter '", s.name, "' is ", t.scalar_type(), " ", t.sizes(),
+                      " but this rank's rows of the parameter are ", s.dtype, " ", s.local.sizes(),
+                      ": it does not have the parameter's layout.");
+        }
+        if (st.step >= 0) p.steps[s.name] = st.step;
+        states[it->second] = std::move(st);
+      }
+    }
+  }
+
+  for (const auto& w : plan_writes(specs)) {
+    const ShardSpec& s = specs[w.spec];
+    const int64_t n = w.row_end - w.row_begin;
+    add("model/" + s.name, w.row_begin, w.row_end, rows_of(s.local.detach(), w.local_row, n));
+    for (const auto& [name, t] : states[w.spec].tensors) {
+      const std::string key = "optim/" + s.name + "/" + name;
+      p.extra_tensors[key] = {{"kind", "optimizer"}, {"dtype", safetensors_dtype(s.dtype)}, {"shape", s.global_shape}};
+      add(key, w.row_begin, w.row_end, rows_of(t.detach(), w.local_row, n));
+    }
+  }
+  // Buffers: every rank holds them whole; their rows are split over all ranks like replicas'.
+  size_t index = specs.size();
+  for (const auto& kv : model.named_buffers()) {
+    const at::Tensor& b = kv.value();
+    const std::string key = "model/" + kv.key();
+    const int64_t rows = b.dim() == 0 ? 1 : b.size(0);
+    if (p.rank == 0) {
+      p.model_tensors[key] = {
+          {"kind", "buffer"}, {"dtype", safetensors_dtype(b.scalar_type())}, {"shape", b.sizes().vec()}};
+    }
+    const auto [first, last] = replica_part(rows, p.world_size, p.rank, index++);
+    if (last > first) add(key, first, last, rows_of(b.detach(), first, last - first));
+  }
+  // This rank's generators: its own, written by it alone.
+  if (options.rng_states()) {
+    for (const auto& [name, state] : detail::rng_states()) {
+      const std::string key = detail::rng_prefix(p.rank) + name;
+      p.extra_tensors[key] = {
+          {"kind", "rng"}, {"dtype", safetensors_dtype(state.scalar_type())}, {"shape", state.sizes().vec()}};
+      add(key, 0, state.size(0), state);
+    }
+  }
+  return p;
+}
+
+SaveResult write_and_commit(PreparedSave& p, const Group& group, const std::string& who,
+                            const std::function<void()>& first) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const int rank = group.rank(), W = group.size();
+  const std::string where =
+      who + " (rank " + std::to_string(rank) + " of " + std::to_string(W) + ", '" + p.root + "/" + p.name + "')";
+  // Each phase ends with every rank agreeing that it went well: a failure anywhere is every
+  // rank's error, and nothing is committed.
+  const std::string call = who + " of '" + p.root + "/" + p.name + "'";  // the same on every rank
+  auto phase = [&](const char* what, const std::function<void()>& fn) {
+    detail::agree(group, call, where, what, "nothing was committed", fn);
+  };
+
+  const std::string staging = staging_path(p.root, p.name);
+  phase("creating the staging directory", [&] {
+    if (first) first();
+    if (rank == 0) begin_staging(p.root, p.name);
+    detail::crash_point("staged", rank);
+  });
+
+  std::string part;  // this rank's chunks, for the manifest
+  SaveResult result;
+  phase("writing this rank's file", [&] {
+    const std::string path = staging + "/" + rank_file(rank);
+    const FileRecord file = write_safetensors(path, p.tensors, {{"rank", std::to_string(rank)}},
+                                              WriteOptions()
+                                                  .block_bytes(p.options.block_bytes())
+                                                  .min_blocks(kMinBlocks)
+                                                  .fsync(false)
+                                                  .threads(p.options.io_threads())
+                                                  .direct(p.options.direct_io()));
+    detail::crash_point("data-written", rank);
+    fsync_path(path);
+    detail::crash_point("data-fsynced", rank);
+    for (const auto& t : file.tensors) result.bytes_written += static_cast<int64_t>(t.end - t.begin);
+    // This rank's part of the manifest: its chunks, in the file's order.
+    detail::RankPart mine;
+    mine.file = rank_file(rank);
+    mine.file_bytes = file.size;
+    mine.tensors = p.extra_tensors;
+    mine.steps = p.steps;
+    for (size_t i = 0; i < p.keys.size(); ++i) {
+      const auto& t = file.tensors[i];
+      mine.chunks.push_back({{"tensor", p.keys[i]},
+                             {"rows", {p.rows[i].first, p.rows[i].second}},
+                             {"bytes", {t.begin, t.end}},
+                             {"block_bytes", t.block_bytes},
+                             {"crc32c", t.crc32c}});
+    }
+    part = mine.dump(rank);
+  });
+  detail::crash_point("agreed", rank);
+  const auto parts =
+      detail::gather_to_rank0(group.pg, part, group.timeout, "gathering the manifest's parts for " + where);
+
+  phase("writing the manifest and committing", [&] {
+    if (rank != 0) return;
+    detail::ManifestHeader header;
+    header.name = p.name;
+    header.step = p.options.step();
+    header.world_size = W;
+    header.block_bytes = p.options.block_bytes();
+    header.strategies = p.strategies;
+    header.metadata = p.options.metadata();
+    header.optimizer = p.optimizer;
+    const std::string manifest = detail::assemble_manifest(header, p.model_tensors, parts, result.bytes_total);
+    write_atomically(staging, kManifest, manifest);
+    commit(p.root, staging, p.name);
+    keep_last(p.root, p.options.keep_last());
+  });
+  result.path = p.root + "/" + p.name;
+  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return result;
+}
+
+}  // namespace fsdp::checkpoint::detail

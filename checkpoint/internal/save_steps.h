@@ -1,0 +1,61 @@
+// The two halves of a save (docs/checkpoint-format.md, "Commit"). prepare_save runs on the caller's
+// thread, between steps: what this rank writes (the plan's rows of each parameter, of each
+// optimizer state and of each buffer, and its generators), as views of the live tensors, and on
+// rank 0 what the manifest says of the model and the optimizer. write_and_commit then writes this
+// rank's file, agrees, gathers the manifest's parts and commits: fsdp::checkpoint::save runs it
+// at once on the model's process group; AsyncSaver on its own thread, over a side group, after
+// copying the views into its snapshot (so that training may change the live tensors meanwhile).
+// Internal to the checkpoint library.
+#pragma once
+
+#include "checkpoint/checkpoint.h"
+#include "checkpoint/internal/collectives.h"
+
+#include <ATen/core/Tensor.h>
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace fsdp::checkpoint::detail {
+
+struct PreparedSave {
+  std::string root, name;
+  int rank = 0, world_size = 1;
+  SaveOptions options;
+  /// This rank's file, in order: each entry's manifest key, global rows, file entry name and data.
+  std::vector<std::string> keys;
+  std::vector<std::pair<int64_t, int64_t>> rows;
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  /// Kind, dtype and shape of the optimizer and generator tensors this rank writes; the optimizer
+  /// steps of the parameters it has state for.
+  nlohmann::ordered_json extra_tensors = nlohmann::ordered_json::object();
+  nlohmann::ordered_json steps = nlohmann::ordered_json::object();
+  /// Rank 0 only: every model tensor's kind, dtype and shape; each unit's strategy; the
+  /// optimizer's record (type, param groups), or null.
+  nlohmann::ordered_json model_tensors = nlohmann::ordered_json::object();
+  nlohmann::ordered_json strategies = nlohmann::ordered_json::object();
+  nlohmann::ordered_json optimizer = nullptr;
+  /// Bytes of this rank's tensors (its file's data).
+  int64_t bytes() const;
+};
+
+/// The checkpoint's directory name under the root: SaveOptions::name, else step_name(step).
+std::string checkpoint_name(const SaveOptions& options);
+
+/// What this rank saves of `model` (and `optimizer`, when not null) under `root`. Refuses an
+/// optimizer the format cannot hold and one built on other parameters. Reads the live tensors'
+/// metadata only; their bytes are read when the file is written.
+PreparedSave prepare_save(const std::string& root, const FSDPModule& model, const torch::optim::Optimizer* optimizer,
+                          const SaveOptions& options);
+
+/// Writes this rank's file into the staging directory, agrees with every rank of `group` after
+/// each phase, gathers the parts and (rank 0) writes the manifest and commits. `first` runs in the
+/// first phase, before anything is on disk (the synchronous save prepares there, so that a rank
+/// that cannot prepare fails every rank). `who` names the call in errors ("fsdp::checkpoint::save").
+SaveResult write_and_commit(PreparedSave& save, const Group& group, const std::string& who,
+                            const std::function<void()>& first = {});
+
+}  // namespace fsdp::checkpoint::detail
