@@ -187,6 +187,10 @@ bool AsyncSaver::in_flight() const {
   return impl_->started;
 }
 
+bool AsyncSaver::writing() const {
+  return impl_->running();
+}
+
 int64_t AsyncSaver::snapshot_capacity() const {
   return impl_->snapshot.defined() ? impl_->snapshot.numel() : 0;
 }

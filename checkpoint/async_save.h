@@ -70,6 +70,8 @@ class AsyncSaver {
   SaveResult wait();
   /// Whether a save was started and wait() has not seen it end (it may have ended already).
   bool in_flight() const;
+  /// Whether the background thread is still writing or committing (save() would wait for it).
+  bool writing() const;
   /// Bytes of host memory the snapshot keeps between saves.
   int64_t snapshot_capacity() const;
 
