@@ -137,8 +137,10 @@ TEST(CheckpointAsync, SnapshotMemoryIsReusedOverManySaves) {
         const int64_t growth = rss_bytes() - rss_after_10;
         std::cout << "rank " << r.rank << ": snapshot " << capacity << " bytes, RSS growth over the last 15 saves "
                   << growth << " bytes" << std::endl;
-        // A snapshot kept per save would add 15 of them.
-        EXPECT_LT(growth, capacity) << "host memory grew over 15 saves by more than one snapshot";
+        // A snapshot kept per save would add 15 of them. Between saves RSS moves by up to two
+        // gathered copies of the model's parameters (the model's all-gather and gradient buffers,
+        // which its buffer cache keeps or frees), about one snapshot here: so the bound is three.
+        EXPECT_LT(growth, 3 * capacity) << "host memory grew over 15 saves by more than three snapshots";
       },
       o);
 }

@@ -2,7 +2,8 @@
 // strategies, AdamW) becomes one model.safetensors, or Hugging Face-style shards with an index and
 // the optimizer's state, each tensor equal to the model's full weights bit for bit; Python's
 // safetensors loads both forms, and tools/read_checkpoint.py reads the sharded checkpoint itself;
-// the consolidated file loads back into a model sharded another way (load_safetensors).
+// the consolidated files load back into models sharded another way, at 2, 3 and 1 ranks
+// (load_safetensors).
 #include "checkpoint/consolidate.h"
 #include "tests/checkpoint_helpers.h"
 #include "tests/temp_dir.h"
@@ -17,13 +18,13 @@ namespace fsdp::testing {
 namespace {
 
 void check_consolidate(Rank& r) {
-  const std::string root = shared_dir() + "/ckpts";
+  const std::string root = root_dir() + "/ckpts";
   auto model = wrap({"mixed", ShardingStrategy::kFullShard, 0, true}, r, 7);
   auto opt = make_opt(Opt::kAdamW, model);
   train_step(model, *opt, r, 0);
   const auto res = checkpoint::save(root, model, *opt, checkpoint::SaveOptions().step(1));
   const auto full = model.full_state_dict();
-  const std::string single = shared_dir() + "/single", sharded = shared_dir() + "/sharded";
+  const std::string single = root_dir() + "/single", sharded = root_dir() + "/sharded";
   checkpoint::ConsolidateResult one;
   if (r.rank == 0) one = checkpoint::consolidate(root, single);
   auto t = torch::zeros({1});
@@ -98,8 +99,34 @@ void check_consolidate(Rank& r) {
 #endif
 }
 
+// The round trip at other world sizes: both consolidated forms (one file; shards with an index)
+// load into models sharded over 3 and 1 ranks, each equal bit for bit to the checkpoint itself
+// (loaded whole into a plain module).
+void load_consolidated_elsewhere(Rank& r) {
+  PlainMLPImpl plain;
+  checkpoint::load(root_dir() + "/ckpts", plain);
+  const auto want = state_of(plain);
+  for (const char* form : {"/single/model.safetensors", "/sharded/model.safetensors.index.json"}) {
+    const Case c = r.world_size == 3 ? Case{"full", ShardingStrategy::kFullShard, 0, false}
+                                     : Case{"mixed", ShardingStrategy::kShardGradOp, 0, true};
+    auto model = wrap(c, r, 55);
+    const auto res = checkpoint::load_safetensors(root_dir() + form, model);
+    expect_bit_exact(model.full_state_dict(), want,
+                     std::string(form) + " at " + std::to_string(r.world_size) + " ranks");
+    EXPECT_EQ(res.bytes_read, res.bytes_needed) << form;
+  }
+}
+
 TEST(CheckpointConsolidate, OneFileOrHuggingFaceShardsEqualTheModelAndLoadInPython) {
-  run_ranks(2, check_consolidate);
+  std::unique_ptr<TempDir> tmp;
+  RunOptions o;
+  if (!in_rank_process()) {
+    tmp = std::make_unique<TempDir>();
+    o.env["FSDP_TEST_CKPT_ROOT"] = tmp->path;
+  }
+  run_ranks(2, check_consolidate, o);
+  run_ranks(3, load_consolidated_elsewhere, o);
+  run_ranks(1, load_consolidated_elsewhere, o);
 }
 
 }  // namespace
