@@ -97,10 +97,12 @@ void write_pieces(const std::string& path, const std::vector<IoPiece>& pieces, c
               errno == EINVAL && options.direct
                   ? " (this filesystem does not support direct I/O: save without direct_io)"
                   : "");
-  std::unique_ptr<int, void (*)(int*)> closer(new int(fd), [](int* f) {
-    ::close(*f);
-    delete f;
-  });
+  struct Closer {  // closes on every path out, but the last one's checked close
+    int fd;
+    ~Closer() {
+      if (fd >= 0) ::close(fd);
+    }
+  } closer{fd};
   const uint64_t align = options.direct ? direct_alignment(fd, path) : kDefaultAlign;
   const uint64_t block = std::max(align, options.block_bytes / align * align);
   // Where each piece starts in the file.
@@ -144,7 +146,8 @@ void write_pieces(const std::string& path, const std::vector<IoPiece>& pieces, c
     TORCH_CHECK(::ftruncate(fd, static_cast<off_t>(size)) == 0, "fsdp::checkpoint: truncating '", path, "' to ", size,
                 " bytes failed: ", std::strerror(errno));
   }
-  TORCH_CHECK(::close(*closer.release()) == 0 || errno == EINTR, "fsdp::checkpoint: closing '", path,
+  closer.fd = -1;
+  TORCH_CHECK(::close(fd) == 0 || errno == EINTR, "fsdp::checkpoint: closing '", path,
               "' failed: ", std::strerror(errno));
 }
 
