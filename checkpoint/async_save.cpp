@@ -135,9 +135,13 @@ struct AsyncSaver::Impl {
       offsets.push_back(total);
       total += (static_cast<int64_t>(kv.second.nbytes()) + kAlign - 1) / kAlign * kAlign;
     }
-    if (!snapshot.defined() || snapshot.numel() < total) {
+    // CUDA tensors are copied into pinned host memory (a faster, DMA-able copy). The copy is a
+    // blocking one on the current stream: a side stream is for the GPU work (not run on a GPU yet).
+    bool cuda = false;
+    for (const auto& kv : p.tensors) cuda = cuda || kv.second.is_cuda();
+    if (!snapshot.defined() || snapshot.numel() < total || (cuda && !snapshot.is_pinned())) {
       snapshot = at::Tensor();  // the old one first: never two at once
-      snapshot = at::empty({std::max<int64_t>(total, 1)}, at::kByte);
+      snapshot = at::empty({std::max<int64_t>(total, 1)}, at::TensorOptions().dtype(at::kByte).pinned_memory(cuda));
     }
     for (size_t i = 0; i < p.tensors.size(); ++i) {
       at::Tensor& t = p.tensors[i].second;
