@@ -74,7 +74,7 @@ Flags parse(int argc, char** argv) {
   TORCH_CHECK(argc >= 2,
               "usage: ckpt_bench compare [--json] [--world-sizes 1,2,4] [--dir D] [--reps 3] [--async-reps 20] "
               "[--io-threads T] | save|load|async --dir D [--direct] [--io-threads T] | simulate [--ranks 128,1024] "
-              "[--n-layer L --n-embd C]");
+              "[--n-layer L --n-embd C --n-head H]");
   f.mode = argv[1];
   for (int i = 2; i < argc; ++i) {
     const std::string k = argv[i];
@@ -684,7 +684,7 @@ int main(int argc, char** argv) {
     j.world = j.pg->getSize();
     return f.mode == "save" ? save_mode(f, j) : f.mode == "load" ? load_mode(f, j) : async_mode(f, j);
   } catch (const c10::Error& e) {
-    std::cerr << "ckpt_bench: " << e.what_without_backtrace() << "\n";
+    std::cerr << e.what_without_backtrace() << "\n";
     return 1;
   }
 }

@@ -6,6 +6,7 @@
 #include "fsdp/process_group.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
 #include <c10/util/Exception.h>
 
 #include <atomic>
@@ -85,10 +86,18 @@ struct AsyncSaver::Impl {
     const std::string who = "fsdp::checkpoint::AsyncSaver::save (rank " + std::to_string(model.rank()) + " of " +
                             std::to_string(model.world_size()) + ", '" + root + "/" +
                             detail::checkpoint_name(save_options) + "')";
+    if (!options.wait_if_busy()) {
+      // Every rank must make the same choice, or their saves would pair up wrongly: whether any
+      // rank's previous save is still being written is agreed on the caller's thread, over the
+      // model's group (where this call sits between steps, like a synchronous save).
+      at::Tensor busy = at::full({1}, started && running() ? 1 : 0, at::kLong);
+      model.all_reduce(busy, c10d::ReduceOp::MAX, "fsdp::checkpoint::AsyncSaver::save: is a save still being written");
+      TORCH_CHECK(busy.item<int64_t>() == 0, who, ": ", started ? what : std::string("the previous save"),
+                  " is still being written on this rank or another, and this saver does not wait "
+                  "(AsyncSaveOptions::wait_if_busy(false)): nothing was started on any rank; call save() again "
+                  "later, or wait() first.");
+    }
     if (started) {
-      TORCH_CHECK(options.wait_if_busy() || !running(), who, ": ", what,
-                  " is still being written, and this saver does not wait (AsyncSaveOptions::wait_if_busy(false)): "
-                  "nothing was started; call save() again later, or wait() first.");
       bool reportable = true;
       const std::exception_ptr e = collect(reportable);
       out.waited_seconds = since(t0);
@@ -107,6 +116,7 @@ struct AsyncSaver::Impl {
     // The background thread starts even when this rank could not prepare: its first agreement
     // tells the other ranks, whose saves then fail at once rather than at the timeout.
     what = "the save of '" + root + "/" + p->name + "'";
+    result = SaveResult();  // wait() returns this save's result, never an earlier one
     report = failed == nullptr;
     started = true;
     done = false;

@@ -29,6 +29,8 @@ namespace fsdp::checkpoint {
 struct AsyncSaveOptions {
   /// What save() does while the previous save is still being written: wait for it to end (true),
   /// or throw without starting (false), so that a loop can skip this save and go on training.
+  /// With false, the ranks agree (an all-reduce on the model's group, in save()) so that every
+  /// rank skips or none does.
   TORCH_ARG(bool, wait_if_busy) = true;
 };
 
@@ -65,12 +67,13 @@ class AsyncSaver {
   AsyncSaveStarted save(const std::string& root, const SaveOptions& options = {});
   AsyncSaveStarted save(const std::string& root, const torch::optim::Optimizer& optimizer,
                         const SaveOptions& options = {});
-  /// Waits for the save in flight to end and returns its result (the last one when none is in
-  /// flight); throws its error, once.
+  /// Waits for the save in flight to end and returns its result (the last save's when none is in
+  /// flight; an empty path when that one failed); throws its error, once.
   SaveResult wait();
   /// Whether a save was started and wait() has not seen it end (it may have ended already).
   bool in_flight() const;
-  /// Whether the background thread is still writing or committing (save() would wait for it).
+  /// Whether this rank's background thread is still writing or committing. This rank's view only:
+  /// to skip a save while one is being written, use wait_if_busy(false), which the ranks agree on.
   bool writing() const;
   /// Bytes of host memory the snapshot keeps between saves.
   int64_t snapshot_capacity() const;

@@ -270,6 +270,8 @@ LoadResult load_checkpoint(const std::string& path, FSDPModule& model, torch::op
   RngPlan rng;
   std::unique_ptr<detail::ShardReader> reader;
   phase("checking the checkpoint against the model", [&] {
+    TORCH_CHECK(options.io_threads() >= 1, "LoadOptions::io_threads is ", options.io_threads(),
+                ": give at least 1 thread.");
     TORCH_CHECK(!model.step_in_progress(),
                 "a step is under way (a forward ran with gradients and its backward has not, or this is inside the "
                 "forward or the backward): load between steps, after the optimizer's step and before the next "

@@ -12,6 +12,7 @@
 #include <iostream>
 #include <iterator>
 #include <sstream>
+#include <thread>
 
 namespace fsdp::testing {
 namespace {
@@ -141,6 +142,53 @@ TEST(CheckpointAsync, SnapshotMemoryIsReusedOverManySaves) {
         // gathered copies of the model's parameters (the model's all-gather and gradient buffers,
         // which its buffer cache keeps or frees), about one snapshot here: so the bound is three.
         EXPECT_LT(growth, 3 * capacity) << "host memory grew over 15 saves by more than three snapshots";
+      },
+      o);
+}
+
+// With wait_if_busy(false) and a save tried every step, each try is started on every rank or
+// refused on every rank (the ranks agree). Without the agreement this fails: the ranks start
+// different saves, which then pair up wrongly.
+TEST(CheckpointAsync, SkippingABusySaveIsAgreedByEveryRank) {
+  std::unique_ptr<TempDir> tmp;
+  RunOptions o;
+  if (!in_rank_process()) {
+    tmp = std::make_unique<TempDir>();
+    o.env["FSDP_TEST_CKPT_ROOT"] = tmp->path;
+  }
+  run_ranks(
+      2,
+      [](Rank& r) {
+        torch::manual_seed(0);
+        auto model = fsdp::fully_shard(std::make_shared<WideImpl>(), r.pg, test_options());
+        torch::optim::AdamW opt_(model.parameters(), torch::optim::AdamWOptions(1e-3));
+        auto* opt = &opt_;
+        checkpoint::AsyncSaver saver(model, checkpoint::AsyncSaveOptions().wait_if_busy(false));
+        constexpr int kSteps = 30;
+        at::Tensor started = torch::zeros({kSteps}, torch::kLong);
+        for (int step = 0; step < kSteps; ++step) {
+          auto loss = model(torch::randn({4, 1536})).square().mean();
+          loss.backward();
+          opt->step();
+          opt->zero_grad();
+          // The ranks reach save() at different times (one of them waits a little, alternately),
+          // so that one rank's previous save has often ended while another's has not.
+          if (step % 2 == r.rank) std::this_thread::sleep_for(std::chrono::milliseconds(60));
+          try {
+            saver.save(root_dir(), *opt, checkpoint::SaveOptions().step(step).keep_last(2));
+            started[step] = 1;
+          } catch (const c10::Error& e) {
+            const std::string msg = e.what_without_backtrace();
+            EXPECT_NE(msg.find("nothing was started on any rank"), std::string::npos) << msg;
+          }
+        }
+        saver.wait();
+        at::Tensor sum = started.clone();
+        all_reduce_sum(r, sum);
+        EXPECT_TRUE(sum.eq(0).logical_or(sum.eq(r.world_size)).all().item<bool>())
+            << "started on some ranks only: " << sum;
+        std::cout << "rank " << r.rank << ": " << started.sum().item<int64_t>() << " of " << kSteps << " saves started"
+                  << std::endl;
       },
       o);
 }

@@ -3,11 +3,13 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/full.h>
+#include <ATen/ops/tensor.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 
 namespace fsdp::checkpoint::detail {
 namespace {
@@ -39,11 +41,20 @@ void agree(const Group& group, const std::string& call, const std::string& where
   if (group.model != nullptr) {
     group.model->all_reduce(failed, c10d::ReduceOp::MAX, call + ": " + phase);
   } else if (group.size() > 1) {  // a side group: only the saver's background thread uses it
+    // With the flag, the call's hash and its negation: after a MAX, the ranks were at the same
+    // call only if both come back unchanged (a save of another name on some rank would otherwise
+    // pair with this one).
+    const auto hash = static_cast<int64_t>(std::hash<std::string>{}(call + ": " + phase) >> 2);
+    failed = at::tensor({failed.item<int64_t>(), hash, -hash}, at::kLong);
     std::vector<at::Tensor> t{failed};
     c10d::AllreduceOptions o;
     o.reduceOp = c10d::ReduceOp::MAX;
     o.timeout = group.timeout;
     wait(group.pg->getBackend(c10::DeviceType::CPU)->allreduce(t, o), *group.pg, group.timeout, call + ": " + phase);
+    TORCH_CHECK(failed[1].item<int64_t>() == hash && failed[2].item<int64_t>() == -hash, where,
+                ": the ranks are not at the same call (", call, ": ", phase,
+                " here): every rank must save the same root and name. Nothing was committed.");
+    failed = failed.narrow(0, 0, 1);
   }
   TORCH_CHECK(error.empty(), where, ": ", phase, " failed on this rank: ", error);
   TORCH_CHECK(failed.item<int64_t>() == 0, where, ": ", phase, " failed on another rank (its error says why); ",

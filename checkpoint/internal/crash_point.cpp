@@ -1,5 +1,7 @@
 #include "checkpoint/internal/crash_point.h"
 
+#include <c10/util/Exception.h>
+
 #include <cerrno>
 #include <csignal>
 #include <cstdlib>
@@ -22,10 +24,13 @@ int injected_write_error(const std::string& path) {
     const char* v = std::getenv("FSDP_CHECKPOINT_FAIL_WRITE");
     return std::string(v != nullptr ? v : "");
   }();
+  if (spec.empty()) return 0;
   const auto colon = spec.find(':');
-  if (colon == std::string::npos || path.find(spec.substr(colon + 1)) == std::string::npos) return 0;
   const std::string code = spec.substr(0, colon);
-  return code == "ENOSPC" ? ENOSPC : code == "EIO" ? EIO : 0;
+  TORCH_CHECK(colon != std::string::npos && (code == "ENOSPC" || code == "EIO"), "FSDP_CHECKPOINT_FAIL_WRITE='", spec,
+              "' is malformed: write ENOSPC:TEXT or EIO:TEXT (a testing hook; unset it otherwise).");
+  if (path.find(spec.substr(colon + 1)) == std::string::npos) return 0;
+  return code == "ENOSPC" ? ENOSPC : EIO;
 }
 
 }  // namespace fsdp::checkpoint::detail

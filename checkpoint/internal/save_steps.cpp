@@ -77,6 +77,8 @@ PreparedSave prepare_save(const std::string& root, const FSDPModule& model, cons
   p.rank = model.rank();
   p.world_size = model.world_size();
   p.options = options;
+  TORCH_CHECK(options.io_threads() >= 1, "SaveOptions::io_threads is ", options.io_threads(),
+              ": give at least 1 thread.");
   // An optimizer the format cannot hold is refused before anything is on disk.
   const std::string type = opt != nullptr ? detail::optimizer_type(*opt, "fsdp::checkpoint::save") : "";
   auto add = [&](const std::string& key, int64_t b, int64_t e, const at::Tensor& data) {
