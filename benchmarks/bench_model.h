@@ -30,10 +30,15 @@ inline ModelShape gpt_shape(const gpt::Config& c) {
 }
 
 /// The formulas' inputs for `strategy` (a flag name) at N ranks, hybrid groups of S.
-inline fsdp::FormulaInputs formula_inputs(const std::string& strategy, const ModelShape& m, int N, int S) {
+inline fsdp::FormulaInputs formula_inputs(const std::string& strategy, const ModelShape& m, int N, int S,
+                                          double param_bytes = 4) {
   const bool hybrid = gpt::strategy_flags().at(strategy) == fsdp::ShardingStrategy::kHybridShard;
-  return {static_cast<double>(m.psi), static_cast<double>(m.root), static_cast<double>(m.largest_unit), N,
-          hybrid ? S : N};
+  return {static_cast<double>(m.psi),
+          static_cast<double>(m.root),
+          static_cast<double>(m.largest_unit),
+          N,
+          hybrid ? S : N,
+          param_bytes};
 }
 
 /// Model-state bytes per rank at the optimizer step, from the strategy's traits (fsdp/strategy.h).
@@ -44,13 +49,15 @@ inline double formula_at_step(const std::string& strategy, const ModelShape& m, 
 /// Model-state bytes per rank at their peak during the step (traits: SHARD_GRAD_OP holds every
 /// parameter unsharded from forward to the end of backward; full sharding and hybrid hold their
 /// shards plus the units gathered at once).
-inline double formula_peak(const std::string& strategy, const ModelShape& m, int N, int S) {
-  return fsdp::state_bytes_peak(gpt::strategy_flags().at(strategy), formula_inputs(strategy, m, N, S));
+/// `param_bytes`: 2 with mixed precision (the gathered parameters' element size).
+inline double formula_peak(const std::string& strategy, const ModelShape& m, int N, int S, double param_bytes = 4) {
+  return fsdp::state_bytes_peak(gpt::strategy_flags().at(strategy), formula_inputs(strategy, m, N, S, param_bytes));
 }
 
-inline const char* formula_text(const std::string& strategy, bool peak) {
+inline const char* formula_text(const std::string& strategy, bool peak, const std::string& precision = "fp32") {
   const fsdp::StrategyTraits& t = fsdp::traits(gpt::strategy_flags().at(strategy));
-  return peak ? t.formula_peak : t.formula_at_step;
+  if (!peak) return t.formula_at_step;
+  return precision == "fp32" ? t.formula_peak : t.formula_peak_mixed;
 }
 
 /// The ZeRO paper's communication volume per step, in elements (traits). Counted at one rank too:

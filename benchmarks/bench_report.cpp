@@ -43,14 +43,14 @@ const char* kColours[] = {"#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e",
 }  // namespace
 
 void print_table(const std::vector<Row>& rows) {
-  std::printf("%-13s %-9s %2s %2s | %9s %9s %9s | %9s %9s %6s | %9s %9s %6s | %9s | %7s %6s\n", "impl", "strategy", "N",
-              "S", "peak MiB", "RSS MiB", "cache MiB", "state@step", "formula", "ratio", "statepeak", "formula",
-              "ratio", "step ms", "comm/Ψ", "ratio");
+  std::printf("%-13s %-9s %-4s %2s %2s | %9s %9s %9s | %9s %9s %6s | %9s %9s %6s | %9s | %7s %6s\n", "impl", "strategy",
+              "prec", "N", "S", "peak MiB", "RSS MiB", "cache MiB", "state@step", "formula", "ratio", "statepeak",
+              "formula", "ratio", "step ms", "comm/Ψ", "ratio");
   for (const auto& r : rows) {
     if (r.impl == "simulated") continue;
     const double psi = static_cast<double>(r.params);
-    std::printf("%-13s %-9s %2d %2s | %9s %9s %9s | %10s %9s %6s | %9s %9s %6s | %9s | %7s %6s\n", r.impl.c_str(),
-                r.strategy.c_str(), r.world_size,
+    std::printf("%-13s %-9s %-4s %2d %2s | %9s %9s %9s | %10s %9s %6s | %9s %9s %6s | %9s | %7s %6s\n", r.impl.c_str(),
+                r.strategy.c_str(), r.precision.c_str(), r.world_size,
                 r.strategy == "hybrid" ? std::to_string(r.shard_group_size).c_str() : "", mib(r.peak_bytes).c_str(),
                 mib(r.peak_rss_bytes).c_str(), mib(r.cached_bytes).c_str(), mib(r.state_bytes_at_step).c_str(),
                 mib(r.formula_at_step).c_str(), ratio(r.state_bytes_at_step, r.formula_at_step).c_str(),
@@ -71,19 +71,20 @@ void print_fsdp2_ratios(const std::vector<Row>& rows) {
   for (const auto& theirs : rows) {
     if (theirs.impl != "pytorch-fsdp2") continue;
     for (const auto& ours : rows) {
-      if (ours.impl != "libtorch-fsdp" || ours.strategy != theirs.strategy || ours.world_size != theirs.world_size) {
+      if (ours.impl != "libtorch-fsdp" || ours.strategy != theirs.strategy || ours.world_size != theirs.world_size ||
+          ours.precision != theirs.precision) {
         continue;
       }
       if (!header) {
         std::printf(
             "\nlibtorch-fsdp / PyTorch FSDP2, same model, batch, optimizer and backend "
             "(RSS-base: growth of RSS after the process group was set up):\n");
-        std::printf("%-9s %2s | %9s %9s %9s %9s %9s\n", "strategy", "N", "peak", "RSS", "RSS-base", "state",
-                    "step time");
+        std::printf("%-9s %-4s %2s | %9s %9s %9s %9s %9s\n", "strategy", "prec", "N", "peak", "RSS", "RSS-base",
+                    "state", "step time");
         header = true;
       }
       std::printf(
-          "%-9s %2d | %9s %9s %9s %9s %9s\n", ours.strategy.c_str(), ours.world_size,
+          "%-9s %-4s %2d | %9s %9s %9s %9s %9s\n", ours.strategy.c_str(), ours.precision.c_str(), ours.world_size,
           ratio(ours.peak_bytes, theirs.peak_bytes).c_str(), ratio(ours.peak_rss_bytes, theirs.peak_rss_bytes).c_str(),
           ratio(ours.peak_rss_bytes - ours.base_rss_bytes, theirs.peak_rss_bytes - theirs.base_rss_bytes).c_str(),
           ratio(ours.state_bytes_at_step, theirs.state_bytes_at_step).c_str(),
@@ -153,7 +154,8 @@ std::string to_json(const std::vector<Row>& rows) {
       << ", \"cached_cap_bytes\": " << val(r.cached_cap_bytes) << ", \"formula_at_step\": " << val(r.formula_at_step)
       << ", \"formula_peak\": " << val(r.formula_peak)
       << ", \"formula_at_step_text\": " << str(formula_text(r.strategy, false))
-      << ", \"formula_peak_text\": " << str(formula_text(r.strategy, true)) << ",\n  \"step_ms\": " << val(r.step_ms)
+      << ", \"formula_peak_text\": " << str(formula_text(r.strategy, true, r.precision))
+      << ", \"precision\": " << str(r.precision) << ",\n  \"step_ms\": " << val(r.step_ms)
       << ", \"comm_elements\": " << val(r.comm_elements) << ", \"comm_formula\": " << val(r.comm_formula)
       << ", \"comm_expected\": " << val(r.comm_expected) << ", \"loss\": " << val(r.loss)
       << ", \"collective_timeout_s\": " << val(r.collective_timeout_s) << "}" << (i + 1 < rows.size() ? ",\n" : "\n");
@@ -166,11 +168,16 @@ void write_svg(const std::vector<Row>& rows, const std::string& path) {
   // Three panels, x: world size (log2), y: MiB per rank. Model state at the step and at its peak
   // in the step, measured (circles) against the formulas (dashed); then everything the allocator
   // held at its peak (activations included), with PyTorch's FSDP2 beside full sharding.
+  // One precision per plot: the first measured (the JSON has them all).
+  std::string plotted;
+  for (const auto& r : rows) {
+    if (r.impl != "simulated" && plotted.empty()) plotted = r.precision;
+  }
   std::vector<std::string> names;
   std::vector<int> worlds;
   double ymax = 0;
   for (const auto& r : rows) {
-    if (r.impl == "simulated") continue;
+    if (r.impl == "simulated" || r.precision != plotted) continue;
     if (r.impl == "libtorch-fsdp" && std::find(names.begin(), names.end(), r.strategy) == names.end()) {
       names.push_back(r.strategy);
     }
@@ -214,6 +221,7 @@ void write_svg(const std::vector<Row>& rows, const std::string& path) {
       const char* colour = fsdp2 ? "#000000" : kColours[i % 6];
       std::string line;
       for (const auto& r : rows) {
+        if (r.precision != plotted) continue;
         if (fsdp2 ? r.impl != "pytorch-fsdp2" : (r.impl != "libtorch-fsdp" || r.strategy != names[i])) continue;
         const double f = panel == 0 ? r.formula_at_step : panel == 1 ? r.formula_peak : r.peak_bytes;
         const double m = panel == 0 ? r.state_bytes_at_step : panel == 1 ? r.state_bytes_peak : r.peak_bytes;

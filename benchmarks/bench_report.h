@@ -11,7 +11,8 @@ namespace bench {
 struct Row {
   std::string impl;  ///< "libtorch-fsdp", "pytorch-fsdp2" or "simulated"
   std::string strategy;
-  std::string model;  ///< "default" or a simulated preset ("7b", "70b")
+  std::string model;               ///< "default" or a simulated preset ("7b", "70b")
+  std::string precision = "fp32";  ///< "fp32", or mixed precision's param_dtype ("bf16", "fp16")
   int world_size = 1;
   int shard_group_size = 1;
   int64_t params = 0;

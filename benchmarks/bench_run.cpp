@@ -80,7 +80,8 @@ Report run_rank(const RunOptions& o, const c10::intrusive_ptr<c10d::ProcessGroup
                      .strategy(gpt::strategy_flags().at(o.strategy))
                      .shard_group_size(o.shard_group_size)
                      .prefetch(o.prefetch)
-                     .bucket_bytes(static_cast<int64_t>(o.bucket_mb * 1024 * 1024));
+                     .bucket_bytes(static_cast<int64_t>(o.bucket_mb * 1024 * 1024))
+                     .mixed_precision(cli::mixed_precision_policy(o));
   if (o.timeout_s)
     options.timeout(std::chrono::milliseconds(std::max<int64_t>(1, std::llround(*o.timeout_s * 1000.0))));
   r["collective_timeout_s"] = static_cast<double>(options.timeout().count()) / 1000.0;
@@ -99,6 +100,8 @@ Report run_rank(const RunOptions& o, const c10::intrusive_ptr<c10d::ProcessGroup
   r["comm_expected"] = static_cast<double>(expected_comm_elements(model, world));
 
   torch::optim::AdamW opt(model.parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
+  // fp16 scales the loss (what a real fp16 run does, one small all-reduce per step); bf16 needs none.
+  fsdp::optim::ShardedGradScaler scaler(model, fsdp::optim::GradScalerOptions().enabled(o.mixed_precision == "fp16"));
   if (o.steps == 1) {
     // A single measured step (simulated ranks): allocate the optimizer state first, with one
     // AdamW step on zero gradients, so that the step holds it throughout, as every step after the
@@ -121,8 +124,9 @@ Report run_rank(const RunOptions& o, const c10::intrusive_ptr<c10d::ProcessGroup
         torch::randint(o.model.vocab_size, {o.batch_size, T + 1}, gen, torch::kLong).narrow(0, rank * rows, rows);
     auto x = tokens.narrow(1, 0, T), y = tokens.narrow(1, 1, T);
     auto loss = torch::nn::functional::cross_entropy(model(x).flatten(0, 1), y.flatten());
-    loss.backward();
-    opt.step();
+    scaler.scale(loss).backward();
+    scaler.step(opt);
+    scaler.update();
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     const auto at_step = fsdp::optim::state_bytes(model.parameters(), &opt);
     model.track_state_peak(false);

@@ -112,6 +112,8 @@ def main():
     ap.add_argument("--counting-lib")
     ap.add_argument("--report", required=True)
     ap.add_argument("--timeout", type=float, help="collective timeout, seconds (fsdp_bench --timeout)")
+    ap.add_argument("--mixed-precision", choices=["bf16", "fp16"],
+                    help="MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32), as libtorch-fsdp's")
     a = ap.parse_args()
 
     lib = None
@@ -122,7 +124,7 @@ def main():
         lib.fsdp_memory_enable_cpu_counting()
 
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     timeout = datetime.timedelta(seconds=a.timeout) if a.timeout else None  # None: PyTorch's default
     dist.init_process_group("gloo", timeout=timeout)
@@ -131,9 +133,17 @@ def main():
     base_rss = status_bytes("VmRSS")  # as the C++ ranks: after the process group, before the model
     torch.manual_seed(a.seed)
     model = GPT(a)
+    mp = MixedPrecisionPolicy()
+    if a.mixed_precision:
+        mp = MixedPrecisionPolicy(param_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[a.mixed_precision],
+                                  reduce_dtype=torch.float32)
     for block in model.h:
-        fully_shard(block, mesh=mesh, reshard_after_forward=bool(a.reshard_after_forward))
-    fully_shard(model, mesh=mesh, reshard_after_forward=bool(a.reshard_after_forward))
+        fully_shard(block, mesh=mesh, reshard_after_forward=bool(a.reshard_after_forward), mp_policy=mp)
+    fully_shard(model, mesh=mesh, reshard_after_forward=bool(a.reshard_after_forward), mp_policy=mp)
+    scaler = None
+    if a.mixed_precision == "fp16":
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+        scaler = ShardedGradScaler()
     psi = sum(p.numel() for p in model.parameters())  # DTensors: full sizes
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.1)
 
@@ -151,8 +161,13 @@ def main():
         tokens = torch.randint(a.vocab_size, (B, T + 1), generator=g)[rank * rows:(rank + 1) * rows]
         x, y = tokens[:, :-1], tokens[:, 1:]
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        loss.backward()
-        opt.step()
+        if scaler:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
         ms = (time.perf_counter() - t0) * 1e3
         params = list(model.parameters())
         state = storage_bytes(params) + storage_bytes(p.grad for p in params) + storage_bytes(

@@ -46,6 +46,10 @@ struct Args {
   std::vector<int> world_sizes = {1, 2, 4};  // and 8 where it fits (8 cores or more, and memory)
   bool world_sizes_given = false;
   std::vector<std::string> strategies = {"full", "grad-op", "optimizer", "replicate", "hybrid"};
+  /// fp32, and mixed precision's param_dtype (bf16, fp16; fp32 master weights): each strategy at
+  /// each world size in each, side by side (strategies that refuse mixed precision are left out).
+  std::vector<std::string> precisions = {"fp32"};
+  bool precisions_given = false;
   bool fsdp2 = true;
   std::string python = FSDP_BENCH_PYTHON;
   bool json = false;
@@ -63,6 +67,7 @@ struct Args {
       << "fsdp_bench: " << error << "\n"
       << "usage: fsdp_bench [--json] [--out FILE.json] [--plot FILE.svg] [--world-sizes 1,2,4]\n"
       << "                  [--strategies full,grad-op,optimizer,replicate,hybrid] [--shard-group-size S]\n"
+      << "                  [--precisions fp32,bf16,fp16 | --mixed-precision bf16]\n"
       << "                  [--n-layer 16] [--n-head 8] [--n-embd 512] [--block-size 64] [--batch-size 8]\n"
       << "                  [--steps 4] [--seed 1] [--prefetch 1] [--bucket-mb 25] [--build-sharded]\n"
       << "                  [--no-fsdp2] [--python PYTHON] [--run-timeout SECONDS] [--timeout SECONDS]\n"
@@ -123,6 +128,8 @@ Args parse(int argc, char** argv) {
         a.world_sizes = split<int>(value(), to_int), a.world_sizes_given = true;
       else if (k == "--strategies")
         a.strategies = split<std::string>(value(), to_str);
+      else if (k == "--precisions")
+        a.precisions = split<std::string>(value(), to_str), a.precisions_given = true;
       else if (k == "--python")
         a.python = value();
       else if (k == "--out")
@@ -149,6 +156,12 @@ Args parse(int argc, char** argv) {
   }
   for (const auto& s : a.strategies) {
     if (gpt::strategy_flags().count(s) == 0) usage("unknown strategy '" + s + "' in --strategies");
+  }
+  // --mixed-precision (train_gpt's flag) is one precision; --precisions several.
+  if (!a.precisions_given && !a.run.mixed_precision.empty()) a.precisions = {a.run.mixed_precision};
+  for (const auto& p : a.precisions) {
+    if (p != "fp32" && p != "bf16" && p != "fp16")
+      usage("unknown precision '" + p + "' in --precisions (fp32, bf16, fp16)");
   }
   for (int n : a.world_sizes) {
     if (n < 1) usage("--world-sizes must be positive");
@@ -190,11 +203,12 @@ int hybrid_group(const Args& a, int N) {
   return a.run.shard_group_size > 0 ? std::min(a.run.shard_group_size, N) : std::max(1, N / 2);
 }
 
-bench::Row aggregate(const std::string& impl, const std::string& strategy, int N, int S, const bench::ModelShape& m,
-                     const std::vector<bench::Report>& reports) {
+bench::Row aggregate(const std::string& impl, const std::string& strategy, const std::string& precision, int N, int S,
+                     const bench::ModelShape& m, const std::vector<bench::Report>& reports) {
   bench::Row r;
   r.impl = impl;
   r.strategy = strategy;
+  r.precision = precision;
   r.model = "default";
   r.world_size = N;
   r.shard_group_size = S;
@@ -220,8 +234,9 @@ bench::Row aggregate(const std::string& impl, const std::string& strategy, int N
   r.comm_expected = largest("comm_expected");
   r.loss = reports.front().count("loss") ? reports.front().at("loss") : 0;
   r.collective_timeout_s = largest("collective_timeout_s");
+  const double param_bytes = precision == "fp32" ? 4 : 2;
   r.formula_at_step = bench::formula_at_step(strategy, m, N, S);
-  r.formula_peak = bench::formula_peak(strategy, m, N, S);
+  r.formula_peak = bench::formula_peak(strategy, m, N, S, param_bytes);
   r.comm_formula = bench::comm_formula(strategy, m, N, S);
   return r;
 }
@@ -299,7 +314,7 @@ std::vector<bench::Row> simulate(const Args& a) {
       char progress[32];
       std::snprintf(progress, sizeof(progress), "[%2d/%d]", k, total);
       try {
-        bench::Row got = aggregate("simulated", "full", N, N, m, bench::launch(l, progress));
+        bench::Row got = aggregate("simulated", "full", "fp32", N, N, m, bench::launch(l, progress));
         got.model = name;
         got.note = "measured on rank 0 of " + std::to_string(N);
         rows.push_back(got);
@@ -361,7 +376,15 @@ std::vector<bench::Row> run_all(const Args& a) {
       }
     }
   }
-  const int total = static_cast<int>(worlds.size() * (a.strategies.size() + (fsdp2 ? 1 : 0)));
+  // Strategies that keep full parameters refuse mixed-precision compute (fsdp/strategy.h).
+  auto runs_in = [](const std::string& s, const std::string& precision) {
+    return precision == "fp32" || fsdp::traits(gpt::strategy_flags().at(s)).params_sharded;
+  };
+  int total = 0;
+  for (const auto& p : a.precisions) {
+    for (const auto& s : a.strategies) total += runs_in(s, p) ? static_cast<int>(worlds.size()) : 0;
+    total += fsdp2 ? static_cast<int>(worlds.size()) : 0;
+  }
   std::fprintf(
       stderr,
       "fsdp_bench: GPT of %lld parameters (%lld blocks x %lld wide), global batch %lld x %lld, "
@@ -372,9 +395,15 @@ std::vector<bench::Row> run_all(const Args& a) {
       a.run.timeout_s ? (", collective timeout " + cli::json_number(*a.run.timeout_s, "%g") + " s").c_str() : "");
   // One run: its ranks launched, their reports aggregated into a row.
   int k = 0;
-  auto run = [&](const std::string& impl, const std::string& s, int N, int S, std::vector<std::string> argv) {
+  auto run = [&](const std::string& impl, const std::string& s, const std::string& precision, int N, int S,
+                 std::vector<std::string> argv) {
     bench::Launch l;
-    l.label = impl + " " + s + " N=" + std::to_string(N) + (s == "hybrid" ? " S=" + std::to_string(S) : "");
+    l.label = impl + " " + s + (precision == "fp32" ? "" : " " + precision) + " N=" + std::to_string(N) +
+              (s == "hybrid" ? " S=" + std::to_string(S) : "");
+    if (precision != "fp32") {
+      argv.emplace_back("--mixed-precision");
+      argv.push_back(precision);
+    }
     l.argv = std::move(argv);
     for (auto& x : model_args(a)) l.argv.push_back(x);
     for (auto& x : timeout_args(a)) l.argv.push_back(x);
@@ -383,31 +412,38 @@ std::vector<bench::Row> run_all(const Args& a) {
     l.run_timeout_s = a.run_timeout_s;
     char progress[32];
     std::snprintf(progress, sizeof(progress), "[%2d/%d]", ++k, total);
-    rows.push_back(aggregate(impl, s, N, S, m, bench::launch(l, progress)));
+    rows.push_back(aggregate(impl, s, precision, N, S, m, bench::launch(l, progress)));
   };
-  for (const auto& s : a.strategies) {
-    for (int N : worlds) {
-      const int S = s == "hybrid" ? hybrid_group(a, N) : (s == "replicate" ? 1 : N);
-      std::vector<std::string> argv = {bench::self_exe(),
-                                       "--worker",
-                                       "rank",
-                                       "--report",
-                                       "{out}",
-                                       "--strategy",
-                                       s,
-                                       "--shard-group-size",
-                                       std::to_string(S),
-                                       "--prefetch",
-                                       std::to_string(a.run.prefetch),
-                                       "--bucket-mb",
-                                       std::to_string(a.run.bucket_mb)};
-      if (a.run.build_sharded) argv.emplace_back("--build-sharded");
-      run("libtorch-fsdp", s, N, S, std::move(argv));
+  for (const auto& precision : a.precisions) {
+    for (const auto& s : a.strategies) {
+      if (!runs_in(s, precision)) {
+        std::fprintf(stderr, "fsdp_bench: %s left out in %s: it keeps full parameters, so it refuses mixed precision\n",
+                     s.c_str(), precision.c_str());
+        continue;
+      }
+      for (int N : worlds) {
+        const int S = s == "hybrid" ? hybrid_group(a, N) : (s == "replicate" ? 1 : N);
+        std::vector<std::string> argv = {bench::self_exe(),
+                                         "--worker",
+                                         "rank",
+                                         "--report",
+                                         "{out}",
+                                         "--strategy",
+                                         s,
+                                         "--shard-group-size",
+                                         std::to_string(S),
+                                         "--prefetch",
+                                         std::to_string(a.run.prefetch),
+                                         "--bucket-mb",
+                                         std::to_string(a.run.bucket_mb)};
+        if (a.run.build_sharded) argv.emplace_back("--build-sharded");
+        run("libtorch-fsdp", s, precision, N, S, std::move(argv));
+      }
     }
-  }
-  for (int N : fsdp2 ? worlds : std::vector<int>{}) {
-    run("pytorch-fsdp2", "full", N, N,
-        {a.python, FSDP_BENCH_FSDP2_SCRIPT, "--counting-lib", FSDP_BENCH_LIBRARY, "--report", "{out}"});
+    for (int N : fsdp2 ? worlds : std::vector<int>{}) {
+      run("pytorch-fsdp2", "full", precision, N, N,
+          {a.python, FSDP_BENCH_FSDP2_SCRIPT, "--counting-lib", FSDP_BENCH_LIBRARY, "--report", "{out}"});
+    }
   }
   return rows;
 }

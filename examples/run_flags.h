@@ -6,6 +6,7 @@
 #include "examples/cli.h"
 #include "examples/gpt.h"
 #include "examples/strategy_flags.h"
+#include "fsdp/mixed_precision.h"
 
 #include <climits>
 #include <cstdint>
@@ -26,7 +27,17 @@ struct RunFlags {
   double bucket_mb = 25;            // replicate: all-reduce bucket size
   bool build_sharded = false;       // shard each block while it is built (fsdp::ShardingScope)
   std::optional<double> timeout_s;  // collective timeout; unset: the library's default
+  std::string mixed_precision;      // "" (fp32), "bf16" or "fp16": the units' param_dtype, fp32 master weights
 };
+
+/// The policy --mixed-precision names (fsdp/mixed_precision.h): compute and all-gather in bf16 or
+/// fp16, gradients reduced in fp32; none for "".
+inline fsdp::MixedPrecisionPolicy mixed_precision_policy(const RunFlags& f) {
+  fsdp::MixedPrecisionPolicy p;
+  if (f.mixed_precision == "bf16") p.param_dtype(at::kBFloat16);
+  if (f.mixed_precision == "fp16") p.param_dtype(at::kHalf);
+  return p;
+}
 
 /// Takes `flag` when it is one of RunFlags' (its value from `value()`, which the program gives;
 /// --build-sharded takes none) and returns true; false for any other flag.
@@ -59,6 +70,8 @@ inline bool parse_run_flag(const std::string& flag, const std::function<std::str
     f.bucket_mb = parse_double(k, value(), 0, false, 1 << 20);
   } else if (k == "--timeout") {
     f.timeout_s = parse_double(k, value(), 0, false, 365 * 86400.0);
+  } else if (k == "--mixed-precision") {
+    f.mixed_precision = value();
   } else {
     return false;
   }
@@ -71,6 +84,9 @@ inline void check_run_flags(const RunFlags& f) {
     throw InputError("--n-embd " + std::to_string(f.model.n_embd) + " must be a multiple of --n-head " +
                          std::to_string(f.model.n_head),
                      true);
+  }
+  if (!f.mixed_precision.empty() && f.mixed_precision != "bf16" && f.mixed_precision != "fp16") {
+    throw InputError("--mixed-precision must be bf16 or fp16, not '" + f.mixed_precision + "'", true);
   }
   if (gpt::strategy_flags().count(f.strategy) == 0) {
     throw InputError("--strategy must be full, grad-op, optimizer, replicate or hybrid, not '" + f.strategy + "'",

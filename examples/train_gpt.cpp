@@ -72,6 +72,7 @@ const char* const kUsage =
     "                 [--no-sync] [--clip MAX_NORM] [--fused] [--json] [--timeout SECONDS]\n"
     "                 [--strategy full|grad-op|optimizer|replicate|hybrid] [--shard-group-size S]\n"
     "                 [--bucket-mb MB] [--build-sharded] [--save-dir DIR [--save-every K] [--resume]]\n"
+    "                 [--mixed-precision bf16|fp16]\n"
     "  --strategy: full sharding (ZeRO-3), SHARD_GRAD_OP (ZeRO-2), optimizer state only (ZeRO-1),\n"
     "  replicated (DDP), or hybrid: full sharding inside groups of S consecutive ranks (default N/2).\n"
     "  --build-sharded: shard each block while the model is built (a model larger than one rank).\n"
@@ -79,6 +80,8 @@ const char* const kUsage =
     "  with --grad-accum M (--no-sync: reduce gradients only after the last one).\n"
     "  --data: a regular file of at most --max-data-mb MiB (default 64), each byte a token.\n"
     "  --clip 0 (default) does not clip; the gradient norm is checked every step either way.\n"
+    "  --mixed-precision: gather and compute in bf16 or fp16, fp32 master weights, gradients reduced in\n"
+    "  fp32; fp16 scales the loss (a step with an inf or NaN gradient on any rank is skipped).\n"
     "  --timeout: bound on start-up and every collective, in seconds (default: $FSDP_TIMEOUT, else 600).\n"
     "  --save-dir DIR --save-every K: a sharded checkpoint (model, optimizer, generators, seed and data\n"
     "  position) under DIR after every K steps, every rank writing its part; --resume: continue from\n"
@@ -261,7 +264,8 @@ int run(const Args& args) {
                      .prefetch(args.prefetch)
                      .strategy(strategy)
                      .shard_group_size(group)
-                     .bucket_bytes(static_cast<int64_t>(args.bucket_mb * 1024 * 1024));
+                     .bucket_bytes(static_cast<int64_t>(args.bucket_mb * 1024 * 1024))
+                     .mixed_precision(cli::mixed_precision_policy(args));
   if (timeout) options.timeout(*timeout);
   torch::manual_seed(args.seed);
   // With --build-sharded each block is sharded as soon as it is constructed, so the whole model
@@ -284,6 +288,10 @@ int run(const Args& args) {
     opt = std::make_unique<torch::optim::SGD>(
         model.parameters(), torch::optim::SGDOptions(args.lr).momentum(0.9).weight_decay(args.weight_decay));
   }
+
+  // fp16's range needs the loss scaled; bf16 has fp32's (the scaler is then off and does nothing).
+  fsdp::optim::ShardedGradScaler scaler(model,
+                                        fsdp::optim::GradScalerOptions().enabled(args.mixed_precision == "fp16"));
 
   // --resume: the checkpoint's step, seed and data position (the batches are drawn from the seed
   // and the step), whatever the flags say; the model, the optimizer and the generators from it.
@@ -319,6 +327,7 @@ int run(const Args& args) {
               << (args.clip > 0 ? ", clip " + std::to_string(args.clip) : "") << ", prefetch " << args.prefetch
               << ", strategy " << fsdp::to_string(strategy)
               << (strategy == fsdp::ShardingStrategy::kHybridShard ? " (groups of " + std::to_string(group) + ")" : "")
+              << (args.mixed_precision.empty() ? "" : ", mixed precision " + args.mixed_precision + " (fp32 master)")
               << (timeout ? ", timeout " + std::to_string(timeout->count()) + " ms" : "") << "\n";
   }
 
@@ -340,14 +349,19 @@ int run(const Args& args) {
       model.set_requires_gradient_sync(!args.no_sync || m == K - 1);
       auto logits = model(x);
       auto l = torch::nn::functional::cross_entropy(logits.flatten(0, 1), y.flatten()) / static_cast<double>(K);
-      l.backward();
+      scaler.scale(l).backward();
       loss += l.detach().to(torch::kDouble);
     }
+    // fp16: the gradients unscaled; an overflow on any rank skips this step on all of them (the
+    // scale backs off), as the first steps of an fp16 run often do.
+    scaler.unscale_(*opt);
     // The global gradient norm, every step: a NaN or infinite one stops training on every rank
     // (the same reduced value everywhere), naming this rank's first non-finite gradient.
-    const double grad_norm = args.clip > 0 ? fsdp::optim::clip_grad_norm(model, args.clip, 2.0, true)
-                                           : fsdp::optim::grad_norm(model, 2.0, true);
-    opt->step();
+    const double grad_norm = scaler.found_inf() ? std::nan("")
+                             : args.clip > 0    ? fsdp::optim::clip_grad_norm(model, args.clip, 2.0, true)
+                                                : fsdp::optim::grad_norm(model, 2.0, true);
+    scaler.step(*opt);
+    scaler.update();
 
     // Model state at the optimizer step: sharded parameters, gradients, optimizer state.
     const int64_t state = fsdp::optim::state_bytes(model.parameters(), opt.get()).total();

@@ -4,6 +4,7 @@
 #include "fsdp/fake_process_group.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/memory.h"
+#include "fsdp/mixed_precision.h"
 #include "fsdp/options.h"
 #include "fsdp/process_group.h"
 #include "fsdp/shard_layout.h"
@@ -11,4 +12,5 @@
 #include "fsdp/sharding_scope.h"
 #include "optim/clip_grad_norm.h"
 #include "optim/fused_adamw.h"
+#include "optim/grad_scaler.h"
 #include "optim/state_bytes.h"

@@ -28,10 +28,11 @@ FSDPModule::FSDPModule(std::shared_ptr<torch::nn::Module> module, ShardingScope&
   reset_comm_stats();
 }
 
-void FSDPModule::root_pre_forward() {
+detail::ForwardCasts FSDPModule::root_pre_forward() {
   root_->state().begin_forward();
   root_->state().in_root_forward = true;
   root_->pre_forward();
+  return {root_->input_cast(), root_->output_cast()};
 }
 
 void FSDPModule::root_post_forward(const std::vector<at::Tensor>& outputs) {

@@ -135,7 +135,8 @@ class FSDPModule {
   const FullyShardOptions& options() const;
 
  protected:
-  void root_pre_forward();
+  /// Returns what the root's mixed-precision policy casts (its forward's inputs and outputs).
+  detail::ForwardCasts root_pre_forward();
   void root_post_forward(const std::vector<at::Tensor>& outputs);
   /// Ends the root forward (also when it threw).
   void root_forward_ended();
@@ -160,12 +161,13 @@ class FullyShardedModule : public FSDPModule {
 
   template <typename... Args>
   decltype(auto) forward(Args&&... args) {
-    root_pre_forward();
+    const detail::ForwardCasts casts = root_pre_forward();
     struct Ended {
       FullyShardedModule* handle;
       ~Ended() { handle->root_forward_ended(); }
     } ended{this};
-    auto out = impl_->forward(std::forward<Args>(args)...);
+    auto out = impl_->forward(detail::cast_input(std::forward<Args>(args), casts.input)...);
+    detail::cast_output(out, casts.output);  // mixed precision (fsdp/mixed_precision.h)
     std::vector<at::Tensor> tensors;
     detail::collect_tensors(out, tensors);
     root_post_forward(tensors);

@@ -3,15 +3,28 @@
 #pragma once
 
 #include "fsdp/env.h"
+#include "fsdp/mixed_precision.h"
 #include "fsdp/strategy.h"
 
+#include <c10/core/Device.h>
 #include <torch/arg.h>
 
 #include <chrono>
 #include <cstdint>
 #include <optional>
+#include <string>
 
 namespace fsdp {
+
+/// CPU offload (PyTorch FSDP2's CPUOffloadPolicy, DeepSpeed's ZeRO-Offload): a CUDA model's
+/// shards, sharded gradients and optimizer state live in host memory (pinned, so that copies to
+/// and from the GPU run asynchronously); each unit's shard is copied to the GPU just before its
+/// all-gather, its reduced gradients back just after the reduce-scatter, and the optimizer steps
+/// on the CPU (fsdp::optim::FusedAdamW: one vectorized, multi-threaded pass per unit). Only for
+/// models on a CUDA device: a CPU model has nothing to offload and is refused.
+struct CPUOffloadPolicy {
+  TORCH_ARG(bool, pin_memory) = true;
+};
 
 struct FullyShardOptions;
 namespace detail {
@@ -19,6 +32,9 @@ namespace detail {
 /// negative prefetch, a bucket size that is not positive. (Group sizes are checked against the
 /// world size when the groups are made.)
 void check_options(const FullyShardOptions& options, const char* caller);
+/// Refuses an offload policy for a model that has nothing to offload (its parameters, the first of
+/// which is `param` on `device`, are not on a CUDA device), and where this build cannot offload.
+void check_offload(const FullyShardOptions& options, const std::string& param, const c10::Device& device, int rank);
 }  // namespace detail
 
 struct FullyShardOptions {
@@ -50,6 +66,12 @@ struct FullyShardOptions {
   /// kNoShard: gradients are all-reduced in buckets of about this many bytes, each issued as soon
   /// as backward has produced all of its gradients (PyTorch DDP's bucket_cap_mb, 25 MiB).
   TORCH_ARG(int64_t, bucket_bytes) = 25 * 1024 * 1024;
+  /// Mixed precision for every unit (fsdp/mixed_precision.h); a unit's own policy
+  /// (ShardedUnit::set_mixed_precision) overrides it. Default: none, everything in the model's dtype.
+  TORCH_ARG(MixedPrecisionPolicy, mixed_precision);
+  /// Keep the shards, gradients and optimizer state in host memory (see CPUOffloadPolicy). Unset:
+  /// everything stays on the model's device.
+  TORCH_ARG(std::optional<CPUOffloadPolicy>, offload_policy) = std::nullopt;
 
  public:
   /// Before every collective, all ranks first exchange a fingerprint of it (operation, unit, size)

@@ -18,8 +18,9 @@ ShardedUnit& as_unit(const std::shared_ptr<torch::nn::Module>& module) {
 
 namespace detail {
 
-void unit_pre_forward(Unit& unit) {
+ForwardCasts unit_pre_forward(Unit& unit) {
   unit.pre_forward();
+  return {unit.input_cast(), unit.output_cast()};
 }
 
 void unit_post_forward(Unit& unit, const std::vector<at::Tensor>& outputs) {
@@ -63,6 +64,19 @@ void ShardedUnit::set_sharding_strategy(ShardingStrategy strategy) {
   TORCH_CHECK(is_valid(strategy), "fsdp: set_sharding_strategy(", static_cast<int>(strategy),
               "): not a ShardingStrategy; use one of fsdp::ShardingStrategy's values (fsdp/strategy.h).");
   strategy_ = strategy;
+}
+
+void ShardedUnit::set_mixed_precision(const MixedPrecisionPolicy& policy) {
+  if (fsdp_unit_) {
+    detail::Unit& unit = *fsdp_unit_;
+    detail::explained_check(unit, [&] {
+      TORCH_CHECK(false, "fsdp (rank ", unit.state().comm.rank(), "): set_mixed_precision(", to_string(policy),
+                  ") on unit '", unit.name(), "', which is sharded already (with ", to_string(unit.mixed_precision()),
+                  "). Call it before fsdp::fully_shard; a unit built inside an fsdp::ShardingScope is sharded as it "
+                  "is built: give the policy to the scope's options.");
+    });
+  }
+  mixed_precision_ = policy;
 }
 
 }  // namespace fsdp

@@ -12,6 +12,7 @@
 // Before fsdp::fully_shard has seen the model, a ShardedImpl behaves exactly like Impl.
 #pragma once
 
+#include "fsdp/mixed_precision.h"
 #include "fsdp/options.h"
 
 #include <ATen/core/Tensor.h>
@@ -51,7 +52,11 @@ template <typename T, typename = std::enable_if_t<std::is_arithmetic_v<T>>>
 void collect_tensors(const T&, std::vector<at::Tensor>&) {}
 
 class Unit;
-void unit_pre_forward(Unit& unit);
+/// What a unit's forward casts (mixed precision): its floating-point inputs and outputs.
+struct ForwardCasts {
+  std::optional<at::ScalarType> input, output;
+};
+ForwardCasts unit_pre_forward(Unit& unit);
 void unit_post_forward(Unit& unit, const std::vector<at::Tensor>& outputs);
 }  // namespace detail
 
@@ -67,14 +72,21 @@ class ShardedUnit {
   ///   blocks.back()->set_sharding_strategy(fsdp::ShardingStrategy::kShardGradOp);
   void set_sharding_strategy(ShardingStrategy strategy);
   const std::optional<ShardingStrategy>& sharding_strategy() const { return strategy_; }
+  /// This unit's mixed precision, overriding FullyShardOptions::mixed_precision; set before
+  /// fsdp::fully_shard. MixedPrecisionPolicy() keeps a unit in the model's dtype (fsdp/mixed_precision.h):
+  ///   blocks.back()->set_mixed_precision(fsdp::MixedPrecisionPolicy().param_dtype(torch::kBFloat16));
+  void set_mixed_precision(const MixedPrecisionPolicy& policy);
+  const std::optional<MixedPrecisionPolicy>& mixed_precision() const { return mixed_precision_; }
 
  protected:
   /// Runs `forward` between the unit's pre- and post-forward steps.
+  /// `forward(input_dtype)` casts its floating-point tensor arguments to input_dtype (when set).
   template <typename Fn>
   auto run_unit(Fn&& forward) {
-    if (!fsdp_unit_) return forward();
-    detail::unit_pre_forward(*fsdp_unit_);
-    auto out = forward();
+    if (!fsdp_unit_) return forward(std::optional<at::ScalarType>());
+    const detail::ForwardCasts casts = detail::unit_pre_forward(*fsdp_unit_);
+    auto out = forward(casts.input);
+    detail::cast_output(out, casts.output);
     std::vector<at::Tensor> tensors;
     detail::collect_tensors(out, tensors);
     detail::unit_post_forward(*fsdp_unit_, tensors);
@@ -83,6 +95,7 @@ class ShardedUnit {
 
   std::shared_ptr<detail::Unit> fsdp_unit_;
   std::optional<ShardingStrategy> strategy_;
+  std::optional<MixedPrecisionPolicy> mixed_precision_;
 };
 
 namespace detail {
@@ -136,7 +149,9 @@ class ShardedImpl : public detail::UnitModule<Impl> {
   using detail::UnitModule<Impl>::UnitModule;
   template <typename... Args>
   auto forward(Args&&... args) {
-    return this->run_unit([&] { return Impl::forward(std::forward<Args>(args)...); });
+    return this->run_unit([&](std::optional<at::ScalarType> in) {
+      return Impl::forward(detail::cast_input(std::forward<Args>(args), in)...);
+    });
   }
 };
 
@@ -145,7 +160,9 @@ class ShardedImpl<Impl, R (C::*)(A...)> : public detail::UnitModule<Impl> {
  public:
   using detail::UnitModule<Impl>::UnitModule;
   R forward(A... args) {
-    return this->run_unit([&]() -> R { return Impl::forward(std::forward<A>(args)...); });
+    return this->run_unit([&](std::optional<at::ScalarType> in) -> R {
+      return Impl::forward(detail::cast_input(std::forward<A>(args), in)...);
+    });
   }
 };
 

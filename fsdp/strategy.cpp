@@ -39,8 +39,12 @@ double state_bytes_at_step(ShardingStrategy s, const FormulaInputs& in) {
 
 double state_bytes_peak(ShardingStrategy s, const FormulaInputs& in) {
   const StrategyTraits& t = traits(s);
-  const double gathered = t.peak_adds_gathered ? 4.0 * (in.root + 2.0 * in.largest_unit) : 0.0;
-  return bytes(t.peak, in.psi, divisor(t, in)) + gathered;
+  const double gathered = t.peak_adds_gathered ? in.param_bytes * (in.root + 2.0 * in.largest_unit) : 0.0;
+  StateCoefficients c = t.peak;
+  // A sharded strategy's full term is its gathered parameters (kShardGradOp's, kept from forward
+  // to backward); the others' full parameters and gradients are the model's dtype (no cast copy).
+  if (t.params_sharded) c.full *= in.param_bytes / 4.0;
+  return bytes(c, in.psi, divisor(t, in)) + gathered;
 }
 
 double comm_elements(ShardingStrategy s, const FormulaInputs& in) {

@@ -71,25 +71,29 @@ struct StrategyTraits {
   const char* formula_at_step;  ///< the formulas as text: "16Ψ/N", ...
   const char* formula_peak;
   const char* formula_comm;
+  /// The peak with mixed precision (param_dtype of 2 bytes: what is held gathered is half the
+  /// size; fp32 master, sharded gradients and moments unchanged, so at_step is too). "" where
+  /// the strategy refuses mixed-precision compute (it keeps full parameters, not a cast copy).
+  const char* formula_peak_mixed;
 };
 
 // clang-format off
 inline constexpr std::array<StrategyTraits, 5> kStrategies{{
   {ShardingStrategy::kFullShard, "full-shard", "full", "ZeRO-3, FULL_SHARD / FSDP2 reshard_after_forward=True",
    ShardOver::kWorld, true, true, true, true, GradReduction::kReduceScatter,
-   {0, 16}, {0, 16}, true, 3, false, "16Ψ/N", "16Ψ/N + 4(Ψr + 2Ψu)", "3Ψ"},
+   {0, 16}, {0, 16}, true, 3, false, "16Ψ/N", "16Ψ/N + 4(Ψr + 2Ψu)", "3Ψ", "16Ψ/N + 2(Ψr + 2Ψu)"},
   {ShardingStrategy::kShardGradOp, "shard-grad-op", "grad-op", "ZeRO-2, SHARD_GRAD_OP / FSDP2 reshard_after_forward=False",
    ShardOver::kWorld, true, false, true, true, GradReduction::kReduceScatter,
-   {0, 16}, {4, 12}, false, 2, false, "16Ψ/N", "4Ψ + 12Ψ/N", "2Ψ"},
+   {0, 16}, {4, 12}, false, 2, false, "16Ψ/N", "4Ψ + 12Ψ/N", "2Ψ", "2Ψ + 12Ψ/N"},
   {ShardingStrategy::kShardOptimizerState, "shard-optimizer-state", "optimizer", "ZeRO-1 (llm.c's pattern)",
    ShardOver::kWorld, false, false, false, true, GradReduction::kReduceScatter,
-   {8, 8}, {8, 8}, false, 2, false, "8Ψ + 8Ψ/N", "8Ψ + 8Ψ/N", "2Ψ"},
+   {8, 8}, {8, 8}, false, 2, false, "8Ψ + 8Ψ/N", "8Ψ + 8Ψ/N", "2Ψ", ""},
   {ShardingStrategy::kNoShard, "no-shard", "replicate", "replicated, DDP / NO_SHARD",
    ShardOver::kNone, false, false, false, false, GradReduction::kAllReduceBuckets,
-   {16, 0}, {16, 0}, false, 2, false, "16Ψ", "16Ψ", "2Ψ"},
+   {16, 0}, {16, 0}, false, 2, false, "16Ψ", "16Ψ", "2Ψ", ""},
   {ShardingStrategy::kHybridShard, "hybrid-shard", "hybrid", "ZeRO-3 in groups of S, HYBRID_SHARD / FSDP2 2-D mesh",
    ShardOver::kGroup, true, true, true, true, GradReduction::kReduceScatterAllReduce,
-   {0, 16}, {0, 16}, true, 3, true, "16Ψ/S", "16Ψ/S + 4(Ψr + 2Ψu)", "3Ψ + 2Ψ/S"},
+   {0, 16}, {0, 16}, true, 3, true, "16Ψ/S", "16Ψ/S + 4(Ψr + 2Ψu)", "3Ψ + 2Ψ/S", "16Ψ/S + 2(Ψr + 2Ψu)"},
 }};
 // clang-format on
 
@@ -119,11 +123,16 @@ struct FormulaInputs {
   double largest_unit = 0;
   int world_size = 1;
   int group_size = 1;
+  /// Bytes of a gathered parameter element: 4 (fp32), or 2 with a bf16/fp16 mixed-precision
+  /// param_dtype. The master shards, gradients and moments stay fp32 either way.
+  double param_bytes = 4;
 };
 
 /// Model-state bytes per rank at the optimizer step (traits.at_step).
 double state_bytes_at_step(ShardingStrategy s, const FormulaInputs& in);
 /// Model-state bytes per rank at their peak during the step (traits.peak, plus the gathered units).
+/// With param_bytes < 4 (mixed precision), what a sharded strategy holds gathered scales with it:
+/// kShardGradOp's full parameters and the gathered units of the others.
 double state_bytes_peak(ShardingStrategy s, const FormulaInputs& in);
 /// Elements communicated per step (traits.comm_psi and comm_across_groups).
 double comm_elements(ShardingStrategy s, const FormulaInputs& in);

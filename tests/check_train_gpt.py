@@ -3,7 +3,7 @@
 
 Runs `train_gpt --steps N --seed S --json --strategy X` in one process and under
 `torchrun --no-python --nproc-per-node W`, then asserts that every step's loss matches to 1e-5
-relative and that the model state at the optimizer step is within 5% of the strategy's formula
+relative (--loss-rtol) and that the model state at the optimizer step is within 5% of the strategy's formula
 (16Ψ/N for full sharding and SHARD_GRAD_OP, 8Ψ + 8Ψ/N for ZeRO-1, 16Ψ replicated, 16Ψ/S hybrid)
 at 1 rank and at W.
 """
@@ -25,6 +25,8 @@ def main():
     ap.add_argument("--timeout", type=int, default=240)
     ap.add_argument("--strategy", default="full", choices=STRATEGIES)
     ap.add_argument("--extra", default="", help="more train_gpt flags, for both runs")
+    ap.add_argument("--loss-rtol", type=float, default=1e-5,
+                    help="largest relative loss difference allowed (bf16 computes means over other rows)")
     a = ap.parse_args()
     args = ["--steps", str(a.steps), "--seed", str(a.seed), "--json", "--strategy", a.strategy] + a.extra.split()
     one, one_summary = run(command(a.train_gpt, a.torchrun, 1, args), a.timeout)
@@ -34,7 +36,7 @@ def main():
     for r1, rn in zip(one, many):
         rel = abs(rn["loss"] - r1["loss"]) / abs(r1["loss"])
         worst = max(worst, rel)
-        if rel > 1e-5:
+        if rel > a.loss_rtol:
             sys.exit(f"FAILED: step {r1['step']}: loss {rn['loss']} on {a.ranks} ranks vs {r1['loss']} on 1 (rel {rel:.2e})")
     # Model state at the optimizer step against the strategy's formula, at 1 rank and at N (the
     # largest rank's value, per step).

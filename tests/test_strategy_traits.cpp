@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -26,6 +27,13 @@ TEST(StrategyTraits, FormulasByHand) {
   EXPECT_DOUBLE_EQ(state_bytes_peak(ShardingStrategy::kHybridShard, in), 8000 + 4.0 * (100 + 2 * 200));
   EXPECT_DOUBLE_EQ(state_bytes_peak(ShardingStrategy::kShardGradOp, in), 4.0 * 1000 + 12.0 * 1000 / 4);
   EXPECT_DOUBLE_EQ(state_bytes_peak(ShardingStrategy::kNoShard, in), 16000);
+  // Mixed precision (2-byte param_dtype): the same state at the step; what is gathered halves.
+  FormulaInputs mixed = in;
+  mixed.param_bytes = 2;
+  EXPECT_DOUBLE_EQ(state_bytes_at_step(ShardingStrategy::kFullShard, mixed), 16.0 * 1000 / 4);
+  EXPECT_DOUBLE_EQ(state_bytes_peak(ShardingStrategy::kFullShard, mixed), 4000 + 2.0 * (100 + 2 * 200));
+  EXPECT_DOUBLE_EQ(state_bytes_peak(ShardingStrategy::kHybridShard, mixed), 8000 + 2.0 * (100 + 2 * 200));
+  EXPECT_DOUBLE_EQ(state_bytes_peak(ShardingStrategy::kShardGradOp, mixed), 2.0 * 1000 + 12.0 * 1000 / 4);
   // Communication: 3Ψ when gathered twice, 2Ψ otherwise; hybrid adds 2Ψ/S across its groups, only
   // when there are several groups.
   EXPECT_DOUBLE_EQ(comm_elements(ShardingStrategy::kFullShard, in), 3000);
@@ -71,6 +79,29 @@ TEST(StrategyTraits, DocsTableIsTheTraits) {
     EXPECT_EQ(rows[i][3], t.formula_at_step) << names[i];
     EXPECT_EQ(rows[i][4], t.formula_peak) << names[i];
     EXPECT_EQ(rows[i][5], t.formula_comm) << names[i];
+  }
+  // The mixed-precision table: rows named by the strategies' names, for those that allow it.
+  f.clear();
+  f.seekg(0);
+  std::map<std::string, std::vector<std::string>> mixed;
+  for (std::string line; std::getline(f, line);) {
+    for (const auto& t : kStrategies) {
+      if (line.rfind(std::string("| ") + t.name + " |", 0) != 0) continue;
+      std::istringstream cells(line);
+      for (std::string cell; std::getline(cells, cell, '|');) {
+        const auto b = cell.find_first_not_of(' '), e = cell.find_last_not_of(' ');
+        mixed[t.name].push_back(b == std::string::npos ? "" : cell.substr(b, e - b + 1));
+      }
+    }
+  }
+  for (const auto& t : kStrategies) {
+    if (std::string(t.formula_peak_mixed).empty()) {
+      EXPECT_EQ(mixed.count(t.name), 0u) << t.name << " refuses mixed precision";
+      continue;
+    }
+    ASSERT_GE(mixed[t.name].size(), 4u) << "no mixed-precision row for " << t.name;
+    EXPECT_EQ(mixed[t.name][2], t.formula_at_step) << t.name;
+    EXPECT_EQ(mixed[t.name][3], t.formula_peak_mixed) << t.name;
   }
 }
 

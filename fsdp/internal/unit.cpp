@@ -3,6 +3,7 @@
 #include "fsdp/internal/gather.h"
 #include "fsdp/internal/run_state.h"
 
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/ops/empty.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -33,8 +34,14 @@ class GradReadyHook final : public torch::autograd::FunctionPostHook {
 }  // namespace
 
 Unit::Unit(std::string name, const std::vector<std::pair<std::string, at::Tensor>>& params,
-           std::shared_ptr<RunState> run, bool is_root, ShardingStrategy strategy)
-    : name_(std::move(name)), run_(std::move(run)), is_root_(is_root), strategy_(strategy), traits_(traits(strategy)) {
+           std::shared_ptr<RunState> run, bool is_root, ShardingStrategy strategy,
+           const MixedPrecisionPolicy& mixed_precision)
+    : name_(std::move(name)),
+      run_(std::move(run)),
+      is_root_(is_root),
+      strategy_(strategy),
+      traits_(traits(strategy)),
+      mp_(mixed_precision) {
   for (const auto& [pname, p] : params) {
     if (!slots_.empty()) {
       const at::Tensor& first = slots_.front().param;
@@ -51,6 +58,7 @@ Unit::Unit(std::string name, const std::vector<std::pair<std::string, at::Tensor
     s.requires_grad = s.param.requires_grad();
     slots_.push_back(std::move(s));
   }
+  resolve_precision();  // unit_precision.cpp
 }
 
 std::string Unit::describe(const char* op) const {
@@ -97,12 +105,13 @@ void Unit::init() {
   }
   // Sharded over one rank (world size 1, or hybrid groups of one), the shard is the whole unit:
   // its storage serves as the unsharded one, as when replicated, and gathering moves nothing.
-  kind_ = shards_are_rows_of_full() ? BufferKind::kRowsOfFull
-          : buckets() || S_ == 1    ? BufferKind::kWhole
-                                    : BufferKind::kShards;
+  // With mixed precision the gathered parameters are a cast copy even then (kShards over one rank).
+  kind_ = shards_are_rows_of_full()                   ? BufferKind::kRowsOfFull
+          : (buckets() || S_ == 1) && !casts_params() ? BufferKind::kWhole
+                                                      : BufferKind::kShards;
   buffers_ = make_buffers(slots_, buffers_.shard_numel, S_, shard_rank_, kind_,
-                          slots_.front().param.options().requires_grad(false));
-  if (kind_ != BufferKind::kWhole && S_ > 1) {  // the buffers it takes from the pool, at most this size
+                          slots_.front().param.options().requires_grad(false), param_dtype_);
+  if (kind_ != BufferKind::kWhole && (S_ > 1 || casts_params())) {  // its buffers from the pool, at most this size
     run_->pool.note_unit(S_ * shard_numel() * static_cast<int64_t>(buffers_.unsharded.element_size()));
   }
   if (buckets()) {
@@ -153,9 +162,16 @@ void Unit::begin_unshard() {
   // so a unit in flight costs its size once, not twice.
   gathered_ = run_->pool.take(S_ * shard_numel(), buffers_.unsharded.options());
   at::Tensor in = buffers_.flat_shard;
-  if (shards_are_rows_of_full()) {
+  if (shards_are_rows_of_full() || casts_params()) {
+    // ZeRO-1's rows are packed; mixed precision casts the shard, so the all-gather moves
+    // param_dtype bytes.
     gather_in_ = run_->pool.take(shard_numel(), buffers_.unsharded.options());
-    pack_rows(slots_, gather_in_);
+    if (shards_are_rows_of_full()) {
+      pack_rows(slots_, gather_in_);
+    } else {
+      at::AutoDispatchBelowADInplaceOrView below_autograd;
+      gather_in_.copy_(buffers_.flat_shard);
+    }
     in = gather_in_;
   }
   gather_ = shard_comm_->all_gather_async(gathered_, in, gather_what_);
@@ -172,7 +188,10 @@ void Unit::unshard() {
 
 void Unit::gather() {
   begin_unshard();
-  if (S_ == 1) return;  // nothing was moved (begin_unshard)
+  if (S_ == 1) {  // nothing was moved (begin_unshard); with mixed precision, a cast
+    if (casts_params()) cast_alone();
+    return;
+  }
   wait_gather();
   run_->pool.give_back(gather_in_);
   if (kind_ == BufferKind::kShards) {

@@ -9,6 +9,7 @@
 #include "fsdp/internal/lifecycle.h"
 #include "fsdp/internal/reduce.h"
 #include "fsdp/internal/unit_buffers.h"
+#include "fsdp/mixed_precision.h"
 #include "fsdp/options.h"
 
 #include <ATen/core/Tensor.h>
@@ -25,7 +26,7 @@ class RunState;
 class Unit : public std::enable_shared_from_this<Unit> {
  public:
   Unit(std::string name, const std::vector<std::pair<std::string, at::Tensor>>& params, std::shared_ptr<RunState> run,
-       bool is_root, ShardingStrategy strategy);
+       bool is_root, ShardingStrategy strategy, const MixedPrecisionPolicy& mixed_precision = {});
 
   /// Shards the parameters (after rank 0's values were broadcast), installs the hooks, frees the
   /// unsharded storage. Called once by fully_shard.
@@ -36,6 +37,15 @@ class Unit : public std::enable_shared_from_this<Unit> {
   void rename(const std::string& path);
   bool is_root() const { return is_root_; }
   ShardingStrategy strategy() const { return strategy_; }
+  /// Its mixed-precision policy, and the dtypes it resolves to: the shards' (the master weights'),
+  /// the gathered parameters' (forward and backward) and the reduction's.
+  const MixedPrecisionPolicy& mixed_precision() const { return mp_; }
+  at::ScalarType master_dtype() const { return master_dtype_; }
+  at::ScalarType param_dtype() const { return param_dtype_; }
+  at::ScalarType reduce_dtype() const { return reduce_dtype_; }
+  /// What the unit's forward casts its floating-point inputs and outputs to (unset: nothing).
+  std::optional<at::ScalarType> input_cast() const;
+  std::optional<at::ScalarType> output_cast() const { return mp_.output_dtype(); }
   /// Ranks the unit is sharded over (S) and this rank's place among them.
   int64_t shard_world_size() const { return S_; }
   int64_t shard_rank() const { return shard_rank_; }
@@ -112,6 +122,14 @@ class Unit : public std::enable_shared_from_this<Unit> {
   bool shards_are_rows_of_full() const { return !traits_.params_sharded && traits_.shard_over != ShardOver::kNone; }
   /// kNoShard: gradients all-reduced in buckets.
   bool buckets() const { return traits_.reduction == GradReduction::kAllReduceBuckets; }
+  /// Mixed precision: the gathered parameters are a cast copy of the shards (even over one rank).
+  bool casts_params() const { return param_dtype_ != master_dtype_; }
+  /// The gradients go through a cast on their way to the shards (so even alone they are packed).
+  bool casts_grads() const { return param_dtype_ != master_dtype_ || reduce_dtype_ != master_dtype_; }
+  /// Over one rank with mixed precision: fills the unsharded storage with the cast shard.
+  void cast_alone();
+  /// Sets the dtypes from the policy and the parameters; refuses what cannot be done (constructor).
+  void resolve_precision();
   /// Whether the unsharded buffer holds the parameters now.
   bool memory_gathered() const {
     return keeps_full_params() || state_ == UnitState::kUnsharded || state_ == UnitState::kKeptForBackward;
@@ -137,6 +155,8 @@ class Unit : public std::enable_shared_from_this<Unit> {
   bool is_root_;
   ShardingStrategy strategy_;
   const StrategyTraits& traits_;
+  MixedPrecisionPolicy mp_;
+  at::ScalarType master_dtype_ = at::kFloat, param_dtype_ = at::kFloat, reduce_dtype_ = at::kFloat;
   Comm* shard_comm_ = nullptr;      // the S ranks this unit is sharded over
   Comm* replicate_comm_ = nullptr;  // kHybridShard: the N/S ranks holding the same shard
   int64_t S_ = 1, shard_rank_ = 0, world_size_ = 1;

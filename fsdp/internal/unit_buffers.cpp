@@ -4,6 +4,7 @@
 #include <ATen/ops/zeros.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/strides.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <utility>
 
@@ -72,7 +73,7 @@ int64_t lay_out(std::vector<ParamSlot>& slots, int64_t S, int64_t r) {
 }
 
 UnitBuffers make_buffers(std::vector<ParamSlot>& slots, int64_t shard_numel, int64_t S, int64_t r, BufferKind kind,
-                         const at::TensorOptions& opts) {
+                         const at::TensorOptions& opts, at::ScalarType compute_dtype) {
   UnitBuffers b;
   b.shard_numel = shard_numel;
 
@@ -99,7 +100,7 @@ UnitBuffers make_buffers(std::vector<ParamSlot>& slots, int64_t shard_numel, int
         .copy_(flat_rows(p, s.layout.begin(r), s.local_rows, s.layout.row_numel));
     s.sharded = alias_rows(b.flat_shard, s.offset, local_shape(s.shape, s.layout, r));
   }
-  b.unsharded = kind == BufferKind::kWhole ? b.flat_shard : unallocated(S * b.shard_numel, opts);
+  b.unsharded = kind == BufferKind::kWhole ? b.flat_shard : unallocated(S * b.shard_numel, opts.dtype(compute_dtype));
   for (auto& s : slots) {
     s.unsharded = unchecked_view(b.unsharded, S * s.offset, s.shape);
     s.param.set_data(s.unsharded);  // the parameter's own storage is released here
@@ -111,6 +112,7 @@ void point_at_full_views(std::vector<ParamSlot>& slots) {
   for (auto& s : slots) {
     s.shard_grad = std::exchange(s.param.mutable_grad(), at::Tensor());
     s.param.set_data(s.unsharded);
+    if (s.grad_accumulator) torch::autograd::impl::set_grad_accumulator(s.param, s.grad_accumulator);
     s.param.mutable_grad() = std::exchange(s.full_grad, at::Tensor());
   }
 }

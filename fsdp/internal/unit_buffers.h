@@ -77,9 +77,10 @@ int64_t lay_out(std::vector<ParamSlot>& slots, int64_t S, int64_t r);
 
 /// For slots laid out (above): copies this rank's rows of each parameter into the flat shard (or
 /// keeps the full parameters), points each parameter at its full view and fills the slots' views.
-/// The parameters' own storage is released.
+/// The parameters' own storage is released. The flat shard has `opts`' dtype (the master weights'),
+/// the unsharded buffer `compute_dtype` (mixed precision's param_dtype; kShards only).
 UnitBuffers make_buffers(std::vector<ParamSlot>& slots, int64_t shard_numel, int64_t S, int64_t r, BufferKind kind,
-                         const at::TensorOptions& opts);
+                         const at::TensorOptions& opts, at::ScalarType compute_dtype);
 
 /// Lends `block`'s memory to `t`'s storage (which must have none), the whole of it; every view of
 /// the storage sees it. The caller keeps `block` alive until take_memory_back(t).
@@ -95,7 +96,10 @@ at::Tensor alias_rows(const at::Tensor& base, int64_t offset, at::IntArrayRef sh
 at::Tensor flat_rows(const at::Tensor& t, int64_t first, int64_t n, int64_t row_numel);
 
 /// Points the parameters at their full views, moving each sharded gradient aside and putting the
-/// full one (if any) on the parameter; point_at_shards does the reverse. Only pointers move.
+/// full one (if any) on the parameter; point_at_shards does the reverse. Only pointers move. With
+/// mixed precision the two have different dtypes, and set_data to another dtype makes autograd
+/// drop the parameter's AccumulateGrad (a new one would have neither the library's hook nor the
+/// full shape): point_at_full_views gives it back the slot's own.
 void point_at_full_views(std::vector<ParamSlot>& slots);
 void point_at_shards(std::vector<ParamSlot>& slots);
 

@@ -18,13 +18,13 @@ void Unit::launch_buckets(bool all) {
         if (slots_[i].requires_grad && !slots_[i].grad_ready) return;
       }
     }
-    if (world_size_ == 1) {
+    if (world_size_ == 1 && !casts_grads()) {
       // Alone: the gradients are final as autograd left them (counted as issued).
       run_->comm.record(Comm::Op::kAllReduce, b.numel, reduce_what_);
       keep_local_grads(slots_, is_unsharded(), b.first, b.last);
     } else {
       if (next_bucket_ == 0) {
-        reduce_out_ = at::empty({shard_numel()}, buffers_.flat_shard.options());
+        reduce_out_ = at::empty({shard_numel()}, buffers_.flat_shard.options().dtype(reduce_dtype_));
         reduce_has_grad_.assign(slots_.size(), false);
         bucket_work_.clear();
       }
@@ -32,7 +32,11 @@ void Unit::launch_buckets(bool all) {
       run_->sample_state();  // the bucket's gradients and their copy, both alive
       for (size_t i = b.first; i < b.last; ++i) full_grad(slots_[i]) = at::Tensor();  // the bucket holds it now
       at::Tensor chunk = reduce_out_.narrow(0, b.offset, b.numel);
-      bucket_work_.push_back(run_->comm.all_reduce_async(chunk, c10d::ReduceOp::SUM, reduce_what_));
+      if (world_size_ == 1) {  // alone, packed only for the cast to reduce_dtype (see casts_grads)
+        run_->comm.record(Comm::Op::kAllReduce, b.numel, reduce_what_);
+      } else {
+        bucket_work_.push_back(run_->comm.all_reduce_async(chunk, c10d::ReduceOp::SUM, reduce_what_));
+      }
     }
     ++next_bucket_;
     if (next_bucket_ == buckets_.size()) {
@@ -57,14 +61,15 @@ void Unit::reduce_grads() {
   // packing frees its buffers first, so one unit's packed gradients are in flight at a time (as in
   // FSDP2), not two.
   run_->finish_reduces();
-  if (world_size_ == 1 && !shards_are_rows_of_full()) {
+  if (world_size_ == 1 && !shards_are_rows_of_full() && !casts_grads()) {
     // Alone: the gradients are final as autograd left them, and become the sharded ones (the
     // shard is the whole parameter) without a copy; counted as issued.
     shard_comm_->record(Comm::Op::kReduceScatter, shard_numel(), reduce_what_);
     keep_local_grads(slots_, is_unsharded(), 0, slots_.size());
     return;
   }
-  const auto opts = buffers_.unsharded.options();
+  // Packed in reduce_dtype: the cast of mixed precision's gradients happens in this copy.
+  const auto opts = buffers_.unsharded.options().dtype(reduce_dtype_);
   // Sharded over one rank but replicated (hybrid groups of one): the packed gradients are this
   // rank's shard already, and become the reduced gradients (no pool: they outlive the step).
   reduce_in_ = S_ == 1 ? at::empty({shard_numel()}, opts) : run_->pool.take(S_ * shard_numel(), opts);
@@ -117,6 +122,8 @@ void Unit::finish_reduce() {
   at::Tensor reduced = std::move(reduce_out_);
   if (!reduced.defined()) return;  // alone: the gradients were kept where they were (launch_buckets)
   reduced.div_(static_cast<double>(run_->comm.world_size()));
+  // Mixed precision: the sum is in reduce_dtype; the optimizer steps the master dtype.
+  if (reduced.scalar_type() != master_dtype_) reduced = reduced.to(master_dtype_);
   if (shards_are_rows_of_full()) {
     stale_ = true;  // the optimizer steps the shards next
     write_rows_into_full_grads(slots_, is_unsharded(), reduced, reduce_has_grad_, shard_rank_);

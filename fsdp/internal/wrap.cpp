@@ -36,6 +36,8 @@ void shard_on_construction(const std::shared_ptr<RunState>& state, torch::nn::Mo
   for (auto& np : params) {
     if (seen.emplace(np.second.unsafeGetTensorImpl(), true).second) unique.push_back(std::move(np));
   }
+  if (!unique.empty())
+    check_offload(state->options, unique.front().first, unique.front().second.device(), state->comm.rank());
   const ShardingStrategy strategy = state->options.strategy();
   // The collectives below (broadcast, hybrid groups) pair up only if every rank builds the same
   // unit now: check that first, by the unit's own description.
@@ -47,7 +49,8 @@ void shard_on_construction(const std::shared_ptr<RunState>& state, torch::nn::Mo
   }
   check_same_model_on_all_ranks(state->comm, desc.str());
   if (traits(strategy).shard_over == ShardOver::kGroup) state->init_hybrid(state->options.shard_group_size());
-  auto group = std::make_shared<Unit>("", std::move(unique), state, /*is_root=*/false, strategy);
+  auto group = std::make_shared<Unit>("", std::move(unique), state, /*is_root=*/false, strategy,
+                                      state->options.mixed_precision());
   group->init();
   unit.fsdp_attach(group);
 }
@@ -64,6 +67,10 @@ std::shared_ptr<Unit> shard_model(const std::shared_ptr<torch::nn::Module>& root
               "fully_shard makes it the root unit and returns its handle.");
   auto state = scope_state ? scope_state : std::make_shared<RunState>(pg, given_options);
   const FullyShardOptions& options = state->options;
+  for (const auto& kv : root->named_parameters()) {  // the first says where the model is
+    check_offload(options, kv.key(), kv.value().device(), state->comm.rank());
+    break;
+  }
 
   struct Found {
     std::string name;
@@ -133,9 +140,15 @@ std::shared_ptr<Unit> shard_model(const std::shared_ptr<torch::nn::Module>& root
   auto strategy_of = [&](const Found& f) {
     return f.unit && f.unit->sharding_strategy() ? *f.unit->sharding_strategy() : options.strategy();
   };
+  auto precision_of = [&](const Found& f) {
+    return f.unit && f.unit->mixed_precision() ? *f.unit->mixed_precision() : options.mixed_precision();
+  };
   std::unordered_map<const c10::TensorImpl*, std::string> unit_of;
   for (const auto& f : found) {
-    const char* strategy = to_string(f->built ? f->built->strategy() : strategy_of(*f));
+    const MixedPrecisionPolicy& mp = f->built ? f->built->mixed_precision() : precision_of(*f);
+    const bool mixed = mp.param_dtype() || mp.reduce_dtype() || mp.output_dtype();
+    const std::string strategy = std::string(to_string(f->built ? f->built->strategy() : strategy_of(*f))) +
+                                 (mixed ? ", " + to_string(mp) : std::string());
     for (const auto& np : f->params) {
       unit_of[np.second.unsafeGetTensorImpl()] = (f->unit ? f->name : "<root>") + "' (" + strategy + ")";
     }
@@ -170,7 +183,8 @@ std::shared_ptr<Unit> shard_model(const std::shared_ptr<torch::nn::Module>& root
       state->groups.push_back(f->built);
       continue;
     }
-    auto g = std::make_shared<Unit>(f->name, std::move(f->params), state, f->unit == nullptr, strategy_of(*f));
+    auto g = std::make_shared<Unit>(f->name, std::move(f->params), state, f->unit == nullptr, strategy_of(*f),
+                                    precision_of(*f));
     g->init();
     state->groups.push_back(g);
     if (f->unit != nullptr) {

@@ -1,0 +1,54 @@
+// A unit's mixed precision (fsdp/mixed_precision.h): which dtypes its policy resolves to, what it
+// refuses, and the cast that stands in for the all-gather over one rank. The casts themselves sit
+// where the data moves: the shard is cast into the all-gather's input (Unit::begin_unshard), the
+// gradients into the reduce-scatter's packed input (Unit::reduce_grads), the sum back to the
+// master dtype when the reduction completes (Unit::finish_reduce).
+#include "fsdp/internal/run_state.h"
+#include "fsdp/internal/unit.h"
+
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <c10/core/ScalarType.h>
+
+namespace fsdp::detail {
+
+void Unit::resolve_precision() {
+  if (slots_.empty()) return;
+  master_dtype_ = slots_.front().param.scalar_type();
+  param_dtype_ = mp_.param_dtype().value_or(master_dtype_);
+  reduce_dtype_ = mp_.reduce_dtype().value_or(master_dtype_);
+  const int rank = run_->comm.rank();
+  for (auto [what, dtype] : {std::pair<const char*, std::optional<at::ScalarType>>{"param_dtype", mp_.param_dtype()},
+                             {"reduce_dtype", mp_.reduce_dtype()},
+                             {"output_dtype", mp_.output_dtype()}}) {
+    TORCH_CHECK(!dtype || at::isFloatingType(*dtype), "fsdp::fully_shard (rank ", rank, "): unit '", label(),
+                "': MixedPrecisionPolicy::", what, " is ", *dtype,
+                ", not a floating-point dtype. Use torch::kBFloat16, torch::kFloat16 or torch::kFloat32.");
+  }
+  if (!casts_grads()) return;
+  TORCH_CHECK(at::isFloatingType(master_dtype_), "fsdp::fully_shard (rank ", rank, "): unit '", label(),
+              "' has parameters of dtype ", master_dtype_, " ('", slots_.front().name,
+              "'), which a MixedPrecisionPolicy cannot cast. Give this unit a policy without param_dtype and "
+              "reduce_dtype (set_mixed_precision(fsdp::MixedPrecisionPolicy())).");
+  TORCH_CHECK(!casts_params() || traits_.params_sharded, "fsdp::fully_shard (rank ", rank, "): unit '", label(),
+              "' is ", to_string(strategy_), " with MixedPrecisionPolicy::param_dtype ", param_dtype_,
+              " (its parameters are ", master_dtype_,
+              "). Mixed-precision compute needs a strategy that gathers the parameters from their shards: "
+              "kFullShard, kShardGradOp or kHybridShard (at world size 1 they cost what kNoShard does). "
+              "reduce_dtype and output_dtype work with every strategy.");
+}
+
+std::optional<at::ScalarType> Unit::input_cast() const {
+  if (!mp_.cast_forward_inputs() || !mp_.param_dtype() || slots_.empty()) return std::nullopt;
+  return param_dtype_;
+}
+
+void Unit::cast_alone() {
+  // Over one rank the gathered parameters would be the shard itself; with mixed precision they are
+  // its cast copy, in the unsharded storage, which exists only while the unit is gathered.
+  unsharded_memory_ = run_->pool.take(shard_numel(), buffers_.unsharded.options());
+  lend_memory(buffers_.unsharded, unsharded_memory_);
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  buffers_.unsharded.copy_(buffers_.flat_shard);
+}
+
+}  // namespace fsdp::detail

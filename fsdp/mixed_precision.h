@@ -1,0 +1,92 @@
+// Mixed precision (PyTorch FSDP2's MixedPrecisionPolicy): the model keeps its parameters, and the
+// optimizer its state, in the dtype the model was built with (fp32, the master weights), sharded;
+// each unit is all-gathered and computes in `param_dtype` (bf16, fp16), and its gradients are
+// reduce-scattered in `reduce_dtype` and land on the shards in the master dtype.
+//
+//   fsdp::FullyShardOptions().mixed_precision(
+//       fsdp::MixedPrecisionPolicy().param_dtype(torch::kBFloat16))   // reduce in fp32
+//   blocks[0]->set_mixed_precision(fsdp::MixedPrecisionPolicy());     // this unit stays fp32
+//
+// Gathering casts this rank's rows first, so the all-gather moves param_dtype bytes; the cast copy
+// of a unit exists only while it is gathered. fp16 needs loss scaling: fsdp::optim::ShardedGradScaler.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/arg.h>
+
+#include <optional>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace fsdp {
+
+struct MixedPrecisionPolicy {
+  /// The dtype of the gathered parameters, hence of the unit's forward and backward (and of its
+  /// gradients before reduction). Unset: the parameters' own dtype (no mixed precision).
+  TORCH_ARG(std::optional<at::ScalarType>, param_dtype) = std::nullopt;
+  /// The dtype gradients are reduced in. Unset: the parameters' own dtype (fp32 for an fp32 model),
+  /// so that the sum over ranks loses nothing; kBFloat16 halves the reduce-scatter's bytes.
+  TORCH_ARG(std::optional<at::ScalarType>, reduce_dtype) = std::nullopt;
+  /// The dtype the unit's floating-point outputs are cast to (unset: left as computed).
+  TORCH_ARG(std::optional<at::ScalarType>, output_dtype) = std::nullopt;
+  /// Cast the unit's floating-point tensor inputs to param_dtype before its forward (FSDP2's
+  /// default), so that an fp32 activation meets bf16 weights as bf16. Integer inputs (token ids)
+  /// are left alone, and so are inputs taken by non-const reference.
+  TORCH_ARG(bool, cast_forward_inputs) = true;
+
+  /// Whether the policy changes anything for parameters of `dtype`.
+  bool casts(at::ScalarType dtype) const {
+    return (param_dtype_ && *param_dtype_ != dtype) || (reduce_dtype_ && *reduce_dtype_ != dtype) || output_dtype_;
+  }
+};
+
+/// "param_dtype=BFloat16 reduce_dtype=- output_dtype=- cast_forward_inputs=1": logs and messages.
+std::string to_string(const MixedPrecisionPolicy& policy);
+
+namespace detail {
+
+// The casts at a unit's forward boundary, applied to whatever Impl::forward takes and returns:
+// floating-point tensors are cast, everything else passes through untouched.
+inline at::Tensor cast_floating(const at::Tensor& t, std::optional<at::ScalarType> dtype) {
+  if (!dtype || !t.defined() || !t.is_floating_point() || t.scalar_type() == *dtype) return t;
+  return t.to(*dtype);
+}
+
+/// An input: a tensor passed by value or const reference is cast; anything else is forwarded.
+template <typename T>
+decltype(auto) cast_input(T&& x, std::optional<at::ScalarType> dtype) {
+  using D = std::decay_t<T>;
+  constexpr bool mutable_ref = std::is_lvalue_reference_v<T> && !std::is_const_v<std::remove_reference_t<T>>;
+  if constexpr (std::is_same_v<D, at::Tensor> && !mutable_ref) {
+    return cast_floating(x, dtype);
+  } else {
+    return std::forward<T>(x);
+  }
+}
+
+/// An output: tensors, and tensors in vectors, pairs and tuples, are cast in place.
+inline void cast_output(at::Tensor& t, std::optional<at::ScalarType> dtype) {
+  t = cast_floating(t, dtype);
+}
+inline void cast_output(std::vector<at::Tensor>& ts, std::optional<at::ScalarType> dtype) {
+  for (auto& t : ts) cast_output(t, dtype);
+}
+template <typename A, typename B>
+void cast_output(std::pair<A, B>& p, std::optional<at::ScalarType> dtype);
+template <typename... Ts>
+void cast_output(std::tuple<Ts...>& t, std::optional<at::ScalarType> dtype) {
+  std::apply([&](auto&... e) { (cast_output(e, dtype), ...); }, t);
+}
+template <typename A, typename B>
+void cast_output(std::pair<A, B>& p, std::optional<at::ScalarType> dtype) {
+  cast_output(p.first, dtype);
+  cast_output(p.second, dtype);
+}
+template <typename T>
+void cast_output(T&, std::optional<at::ScalarType>) {}
+
+}  // namespace detail
+}  // namespace fsdp

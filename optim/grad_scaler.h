@@ -1,0 +1,66 @@
+// Loss scaling for fp16 mixed precision over sharded gradients (PyTorch's ShardedGradScaler, FSDP's
+// torch.amp.GradScaler): the same scale on every rank, and a step skipped on every rank when any
+// rank's shard of the gradients holds an inf or a NaN (each rank sees only its own rows, so the
+// finding is all-reduced).
+//
+//   fsdp::optim::ShardedGradScaler scaler(model);
+//   scaler.scale(loss).backward();
+//   scaler.unscale_(opt);                              // optional: before clipping
+//   fsdp::optim::clip_grad_norm(model, 1.0);
+//   scaler.step(opt);                                  // skipped on every rank after an overflow
+//   scaler.update();
+//
+// bf16 has fp32's exponent range and needs none of this.
+#pragma once
+
+#include "fsdp/fully_shard.h"
+
+#include <torch/arg.h>
+#include <torch/optim/optimizer.h>
+
+#include <cstdint>
+
+namespace fsdp::optim {
+
+/// torch.amp.GradScaler's defaults.
+struct GradScalerOptions {
+  TORCH_ARG(double, init_scale) = 65536.0;
+  TORCH_ARG(double, growth_factor) = 2.0;
+  TORCH_ARG(double, backoff_factor) = 0.5;
+  /// Steps without an overflow after which the scale grows by growth_factor.
+  TORCH_ARG(int64_t, growth_interval) = 2000;
+  /// Off: scale() returns the loss, step() always steps, update() does nothing.
+  TORCH_ARG(bool, enabled) = true;
+};
+
+class ShardedGradScaler {
+ public:
+  explicit ShardedGradScaler(FSDPModule model, const GradScalerOptions& options = {});
+
+  /// loss * scale, as torch.amp.GradScaler computes it (the scale is a one-element fp32 tensor).
+  at::Tensor scale(const at::Tensor& loss) const;
+  /// Divides the gradients of `optimizer`'s parameters (this rank's shards) by the scale and finds
+  /// whether any rank's are not finite: one all-reduce, so every rank calls it. At most once per
+  /// step; step() calls it when it was not.
+  void unscale_(torch::optim::Optimizer& optimizer);
+  /// Steps `optimizer` unless an inf or NaN was found on some rank; returns whether it stepped.
+  bool step(torch::optim::Optimizer& optimizer);
+  /// Backs the scale off after an overflow, grows it after growth_interval clean steps; ends the
+  /// step (the next unscale_ is the next step's).
+  void update();
+
+  double get_scale() const;
+  /// Whether the last unscale_ found an inf or NaN (on any rank).
+  bool found_inf() const { return found_inf_; }
+  const GradScalerOptions& options() const { return options_; }
+
+ private:
+  FSDPModule model_;
+  GradScalerOptions options_;
+  at::Tensor scale_;           // [1] fp32, as PyTorch keeps it
+  at::Tensor growth_tracker_;  // [1] int32
+  bool unscaled_ = false;
+  bool found_inf_ = false;
+};
+
+}  // namespace fsdp::optim

@@ -1,0 +1,379 @@
+// Mixed precision (fsdp/mixed_precision.h) against plain LibTorch doing the same casts by hand: an
+// fp32 master model, a copy cast to param_dtype for each step's forward and backward, each rank's
+// gradients cast to reduce_dtype and summed in rank order, divided by the world size, cast back to
+// fp32 for the optimizer. With fp32 reductions the sharded run equals it to the bit at every world
+// size: the gradients are bf16 values, and a sum of a few of them is exact in fp32 (24 bits hold
+// them unless their exponents are more than 16 apart), so the reduce-scatter's order does not
+// matter. bf16 reductions round every partial sum: exact at 2 ranks (one addition), and at 4
+// compared within a stated tolerance (the ring sums in another order than the reference).
+#include "tests/parity.h"
+
+#include <ATen/ops/_amp_foreach_non_finite_check_and_unscale.h>
+#include <ATen/ops/_amp_update_scale.h>
+#include <torch/nn/functional/linear.h>
+
+#include <limits>
+#include <unordered_set>
+
+namespace fsdp::testing {
+namespace {
+
+const gpt::Config kCfg{37, 8, 2, 2, 18, false};
+
+/// Parameters by name, a tied weight once (under its first name).
+std::vector<std::pair<std::string, torch::Tensor>> unique_params(torch::nn::Module& m) {
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (const auto& kv : m.named_parameters()) {
+    if (seen.insert(kv.value().unsafeGetTensorImpl()).second) out.emplace_back(kv.key(), kv.value());
+  }
+  return out;
+}
+
+/// The reference's gradients of one step: for every rank r in order, `compute`'s gradients of
+/// loss_of(r) (zeroed before), cast to `reduce` and summed; then the sum divided by W, in `reduce`,
+/// becomes `master`'s gradient in its dtype. `compute` may be `master` itself (casts inside the
+/// forward). Returns each rank's loss.
+template <typename LossOf>
+std::vector<torch::Tensor> reference_grads(torch::nn::Module& master, torch::nn::Module& compute, int W,
+                                           at::ScalarType reduce, LossOf loss_of) {
+  auto m = unique_params(master), c = unique_params(compute);
+  std::vector<torch::Tensor> sums(c.size()), losses;
+  for (int r = 0; r < W; ++r) {
+    for (auto& [name, p] : c) p.mutable_grad() = torch::Tensor();
+    torch::Tensor loss = loss_of(r);
+    loss.backward();
+    losses.push_back(loss.detach());
+    for (size_t i = 0; i < c.size(); ++i) {
+      const torch::Tensor g = c[i].second.grad().to(reduce);
+      sums[i] = r == 0 ? g : sums[i] + g;
+    }
+  }
+  for (size_t i = 0; i < m.size(); ++i) m[i].second.mutable_grad() = (sums[i] / W).to(m[i].second.scalar_type());
+  return losses;
+}
+
+/// Casts `master`'s values into `compute` (the step's param_dtype copy).
+void cast_into(torch::nn::Module& compute, torch::nn::Module& master) {
+  torch::NoGradGuard no_grad;
+  auto m = unique_params(master), c = unique_params(compute);
+  for (size_t i = 0; i < m.size(); ++i) c[i].second.copy_(m[i].second);
+}
+
+/// Runs `fn`, which must throw an error containing `text`.
+template <typename Fn>
+void expect_error(Fn&& fn, const std::string& text) {
+  const std::string msg = error_of(fn);
+  EXPECT_NE(msg.find(text), std::string::npos) << msg;
+}
+
+/// max|a - b| as a fraction of max|b|.
+double rel_diff(const torch::Tensor& a, const torch::Tensor& b) {
+  const double ref = b.abs().max().item<double>();
+  return (a.to(torch::kDouble) - b.to(torch::kDouble)).abs().max().item<double>() / (ref > 0 ? ref : 1);
+}
+
+/// Every shard equals this rank's rows of the master parameter: to the bit (`tol` 0) or within tol.
+/// Returns the largest difference seen.
+double expect_shards(const Rank& r, const FSDPModule& model, torch::nn::Module& master, double tol) {
+  double worst = 0;
+  auto want = master.named_parameters();
+  const auto place = shard_places(r, model);
+  for (const auto& kv : model.named_parameters()) {
+    const auto [rank, world] = place.at(kv.key());
+    const torch::Tensor theirs = owned_rows(want[kv.key()].detach(), rank, world);
+    EXPECT_EQ(kv.value().scalar_type(), theirs.scalar_type()) << "the shards stay the master dtype: " << kv.key();
+    if (theirs.numel() > 0) worst = std::max(worst, rel_diff(kv.value().detach(), theirs));
+    if (tol == 0) {
+      EXPECT_TRUE(torch::equal(kv.value().detach(), theirs))
+          << kv.key() << " on rank " << r.rank << ": max|diff| "
+          << (kv.value().detach() - theirs).abs().max().item<double>();
+    } else if (theirs.numel() > 0) {
+      EXPECT_LE(rel_diff(kv.value().detach(), theirs), tol) << kv.key() << " on rank " << r.rank;
+    }
+  }
+  return worst;
+}
+
+struct Case {
+  int world_size;
+  ShardingStrategy strategy = ShardingStrategy::kFullShard;
+  int group = 0;
+  at::ScalarType reduce = at::kFloat;
+};
+std::string case_name(const ::testing::TestParamInfo<Case>& i) {
+  return strategy_case_label(i.param.strategy, i.param.world_size, i.param.group) +
+         (i.param.reduce == at::kFloat ? "_ReduceFp32" : "_ReduceBf16");
+}
+
+// The GPT in bf16 with fp32 master weights and AdamW, 5 steps: each rank's loss, the shards, the
+// memory held after forward (fp32 shards plus the bf16 units gathered then, from shapes), and one
+// reduction per unit at every step (the gradient hooks survive the parameters' dtype changes).
+class MixedPrecisionParity : public ::testing::TestWithParam<Case> {};
+TEST_P(MixedPrecisionParity, GPTBf16) {
+  const Case c = GetParam();
+  run_ranks(c.world_size, [&](Rank& r) {
+    const int W = r.world_size;
+    torch::manual_seed(0);
+    auto master = gpt::make_gpt<false>(kCfg);
+    auto compute = gpt::make_gpt<false>(kCfg);
+    compute->to(torch::kBFloat16);
+    auto whole = gpt::make_gpt<false>(kCfg);  // the 1-rank run: bf16 on the global batch
+    auto whole_compute = gpt::make_gpt<false>(kCfg);
+    whole_compute->to(torch::kBFloat16);
+    torch::manual_seed(0);
+    auto options = test_options(c.strategy, c.group)
+                       .mixed_precision(MixedPrecisionPolicy().param_dtype(torch::kBFloat16).reduce_dtype(c.reduce));
+    auto model = fsdp::fully_shard(gpt::make_gpt<true>(kCfg), r.pg, options);
+    {
+      torch::NoGradGuard no_grad;
+      auto w = unique_params(*whole), m = unique_params(*master);
+      for (size_t i = 0; i < w.size(); ++i) w[i].second.copy_(m[i].second);
+    }
+    torch::optim::AdamW ref_opt(master->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+    torch::optim::AdamW whole_opt(whole->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+    torch::optim::AdamW opt(model.parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+    int64_t units = 0;
+    for (const auto& u : model.units()) units += u.shard_numel > 0;
+    const bool exact = c.reduce == at::kFloat || W <= 2;
+    double worst_loss = 0, worst_whole = 0;
+
+    for (int step = 0; step < 5; ++step) {
+      auto [x, y] = gpt_batch(kCfg, 3000 + step);
+      cast_into(*compute, *master);
+      auto ref_losses = reference_grads(*master, *compute, W, c.reduce, [&](int rr) {
+        return gpt_loss(compute->forward(local_rows(x, rr, W)), local_rows(y, rr, W));
+      });
+      ref_opt.step();
+      cast_into(*whole_compute, *whole);
+      auto whole_loss = reference_grads(*whole, *whole_compute, 1, c.reduce,
+                                        [&](int) { return gpt_loss(whole_compute->forward(x), y); })[0];
+      whole_opt.step();
+
+      opt.zero_grad();
+      model.reset_comm_stats();
+      auto logits = model(local_rows(x, r.rank, W));
+      EXPECT_EQ(logits.scalar_type(), torch::kBFloat16) << "computed in param_dtype";
+      if (step == 0) {
+        int64_t expected = 0;
+        for (const auto& u : model.units()) {
+          expected += 4 * u.shard_numel;  // fp32 master shards
+          const bool kept = u.name.empty() || !traits(u.strategy).reshard_after_forward;
+          if (kept) expected += 2 * u.shard_world_size * u.shard_numel;  // gathered in bf16
+        }
+        EXPECT_EQ(model.held_state_bytes(), expected) << "bytes held after forward";
+      }
+      auto loss = gpt_loss(logits, local_rows(y, r.rank, W));
+      loss.backward();
+      EXPECT_EQ(model.comm_stats().reduce_scatters, units) << "one reduction per unit at step " << step;
+      opt.step();
+
+      if (exact) {
+        EXPECT_TRUE(torch::equal(loss.detach(), ref_losses[r.rank])) << "loss at step " << step;
+      }
+      worst_loss = std::max(worst_loss, rel_diff(loss.detach(), ref_losses[r.rank]));
+      auto global = loss.detach().to(torch::kFloat);
+      all_reduce_sum(r, global);
+      global.div_(W);
+      worst_whole = std::max(worst_whole, rel_diff(global, whole_loss.to(torch::kFloat)));
+    }
+    // Tolerances where not exact (bf16 sums over 4 ranks in another order): 1% on the losses; on
+    // the weights 2 x steps x lr (AdamW turns a rounding of a near-zero gradient into a step of up
+    // to lr) of the largest, which the LayerNorm weights keep near 1. Against the 1-rank run, whose
+    // bf16 means run over other rows: 2% on the global loss.
+    EXPECT_LE(worst_loss, 1e-2) << "loss against the same casts, per rank";
+    EXPECT_LE(worst_whole, 2e-2) << "global loss against the 1-rank bf16 run";
+    const double worst_shard = expect_shards(r, model, *master, exact ? 0 : 2 * 5 * 1e-2);
+    if (r.rank == 0) {
+      std::cout << "[mixed precision] W=" << W << " worst loss diff " << worst_loss << ", shards " << worst_shard
+                << ", vs 1-rank run " << worst_whole << '\n';
+    }
+  });
+}
+INSTANTIATE_TEST_SUITE_P(Cases, MixedPrecisionParity,
+                         ::testing::Values(Case{1}, Case{2}, Case{3}, Case{4}, Case{2, ShardingStrategy::kShardGradOp},
+                                           Case{4, ShardingStrategy::kHybridShard, 2},
+                                           Case{2, ShardingStrategy::kFullShard, 0, at::kBFloat16},
+                                           Case{4, ShardingStrategy::kFullShard, 0, at::kBFloat16}),
+                         case_name);
+
+// A policy per unit: fc2 computes in bf16 and hands fp32 back (output_dtype), the rest stays fp32;
+// the reference casts around fc2 by hand. fc2's reduction is issued inside backward at every step,
+// before the input's gradient is computed: its gradient hooks survive the parameters' trips
+// between fp32 shards and bf16 full views (set_data to another dtype drops a parameter's
+// AccumulateGrad; without the library restoring its own, fc2 is reduced only when backward ends).
+TEST(MixedPrecision, PerUnitPolicy) {
+  for (int W : {1, 2}) {
+    run_ranks(W, [&](Rank& r) {
+      torch::manual_seed(0);
+      auto master = std::make_shared<UnevenMLPImpl<false>>();
+      torch::manual_seed(0);
+      auto plain = std::make_shared<UnevenMLPImpl<true>>();
+      plain->fc2->set_mixed_precision(MixedPrecisionPolicy().param_dtype(torch::kBFloat16).output_dtype(torch::kFloat));
+      auto model = fsdp::fully_shard(plain, r.pg, test_options());
+      torch::optim::SGD ref_opt(master->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+      torch::optim::SGD opt(model.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+      auto ref_forward = [&](const torch::Tensor& x) {
+        namespace F = torch::nn::functional;
+        auto h = torch::tanh(master->fc1(x)).to(torch::kBFloat16);
+        auto h2 = F::linear(h, master->fc2->weight.to(torch::kBFloat16), master->fc2->bias.to(torch::kBFloat16));
+        return master->head(torch::tanh(h2.to(torch::kFloat))) * master->scale;
+      };
+      for (int step = 0; step < 4; ++step) {
+        torch::manual_seed(500 + step);
+        auto x = torch::randn({kGlobalBatch, 7}), y = torch::randn({kGlobalBatch, 3});
+        auto ref_losses = reference_grads(*master, *master, W, at::kFloat, [&](int rr) {
+          return torch::mse_loss(ref_forward(local_rows(x, rr, W)), local_rows(y, rr, W));
+        });
+        ref_opt.step();
+        opt.zero_grad();
+        model.reset_comm_stats();
+        auto input = local_rows(x, r.rank, W).clone().requires_grad_(true);
+        int64_t reduced_before_input_grad = -1;
+        input.register_hook(
+            [&](const torch::Tensor&) { reduced_before_input_grad = model.comm_stats().reduce_scatters; });
+        auto out = model(input);
+        EXPECT_EQ(out.scalar_type(), torch::kFloat);
+        auto loss = torch::mse_loss(out, local_rows(y, r.rank, W));
+        loss.backward();
+        // The root (head, scale) and fc2, whose gradients are complete before the input's.
+        EXPECT_GE(reduced_before_input_grad, 2) << "fc2 reduced inside backward at step " << step;
+        opt.step();
+        EXPECT_TRUE(torch::equal(loss.detach(), ref_losses[r.rank])) << "loss at step " << step;
+      }
+      expect_shards(r, model, *master, 0);
+    });
+  }
+}
+
+// fp16 with ShardedGradScaler: a scale that overflows at first, so the run skips steps and backs
+// off before it trains; every step equals the reference doing the same with PyTorch's own scaler
+// kernels, and both skip the same steps.
+TEST(MixedPrecision, Fp16WithShardedGradScaler) {
+  for (int W : {1, 2}) {
+    run_ranks(W, [&](Rank& r) {
+      torch::manual_seed(0);
+      auto master = gpt::make_gpt<false>(kCfg);
+      auto compute = gpt::make_gpt<false>(kCfg);
+      compute->to(torch::kFloat16);
+      torch::manual_seed(0);
+      auto model = fsdp::fully_shard(gpt::make_gpt<true>(kCfg), r.pg,
+                                     test_options().mixed_precision(MixedPrecisionPolicy().param_dtype(torch::kHalf)));
+      const double init_scale = 1 << 22;
+      fsdp::optim::ShardedGradScaler scaler(model, fsdp::optim::GradScalerOptions().init_scale(init_scale));
+      torch::optim::AdamW ref_opt(master->parameters(), torch::optim::AdamWOptions(1e-2));
+      torch::optim::AdamW opt(model.parameters(), torch::optim::AdamWOptions(1e-2));
+      auto ref_scale = torch::full({1}, init_scale, torch::kFloat);
+      auto ref_tracker = torch::zeros({1}, torch::kInt);
+      int skipped = 0, stepped = 0;
+      for (int step = 0; step < 10; ++step) {
+        auto [x, y] = gpt_batch(kCfg, 4000 + step);
+        cast_into(*compute, *master);
+        std::vector<torch::Tensor> ref_losses;  // unscaled
+        reference_grads(*master, *compute, W, at::kFloat, [&](int rr) {
+          auto l = gpt_loss(compute->forward(local_rows(x, rr, W)), local_rows(y, rr, W));
+          ref_losses.push_back(l.detach());
+          return l * ref_scale;
+        });
+        std::vector<torch::Tensor> grads;
+        for (auto& p : master->parameters()) grads.push_back(p.grad());
+        auto found = torch::zeros({1}, torch::kFloat);
+        at::_amp_foreach_non_finite_check_and_unscale_(grads, found,
+                                                       ref_scale.to(torch::kDouble).reciprocal().to(torch::kFloat));
+        const bool ref_skip = found.item<float>() > 0;
+        if (!ref_skip) ref_opt.step();
+        at::_amp_update_scale_(ref_scale, ref_tracker, found, 2.0, 0.5, 2000);
+
+        opt.zero_grad();
+        auto loss = gpt_loss(model(local_rows(x, r.rank, W)), local_rows(y, r.rank, W));
+        scaler.scale(loss).backward();
+        const bool did_step = scaler.step(opt);
+        scaler.update();
+        EXPECT_EQ(did_step, !ref_skip) << "step " << step;
+        EXPECT_EQ(scaler.get_scale(), ref_scale.item<double>()) << "scale after step " << step;
+        EXPECT_EQ(loss.scalar_type(), torch::kHalf);
+        EXPECT_TRUE(torch::equal(loss.detach(), ref_losses[r.rank])) << "loss at step " << step;
+        (did_step ? stepped : skipped) += 1;
+      }
+      EXPECT_GT(skipped, 0) << "the test should overflow at first";
+      EXPECT_GT(stepped, 0) << "and then train";
+      expect_shards(r, model, *master, 0);
+    });
+  }
+}
+
+// An inf in one rank's rows only: every rank skips the step and backs the scale off alike.
+TEST(MixedPrecision, AnOverflowOnOneRankSkipsTheStepOnAll) {
+  run_ranks(2, [&](Rank& r) {
+    torch::manual_seed(0);
+    auto model = fsdp::fully_shard(gpt::make_gpt<true>(kCfg), r.pg,
+                                   test_options().mixed_precision(MixedPrecisionPolicy().param_dtype(torch::kHalf)));
+    fsdp::optim::ShardedGradScaler scaler(model, fsdp::optim::GradScalerOptions().init_scale(1024));
+    torch::optim::AdamW opt(model.parameters(), torch::optim::AdamWOptions(1e-2));
+    auto [x, y] = gpt_batch(kCfg, 4100);
+    auto loss = gpt_loss(model(local_rows(x, r.rank, 2)), local_rows(y, r.rank, 2));
+    scaler.scale(loss).backward();
+    std::vector<torch::Tensor> before;
+    for (const auto& p : model.parameters()) before.push_back(p.detach().clone());
+    if (r.rank == 1) {
+      for (const auto& p : model.parameters()) {
+        if (p.grad().defined() && p.grad().numel() > 0) {
+          p.grad().view({-1})[0] = std::numeric_limits<float>::infinity();
+          break;
+        }
+      }
+    }
+    EXPECT_FALSE(scaler.step(opt)) << "rank " << r.rank << " must skip: rank 1 overflowed";
+    EXPECT_TRUE(scaler.found_inf());
+    scaler.update();
+    EXPECT_EQ(scaler.get_scale(), 512.0);
+    auto params = model.parameters();
+    for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(torch::equal(params[i], before[i])) << "parameter " << i;
+    // The next clean step steps everywhere.
+    opt.zero_grad();
+    loss = gpt_loss(model(local_rows(x, r.rank, 2)), local_rows(y, r.rank, 2));
+    scaler.scale(loss).backward();
+    EXPECT_TRUE(scaler.step(opt));
+    scaler.update();
+  });
+}
+
+// What mixed precision refuses, each with its remedy.
+TEST(MixedPrecision, Refusals) {
+  run_ranks(1, [&](Rank& r) {
+    const auto bf16 = MixedPrecisionPolicy().param_dtype(torch::kBFloat16);
+    for (auto s : {ShardingStrategy::kNoShard, ShardingStrategy::kShardOptimizerState}) {
+      expect_error(
+          [&] { fsdp::fully_shard(gpt::make_gpt<true>(kCfg), r.pg, test_options().strategy(s).mixed_precision(bf16)); },
+          "Mixed-precision compute needs a strategy that gathers the parameters from their shards");
+    }
+    expect_error(
+        [&] {
+          fsdp::fully_shard(gpt::make_gpt<true>(kCfg), r.pg,
+                            test_options().mixed_precision(MixedPrecisionPolicy().param_dtype(torch::kLong)));
+        },
+        "MixedPrecisionPolicy::param_dtype is Long, not a floating-point dtype");
+    // CPU offload of a CPU model: nothing to offload.
+    expect_error(
+        [&] { fsdp::fully_shard(gpt::make_gpt<true>(kCfg), r.pg, test_options().offload_policy(CPUOffloadPolicy())); },
+        "offload_policy keeps a CUDA model's shards, gradients and optimizer state in host memory, but this "
+        "model's parameters are on cpu ('wte.weight')");
+    auto plain = gpt::make_gpt<true>(kCfg);
+    auto model = fsdp::fully_shard(plain, r.pg, test_options());
+    expect_error([&] { plain->blocks[0]->set_mixed_precision(bf16); }, "which is sharded already");
+    // reduce_dtype alone works with every strategy (here replicated, alone: the cast is all).
+    auto replicated = fsdp::fully_shard(gpt::make_gpt<true>(kCfg), r.pg,
+                                        test_options(ShardingStrategy::kNoShard, 0)
+                                            .mixed_precision(MixedPrecisionPolicy().reduce_dtype(torch::kBFloat16)));
+    auto [x, y] = gpt_batch(kCfg, 1);
+    gpt_loss(replicated(x), y).backward();
+    for (const auto& p : replicated.parameters()) {
+      ASSERT_TRUE(p.grad().defined());
+      EXPECT_EQ(p.grad().scalar_type(), torch::kFloat);
+      EXPECT_TRUE(torch::equal(p.grad(), p.grad().to(torch::kBFloat16).to(torch::kFloat))) << "rounded through bf16";
+    }
+  });
+}
+
+}  // namespace
+}  // namespace fsdp::testing
