@@ -1,7 +1,15 @@
 // What the wrapper costs at world size 1: one training step of the example GPT, plain LibTorch
 // against the same model wrapped (full sharding over a one-rank group), at several sizes.
 //
-//   build/benchmarks/overhead_bench [--sizes small,1m,4m] [--rounds 20] [--batch-size 4] [--json]
+//   build/benchmarks/overhead_bench [--sizes small,1m,4m,350m] [--rounds 20] [--batch-size 4] [--json]
+//                                   [--device cpu|cuda] [--mixed-precision bf16] [--prefetch K]
+//                                   [--peak-tflops F]
+//
+// --mixed-precision bf16: the wrapped model gathers and computes in bf16 with fp32 master weights
+// (fsdp::MixedPrecisionPolicy); plain LibTorch runs the same fp32 model under autocast to bf16
+// (the usual way to train in bf16 without a wrapper). Both report model FLOPs per second (6Ψ per
+// token for the weights plus 12·L·T·C for attention, as llm.c and nanoGPT count them) and, with
+// --peak-tflops (the device's dense peak in that precision), the model FLOPs utilization.
 //
 // Method: one process, both models built from the same seed, each with its own torch::optim::AdamW;
 // after warm-up steps, the two step alternately (plain, wrapped, plain, ...) for --rounds rounds,
@@ -13,11 +21,14 @@
 #include "examples/gpt.h"
 #include "fsdp/fsdp.h"
 
+#include <ATen/autocast_mode.h>
+#include <torch/cuda.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/adamw.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <iostream>
 #include <map>
@@ -39,11 +50,16 @@ int main(int argc, char** argv) try {
       {"small", gpt::Config{256, 64, 2, 4, 64, true}},
       {"1m", gpt::Config{256, 64, 4, 4, 128, true}},
       {"4m", gpt::Config{256, 64, 6, 4, 224, true}},
+      // GPT-2 medium's shape (355M parameters with a 50,304-token vocabulary, block 1024): the GPU check's.
+      {"350m", gpt::Config{50304, 1024, 24, 16, 1024, true}},
   };
   std::vector<std::string> sizes = {"small", "1m", "4m"};
   int rounds = 20;
   int64_t batch = 4;
   bool json = false;
+  std::string device_name = "cpu", precision = "fp32";
+  int prefetch = 1;
+  double peak_tflops = 0;
   for (int i = 1; i < argc; ++i) {
     const std::string k = argv[i];
     if (k == "--json") {
@@ -52,7 +68,17 @@ int main(int argc, char** argv) try {
     }
     if (i + 1 >= argc) throw cli::InputError("missing value after " + k, true);
     const std::string v = argv[++i];
-    if (k == "--rounds") {
+    if (k == "--device") {
+      device_name = v;
+      if (v != "cpu" && v != "cuda") throw cli::InputError("--device must be cpu or cuda, not '" + v + "'", true);
+    } else if (k == "--mixed-precision") {
+      precision = v;
+      if (v != "bf16") throw cli::InputError("--mixed-precision must be bf16, not '" + v + "'", true);
+    } else if (k == "--prefetch") {
+      prefetch = static_cast<int>(cli::parse_int(k, v, 0, 64));
+    } else if (k == "--peak-tflops") {
+      peak_tflops = cli::parse_double(k, v, 0, false, 1e9);
+    } else if (k == "--rounds") {
       rounds = static_cast<int>(cli::parse_int(k, v, 3, 100000));
     } else if (k == "--batch-size") {
       batch = cli::parse_int(k, v, 1, 4096);
@@ -68,32 +94,60 @@ int main(int argc, char** argv) try {
       throw cli::InputError("unknown flag " + k, true);
     }
   }
+  if (device_name == "cuda" && !torch::cuda::is_available()) {
+    throw cli::InputError("--device cuda, but this machine has no CUDA device (or LibTorch was built without CUDA)",
+                          false);
+  }
+  const torch::Device device(device_name);
+  const bool bf16 = precision == "bf16";
+  auto sync = [&] {
+    if (device.is_cuda()) torch::cuda::synchronize();
+  };
   auto pg = fsdp::init_process_group();
   if (json) std::printf("[\n");
   for (size_t n = 0; n < sizes.size(); ++n) {
     const gpt::Config& cfg = kSizes.at(sizes[n]);
     torch::manual_seed(0);
     auto plain = gpt::make_gpt<false>(cfg);
+    plain->to(device);
     torch::manual_seed(0);
-    auto wrapped = fsdp::fully_shard(gpt::make_gpt<true>(cfg), pg);
+    auto unwrapped = gpt::make_gpt<true>(cfg);
+    unwrapped->to(device);
+    auto options = fsdp::FullyShardOptions().prefetch(prefetch);
+    if (bf16) options.mixed_precision(fsdp::MixedPrecisionPolicy().param_dtype(torch::kBFloat16));
+    auto wrapped = fsdp::fully_shard(unwrapped, pg, options);
     torch::optim::AdamW plain_opt(plain->parameters(), torch::optim::AdamWOptions(1e-4));
     torch::optim::AdamW wrapped_opt(wrapped->parameters(), torch::optim::AdamWOptions(1e-4));
     torch::manual_seed(1);
-    auto tok = torch::randint(cfg.vocab_size, {batch, cfg.block_size + 1}, torch::kLong);
+    auto tok = torch::randint(cfg.vocab_size, {batch, cfg.block_size + 1}, torch::kLong).to(device);
     auto x = tok.narrow(1, 0, cfg.block_size), y = tok.narrow(1, 1, cfg.block_size).flatten();
     using Clock = std::chrono::steady_clock;
     auto ms = [](Clock::time_point a, Clock::time_point b) {
       return std::chrono::duration<double, std::milli>(b - a).count();
     };
     std::vector<double> phases[2][3];  // [plain, wrapped][forward, backward, optimizer]
+    // Plain LibTorch in bf16: autocast, fp32 weights and optimizer (the wrapped side's casts are
+    // its policy's).
     auto step = [&](auto&& forward, torch::optim::Optimizer& opt, int which) {
+      sync();
       const auto t0 = Clock::now();
-      auto loss = torch::nn::functional::cross_entropy(forward(x).flatten(0, 1), y);
+      torch::Tensor loss;
+      {
+        const bool autocast = bf16 && which == 0;
+        at::autocast::set_autocast_enabled(device.type(), autocast);
+        if (autocast) at::autocast::set_autocast_dtype(device.type(), torch::kBFloat16);
+        loss = torch::nn::functional::cross_entropy(forward(x).flatten(0, 1), y);
+        at::autocast::set_autocast_enabled(device.type(), false);
+        at::autocast::clear_cache();
+      }
+      sync();
       const auto t1 = Clock::now();
       loss.backward();
+      sync();
       const auto t2 = Clock::now();
       opt.step();
       opt.zero_grad();
+      sync();
       const auto t3 = Clock::now();
       phases[which][0].push_back(ms(t0, t1));
       phases[which][1].push_back(ms(t1, t2));
@@ -116,6 +170,14 @@ int main(int argc, char** argv) try {
     }
     const double mp = median(p), mf = median(f);
     const long long params = static_cast<long long>(wrapped.num_parameters());
+    // Model FLOPs per step: 6 per parameter per token (forward and backward of the weights) plus
+    // attention's 12·L·T·C per token.
+    const double tokens = static_cast<double>(batch * cfg.block_size);
+    const double flops = tokens * (6.0 * static_cast<double>(params) +
+                                   12.0 * static_cast<double>(cfg.n_layer * cfg.block_size * cfg.n_embd));
+    const double tflops_plain = flops / (mp * 1e-3) / 1e12, tflops_wrapped = flops / (mf * 1e-3) / 1e12;
+    const double mfu_plain = peak_tflops > 0 ? tflops_plain / peak_tflops : std::nan("");
+    const double mfu_wrapped = peak_tflops > 0 ? tflops_wrapped / peak_tflops : std::nan("");
     // Where the difference is: the medians of forward, backward and optimizer step + zero_grad.
     double ph[2][3];
     for (int w = 0; w < 2; ++w) {
@@ -123,11 +185,15 @@ int main(int argc, char** argv) try {
     }
     if (json) {
       std::printf(
-          "  {\"size\": \"%s\", \"params\": %lld, \"rounds\": %d, \"plain_ms\": %.4f, \"wrapped_ms\": %.4f, "
+          "  {\"size\": \"%s\", \"params\": %lld, \"rounds\": %d, \"device\": \"%s\", \"precision\": \"%s\", "
+          "\"prefetch\": %d, \"plain_ms\": %.4f, \"wrapped_ms\": %.4f, "
           "\"ratio\": %.4f, \"diff_ms\": %.4f, \"plain_phases_ms\": [%.4f, %.4f, %.4f], "
-          "\"wrapped_phases_ms\": [%.4f, %.4f, %.4f]}%s\n",
-          sizes[n].c_str(), params, rounds, mp, mf, mf / mp, mf - mp, ph[0][0], ph[0][1], ph[0][2], ph[1][0], ph[1][1],
-          ph[1][2], n + 1 < sizes.size() ? "," : "");
+          "\"wrapped_phases_ms\": [%.4f, %.4f, %.4f], \"plain_tflops\": %.6g, \"wrapped_tflops\": %.6g, "
+          "\"plain_mfu\": %s, \"wrapped_mfu\": %s, \"mfu_ratio\": %.4f}%s\n",
+          sizes[n].c_str(), params, rounds, device_name.c_str(), precision.c_str(), prefetch, mp, mf, mf / mp, mf - mp,
+          ph[0][0], ph[0][1], ph[0][2], ph[1][0], ph[1][1], ph[1][2], tflops_plain, tflops_wrapped,
+          cli::json_number(mfu_plain, "%.4f").c_str(), cli::json_number(mfu_wrapped, "%.4f").c_str(),
+          tflops_wrapped / tflops_plain, n + 1 < sizes.size() ? "," : "");
     } else {
       std::printf(
           "%-6s %9lld params: plain %8.3f ms/step, wrapped %8.3f ms/step, ratio %.3f, %+.3f ms (forward/backward/"

@@ -1,0 +1,117 @@
+// The CUDA path at world size 1 (NCCL), for scripts/gpu-check.sh on a machine with a GPU; skipped
+// where there is none (every CI machine). Parity against plain LibTorch on the same device in fp32
+// and bf16, model state from the caching allocator against the shapes, and the asynchronous save
+// of a model in GPU memory against a synchronous one.
+#include "checkpoint/async_save.h"
+#include "checkpoint/checkpoint.h"
+#include "tests/parity.h"
+
+#include <torch/cuda.h>
+
+#include <fstream>
+#include <iterator>
+
+namespace fsdp::testing {
+namespace {
+
+const gpt::Config kCfg{37, 8, 2, 2, 18, false};
+
+bool have_cuda() {
+  return torch::cuda::is_available();
+}
+
+std::string file_bytes(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
+}
+
+// fp32: the wrapped model equals plain LibTorch on the GPU (1e-5, kernels may reorder sums); bf16
+// (fp32 master weights) equals plain LibTorch doing the same casts by hand. The caching
+// allocator's bytes after the step are the model state from shapes (parameters, gradients, AdamW
+// moments: 16 bytes per parameter) and little else.
+TEST(Cuda, ParityAndMemoryAtWorldSizeOne) {
+  if (!have_cuda()) GTEST_SKIP() << "no CUDA device";
+  run_ranks(1, [&](Rank& r) {
+    const torch::Device dev(torch::kCUDA, 0);
+    for (bool bf16 : {false, true}) {
+      torch::manual_seed(0);
+      auto master = gpt::make_gpt<false>(kCfg);
+      master->to(dev);
+      auto compute = gpt::make_gpt<false>(kCfg);
+      compute->to(dev, bf16 ? torch::kBFloat16 : torch::kFloat);
+      torch::manual_seed(0);
+      auto unwrapped = gpt::make_gpt<true>(kCfg);
+      unwrapped->to(dev);
+      const auto before = fsdp::memory::stats(dev).current_bytes;
+      auto options = test_options();
+      if (bf16) options.mixed_precision(MixedPrecisionPolicy().param_dtype(torch::kBFloat16));
+      auto model = fsdp::fully_shard(unwrapped, r.pg, options);
+      torch::optim::AdamW ref_opt(master->parameters(), torch::optim::AdamWOptions(1e-2));
+      torch::optim::AdamW opt(model.parameters(), torch::optim::AdamWOptions(1e-2));
+      for (int step = 0; step < 4; ++step) {
+        auto [x, y] = gpt_batch(kCfg, 5000 + step);
+        x = x.to(dev), y = y.to(dev);
+        {
+          torch::NoGradGuard no_grad;
+          auto m = master->parameters(), c = compute->parameters();
+          for (size_t i = 0; i < m.size(); ++i) c[i].copy_(m[i]);
+        }
+        compute->zero_grad();
+        auto ref_loss = gpt_loss(compute->forward(x), y);
+        ref_loss.backward();
+        {
+          auto m = master->parameters(), c = compute->parameters();
+          for (size_t i = 0; i < m.size(); ++i) m[i].mutable_grad() = c[i].grad().to(torch::kFloat);
+        }
+        ref_opt.step();
+        opt.zero_grad();
+        auto loss = gpt_loss(model(x), y);
+        loss.backward();
+        opt.step();
+        EXPECT_TRUE(
+            close(loss.detach().cpu().to(torch::kFloat), ref_loss.detach().cpu().to(torch::kFloat), bf16 ? 1e-2 : 1e-5))
+            << (bf16 ? "bf16" : "fp32") << " loss at step " << step;
+      }
+      auto want = master->named_parameters();
+      for (const auto& kv : model.named_parameters()) {
+        EXPECT_EQ(kv.value().device(), dev);
+        EXPECT_TRUE(close(kv.value().detach().cpu(), want[kv.key()].detach().cpu(), bf16 ? 5e-2 : 1e-5)) << kv.key();
+      }
+      opt.zero_grad();
+      const auto state = fsdp::optim::state_bytes(model.parameters(), &opt).total();
+      const auto held = fsdp::memory::stats(dev).current_bytes - before;
+      std::cout << "[cuda] " << (bf16 ? "bf16" : "fp32") << ": allocator bytes held after the step " << held
+                << ", parameters + AdamW state from shapes " << state << '\n';
+      EXPECT_GE(held, state);
+      EXPECT_LE(held, state + state / 20 + (1 << 20)) << "nothing but the model state stays on the device";
+    }
+  });
+}
+
+// The asynchronous save of a model in GPU memory (a pinned snapshot): the same files as a
+// synchronous save, and the stall (what save() costs the caller) reported.
+TEST(Cuda, AsyncSaveFromDeviceMemory) {
+  if (!have_cuda()) GTEST_SKIP() << "no CUDA device";
+  run_ranks(1, [&](Rank& r) {
+    const torch::Device dev(torch::kCUDA, 0);
+    torch::manual_seed(0);
+    auto unwrapped = gpt::make_gpt<true>(gpt::Config{256, 64, 4, 4, 256, true});
+    unwrapped->to(dev);
+    auto model = fsdp::fully_shard(unwrapped, r.pg, test_options());
+    torch::optim::AdamW opt(model.parameters(), torch::optim::AdamWOptions(1e-3));
+    auto [x, y] = gpt_batch(gpt::Config{256, 64, 4, 4, 256, true}, 1);
+    gpt_loss(model(x.to(dev)), y.to(dev)).backward();
+    opt.step();
+    const std::string root = shared_dir();
+    const auto sync = checkpoint::save(root + "/sync", model, opt, checkpoint::SaveOptions().step(1));
+    checkpoint::AsyncSaver saver(model);
+    const auto started = saver.save(root + "/async", opt, checkpoint::SaveOptions().step(1));
+    const auto done = saver.wait();
+    std::cout << "[cuda] async save: stall " << started.seconds << " s for " << started.snapshot_bytes
+              << " snapshot bytes; write " << done.seconds << " s\n";
+    EXPECT_EQ(file_bytes(done.path + "/rank-00000.safetensors"), file_bytes(sync.path + "/rank-00000.safetensors"));
+  });
+}
+
+}  // namespace
+}  // namespace fsdp::testing
