@@ -91,6 +91,8 @@ inline std::map<std::string, std::pair<int, int>> shard_places(const Rank& r, co
     const ShardOver over = traits(u.strategy).shard_over;
     int shard_world = over == ShardOver::kWorld ? r.world_size : over == ShardOver::kNone ? 1 : 0;
     if (over == ShardOver::kGroup) shard_world = static_cast<int>(u.shard_world_size);
+    EXPECT_GT(shard_world, 0) << "unit '" << u.name << "'";
+    if (shard_world <= 0) continue;
     for (const auto& p : u.params) place[p] = {r.rank % shard_world, shard_world};
   }
   return place;

@@ -13,6 +13,7 @@
 #include <torch/nn/functional/linear.h>
 
 #include <limits>
+#include <tuple>
 #include <unordered_set>
 
 namespace fsdp::testing {
@@ -139,7 +140,8 @@ TEST_P(MixedPrecisionParity, GPTBf16) {
     double worst_loss = 0, worst_whole = 0;
 
     for (int step = 0; step < 5; ++step) {
-      auto [x, y] = gpt_batch(kCfg, 3000 + step);
+      torch::Tensor x, y;
+      std::tie(x, y) = gpt_batch(kCfg, 3000 + step);
       cast_into(*compute, *master);
       auto ref_losses = reference_grads(*master, *compute, W, c.reduce, [&](int rr) {
         return gpt_loss(compute->forward(local_rows(x, rr, W)), local_rows(y, rr, W));
@@ -267,7 +269,8 @@ TEST(MixedPrecision, Fp16WithShardedGradScaler) {
       auto ref_tracker = torch::zeros({1}, torch::kInt);
       int skipped = 0, stepped = 0;
       for (int step = 0; step < 10; ++step) {
-        auto [x, y] = gpt_batch(kCfg, 4000 + step);
+        torch::Tensor x, y;
+        std::tie(x, y) = gpt_batch(kCfg, 4000 + step);
         cast_into(*compute, *master);
         std::vector<torch::Tensor> ref_losses;  // unscaled
         reference_grads(*master, *compute, W, at::kFloat, [&](int rr) {

@@ -9,6 +9,7 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstring>
 #include <map>
@@ -156,6 +157,10 @@ void Comm::wait(Pending& pending) const {
   if (!pending.work) return;
   Pending p = std::move(pending);
   pending = Pending{};
+  if (!p.cpu) {
+    wait_on_stream(p);
+    return;
+  }
   Activity activity(p.what);  // what this rank's heartbeat tells its peers meanwhile
   const auto start = clock::now();
   std::string cause;
@@ -179,6 +184,34 @@ void Comm::wait(Pending& pending) const {
   }
   if (cause.empty()) return;
   fail(p, cause, std::chrono::duration_cast<milliseconds>(clock::now() - start));
+}
+
+void Comm::wait_on_stream(Pending& p) const {
+  // NCCL's wait(timeout) blocks the CPU until the collective ends (a busy wait), which would undo
+  // every overlap: wait() without one makes the current (compute) stream wait for the
+  // collective's end event and returns. The backend keeps the tensors alive until then (it
+  // records them on its stream); the library keeps its buffers until this wait anyway.
+  auto& issued = shared_->device_issued;
+  std::string cause;
+  const Pending* failed = &p;
+  try {
+    p.work->wait();
+    // A collective that failed (its watchdog timed it out and aborted the communicators) does
+    // not throw from wait() in the backend's clean-up mode: look, here and for every earlier one.
+    if (p.work->exception()) std::rethrow_exception(p.work->exception());
+    for (const auto& q : issued) {
+      failed = &q;
+      if (q.work->exception()) std::rethrow_exception(q.work->exception());
+    }
+  } catch (const std::exception& e) {
+    cause = error_text(e);
+  }
+  if (!cause.empty()) fail(*failed, cause, milliseconds(0));
+  // Completed ones are dropped; the rest are kept for the next check, at most kDeviceIssued.
+  issued.erase(std::remove_if(issued.begin(), issued.end(), [](const Pending& q) { return q.work->isCompleted(); }),
+               issued.end());
+  if (issued.size() >= CommShared::kDeviceIssued) issued.erase(issued.begin());
+  issued.push_back(std::move(p));
 }
 
 void Comm::fail(const Pending& p, const std::string& cause, milliseconds waited) const {

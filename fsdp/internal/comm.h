@@ -51,10 +51,13 @@ struct Pending {
   c10::intrusive_ptr<c10d::Backend> backend;
 };
 
-/// What the Comms of one model share: statistics and the call log.
+/// What the Comms of one model share: statistics, the call log, and the CUDA collectives whose
+/// completion the CPU never waited for (see Comm::wait): checked for an error at every later wait.
 struct CommShared {
   CommStats stats;
   CallLog log;
+  std::vector<Pending> device_issued;
+  static constexpr size_t kDeviceIssued = 64;  ///< kept at most; the oldest are completed long before
 };
 
 class Comm {
@@ -90,7 +93,11 @@ class Comm {
   enum class Op : int64_t { kAllGather = 1, kReduceScatter = 2, kAllReduce = 3 };
   void record(Op op, int64_t numel, const std::string& what) const;
   /// Waits for a pending collective, at most the timeout whatever the backend does; throws naming
-  /// the operation, the rank, the group and what is known of the peers on failure.
+  /// the operation, the rank, the group and what is known of the peers on failure. On CUDA (NCCL)
+  /// the CPU does not wait: the current stream is made to wait for the collective, and the
+  /// timeout is the backend's watchdog's (created with this timeout, set to abort the
+  /// communicators without ending the process); a collective it failed is reported here, by the
+  /// first wait after the failure is known, with the usual message.
   void wait(Pending& pending) const;
   void all_reduce(at::Tensor& t, c10d::ReduceOp op, const std::string& what);
   Pending all_reduce_async(at::Tensor& t, c10d::ReduceOp op, const std::string& what);
@@ -127,6 +134,8 @@ class Comm {
   Pending launch(const std::string& what, const at::Tensor& t,
                  const std::function<c10::intrusive_ptr<c10d::Work>(c10d::Backend&)>& start) const;
   [[noreturn]] void fail(const Pending& p, const std::string& cause, std::chrono::milliseconds waited) const;
+  /// wait() of a CUDA collective: the stream waits, the CPU checks for known failures.
+  void wait_on_stream(Pending& p) const;
 
   std::shared_ptr<CommShared> shared_;
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;

@@ -6,6 +6,8 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 
+#include <cstdlib>
+
 namespace fsdp::detail {
 
 bool maybe_add_nccl_backend(c10d::ProcessGroup& pg, const c10::intrusive_ptr<c10d::Store>& store, const LaunchEnv& env,
@@ -13,6 +15,11 @@ bool maybe_add_nccl_backend(c10d::ProcessGroup& pg, const c10::intrusive_ptr<c10
   if (c10::cuda::device_count() == 0) return false;
   const int device = env.local_rank % c10::cuda::device_count();
   c10::cuda::set_device(static_cast<c10::DeviceIndex>(device));
+  // On a timeout the watchdog aborts the communicators and marks the collective failed, without
+  // ending the process from its thread (2: CleanUpOnly; PyTorch's default tears the process
+  // down): the library reports it at its next wait with the usual message (Comm::wait_on_stream).
+  // A value the user set is kept.
+  setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2", /*overwrite=*/0);
   auto opts = c10d::ProcessGroupNCCL::Options::create();
   opts->timeout = timeout;
   auto nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(c10::make_intrusive<c10d::PrefixStore>("nccl", store),
