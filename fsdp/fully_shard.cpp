@@ -158,6 +158,8 @@ std::vector<UnitInfo> FSDPModule::units() const {
       u.shard_rank = g->shard_rank();
       u.shard_world_size = g->shard_world_size();
       u.unsharded = g->is_unsharded();
+      u.param_dtype = g->param_dtype();
+      u.reduce_dtype = g->reduce_dtype();
       for (const auto& s : g->slots()) {
         u.params.push_back(s.name);
         u.specs.push_back(spec++);

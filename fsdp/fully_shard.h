@@ -166,7 +166,8 @@ class FullyShardedModule : public FSDPModule {
       FullyShardedModule* handle;
       ~Ended() { handle->root_forward_ended(); }
     } ended{this};
-    auto out = impl_->forward(detail::cast_input(std::forward<Args>(args), casts.input)...);
+    auto out = detail::forward_with_casts(*impl_, casts.input, std::index_sequence_for<Args...>(),
+                                          std::forward<Args>(args)...);
     detail::cast_output(out, casts.output);  // mixed precision (fsdp/mixed_precision.h)
     std::vector<at::Tensor> tensors;
     detail::collect_tensors(out, tensors);

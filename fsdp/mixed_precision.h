@@ -14,6 +14,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/arg.h>
 
+#include <cstddef>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -55,16 +56,53 @@ inline at::Tensor cast_floating(const at::Tensor& t, std::optional<at::ScalarTyp
   return t.to(*dtype);
 }
 
-/// An input: a tensor passed by value or const reference is cast; anything else is forwarded.
-template <typename T>
+/// An input `x` for a forward parameter of type `P`: a tensor is cast unless the callee takes it by
+/// non-const reference (it may write into it); anything else is forwarded. Decided by the callee's
+/// parameter, never by how the caller passes the tensor (model(x) and model(x.clone()) alike).
+template <typename P, typename T>
 decltype(auto) cast_input(T&& x, std::optional<at::ScalarType> dtype) {
-  using D = std::decay_t<T>;
-  constexpr bool mutable_ref = std::is_lvalue_reference_v<T> && !std::is_const_v<std::remove_reference_t<T>>;
-  if constexpr (std::is_same_v<D, at::Tensor> && !mutable_ref) {
+  constexpr bool mutable_ref = std::is_lvalue_reference_v<P> && !std::is_const_v<std::remove_reference_t<P>>;
+  if constexpr (std::is_same_v<std::decay_t<T>, at::Tensor> && !mutable_ref) {
     return cast_floating(x, dtype);
   } else {
     return std::forward<T>(x);
   }
+}
+
+/// The parameter types of Impl::forward when it is one function taking N arguments; otherwise (an
+/// overloaded or template forward) `const at::Tensor&` for each, so that every tensor is cast.
+template <size_t>
+using const_tensor_ref = const at::Tensor&;
+template <typename Impl, size_t N, typename = void>
+struct forward_params {
+  template <size_t... I>
+  static auto all_const(std::index_sequence<I...>) -> std::tuple<const_tensor_ref<I>...>;
+  using type = decltype(all_const(std::make_index_sequence<N>()));
+};
+template <typename F, size_t N>
+struct params_of_member {
+  using type = void;
+};
+template <typename C, typename R, typename... Ps, size_t N>
+struct params_of_member<R (C::*)(Ps...), N> {
+  using type = std::conditional_t<sizeof...(Ps) == N, std::tuple<Ps...>, void>;
+};
+template <typename C, typename R, typename... Ps, size_t N>
+struct params_of_member<R (C::*)(Ps...) const, N> {
+  using type = std::conditional_t<sizeof...(Ps) == N, std::tuple<Ps...>, void>;
+};
+template <typename Impl, size_t N>
+struct forward_params<Impl, N,
+                      std::enable_if_t<!std::is_void_v<typename params_of_member<decltype(&Impl::forward), N>::type>>> {
+  using type = typename params_of_member<decltype(&Impl::forward), N>::type;
+};
+
+/// Calls impl.forward(args...) with each argument cast as cast_input says for its parameter.
+template <typename Impl, typename... Args, size_t... I>
+decltype(auto) forward_with_casts(Impl& impl, std::optional<at::ScalarType> dtype, std::index_sequence<I...>,
+                                  Args&&... args) {
+  using Ps = typename forward_params<Impl, sizeof...(Args)>::type;
+  return impl.forward(cast_input<std::tuple_element_t<I, Ps>>(std::forward<Args>(args), dtype)...);
 }
 
 /// An output: tensors, and tensors in vectors, pairs and tuples, are cast in place.

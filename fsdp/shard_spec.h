@@ -54,10 +54,14 @@ struct ShardSpec {
 struct UnitInfo {
   std::string name;  ///< module path of the unit ("" for the root unit)
   ShardingStrategy strategy = ShardingStrategy::kFullShard;
-  int64_t shard_numel = 0;          ///< elements of this rank's flat shard, padding included
-  int64_t shard_rank = 0;           ///< this rank's place among the ranks the unit is sharded over
-  int64_t shard_world_size = 1;     ///< those ranks: N, S (hybrid) or 1 (replicated)
-  bool unsharded = false;           ///< whether its parameters are their full views now
+  int64_t shard_numel = 0;       ///< elements of this rank's flat shard, padding included
+  int64_t shard_rank = 0;        ///< this rank's place among the ranks the unit is sharded over
+  int64_t shard_world_size = 1;  ///< those ranks: N, S (hybrid) or 1 (replicated)
+  bool unsharded = false;        ///< whether its parameters are their full views now
+  /// Mixed precision (fsdp/mixed_precision.h): the dtype its parameters are gathered and computed
+  /// in, and the one its gradients are reduced in; both the shards' own dtype without a policy.
+  at::ScalarType param_dtype = at::kFloat;
+  at::ScalarType reduce_dtype = at::kFloat;
   std::vector<std::string> params;  ///< its parameters' names, in flat-shard order
   std::vector<size_t> specs;        ///< the same parameters: indices into shard_specs()
   /// This rank's rows of every parameter, each padded to its c rows, at its flat_offset: what the

@@ -150,8 +150,15 @@ class ShardedImpl : public detail::UnitModule<Impl> {
   template <typename... Args>
   auto forward(Args&&... args) {
     return this->run_unit([&](std::optional<at::ScalarType> in) {
-      return Impl::forward(detail::cast_input(std::forward<Args>(args), in)...);
+      using Ps = typename detail::forward_params<Impl, sizeof...(Args)>::type;
+      return call(in, static_cast<Ps*>(nullptr), std::index_sequence_for<Args...>(), std::forward<Args>(args)...);
     });
+  }
+
+ private:
+  template <typename Ps, typename... Args, size_t... I>
+  decltype(auto) call(std::optional<at::ScalarType> in, Ps*, std::index_sequence<I...>, Args&&... args) {
+    return Impl::forward(detail::cast_input<std::tuple_element_t<I, Ps>>(std::forward<Args>(args), in)...);
   }
 };
 
@@ -161,7 +168,7 @@ class ShardedImpl<Impl, R (C::*)(A...)> : public detail::UnitModule<Impl> {
   using detail::UnitModule<Impl>::UnitModule;
   R forward(A... args) {
     return this->run_unit([&](std::optional<at::ScalarType> in) -> R {
-      return Impl::forward(detail::cast_input(std::forward<A>(args), in)...);
+      return Impl::forward(detail::cast_input<A>(std::forward<A>(args), in)...);
     });
   }
 };

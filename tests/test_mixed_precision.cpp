@@ -6,6 +6,7 @@
 // them unless their exponents are more than 16 apart), so the reduce-scatter's order does not
 // matter. bf16 reductions round every partial sum: exact at 2 ranks (one addition), and at 4
 // compared within a stated tolerance (the ring sums in another order than the reference).
+#include "checkpoint/checkpoint.h"
 #include "tests/parity.h"
 
 #include <ATen/ops/_amp_foreach_non_finite_check_and_unscale.h>
@@ -341,6 +342,111 @@ TEST(MixedPrecision, AnOverflowOnOneRankSkipsTheStepOnAll) {
   });
 }
 
+// Gradient accumulation without sync: each micro-batch's bf16 gradients are summed in fp32 (as plain
+// LibTorch accumulating fp32 gradients would, and FSDP2 in its wider dtype), not in bf16: bit-exact
+// against the reference that sums the micro-batches' fp32 casts in order. And the root casts an
+// fp32 input passed as a plain local tensor (model(x)), as a temporary would be.
+TEST(MixedPrecision, AccumulationWithoutSyncSumsInFp32) {
+  run_ranks(2, [&](Rank& r) {
+    const int W = r.world_size, M = 3;
+    torch::manual_seed(0);
+    auto master = gpt::make_gpt<false>(kCfg);
+    auto compute = gpt::make_gpt<false>(kCfg);
+    compute->to(torch::kBFloat16);
+    torch::manual_seed(0);
+    auto model =
+        fsdp::fully_shard(gpt::make_gpt<true>(kCfg), r.pg,
+                          test_options().mixed_precision(MixedPrecisionPolicy().param_dtype(torch::kBFloat16)));
+    torch::optim::AdamW ref_opt(master->parameters(), torch::optim::AdamWOptions(1e-2));
+    torch::optim::AdamW opt(model.parameters(), torch::optim::AdamWOptions(1e-2));
+    for (int step = 0; step < 3; ++step) {
+      torch::Tensor x, y;
+      std::tie(x, y) = gpt_batch(kCfg, 7000 + step, kGlobalBatch * M);
+      cast_into(*compute, *master);
+      auto m = unique_params(*master), c = unique_params(*compute);
+      std::vector<torch::Tensor> total(m.size());
+      for (int rr = 0; rr < W; ++rr) {
+        std::vector<torch::Tensor> acc(m.size());
+        auto mine_x = local_rows(x, rr, W), mine_y = local_rows(y, rr, W);
+        for (int k = 0; k < M; ++k) {
+          for (auto& [name, p] : c) p.mutable_grad() = torch::Tensor();
+          (gpt_loss(compute->forward(local_rows(mine_x, k, M)), local_rows(mine_y, k, M)) / M).backward();
+          for (size_t i = 0; i < c.size(); ++i) {
+            const auto g = c[i].second.grad().to(torch::kFloat);
+            acc[i] = k == 0 ? g : acc[i] + g;
+          }
+        }
+        for (size_t i = 0; i < m.size(); ++i) total[i] = rr == 0 ? acc[i] : total[i] + acc[i];
+      }
+      for (size_t i = 0; i < m.size(); ++i) m[i].second.mutable_grad() = total[i] / W;
+      ref_opt.step();
+
+      opt.zero_grad();
+      auto mine_x = local_rows(x, r.rank, W), mine_y = local_rows(y, r.rank, W);
+      for (int k = 0; k < M; ++k) {
+        model.set_requires_gradient_sync(k == M - 1);
+        (gpt_loss(model(local_rows(mine_x, k, M)), local_rows(mine_y, k, M)) / M).backward();
+      }
+      opt.step();
+    }
+    expect_shards(r, model, *master, 0);
+
+    // An fp32 activation passed as a plain local tensor into a bf16 root: cast like a temporary.
+    torch::manual_seed(0);
+    auto mlp = fsdp::fully_shard(std::make_shared<UnevenMLPImpl<true>>(), r.pg,
+                                 test_options().mixed_precision(MixedPrecisionPolicy().param_dtype(torch::kBFloat16)));
+    torch::Tensor in = torch::randn({4, 7});
+    auto out = mlp(in);
+    EXPECT_EQ(out.scalar_type(), torch::kBFloat16);
+    EXPECT_TRUE(torch::equal(out, mlp(in.clone())));
+    EXPECT_EQ(in.scalar_type(), torch::kFloat) << "the caller's tensor is left as it was";
+  });
+}
+
+// FusedAdamW on a bf16 model updates each unit's fp32 flat shard in one pass (the reduced gradients,
+// cast back to fp32, keep the flat layout) and agrees with torch::optim::AdamW on the same run; a
+// checkpoint of the mixed-precision model (fp32 shards) loads into an fp32 wrapped model bit-exact.
+TEST(MixedPrecision, FusedAdamWAndCheckpoint) {
+  run_ranks(2, [&](Rank& r) {
+    const auto bf16 = test_options().mixed_precision(MixedPrecisionPolicy().param_dtype(torch::kBFloat16));
+    torch::manual_seed(0);
+    auto fused_model = fsdp::fully_shard(gpt::make_gpt<true>(kCfg), r.pg, bf16);
+    torch::manual_seed(0);
+    auto plain_model = fsdp::fully_shard(gpt::make_gpt<true>(kCfg), r.pg, bf16);
+    fsdp::optim::FusedAdamW fused(fused_model, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+    torch::optim::AdamW plain(plain_model.parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+    size_t units = 0;
+    for (const auto& u : fused_model.units()) {
+      units += u.shard_numel > 0;
+      EXPECT_EQ(u.param_dtype, torch::kBFloat16) << "unit '" << u.name << "'";
+      EXPECT_EQ(u.reduce_dtype, torch::kFloat) << "unit '" << u.name << "'";
+    }
+    for (int step = 0; step < 3; ++step) {
+      auto [x, y] = gpt_batch(kCfg, 6000 + step);
+      for (auto* side : {&fused_model, &plain_model}) {
+        gpt_loss((*side)(local_rows(x, r.rank, 2)), local_rows(y, r.rank, 2)).backward();
+      }
+      fused.step();
+      plain.step();
+      fused.zero_grad();
+      plain.zero_grad();
+      EXPECT_EQ(fused.tensors_last_step(), units) << "one flat fp32 update per unit at step " << step;
+    }
+    auto a = fused_model.parameters(), b = plain_model.parameters();
+    for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(close(a[i].detach(), b[i].detach(), 1e-4)) << "parameter " << i;
+
+    const std::string root = shared_dir() + "/mixed";
+    checkpoint::save(root, fused_model, fused, checkpoint::SaveOptions().step(3));
+    torch::manual_seed(1);
+    auto fp32_model = fsdp::fully_shard(gpt::make_gpt<true>(kCfg), r.pg, test_options());
+    checkpoint::load(root, fp32_model);
+    auto want = fused_model.named_parameters();
+    for (const auto& kv : fp32_model.named_parameters()) {
+      EXPECT_TRUE(torch::equal(kv.value(), want[kv.key()])) << kv.key() << " loaded from the mixed-precision model";
+    }
+  });
+}
+
 // What mixed precision refuses, each with its remedy.
 TEST(MixedPrecision, Refusals) {
   run_ranks(1, [&](Rank& r) {
@@ -355,7 +461,7 @@ TEST(MixedPrecision, Refusals) {
           fsdp::fully_shard(gpt::make_gpt<true>(kCfg), r.pg,
                             test_options().mixed_precision(MixedPrecisionPolicy().param_dtype(torch::kLong)));
         },
-        "MixedPrecisionPolicy::param_dtype is Long, not a floating-point dtype");
+        "MixedPrecisionPolicy::param_dtype is Long, which mixed precision does not compute in");
     // CPU offload of a CPU model: nothing to offload.
     expect_error(
         [&] { fsdp::fully_shard(gpt::make_gpt<true>(kCfg), r.pg, test_options().offload_policy(CPUOffloadPolicy())); },

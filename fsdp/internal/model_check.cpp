@@ -81,13 +81,8 @@ std::string describe_options(const FullyShardOptions& o) {
      << "option shard_group_size " << o.shard_group_size() << '\n'
      << "option sync_module_states " << (o.sync_module_states() ? "true" : "false") << '\n'
      << "option verify_collectives " << (o.verify_collectives() ? "true" : "false") << '\n';
-  // Only when set: the description is all-gathered while a unit built in a ShardingScope exists
-  // whole, so it stays short (tests/test_construction.cpp counts those bytes).
-  const MixedPrecisionPolicy& mp = o.mixed_precision();
-  if (mp.param_dtype() || mp.reduce_dtype() || mp.output_dtype()) {
-    os << "option mixed_precision " << to_string(mp) << '\n';
-  }
-  if (o.offload_policy()) os << "option offload_policy pin_memory=" << o.offload_policy()->pin_memory() << '\n';
+  // Mixed precision is in each parameter's line, with its unit's strategy (wrap.cpp), so that a
+  // rank with a policy and one without differ on the same line, which the error then names.
   return os.str();
 }
 

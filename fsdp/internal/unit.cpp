@@ -312,6 +312,7 @@ void Unit::on_grad_ready(size_t slot) {
     // Without gradient sync (all but the last micro-batch of an accumulation) the unsharded
     // gradients keep accumulating beside the parameters; nothing is communicated.
     if (run_->sync_gradients && !buckets()) reduce_grads();
+    if (!run_->sync_gradients) accumulate_unsynced();
     backward_ = BackwardPhase::kIdle;
     // A frozen parameter's last reader may still be ahead in the graph (autograd runs gradient
     // accumulation as soon as it can): such a unit stays gathered until the end of backward.
@@ -325,7 +326,7 @@ void Unit::append_held_tensors(std::vector<at::Tensor>& out) const {
     out.push_back(*t);
   }
   for (const auto& s : slots_) {
-    for (const at::Tensor* t : {&s.param, &s.sharded, &s.shard_grad, &s.full_grad}) out.push_back(*t);
+    for (const at::Tensor* t : {&s.param, &s.sharded, &s.shard_grad, &s.full_grad, &s.unsynced}) out.push_back(*t);
     out.push_back(s.param.grad());
   }
 }
@@ -354,8 +355,9 @@ void Unit::drop_prefetch() {
 
 bool Unit::holds_unsynced_grads() const {
   if (holds_reduced_) return false;  // kShardOptimizerState's full gradients after their reduction
-  return std::any_of(slots_.begin(), slots_.end(),
-                     [&](const ParamSlot& s) { return full_grad_of(s, is_unsharded()).defined(); });
+  return std::any_of(slots_.begin(), slots_.end(), [&](const ParamSlot& s) {
+    return full_grad_of(s, is_unsharded()).defined() || s.unsynced.defined();
+  });
 }
 
 void Unit::check_conversion(const std::optional<at::Device>& device, const std::optional<at::ScalarType>& dtype) const {

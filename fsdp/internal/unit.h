@@ -69,7 +69,10 @@ class Unit : public std::enable_shared_from_this<Unit> {
   /// Drops them (FSDPModule::discard_unsynced_gradients); ZeRO-1's reduced full gradients stay.
   void drop_unsynced_grads() {
     if (holds_reduced_) return;
-    for (auto& s : slots_) full_grad(s) = at::Tensor();
+    for (auto& s : slots_) {
+      full_grad(s) = at::Tensor();
+      s.unsynced = at::Tensor();
+    }
   }
   /// Refuses a conversion of the unit's parameters to another dtype or device after wrapping.
   void check_conversion(const std::optional<at::Device>& device, const std::optional<at::ScalarType>& dtype) const;
@@ -130,6 +133,11 @@ class Unit : public std::enable_shared_from_this<Unit> {
   void cast_alone();
   /// Sets the dtypes from the policy and the parameters; refuses what cannot be done (constructor).
   void resolve_precision();
+  /// Mixed precision, gradient sync off: moves this backward's full gradients (param_dtype) into
+  /// the slots' sums in the master dtype, so that micro-batches accumulate without bf16 rounding.
+  void accumulate_unsynced();
+  /// Before a reduction: the sums become the full gradients again, plus this backward's.
+  void merge_unsynced();
   /// Whether the unsharded buffer holds the parameters now.
   bool memory_gathered() const {
     return keeps_full_params() || state_ == UnitState::kUnsharded || state_ == UnitState::kKeptForBackward;

@@ -40,6 +40,10 @@ struct ParamSlot {
   /// Kept alive on purpose: autograd holds a parameter's AccumulateGrad node only weakly, and a
   /// re-created node would have neither our hook nor the full shape it must validate against.
   std::shared_ptr<torch::autograd::Node> grad_accumulator;
+  /// Mixed precision without gradient sync: the micro-batches' full gradients summed in the master
+  /// dtype (each backward's param_dtype gradient is added here as it ends), until a backward with
+  /// sync reduces them.
+  at::Tensor unsynced;
 };
 
 /// The sharded gradient of a slot (on the parameter between steps, aside while it is full) and

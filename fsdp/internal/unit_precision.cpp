@@ -20,9 +20,12 @@ void Unit::resolve_precision() {
   for (auto [what, dtype] : {std::pair<const char*, std::optional<at::ScalarType>>{"param_dtype", mp_.param_dtype()},
                              {"reduce_dtype", mp_.reduce_dtype()},
                              {"output_dtype", mp_.output_dtype()}}) {
-    TORCH_CHECK(!dtype || at::isFloatingType(*dtype), "fsdp::fully_shard (rank ", rank, "): unit '", label(),
-                "': MixedPrecisionPolicy::", what, " is ", *dtype,
-                ", not a floating-point dtype. Use torch::kBFloat16, torch::kFloat16 or torch::kFloat32.");
+    const bool usable =
+        !dtype || *dtype == at::kBFloat16 || *dtype == at::kHalf || *dtype == at::kFloat || *dtype == at::kDouble;
+    TORCH_CHECK(usable, "fsdp::fully_shard (rank ", rank, "): unit '", label(), "': MixedPrecisionPolicy::", what,
+                " is ", *dtype,
+                ", which mixed precision does not compute in. Use torch::kBFloat16, torch::kFloat16 or "
+                "torch::kFloat32.");
   }
   if (!casts_grads()) return;
   TORCH_CHECK(at::isFloatingType(master_dtype_), "fsdp::fully_shard (rank ", rank, "): unit '", label(),
@@ -49,6 +52,34 @@ void Unit::cast_alone() {
   lend_memory(buffers_.unsharded, unsharded_memory_);
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   buffers_.unsharded.copy_(buffers_.flat_shard);
+}
+
+void Unit::accumulate_unsynced() {
+  // FSDP2 likewise accumulates unsynced gradients in a wider dtype (its reduce_dtype); here the
+  // master dtype, so that the sum of M micro-batches rounds once per addition in fp32, as plain
+  // LibTorch accumulating fp32 gradients would, whatever reduce_dtype is.
+  if (!casts_params()) return;
+  at::NoGradGuard no_grad;
+  for (auto& s : slots_) {
+    at::Tensor& g = full_grad(s);
+    if (!g.defined()) continue;
+    if (s.unsynced.defined()) {
+      s.unsynced.add_(g);
+    } else {
+      s.unsynced = g.to(master_dtype_);
+    }
+    g = at::Tensor();
+  }
+}
+
+void Unit::merge_unsynced() {
+  at::NoGradGuard no_grad;
+  for (auto& s : slots_) {
+    if (!s.unsynced.defined()) continue;
+    at::Tensor& g = full_grad(s);
+    g = g.defined() ? s.unsynced.add_(g) : s.unsynced;
+    s.unsynced = at::Tensor();
+  }
 }
 
 }  // namespace fsdp::detail

@@ -47,6 +47,7 @@ void Unit::launch_buckets(bool all) {
 }
 
 void Unit::reduce_grads() {
+  merge_unsynced();  // mixed precision: the micro-batches summed without sync (unit_precision.cpp)
   if (shard_numel() == 0) {
     for (auto& s : slots_) full_grad(s) = at::Tensor();
     return;
@@ -179,6 +180,7 @@ void Unit::finalize_backward() {
   // Gradients not reduced yet: a unit only partly used in this backward, or one that accumulated
   // without sync in earlier micro-batches and was not used in this one. (kShardOptimizerState
   // keeps its full gradients after reducing them; those are not pending.)
+  if (!run_->sync_gradients) accumulate_unsynced();  // a unit partly used without sync
   if (run_->sync_gradients && !holds_reduced_) {
     // kNoShard: buckets launched while others wait for gradients that never came (unused
     // parameters) are pending too; the rest go out now, with zeros for the missing ones.

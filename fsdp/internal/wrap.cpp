@@ -43,9 +43,11 @@ void shard_on_construction(const std::shared_ptr<RunState>& state, torch::nn::Mo
   // unit now: check that first, by the unit's own description.
   std::ostringstream desc;
   desc << "option strategy " << to_string(strategy) << '\n' << describe_options(state->options);
+  const MixedPrecisionPolicy& mp = state->options.mixed_precision();
+  const bool mixed = mp.param_dtype() || mp.reduce_dtype() || mp.output_dtype();
   for (const auto& [name, p] : unique) {
     desc << "param " << name << ' ' << p.dtype() << ' ' << p.sizes() << (p.requires_grad() ? "" : " frozen") << " ("
-         << c10::DeviceTypeName(p.device().type(), true) << ")\n";
+         << c10::DeviceTypeName(p.device().type(), true) << ")" << (mixed ? " " + to_string(mp) : "") << "\n";
   }
   check_same_model_on_all_ranks(state->comm, desc.str());
   if (traits(strategy).shard_over == ShardOver::kGroup) state->init_hybrid(state->options.shard_group_size());
