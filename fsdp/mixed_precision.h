@@ -38,10 +38,9 @@ struct MixedPrecisionPolicy {
   /// are left alone, and so are inputs taken by non-const reference.
   TORCH_ARG(bool, cast_forward_inputs) = true;
 
-  /// Whether the policy changes anything for parameters of `dtype`.
-  bool casts(at::ScalarType dtype) const {
-    return (param_dtype_ && *param_dtype_ != dtype) || (reduce_dtype_ && *reduce_dtype_ != dtype) || output_dtype_;
-  }
+ public:
+  /// Whether any dtype is set (the model check describes only such a policy).
+  bool any_dtype() const { return param_dtype_ || reduce_dtype_ || output_dtype_; }
 };
 
 /// "param_dtype=BFloat16 reduce_dtype=- output_dtype=- cast_forward_inputs=1": logs and messages.

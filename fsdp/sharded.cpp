@@ -51,15 +51,26 @@ void unit_to(Unit& unit, const std::optional<at::Device>& device, const std::opt
 
 }  // namespace detail
 
+namespace {
+// A per-unit setting given after the unit was sharded: refused, naming the call, what the unit
+// has and where the setting belongs.
+void refuse_when_sharded(const std::shared_ptr<detail::Unit>& unit, const std::string& call, const std::string& has,
+                         const char* setting) {
+  if (!unit) return;
+  detail::explained_check(*unit, [&] {
+    TORCH_CHECK(false, "fsdp (rank ", unit->state().comm.rank(), "): ", call, " on unit '", unit->name(),
+                "', which is sharded already (", has,
+                "). Call it before fsdp::fully_shard; a unit built inside an fsdp::ShardingScope is sharded as it "
+                "is built: give the ",
+                setting, " to the scope's options.");
+  });
+}
+}  // namespace
+
 void ShardedUnit::set_sharding_strategy(ShardingStrategy strategy) {
   if (fsdp_unit_) {
-    detail::Unit& unit = *fsdp_unit_;
-    detail::explained_check(unit, [&] {
-      TORCH_CHECK(false, "fsdp (rank ", unit.state().comm.rank(), "): set_sharding_strategy(", to_string(strategy),
-                  ") on unit '", unit.name(), "', which is sharded already (as ", to_string(unit.strategy()),
-                  "). Call it before fsdp::fully_shard; a unit built inside an fsdp::ShardingScope is sharded as it "
-                  "is built: give the strategy to the scope's options.");
-    });
+    refuse_when_sharded(fsdp_unit_, std::string("set_sharding_strategy(") + to_string(strategy) + ")",
+                        std::string("as ") + to_string(fsdp_unit_->strategy()), "strategy");
   }
   TORCH_CHECK(is_valid(strategy), "fsdp: set_sharding_strategy(", static_cast<int>(strategy),
               "): not a ShardingStrategy; use one of fsdp::ShardingStrategy's values (fsdp/strategy.h).");
@@ -68,13 +79,8 @@ void ShardedUnit::set_sharding_strategy(ShardingStrategy strategy) {
 
 void ShardedUnit::set_mixed_precision(const MixedPrecisionPolicy& policy) {
   if (fsdp_unit_) {
-    detail::Unit& unit = *fsdp_unit_;
-    detail::explained_check(unit, [&] {
-      TORCH_CHECK(false, "fsdp (rank ", unit.state().comm.rank(), "): set_mixed_precision(", to_string(policy),
-                  ") on unit '", unit.name(), "', which is sharded already (with ", to_string(unit.mixed_precision()),
-                  "). Call it before fsdp::fully_shard; a unit built inside an fsdp::ShardingScope is sharded as it "
-                  "is built: give the policy to the scope's options.");
-    });
+    refuse_when_sharded(fsdp_unit_, "set_mixed_precision(" + to_string(policy) + ")",
+                        "with " + to_string(fsdp_unit_->mixed_precision()), "policy");
   }
   mixed_precision_ = policy;
 }

@@ -44,7 +44,7 @@ void shard_on_construction(const std::shared_ptr<RunState>& state, torch::nn::Mo
   std::ostringstream desc;
   desc << "option strategy " << to_string(strategy) << '\n' << describe_options(state->options);
   const MixedPrecisionPolicy& mp = state->options.mixed_precision();
-  const bool mixed = mp.param_dtype() || mp.reduce_dtype() || mp.output_dtype();
+  const bool mixed = mp.any_dtype();
   for (const auto& [name, p] : unique) {
     desc << "param " << name << ' ' << p.dtype() << ' ' << p.sizes() << (p.requires_grad() ? "" : " frozen") << " ("
          << c10::DeviceTypeName(p.device().type(), true) << ")" << (mixed ? " " + to_string(mp) : "") << "\n";
@@ -148,7 +148,7 @@ std::shared_ptr<Unit> shard_model(const std::shared_ptr<torch::nn::Module>& root
   std::unordered_map<const c10::TensorImpl*, std::string> unit_of;
   for (const auto& f : found) {
     const MixedPrecisionPolicy& mp = f->built ? f->built->mixed_precision() : precision_of(*f);
-    const bool mixed = mp.param_dtype() || mp.reduce_dtype() || mp.output_dtype();
+    const bool mixed = mp.any_dtype();
     const std::string strategy = std::string(to_string(f->built ? f->built->strategy() : strategy_of(*f))) +
                                  (mixed ? ", " + to_string(mp) : std::string());
     for (const auto& np : f->params) {
