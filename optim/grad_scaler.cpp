@@ -7,7 +7,10 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
+#include <iomanip>
+#include <limits>
 #include <map>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -53,16 +56,19 @@ void ShardedGradScaler::unscale_(torch::optim::Optimizer& optimizer) {
       }
     }
   }
-  at::Tensor found = at::zeros({1}, at::kFloat);
+  // [found inf or NaN, had a gradient], both all-reduced by MAX.
+  at::Tensor found = at::zeros({2}, at::kFloat);
+  if (!grads.empty()) found[1] = 1.0;
   for (auto& [key, list] : grads) {
     const c10::Device device = list.front().device();
     at::Tensor found_here = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(device));
     at::_amp_foreach_non_finite_check_and_unscale_(list, found_here, inv_scale.to(device));
-    found.add_(found_here.cpu());
+    found.narrow(0, 0, 1).add_(found_here.cpu());
   }
   // Each rank holds its own rows only: an overflow on any rank skips the step everywhere.
   model_.all_reduce(found, c10d::ReduceOp::MAX, "ShardedGradScaler: inf/NaN found in any rank's gradients");
-  found_inf_ = found.item<float>() > 0;
+  found_inf_ = found[0].item<float>() > 0;
+  any_grads_ = found[1].item<float>() > 0;
   unscaled_ = true;
 }
 
@@ -72,6 +78,11 @@ bool ShardedGradScaler::step(torch::optim::Optimizer& optimizer) {
     return true;
   }
   if (!unscaled_) unscale_(optimizer);
+  if (!any_grads_) unscaled_ = false;  // nothing was unscaled: the next backward's step may unscale
+  TORCH_CHECK(any_grads_, "fsdp::optim::ShardedGradScaler::step (rank ", model_.rank(),
+              "): no parameter of the optimizer has a gradient on any rank, so no inf/NaN check was made (PyTorch: "
+              "\"No inf checks were recorded for this optimizer\"). Run scaler.scale(loss).backward() before "
+              "scaler.step(optimizer), and zero_grad() after the step, not between.");
   if (found_inf_) return false;
   optimizer.step();
   return true;
@@ -85,6 +96,66 @@ void ShardedGradScaler::update() {
   at::_amp_update_scale_(scale_, growth_tracker_, found, options_.growth_factor(), options_.backoff_factor(),
                          options_.growth_interval());
   unscaled_ = false;
+}
+
+namespace {
+constexpr const char* kScale = "grad_scaler.scale";
+constexpr const char* kTracker = "grad_scaler.growth_tracker";
+constexpr const char* kGrowth = "grad_scaler.growth_factor";
+constexpr const char* kBackoff = "grad_scaler.backoff_factor";
+constexpr const char* kInterval = "grad_scaler.growth_interval";
+
+// Enough digits that the value reads back to the same bits.
+std::string exact(double v) {
+  std::ostringstream os;
+  os << std::setprecision(std::numeric_limits<double>::max_digits10) << v;
+  return os.str();
+}
+}  // namespace
+
+std::map<std::string, std::string> ShardedGradScaler::state_dict() const {
+  if (!options_.enabled()) return {};
+  return {{kScale, exact(scale_.item<float>())},
+          {kTracker, std::to_string(growth_tracker_.item<int>())},
+          {kGrowth, exact(options_.growth_factor())},
+          {kBackoff, exact(options_.backoff_factor())},
+          {kInterval, std::to_string(options_.growth_interval())}};
+}
+
+void ShardedGradScaler::load_state_dict(const std::map<std::string, std::string>& state) {
+  const auto where = [&] {
+    return c10::str("fsdp::optim::ShardedGradScaler::load_state_dict (rank ", model_.rank(), ")");
+  };
+  TORCH_CHECK(options_.enabled(), where(),
+              ": the scaler is disabled (GradScalerOptions::enabled false); load into an enabled one.");
+  TORCH_CHECK(!unscaled_, where(), ": called between unscale_()/step() and update(); load between steps.");
+  const auto number = [&](const char* key) {
+    const auto it = state.find(key);
+    TORCH_CHECK(it != state.end(), where(), ": '", key,
+                "' is missing: pass what scaler.state_dict() gave (saved in the checkpoint's metadata with "
+                "SaveOptions::metadata).");
+    size_t used = 0;
+    double v = 0;
+    try {
+      v = std::stod(it->second, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    TORCH_CHECK(used > 0 && used == it->second.size() && std::isfinite(v), where(), ": '", key, "' is '", it->second,
+                "', not a finite number.");
+    return v;
+  };
+  const double scale = number(kScale), growth = number(kGrowth), backoff = number(kBackoff);
+  const double tracker = number(kTracker), interval = number(kInterval);
+  TORCH_CHECK(scale > 0, where(), ": '", kScale, "' is ", scale, "; a scale is positive.");
+  TORCH_CHECK(tracker >= 0 && tracker == std::floor(tracker) && interval > 0 && interval == std::floor(interval),
+              where(), ": '", kTracker, "' (", tracker, ") and '", kInterval, "' (", interval,
+              ") must be whole, the interval positive.");
+  TORCH_CHECK(growth > 1.0 && backoff > 0 && backoff < 1.0, where(), ": growth_factor ", growth, " and backoff_factor ",
+              backoff, " must satisfy growth_factor > 1 and 0 < backoff_factor < 1.");
+  scale_.fill_(scale);
+  growth_tracker_.fill_(static_cast<int64_t>(tracker));
+  options_.growth_factor(growth).backoff_factor(backoff).growth_interval(static_cast<int64_t>(interval));
 }
 
 }  // namespace fsdp::optim

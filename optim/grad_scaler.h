@@ -10,6 +10,11 @@
 //   scaler.step(opt);                                  // skipped on every rank after an overflow
 //   scaler.update();
 //
+// Its state goes into a checkpoint with the user's metadata, and comes back from it:
+//   auto meta = scaler.state_dict();             // "grad_scaler.scale", ...
+//   fsdp::checkpoint::save(root, model, opt, fsdp::checkpoint::SaveOptions().metadata(meta));
+//   scaler.load_state_dict(fsdp::checkpoint::load(root, model, opt).metadata);
+//
 // bf16 has fp32's exponent range and needs none of this.
 #pragma once
 
@@ -19,6 +24,8 @@
 #include <torch/optim/optimizer.h>
 
 #include <cstdint>
+#include <map>
+#include <string>
 
 namespace fsdp::optim {
 
@@ -44,6 +51,8 @@ class ShardedGradScaler {
   /// step; step() calls it when it was not.
   void unscale_(torch::optim::Optimizer& optimizer);
   /// Steps `optimizer` unless an inf or NaN was found on some rank; returns whether it stepped.
+  /// Throws on every rank when no rank had a gradient to check (no backward since zero_grad), as
+  /// PyTorch's GradScaler does.
   bool step(torch::optim::Optimizer& optimizer);
   /// Backs the scale off after an overflow, grows it after growth_interval clean steps; ends the
   /// step (the next unscale_ is the next step's).
@@ -54,6 +63,15 @@ class ShardedGradScaler {
   bool found_inf() const { return found_inf_; }
   const GradScalerOptions& options() const { return options_; }
 
+  /// The scale, the clean steps counted towards the next growth and the options, as key/values
+  /// (PyTorch's GradScaler.state_dict, keys prefixed "grad_scaler."), exact: checkpoint metadata.
+  /// Empty when the scaler is disabled.
+  std::map<std::string, std::string> state_dict() const;
+  /// Restores what state_dict gave (other keys are ignored, so a checkpoint's whole metadata may
+  /// be passed); call it between steps. Throws, naming the key, when one is missing or malformed,
+  /// and on a disabled scaler (as PyTorch).
+  void load_state_dict(const std::map<std::string, std::string>& state);
+
  private:
   FSDPModule model_;
   GradScalerOptions options_;
@@ -61,6 +79,7 @@ class ShardedGradScaler {
   at::Tensor growth_tracker_;  // [1] int32
   bool unscaled_ = false;
   bool found_inf_ = false;
+  bool any_grads_ = false;  // whether any rank had a gradient at the last unscale_
 };
 
 }  // namespace fsdp::optim

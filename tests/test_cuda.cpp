@@ -4,7 +4,7 @@
 // of a model in GPU memory against a synchronous one.
 #include "checkpoint/async_save.h"
 #include "checkpoint/checkpoint.h"
-#include "tests/parity.h"
+#include "tests/mixed_reference.h"
 
 #include <torch/cuda.h>
 
@@ -51,18 +51,10 @@ TEST(Cuda, ParityAndMemoryAtWorldSizeOne) {
       for (int step = 0; step < 4; ++step) {
         auto [x, y] = gpt_batch(kCfg, 5000 + step);
         x = x.to(dev), y = y.to(dev);
-        {
-          torch::NoGradGuard no_grad;
-          auto m = master->parameters(), c = compute->parameters();
-          for (size_t i = 0; i < m.size(); ++i) c[i].copy_(m[i]);
-        }
-        compute->zero_grad();
-        auto ref_loss = gpt_loss(compute->forward(x), y);
-        ref_loss.backward();
-        {
-          auto m = master->parameters(), c = compute->parameters();
-          for (size_t i = 0; i < m.size(); ++i) m[i].mutable_grad() = c[i].grad().to(torch::kFloat);
-        }
+        cast_into(*compute, *master);
+        const auto ref_loss = reference_grads(*master, *compute, 1, at::kFloat, [&](int) {
+                                return gpt_loss(compute->forward(x), y);
+                              }).front();
         ref_opt.step();
         opt.zero_grad();
         auto loss = gpt_loss(model(x), y);

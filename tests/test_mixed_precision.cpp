@@ -7,95 +7,16 @@
 // matter. bf16 reductions round every partial sum: exact at 2 ranks (one addition), and at 4
 // compared within a stated tolerance (the ring sums in another order than the reference).
 #include "checkpoint/checkpoint.h"
-#include "tests/parity.h"
+#include "tests/mixed_reference.h"
 
-#include <ATen/ops/_amp_foreach_non_finite_check_and_unscale.h>
-#include <ATen/ops/_amp_update_scale.h>
 #include <torch/nn/functional/linear.h>
 
-#include <limits>
 #include <tuple>
-#include <unordered_set>
 
 namespace fsdp::testing {
 namespace {
 
 const gpt::Config kCfg{37, 8, 2, 2, 18, false};
-
-/// Parameters by name, a tied weight once (under its first name).
-std::vector<std::pair<std::string, torch::Tensor>> unique_params(torch::nn::Module& m) {
-  std::vector<std::pair<std::string, torch::Tensor>> out;
-  std::unordered_set<const c10::TensorImpl*> seen;
-  for (const auto& kv : m.named_parameters()) {
-    if (seen.insert(kv.value().unsafeGetTensorImpl()).second) out.emplace_back(kv.key(), kv.value());
-  }
-  return out;
-}
-
-/// The reference's gradients of one step: for every rank r in order, `compute`'s gradients of
-/// loss_of(r) (zeroed before), cast to `reduce` and summed; then the sum divided by W, in `reduce`,
-/// becomes `master`'s gradient in its dtype. `compute` may be `master` itself (casts inside the
-/// forward). Returns each rank's loss.
-template <typename LossOf>
-std::vector<torch::Tensor> reference_grads(torch::nn::Module& master, torch::nn::Module& compute, int W,
-                                           at::ScalarType reduce, LossOf loss_of) {
-  auto m = unique_params(master), c = unique_params(compute);
-  std::vector<torch::Tensor> sums(c.size()), losses;
-  for (int r = 0; r < W; ++r) {
-    for (auto& [name, p] : c) p.mutable_grad() = torch::Tensor();
-    torch::Tensor loss = loss_of(r);
-    loss.backward();
-    losses.push_back(loss.detach());
-    for (size_t i = 0; i < c.size(); ++i) {
-      const torch::Tensor g = c[i].second.grad().to(reduce);
-      sums[i] = r == 0 ? g : sums[i] + g;
-    }
-  }
-  for (size_t i = 0; i < m.size(); ++i) m[i].second.mutable_grad() = (sums[i] / W).to(m[i].second.scalar_type());
-  return losses;
-}
-
-/// Casts `master`'s values into `compute` (the step's param_dtype copy).
-void cast_into(torch::nn::Module& compute, torch::nn::Module& master) {
-  torch::NoGradGuard no_grad;
-  auto m = unique_params(master), c = unique_params(compute);
-  for (size_t i = 0; i < m.size(); ++i) c[i].second.copy_(m[i].second);
-}
-
-/// Runs `fn`, which must throw an error containing `text`.
-template <typename Fn>
-void expect_error(Fn&& fn, const std::string& text) {
-  const std::string msg = error_of(fn);
-  EXPECT_NE(msg.find(text), std::string::npos) << msg;
-}
-
-/// max|a - b| as a fraction of max|b|.
-double rel_diff(const torch::Tensor& a, const torch::Tensor& b) {
-  const double ref = b.abs().max().item<double>();
-  return (a.to(torch::kDouble) - b.to(torch::kDouble)).abs().max().item<double>() / (ref > 0 ? ref : 1);
-}
-
-/// Every shard equals this rank's rows of the master parameter: to the bit (`tol` 0) or within tol.
-/// Returns the largest difference seen.
-double expect_shards(const Rank& r, const FSDPModule& model, torch::nn::Module& master, double tol) {
-  double worst = 0;
-  auto want = master.named_parameters();
-  const auto place = shard_places(r, model);
-  for (const auto& kv : model.named_parameters()) {
-    const auto [rank, world] = place.at(kv.key());
-    const torch::Tensor theirs = owned_rows(want[kv.key()].detach(), rank, world);
-    EXPECT_EQ(kv.value().scalar_type(), theirs.scalar_type()) << "the shards stay the master dtype: " << kv.key();
-    if (theirs.numel() > 0) worst = std::max(worst, rel_diff(kv.value().detach(), theirs));
-    if (tol == 0) {
-      EXPECT_TRUE(torch::equal(kv.value().detach(), theirs))
-          << kv.key() << " on rank " << r.rank << ": max|diff| "
-          << (kv.value().detach() - theirs).abs().max().item<double>();
-    } else if (theirs.numel() > 0) {
-      EXPECT_LE(rel_diff(kv.value().detach(), theirs), tol) << kv.key() << " on rank " << r.rank;
-    }
-  }
-  return worst;
-}
 
 struct Case {
   int world_size;
@@ -252,96 +173,6 @@ TEST(MixedPrecision, PerUnitPolicy) {
 // fp16 with ShardedGradScaler: a scale that overflows at first, so the run skips steps and backs
 // off before it trains; every step equals the reference doing the same with PyTorch's own scaler
 // kernels, and both skip the same steps.
-TEST(MixedPrecision, Fp16WithShardedGradScaler) {
-  for (int W : {1, 2}) {
-    run_ranks(W, [&](Rank& r) {
-      torch::manual_seed(0);
-      auto master = gpt::make_gpt<false>(kCfg);
-      auto compute = gpt::make_gpt<false>(kCfg);
-      compute->to(torch::kFloat16);
-      torch::manual_seed(0);
-      auto model = fsdp::fully_shard(gpt::make_gpt<true>(kCfg), r.pg,
-                                     test_options().mixed_precision(MixedPrecisionPolicy().param_dtype(torch::kHalf)));
-      const double init_scale = 1 << 22;
-      fsdp::optim::ShardedGradScaler scaler(model, fsdp::optim::GradScalerOptions().init_scale(init_scale));
-      torch::optim::AdamW ref_opt(master->parameters(), torch::optim::AdamWOptions(1e-2));
-      torch::optim::AdamW opt(model.parameters(), torch::optim::AdamWOptions(1e-2));
-      auto ref_scale = torch::full({1}, init_scale, torch::kFloat);
-      auto ref_tracker = torch::zeros({1}, torch::kInt);
-      int skipped = 0, stepped = 0;
-      for (int step = 0; step < 10; ++step) {
-        torch::Tensor x, y;
-        std::tie(x, y) = gpt_batch(kCfg, 4000 + step);
-        cast_into(*compute, *master);
-        std::vector<torch::Tensor> ref_losses;  // unscaled
-        reference_grads(*master, *compute, W, at::kFloat, [&](int rr) {
-          auto l = gpt_loss(compute->forward(local_rows(x, rr, W)), local_rows(y, rr, W));
-          ref_losses.push_back(l.detach());
-          return l * ref_scale;
-        });
-        std::vector<torch::Tensor> grads;
-        for (auto& p : master->parameters()) grads.push_back(p.grad());
-        auto found = torch::zeros({1}, torch::kFloat);
-        at::_amp_foreach_non_finite_check_and_unscale_(grads, found,
-                                                       ref_scale.to(torch::kDouble).reciprocal().to(torch::kFloat));
-        const bool ref_skip = found.item<float>() > 0;
-        if (!ref_skip) ref_opt.step();
-        at::_amp_update_scale_(ref_scale, ref_tracker, found, 2.0, 0.5, 2000);
-
-        opt.zero_grad();
-        auto loss = gpt_loss(model(local_rows(x, r.rank, W)), local_rows(y, r.rank, W));
-        scaler.scale(loss).backward();
-        const bool did_step = scaler.step(opt);
-        scaler.update();
-        EXPECT_EQ(did_step, !ref_skip) << "step " << step;
-        EXPECT_EQ(scaler.get_scale(), ref_scale.item<double>()) << "scale after step " << step;
-        EXPECT_EQ(loss.scalar_type(), torch::kHalf);
-        EXPECT_TRUE(torch::equal(loss.detach(), ref_losses[r.rank])) << "loss at step " << step;
-        (did_step ? stepped : skipped) += 1;
-      }
-      EXPECT_GT(skipped, 0) << "the test should overflow at first";
-      EXPECT_GT(stepped, 0) << "and then train";
-      expect_shards(r, model, *master, 0);
-    });
-  }
-}
-
-// An inf in one rank's rows only: every rank skips the step and backs the scale off alike.
-TEST(MixedPrecision, AnOverflowOnOneRankSkipsTheStepOnAll) {
-  run_ranks(2, [&](Rank& r) {
-    torch::manual_seed(0);
-    auto model = fsdp::fully_shard(gpt::make_gpt<true>(kCfg), r.pg,
-                                   test_options().mixed_precision(MixedPrecisionPolicy().param_dtype(torch::kHalf)));
-    fsdp::optim::ShardedGradScaler scaler(model, fsdp::optim::GradScalerOptions().init_scale(1024));
-    torch::optim::AdamW opt(model.parameters(), torch::optim::AdamWOptions(1e-2));
-    auto [x, y] = gpt_batch(kCfg, 4100);
-    auto loss = gpt_loss(model(local_rows(x, r.rank, 2)), local_rows(y, r.rank, 2));
-    scaler.scale(loss).backward();
-    std::vector<torch::Tensor> before;
-    for (const auto& p : model.parameters()) before.push_back(p.detach().clone());
-    if (r.rank == 1) {
-      for (const auto& p : model.parameters()) {
-        if (p.grad().defined() && p.grad().numel() > 0) {
-          p.grad().view({-1})[0] = std::numeric_limits<float>::infinity();
-          break;
-        }
-      }
-    }
-    EXPECT_FALSE(scaler.step(opt)) << "rank " << r.rank << " must skip: rank 1 overflowed";
-    EXPECT_TRUE(scaler.found_inf());
-    scaler.update();
-    EXPECT_EQ(scaler.get_scale(), 512.0);
-    auto params = model.parameters();
-    for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(torch::equal(params[i], before[i])) << "parameter " << i;
-    // The next clean step steps everywhere.
-    opt.zero_grad();
-    loss = gpt_loss(model(local_rows(x, r.rank, 2)), local_rows(y, r.rank, 2));
-    scaler.scale(loss).backward();
-    EXPECT_TRUE(scaler.step(opt));
-    scaler.update();
-  });
-}
-
 // Gradient accumulation without sync: each micro-batch's bf16 gradients are summed in fp32 (as plain
 // LibTorch accumulating fp32 gradients would, and FSDP2 in its wider dtype), not in bf16: bit-exact
 // against the reference that sums the micro-batches' fp32 casts in order. And the root casts an
@@ -470,6 +301,27 @@ TEST(MixedPrecision, Refusals) {
     auto plain = gpt::make_gpt<true>(kCfg);
     auto model = fsdp::fully_shard(plain, r.pg, test_options());
     expect_error([&] { plain->blocks[0]->set_mixed_precision(bf16); }, "which is sharded already");
+    {  // A unit sharded as it was built is named by its type and order until fully_shard names it.
+      ShardingScope scope(r.pg, test_options());
+      auto net = gpt::make_gpt<true>(kCfg);
+      expect_error([&] { net->blocks[1]->set_mixed_precision(bf16); },
+                   "on unit 'gpt::BlockImpl #2 (built in a ShardingScope)', which is sharded already");
+      fsdp::fully_shard(net, scope);
+    }
+    {  // A unit without a policy fed a bf16 unit's output: LibTorch's operator refuses, and the error
+       // says in which unit, computing in which dtype.
+      auto net = gpt::make_gpt<true>(kCfg);
+      net->blocks[1]->set_mixed_precision(MixedPrecisionPolicy());
+      auto mixed = fsdp::fully_shard(net, r.pg, test_options().mixed_precision(bf16));
+      auto [x, y] = gpt_batch(kCfg, 2);
+      const std::string msg = error_of([&] { mixed(x); });
+      EXPECT_NE(msg.find("fsdp (rank 0): raised in the forward of unit 'h.1', whose parameters compute in Float (its "
+                         "inputs are not cast)"),
+                std::string::npos)
+          << msg;
+      EXPECT_NE(msg.find("give that unit MixedPrecisionPolicy::output_dtype"), std::string::npos) << msg;
+      EXPECT_EQ(msg.find("unit 'h.0'"), std::string::npos) << "named once, by the innermost unit: " << msg;
+    }
     // reduce_dtype alone works with every strategy (here replicated, alone: the cast is all).
     auto replicated = fsdp::fully_shard(gpt::make_gpt<true>(kCfg), r.pg,
                                         test_options(ShardingStrategy::kNoShard, 0)
