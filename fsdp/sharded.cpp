@@ -5,6 +5,9 @@
 
 #include <c10/util/Exception.h>
 
+#include <sstream>
+#include <string>
+
 namespace fsdp {
 
 ShardedUnit& as_unit(const std::shared_ptr<torch::nn::Module>& module) {
@@ -25,6 +28,32 @@ ForwardCasts unit_pre_forward(Unit& unit) {
 
 void unit_post_forward(Unit& unit, const std::vector<at::Tensor>& outputs) {
   unit.post_forward(outputs);
+}
+
+namespace {
+constexpr const char* kInUnit = "fsdp (rank ";
+}
+
+void name_unit_in_error(const Unit& unit, c10::Error& e) {
+  if (std::string(e.what_without_backtrace()).rfind("fsdp", 0) == 0) return;  // the library's own
+  for (const auto& c : e.context()) {
+    if (c.rfind(kInUnit, 0) == 0) return;  // an inner unit's
+  }
+  std::ostringstream os;
+  os << kInUnit << unit.state().comm.rank() << "): raised in the forward of unit '" << unit.label()
+     << "', whose parameters compute in " << unit.param_dtype();
+  if (const auto in = unit.input_cast()) {
+    os << " and whose floating-point inputs are cast to " << *in;
+  } else {
+    os << " (its inputs are not cast)";
+  }
+  const std::string what = e.msg();
+  if (what.find("dtype") != std::string::npos || what.find("scalar type") != std::string::npos) {
+    os << ". If the operands' dtypes differ, an input may come from a unit that computes in another dtype: give "
+          "that unit MixedPrecisionPolicy::output_dtype, or this one the same param_dtype (its inputs are then "
+          "cast, cast_forward_inputs)";
+  }
+  e.add_context(os.str());
 }
 
 namespace {
@@ -58,7 +87,7 @@ void refuse_when_sharded(const std::shared_ptr<detail::Unit>& unit, const std::s
                          const char* setting) {
   if (!unit) return;
   detail::explained_check(*unit, [&] {
-    TORCH_CHECK(false, "fsdp (rank ", unit->state().comm.rank(), "): ", call, " on unit '", unit->name(),
+    TORCH_CHECK(false, "fsdp (rank ", unit->state().comm.rank(), "): ", call, " on unit '", unit->label(),
                 "', which is sharded already (", has,
                 "). Call it before fsdp::fully_shard; a unit built inside an fsdp::ShardingScope is sharded as it "
                 "is built: give the ",

@@ -16,6 +16,7 @@
 #include "fsdp/options.h"
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
 
 #include <torch/nn/pimpl.h>
 
@@ -58,6 +59,9 @@ struct ForwardCasts {
 };
 ForwardCasts unit_pre_forward(Unit& unit);
 void unit_post_forward(Unit& unit, const std::vector<at::Tensor>& outputs);
+/// Adds to an error raised in the unit's forward (by LibTorch's operators or the user's code) which
+/// unit, rank and dtypes it was, unless an inner unit or the library already said so.
+void name_unit_in_error(const Unit& unit, c10::Error& e);
 }  // namespace detail
 
 /// The non-template part of every sharded module: the unit it belongs to once fully_shard ran.
@@ -85,7 +89,14 @@ class ShardedUnit {
   auto run_unit(Fn&& forward) {
     if (!fsdp_unit_) return forward(std::optional<at::ScalarType>());
     const detail::ForwardCasts casts = detail::unit_pre_forward(*fsdp_unit_);
-    auto out = forward(casts.input);
+    auto out = [&] {
+      try {
+        return forward(casts.input);
+      } catch (c10::Error& e) {
+        detail::name_unit_in_error(*fsdp_unit_, e);  // e.g. a dtype mismatch between units
+        throw;
+      }
+    }();
     detail::cast_output(out, casts.output);
     std::vector<at::Tensor> tensors;
     detail::collect_tensors(out, tensors);

@@ -43,6 +43,8 @@ class RunState : public std::enable_shared_from_this<RunState> {
   /// forward runs: a unit's forward under the first but not the second was reached by calling the
   /// module's forward directly, around the wrapper.
   int direct_access = 0;
+  /// Units sharded while they were built (ShardingScope), to name them until fully_shard does.
+  int units_built = 0;
   bool in_root_forward = false;
   bool access_error_explained = false;  // the library's own error, raised under operator->, says enough
   /// Throws, naming `caller`, when units hold gradients accumulated with gradient sync off and never

@@ -68,6 +68,11 @@ std::string Unit::describe(const char* op) const {
   return os.str();
 }
 
+std::string Unit::label() const {
+  if (is_root_) return "<root>";
+  return name_.empty() && !built_label_.empty() ? built_label_ : name_;
+}
+
 void Unit::rename(const std::string& path) {
   if (path.empty() || name_ == path) return;
   name_ = path;

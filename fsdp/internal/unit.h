@@ -33,8 +33,13 @@ class Unit : public std::enable_shared_from_this<Unit> {
   void init();
 
   const std::string& name() const { return name_; }
+  /// How messages name the unit: its module path, "<root>", or, for a unit sharded while it was
+  /// built and not yet given its place by fully_shard, what set_built_label gave.
+  std::string label() const;
   /// Gives a unit sharded while it was built its place in the model: module path and parameter names.
   void rename(const std::string& path);
+  /// Until rename: e.g. "the 3rd unit built in the ShardingScope (BlockImpl)".
+  void set_built_label(std::string label) { built_label_ = std::move(label); }
   bool is_root() const { return is_root_; }
   ShardingStrategy strategy() const { return strategy_; }
   /// Its mixed-precision policy, and the dtypes it resolves to: the shards' (the master weights'),
@@ -116,7 +121,6 @@ class Unit : public std::enable_shared_from_this<Unit> {
   void append_held_tensors(std::vector<at::Tensor>& out) const;
 
  private:
-  std::string label() const { return is_root_ ? "<root>" : name_; }
   std::string describe(const char* op) const;
   void name_collectives();  // sets gather_what_ and reduce_what_ from the name and layout
   void enter(UnitState to) { transition(state_, to, label()); }
@@ -158,6 +162,7 @@ class Unit : public std::enable_shared_from_this<Unit> {
   void reduce_grads();
 
   std::string name_;
+  std::string built_label_;
   std::vector<ParamSlot> slots_;
   std::shared_ptr<RunState> run_;
   bool is_root_;

@@ -25,6 +25,24 @@ void unit_parameters(torch::nn::Module& m, const std::string& prefix,
   }
 }
 
+// "BlockImpl #3 (built in a ShardingScope)": the unit's Impl type and its order of construction,
+// until fully_shard gives it its module path.
+std::string built_label(const torch::nn::Module& module, int index) {
+  std::string type = module.name();  // "fsdp::ShardedImpl<BlockImpl, ...>" unless Impl named itself
+  const std::string wrapper = "fsdp::ShardedImpl<";
+  if (type.rfind(wrapper, 0) == 0) {
+    type = type.substr(wrapper.size());
+    int depth = 0;
+    size_t end = 0;
+    for (; end < type.size(); ++end) {
+      if (type[end] == '<') ++depth;
+      if (type[end] == '>' && depth-- == 0) break;
+      if (type[end] == ',' && depth == 0) break;
+    }
+    type = type.substr(0, end);
+  }
+  return type + " #" + std::to_string(index) + " (built in a ShardingScope)";
+}
 }  // namespace
 
 void shard_on_construction(const std::shared_ptr<RunState>& state, torch::nn::Module& module, ShardedUnit& unit) {
@@ -53,6 +71,7 @@ void shard_on_construction(const std::shared_ptr<RunState>& state, torch::nn::Mo
   if (traits(strategy).shard_over == ShardOver::kGroup) state->init_hybrid(state->options.shard_group_size());
   auto group = std::make_shared<Unit>("", std::move(unique), state, /*is_root=*/false, strategy,
                                       state->options.mixed_precision());
+  group->set_built_label(built_label(module, ++state->units_built));
   group->init();
   unit.fsdp_attach(group);
 }
