@@ -72,6 +72,11 @@ struct FullyShardOptions {
   /// Keep the shards, gradients and optimizer state in host memory (see CPUOffloadPolicy). Unset:
   /// everything stays on the model's device.
   TORCH_ARG(std::optional<CPUOffloadPolicy>, offload_policy) = std::nullopt;
+  /// CUDA (NCCL): all-gathers on one side stream and gradient reductions on another, as FSDP2, so
+  /// that a prefetched all-gather does not queue behind a reduce-scatter; the compute stream waits
+  /// for each on a CUDA event, the CPU never does. False: every collective on NCCL's own stream
+  /// (one queue). Ignored on CPU.
+  TORCH_ARG(bool, comm_streams) = true;
 
  public:
   /// Before every collective, all ranks first exchange a fingerprint of it (operation, unit, size)

@@ -13,7 +13,8 @@
 # and each part's raw output beside it. Exit status 0 when every part that ran passed.
 #
 # Parts (each bounded by `timeout`, all of them in about 5 minutes on one H200):
-#   1 cuda_tests      Cuda.* at world size 1 over NCCL: parity fp32 and bf16, allocator bytes, async save
+#   1 cuda_tests      Cuda.* at world size 1 over NCCL: parity fp32 and bf16, allocator bytes, async save,
+#                     collectives on the side streams and on NCCL's stream
 #   2 overhead        a 406M-parameter GPT, wrapped vs plain LibTorch, fp32 and bf16 (ratio, MFU)
 #   3 prefetch        the same in bf16 with prefetch 0 and 1 (step time ratio)
 #   4 simulated       rank 0 of 8, 64 and 1024 for a 7B model over the fake process group, against the formulas

@@ -1,15 +1,19 @@
 // The CUDA path at world size 1 (NCCL), for scripts/gpu-check.sh on a machine with a GPU; skipped
 // where there is none (every CI machine). Parity against plain LibTorch on the same device in fp32
 // and bf16, model state from the caching allocator against the shapes, and the asynchronous save
-// of a model in GPU memory against a synchronous one.
+// of a model in GPU memory against a synchronous one; the collectives on side streams (launched
+// over the one-rank NCCL group, which the model itself would skip), with the one-rank launch they
+// rely on checked on CPU (Gloo) everywhere.
 #include "checkpoint/async_save.h"
 #include "checkpoint/checkpoint.h"
+#include "fsdp/internal/comm.h"
 #include "tests/mixed_reference.h"
 
 #include <torch/cuda.h>
 
 #include <fstream>
 #include <iterator>
+#include <tuple>
 
 namespace fsdp::testing {
 namespace {
@@ -49,7 +53,8 @@ TEST(Cuda, ParityAndMemoryAtWorldSizeOne) {
       torch::optim::AdamW ref_opt(master->parameters(), torch::optim::AdamWOptions(1e-2));
       torch::optim::AdamW opt(model.parameters(), torch::optim::AdamWOptions(1e-2));
       for (int step = 0; step < 4; ++step) {
-        auto [x, y] = gpt_batch(kCfg, 5000 + step);
+        torch::Tensor x, y;
+        std::tie(x, y) = gpt_batch(kCfg, 5000 + step);
         x = x.to(dev), y = y.to(dev);
         cast_into(*compute, *master);
         const auto ref_loss = reference_grads(*master, *compute, 1, at::kFloat, [&](int) {
@@ -102,6 +107,71 @@ TEST(Cuda, AsyncSaveFromDeviceMemory) {
     std::cout << "[cuda] async save: stall " << started.seconds << " s for " << started.snapshot_bytes
               << " snapshot bytes; write " << done.seconds << " s\n";
     EXPECT_EQ(file_bytes(done.path + "/rank-00000.safetensors"), file_bytes(sync.path + "/rank-00000.safetensors"));
+  });
+}
+
+// A Comm that launches its collectives even over one rank (what the model skips: its one-rank
+// collectives are copies), with side streams on or off.
+detail::Comm launching_comm(const Rank& r, bool side_streams) {
+  auto shared = std::make_shared<detail::CommShared>();
+  shared->side_streams = side_streams;
+  shared->launch_alone = true;
+  return detail::Comm(r.pg, std::chrono::seconds(30), shared);
+}
+
+// On the GPU: an all-gather, a reduce-scatter and an all-reduce of inputs still being computed on
+// the compute stream (a chain of matmuls queued just before) give the inputs' final values; with
+// side streams they return an event and no work (asyncOp false), without them a work.
+TEST(Cuda, CollectivesOnSideStreams) {
+  if (!have_cuda()) GTEST_SKIP() << "no CUDA device";
+  run_ranks(1, [&](Rank& r) {
+    const torch::Device dev(torch::kCUDA, 0);
+    for (bool side : {true, false}) {
+      detail::Comm comm = launching_comm(r, side);
+      torch::manual_seed(0);
+      const auto a = torch::randn({1024, 1024}, dev) / 32;
+      auto in = a;
+      for (int i = 0; i < 50; ++i) in = torch::tanh(in.matmul(a));  // still running when the collective is queued
+      in = in.flatten();
+      const auto want = in.clone();  // the same stream: its final values
+      auto out = torch::empty_like(in);
+      auto p = comm.all_gather_async(out, in, "the test's all-gather");
+      EXPECT_EQ(p.event != nullptr, side);
+      EXPECT_EQ(p.work.defined(), !side);
+      comm.wait(p);
+      EXPECT_TRUE(torch::equal(out, want)) << (side ? "side streams" : "NCCL's stream") << ": all-gather";
+      auto rs_out = torch::empty_like(in);
+      auto q = comm.reduce_scatter_sum_async(rs_out, out, "the test's reduce-scatter");
+      comm.wait(q);
+      EXPECT_TRUE(torch::equal(rs_out, want)) << "reduce-scatter";
+      comm.all_reduce(rs_out, c10d::ReduceOp::SUM, "the test's all-reduce");
+      EXPECT_TRUE(torch::equal(rs_out, want)) << "all-reduce";
+    }
+  });
+}
+
+// The one-rank launch the test above relies on, over Gloo: the backend runs the collective and
+// returns its work; without launch_alone the Comm copies and returns none.
+TEST(Comm, LaunchAloneRunsTheBackendOverOneRank) {
+  run_ranks(1, [&](Rank& r) {
+    for (bool alone : {true, false}) {
+      detail::Comm comm = launching_comm(r, true);
+      comm.shared()->launch_alone = alone;
+      auto in = torch::arange(12, torch::kFloat);
+      auto out = torch::zeros({12});
+      auto p = comm.all_gather_async(out, in, "the test's all-gather");
+      EXPECT_EQ(p.work.defined(), alone) << "the backend ran it";
+      EXPECT_EQ(p.event, nullptr) << "CPU tensors never go to side streams";
+      comm.wait(p);
+      EXPECT_TRUE(torch::equal(out, in));
+      auto rs = torch::zeros({12});
+      auto q = comm.reduce_scatter_sum_async(rs, out, "the test's reduce-scatter");
+      EXPECT_EQ(q.work.defined(), alone);
+      comm.wait(q);
+      EXPECT_TRUE(torch::equal(rs, in));
+      EXPECT_EQ(comm.stats().all_gathers, 1);
+      EXPECT_EQ(comm.stats().reduce_scatters, 1);
+    }
   });
 }
 

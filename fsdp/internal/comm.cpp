@@ -154,9 +154,13 @@ c10::intrusive_ptr<c10d::Backend> Comm::backend(const at::Tensor& t) const {
 }
 
 void Comm::wait(Pending& pending) const {
-  if (!pending.work) return;
+  if (!pending.in_flight()) return;
   Pending p = std::move(pending);
   pending = Pending{};
+  if (p.event) {
+    wait_on_event(p);
+    return;
+  }
   if (!p.cpu) {
     wait_on_stream(p);
     return;
@@ -214,6 +218,25 @@ void Comm::wait_on_stream(Pending& p) const {
   issued.push_back(std::move(p));
 }
 
+void Comm::wait_on_event(Pending& p) const {
+  p.event->block_current();
+  // No work object to ask: the backend's watchdog still tracks the collective (it does for every
+  // collective issued outside a CUDA graph, asyncOp or not), and on a timeout or an NCCL error
+  // aborts the communicators and records it in the backend's error state.
+  c10d::ErrorType error = c10d::ErrorType::SUCCESS;
+  try {
+    error = p.backend->getError();
+  } catch (const std::exception&) {  // a backend that does not say: its next collective will throw
+  }
+  if (error == c10d::ErrorType::SUCCESS) return;
+  fail(p,
+       error == c10d::ErrorType::TIMEOUT
+           ? "the backend's watchdog timed out a collective (a peer did not take part in time)"
+           : (error == c10d::ErrorType::REMOTE_ERROR ? "the backend's watchdog reported a peer's failure"
+                                                     : "the backend's watchdog reported a communication error"),
+       milliseconds(0));
+}
+
 void Comm::fail(const Pending& p, const std::string& cause, milliseconds waited) const {
   // Its worker threads may still be inside the collective: kept alive until exit, so that
   // neither this error nor destroying the process group waits for them.
@@ -234,11 +257,17 @@ void Comm::fail(const Pending& p, const std::string& cause, milliseconds waited)
               "--max-restarts, or the scheduler's requeue). See docs/usage.md, 'When a collective fails'.");
 }
 
-Pending Comm::launch(const std::string& what, const at::Tensor& t,
-                     const std::function<c10::intrusive_ptr<c10d::Work>(c10d::Backend&)>& start) const {
+Pending Comm::launch(const std::string& what, const at::Tensor& t, const Start& start,
+                     std::optional<SideStream> side) const {
   Pending p{nullptr, what, t.is_cpu(), backend(t)};
   try {
-    p.work = start(*p.backend);
+    if (side && t.is_cuda() && shared_->side_streams) {
+      // FSDP2's way: asyncOp false runs the collective on the stream current at the call, here
+      // the side stream, and returns no work; the event after it is what the consumer waits for.
+      p.event = on_side_stream(t.device(), *side, [&] { p.work = start(*p.backend, /*async_op=*/false); });
+    } else {
+      p.work = start(*p.backend, /*async_op=*/true);
+    }
   } catch (const std::exception& e) {
     fail(p, error_text(e), milliseconds(0));
   }
@@ -265,7 +294,7 @@ void Comm::record(Op op, int64_t numel, const std::string& what) const {
 
 bool Comm::done_alone_or_checked(Op op, int64_t numel, at::Tensor& out, const at::Tensor& in, const std::string& what) {
   record(op, numel, what);
-  if (world_size_ == 1) {  // alone: the collective is a copy
+  if (world_size_ == 1 && !shared_->launch_alone) {  // alone: the collective is a copy
     out.copy_(in);
     return true;
   }
@@ -278,11 +307,15 @@ bool Comm::done_alone_or_checked(Op op, int64_t numel, at::Tensor& out, const at
 Pending Comm::all_gather_async(at::Tensor& out, at::Tensor& in, const std::string& what) {
   TORCH_INTERNAL_ASSERT(out.numel() == in.numel() * world_size_);
   if (done_alone_or_checked(Op::kAllGather, out.numel(), out, in, what)) return {nullptr, what};
-  return launch(what, in, [&](c10d::Backend& b) {
-    c10d::AllgatherOptions opts;
-    opts.timeout = timeout_;  // Gloo's own bound inside its worker thread
-    return b._allgather_base(out, in, opts);
-  });
+  return launch(
+      what, in,
+      [&](c10d::Backend& b, bool async_op) {
+        c10d::AllgatherOptions opts;
+        opts.timeout = timeout_;  // Gloo's own bound inside its worker thread
+        opts.asyncOp = async_op;
+        return b._allgather_base(out, in, opts);
+      },
+      SideStream::kAllGather);
 }
 
 void Comm::all_gather(at::Tensor& out, at::Tensor& in, const std::string& what) {
@@ -293,29 +326,37 @@ void Comm::all_gather(at::Tensor& out, at::Tensor& in, const std::string& what) 
 Pending Comm::reduce_scatter_sum_async(at::Tensor& out, at::Tensor& in, const std::string& what) {
   TORCH_INTERNAL_ASSERT(in.numel() == out.numel() * world_size_);
   if (done_alone_or_checked(Op::kReduceScatter, in.numel(), out, in, what)) return {nullptr, what};
-  return launch(what, in, [&](c10d::Backend& b) {
-    c10d::ReduceScatterOptions opts;
-    opts.reduceOp = c10d::ReduceOp::SUM;
-    opts.timeout = timeout_;
-    return b._reduce_scatter_base(out, in, opts);
-  });
+  return launch(
+      what, in,
+      [&](c10d::Backend& b, bool async_op) {
+        c10d::ReduceScatterOptions opts;
+        opts.reduceOp = c10d::ReduceOp::SUM;
+        opts.timeout = timeout_;
+        opts.asyncOp = async_op;
+        return b._reduce_scatter_base(out, in, opts);
+      },
+      SideStream::kReduce);
 }
 
 Pending Comm::all_reduce_async(at::Tensor& t, c10d::ReduceOp op, const std::string& what) {
   record(Op::kAllReduce, t.numel(), what);
-  if (world_size_ == 1) return {nullptr, what};
+  if (world_size_ == 1 && !shared_->launch_alone) return {nullptr, what};
   if (verify_) {
     check_same_call({static_cast<int64_t>(Op::kAllReduce), t.numel(), static_cast<int64_t>(t.scalar_type()),
                      hash_text(what), op.op_},
                     what);
   }
-  return launch(what, t, [&](c10d::Backend& b) {
-    std::vector<at::Tensor> ts{t};
-    c10d::AllreduceOptions opts;
-    opts.reduceOp = std::move(op);
-    opts.timeout = timeout_;
-    return b.allreduce(ts, opts);
-  });
+  return launch(
+      what, t,
+      [&](c10d::Backend& b, bool async_op) {
+        std::vector<at::Tensor> ts{t};
+        c10d::AllreduceOptions opts;
+        opts.reduceOp = op;
+        opts.timeout = timeout_;
+        opts.asyncOp = async_op;
+        return b.allreduce(ts, opts);
+      },
+      SideStream::kReduce);
 }
 
 void Comm::all_reduce(at::Tensor& t, c10d::ReduceOp op, const std::string& what) {
@@ -330,7 +371,7 @@ void Comm::broadcast(const at::Tensor& t, int root, const std::string& what) {
   if (verify_) check_same_call({kBroadcast, t.numel(), static_cast<int64_t>(t.scalar_type()), hash_text(what)}, what);
   // The backend needs contiguous memory: a strided tensor goes through a copy, written back.
   at::Tensor buf = t.is_contiguous() ? t : t.contiguous();
-  Pending p = launch(what, buf, [&](c10d::Backend& b) {
+  Pending p = launch(what, buf, [&](c10d::Backend& b, bool /*async_op*/) {
     std::vector<at::Tensor> ts{buf};
     c10d::BroadcastOptions opts;
     opts.rootRank = root;
@@ -351,7 +392,7 @@ void Comm::check_same_call(const std::array<int64_t, 6>& code, const std::string
   m[0] = kMagic;
   for (size_t i = 0; i < code.size(); ++i) m[1 + i] = code[i];
   at::Tensor all = at::empty({W * kCheckWords}, at::kLong);
-  Pending p = launch("the cross-rank check before " + what, mine, [&](c10d::Backend& b) {
+  Pending p = launch("the cross-rank check before " + what, mine, [&](c10d::Backend& b, bool /*async_op*/) {
     c10d::AllgatherOptions opts;
     opts.timeout = timeout_;
     return b._allgather_base(all, mine, opts);
@@ -370,7 +411,7 @@ void Comm::check_same_call(const std::array<int64_t, 6>& code, const std::string
   at::Tensor text = at::zeros({kCheckText}, at::kByte);
   std::memcpy(text.data_ptr(), description.data(), std::min<size_t>(description.size(), kCheckText));
   at::Tensor texts = at::empty({W * kCheckText}, at::kByte);
-  Pending t = launch(p.what, text, [&](c10d::Backend& b) {
+  Pending t = launch(p.what, text, [&](c10d::Backend& b, bool /*async_op*/) {
     c10d::AllgatherOptions opts;
     opts.timeout = timeout_;
     return b._allgather_base(texts, text, opts);

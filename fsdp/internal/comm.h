@@ -4,6 +4,7 @@
 #pragma once
 
 #include "fsdp/comm_stats.h"
+#include "fsdp/internal/cuda_backend.h"
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -13,6 +14,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -49,6 +51,10 @@ struct Pending {
   std::string what;
   bool cpu = false;  // Gloo: wait() also waits for the worker thread to drop the work
   c10::intrusive_ptr<c10d::Backend> backend;
+  /// CUDA, on a side stream (CommShared::side_streams): the collective's end, which the current
+  /// stream waits for. The backend returns no work then.
+  std::shared_ptr<StreamEvent> event;
+  bool in_flight() const { return work || event; }
 };
 
 /// What the Comms of one model share: statistics, the call log, and the CUDA collectives whose
@@ -58,6 +64,12 @@ struct CommShared {
   CallLog log;
   std::vector<Pending> device_issued;
   static constexpr size_t kDeviceIssued = 64;  ///< kept at most; the oldest are completed long before
+  /// CUDA: all-gathers on one side stream, reductions on another (FullyShardOptions::comm_streams);
+  /// otherwise every collective on the backend's own stream.
+  bool side_streams = true;
+  /// Testing: all-gathers, reduce-scatters and all-reduces over a one-rank group are launched on
+  /// the backend too (normally a copy), so that a single device exercises its streams and waits.
+  bool launch_alone = false;
 };
 
 class Comm {
@@ -130,12 +142,18 @@ class Comm {
   /// What an all-gather or reduce-scatter does first: counts it; alone, copies `in` to `out` and
   /// returns true (nothing to launch); otherwise checks the call across ranks when verifying.
   bool done_alone_or_checked(Op op, int64_t numel, at::Tensor& out, const at::Tensor& in, const std::string& what);
-  /// Starts a collective on `t`'s backend with `start`; a backend that throws fails like a wait.
-  Pending launch(const std::string& what, const at::Tensor& t,
-                 const std::function<c10::intrusive_ptr<c10d::Work>(c10d::Backend&)>& start) const;
+  /// Starts a collective on `t`'s backend with `start(backend, async_op)`; a backend that throws
+  /// fails like a wait. A CUDA tensor's collective goes to side stream `side` when given and the
+  /// model uses side streams, started with async_op false (on the stream current then).
+  using Start = std::function<c10::intrusive_ptr<c10d::Work>(c10d::Backend&, bool async_op)>;
+  Pending launch(const std::string& what, const at::Tensor& t, const Start& start,
+                 std::optional<SideStream> side = std::nullopt) const;
   [[noreturn]] void fail(const Pending& p, const std::string& cause, std::chrono::milliseconds waited) const;
   /// wait() of a CUDA collective: the stream waits, the CPU checks for known failures.
   void wait_on_stream(Pending& p) const;
+  /// wait() of a collective on a side stream: the current stream waits for its event; the
+  /// backend's error state (its watchdog's finding) is checked.
+  void wait_on_event(Pending& p) const;
 
   std::shared_ptr<CommShared> shared_;
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;

@@ -7,6 +7,8 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <cstdint>
+#include <functional>
+#include <memory>
 
 namespace fsdp::detail {
 
@@ -14,6 +16,25 @@ namespace fsdp::detail {
 /// to GPU `env.local_rank`. Returns whether it did.
 bool maybe_add_nccl_backend(c10d::ProcessGroup& pg, const c10::intrusive_ptr<c10d::Store>& store, const LaunchEnv& env,
                             std::chrono::milliseconds timeout);
+
+/// FSDP2's communication streams: all-gathers on one, gradient reductions on another, so that a
+/// prefetched all-gather never queues behind a reduce-scatter on the backend's single stream.
+enum class SideStream { kAllGather = 0, kReduce = 1 };
+
+/// The end of a collective issued on a side stream. block_current() makes the stream current
+/// then wait for it (never the CPU); destroyed without that, it does so itself, so that the
+/// collective's buffers, freed after it, are never reused under the collective.
+class StreamEvent {
+ public:
+  virtual ~StreamEvent() = default;
+  virtual void block_current() = 0;
+};
+
+/// Runs `issue` (which launches a collective with asyncOp false: on the current stream) with side
+/// stream `which` of `device` current, after making that stream wait for what the current stream
+/// has queued (the collective's inputs); returns the event recorded after it. CUDA builds only.
+std::unique_ptr<StreamEvent> on_side_stream(const c10::Device& device, SideStream which,
+                                            const std::function<void()>& issue);
 
 struct CudaMemory {
   int64_t current = 0;

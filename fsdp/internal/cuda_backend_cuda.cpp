@@ -2,11 +2,17 @@
 #include "fsdp/internal/cuda_backend.h"
 
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 
 #include <cstdlib>
+#include <map>
+#include <mutex>
+#include <utility>
 
 namespace fsdp::detail {
 
@@ -26,6 +32,66 @@ bool maybe_add_nccl_backend(c10d::ProcessGroup& pg, const c10::intrusive_ptr<c10
                                                           env.rank, env.world_size, opts);
   pg.setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::NCCL, nccl);
   return true;
+}
+
+namespace {
+
+class CudaStreamEvent final : public StreamEvent {
+ public:
+  explicit CudaStreamEvent(c10::DeviceIndex device) : device_(device) {}
+  ~CudaStreamEvent() override {
+    if (waited_) return;
+    try {
+      block_current();
+    } catch (...) {  // a destructor must not throw; a failed CUDA call is reported at the next one
+    }
+  }
+  CudaStreamEvent(const CudaStreamEvent&) = delete;
+  CudaStreamEvent& operator=(const CudaStreamEvent&) = delete;
+  void record(const c10::cuda::CUDAStream& stream) { event_.record(stream); }
+  void block_current() override {
+    event_.block(c10::cuda::getCurrentCUDAStream(device_));
+    waited_ = true;
+  }
+
+ private:
+  c10::DeviceIndex device_;
+  c10::cuda::CUDAEvent event_;  // no timing: the cheapest kind
+  bool waited_ = false;
+};
+
+// One stream per device and kind for the whole process, from PyTorch's pool, high priority (as
+// FSDP2's: a collective's kernels start ahead of queued compute).
+c10::cuda::CUDAStream side_stream(c10::DeviceIndex device, SideStream which) {
+  static std::mutex mu;
+  static std::map<std::pair<int, int>, c10::cuda::CUDAStream> streams;
+  const std::lock_guard<std::mutex> lock(mu);
+  const std::pair<int, int> key{device, static_cast<int>(which)};
+  auto it = streams.find(key);
+  if (it == streams.end()) {
+    it = streams.emplace(key, c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device)).first;
+  }
+  return it->second;
+}
+
+}  // namespace
+
+std::unique_ptr<StreamEvent> on_side_stream(const c10::Device& device, SideStream which,
+                                            const std::function<void()>& issue) {
+  const c10::DeviceIndex index = device.index();
+  const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(index);
+  const c10::cuda::CUDAStream side = side_stream(index, which);
+  // The collective starts after what the current stream queued so far: its inputs' producers.
+  c10::cuda::CUDAEvent inputs_ready;
+  inputs_ready.record(current);
+  inputs_ready.block(side);
+  {
+    const c10::cuda::CUDAStreamGuard on_side(side);
+    issue();
+  }
+  auto done = std::make_unique<CudaStreamEvent>(index);
+  done->record(side);
+  return done;
 }
 
 CudaMemory cuda_memory(int device) {

@@ -1,6 +1,8 @@
 // Built when LibTorch has no CUDA: there is no NCCL backend and no CUDA memory to report.
 #include "fsdp/internal/cuda_backend.h"
 
+#include <c10/util/Exception.h>
+
 namespace fsdp::detail {
 
 bool maybe_add_nccl_backend(c10d::ProcessGroup&, const c10::intrusive_ptr<c10d::Store>&, const LaunchEnv&,
@@ -11,5 +13,8 @@ CudaMemory cuda_memory(int) {
   return {};
 }
 void cuda_reset_peak(int) {}
+std::unique_ptr<StreamEvent> on_side_stream(const c10::Device& device, SideStream, const std::function<void()>&) {
+  TORCH_CHECK(false, "fsdp: a collective on ", device, " tensors, but this build of LibTorch has no CUDA");
+}
 
 }  // namespace fsdp::detail

@@ -9,9 +9,11 @@
 #include <ATen/ops/zeros.h>
 #include <torch/csrc/autograd/engine.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <sstream>
+#include <string>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -23,7 +25,13 @@ RunState::RunState(c10::intrusive_ptr<c10d::ProcessGroup> pg, FullyShardOptions 
            this->options.verify_collectives()),
       // Each unit in flight (the root, kept gathered, the one computing and those prefetched)
       // holds at most two buffers.
-      pool(2 * (2 + static_cast<int64_t>(this->options.prefetch()))) {}
+      pool(2 * (2 + static_cast<int64_t>(this->options.prefetch()))) {
+  // Blocking wait makes ProcessGroupNCCL track no collective in its watchdog, and a collective on
+  // a side stream returns no work to wait on: the timeout would be lost (docs/design.md).
+  const char* blocking = std::getenv("TORCH_NCCL_BLOCKING_WAIT");
+  const bool blocking_wait = blocking != nullptr && (std::string(blocking) == "1" || std::string(blocking) == "true");
+  comm.shared()->side_streams = this->options.comm_streams() && !blocking_wait;
+}
 
 void RunState::init_hybrid(int group_size) {
   if (shard_comm) return;
