@@ -17,9 +17,15 @@
 // zero_grad) and the medians are compared. Reported: the ratio wrapped / plain and the difference in
 // ms per step. The step includes everything the library does at world size 1: its collectives
 // over the one-rank group (copies), its hooks, its boundary checks and its allocations.
+// Memory: each side's model state from shapes after its step (parameters and AdamW moments; the
+// gradients were set to none by zero_grad), and the
+// most bytes allocated during its step above those allocated when the step began (activations,
+// gradients, the library's buffers), from the caching allocator on CUDA and the counting
+// allocator on CPU: the largest over the measured rounds.
 #include "examples/cli.h"
 #include "examples/gpt.h"
 #include "fsdp/fsdp.h"
+#include "optim/state_bytes.h"
 
 #include <ATen/autocast_mode.h>
 #include <torch/cuda.h>
@@ -99,6 +105,7 @@ int main(int argc, char** argv) try {
                           false);
   }
   const torch::Device device(device_name);
+  if (device.is_cpu()) fsdp::memory::enable_cpu_counting();  // before any model exists
   const bool bf16 = precision == "bf16";
   auto sync = [&] {
     if (device.is_cuda()) torch::cuda::synchronize();
@@ -126,10 +133,13 @@ int main(int argc, char** argv) try {
       return std::chrono::duration<double, std::milli>(b - a).count();
     };
     std::vector<double> phases[2][3];  // [plain, wrapped][forward, backward, optimizer]
+    int64_t step_peak[2] = {0, 0};     // [plain, wrapped]
     // Plain LibTorch in bf16: autocast, fp32 weights and optimizer (the wrapped side's casts are
     // its policy's).
     auto step = [&](auto&& forward, torch::optim::Optimizer& opt, int which) {
       sync();
+      const int64_t base = fsdp::memory::stats(device).current_bytes;
+      fsdp::memory::reset_peak(device);
       const auto t0 = Clock::now();
       torch::Tensor loss;
       {
@@ -152,6 +162,7 @@ int main(int argc, char** argv) try {
       phases[which][0].push_back(ms(t0, t1));
       phases[which][1].push_back(ms(t1, t2));
       phases[which][2].push_back(ms(t2, t3));
+      step_peak[which] = std::max(step_peak[which], fsdp::memory::stats(device).peak_bytes - base);
       return ms(t0, t3);
     };
     auto plain_step = [&] { return step([&](const torch::Tensor& t) { return plain->forward(t); }, plain_opt, 0); };
@@ -163,12 +174,16 @@ int main(int argc, char** argv) try {
     for (auto& side : phases) {
       for (auto& v : side) v.clear();  // warm-up steps are not measured
     }
+    step_peak[0] = step_peak[1] = 0;
     std::vector<double> p, f;
     for (int r = 0; r < rounds; ++r) {
       p.push_back(plain_step());
       f.push_back(wrapped_step());
     }
     const double mp = median(p), mf = median(f);
+    const auto plain_state = static_cast<long long>(fsdp::optim::state_bytes(plain->parameters(), &plain_opt).total());
+    const auto wrapped_state =
+        static_cast<long long>(fsdp::optim::state_bytes(wrapped.parameters(), &wrapped_opt).total());
     const long long params = static_cast<long long>(wrapped.num_parameters());
     // Model FLOPs per step: 6 per parameter per token (forward and backward of the weights) plus
     // attention's 12·L·T·C per token.
@@ -189,17 +204,25 @@ int main(int argc, char** argv) try {
           "\"prefetch\": %d, \"plain_ms\": %.4f, \"wrapped_ms\": %.4f, "
           "\"ratio\": %.4f, \"diff_ms\": %.4f, \"plain_phases_ms\": [%.4f, %.4f, %.4f], "
           "\"wrapped_phases_ms\": [%.4f, %.4f, %.4f], \"plain_tflops\": %.6g, \"wrapped_tflops\": %.6g, "
-          "\"plain_mfu\": %s, \"wrapped_mfu\": %s, \"mfu_ratio\": %.4f}%s\n",
+          "\"plain_mfu\": %s, \"wrapped_mfu\": %s, \"mfu_ratio\": %.4f, \"plain_state_bytes\": %lld, "
+          "\"wrapped_state_bytes\": %lld, \"plain_step_peak_bytes\": %lld, \"wrapped_step_peak_bytes\": %lld}%s\n",
           sizes[n].c_str(), params, rounds, device_name.c_str(), precision.c_str(), prefetch, mp, mf, mf / mp, mf - mp,
           ph[0][0], ph[0][1], ph[0][2], ph[1][0], ph[1][1], ph[1][2], tflops_plain, tflops_wrapped,
           cli::json_number(mfu_plain, "%.4f").c_str(), cli::json_number(mfu_wrapped, "%.4f").c_str(),
-          tflops_wrapped / tflops_plain, n + 1 < sizes.size() ? "," : "");
+          tflops_wrapped / tflops_plain, plain_state, wrapped_state, static_cast<long long>(step_peak[0]),
+          static_cast<long long>(step_peak[1]), n + 1 < sizes.size() ? "," : "");
     } else {
       std::printf(
           "%-6s %9lld params: plain %8.3f ms/step, wrapped %8.3f ms/step, ratio %.3f, %+.3f ms (forward/backward/"
           "optimizer: plain %.2f/%.2f/%.2f, wrapped %.2f/%.2f/%.2f)\n",
           sizes[n].c_str(), params, mp, mf, mf / mp, mf - mp, ph[0][0], ph[0][1], ph[0][2], ph[1][0], ph[1][1],
           ph[1][2]);
+      std::printf(
+          "%-6s model state plain %lld, wrapped %lld bytes; step peak above its start plain %lld, wrapped %lld "
+          "bytes (ratio %.3f)\n",
+          sizes[n].c_str(), plain_state, wrapped_state, static_cast<long long>(step_peak[0]),
+          static_cast<long long>(step_peak[1]),
+          static_cast<double>(step_peak[1]) / static_cast<double>(std::max<int64_t>(step_peak[0], 1)));
     }
   }
   if (json) std::printf("]\n");

@@ -122,6 +122,12 @@ if fp32 and bf16:
         "bf16_mfu_ours_over_plain": bf16[0]["mfu_ratio"],
         "goals": "wrapped/plain at most 1.03; MFU ours/plain at least 0.97",
     }
+    summary["memory"] = {
+        p: {"plain_state_bytes": r[0]["plain_state_bytes"], "wrapped_state_bytes": r[0]["wrapped_state_bytes"],
+            "plain_step_peak_bytes": r[0]["plain_step_peak_bytes"],
+            "wrapped_step_peak_bytes": r[0]["wrapped_step_peak_bytes"],
+            "step_peak_wrapped_over_plain": r[0]["wrapped_step_peak_bytes"] / max(r[0]["plain_step_peak_bytes"], 1)}
+        for p, r in (("fp32", fp32), ("bf16", bf16))}
 if bf16 and pf0:
     summary["prefetch"] = {"step_ms_prefetch1": bf16[0]["wrapped_ms"], "step_ms_prefetch0": pf0[0]["wrapped_ms"],
                            "off_over_on": pf0[0]["wrapped_ms"] / bf16[0]["wrapped_ms"]}
