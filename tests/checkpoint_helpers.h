@@ -9,6 +9,7 @@
 #include "checkpoint/safetensors.h"
 #include "optim/fused_adamw.h"
 #include "tests/models.h"
+#include "tests/temp_dir.h"
 
 #include <torch/serialize.h>
 #include <nlohmann/json.hpp>
@@ -71,6 +72,19 @@ inline std::shared_ptr<BufferedMLPImpl> build(const Case& c, Rank& r, uint64_t s
 inline FullyShardedModule<BufferedMLPImpl> wrap(const Case& c, Rank& r, uint64_t seed) {
   return fsdp::fully_shard(build(c, r, seed), r.pg, test_options(c.strategy, c.group));
 }
+
+/// A temporary checkpoint root for a test's ranks: made by the test process (removed when the test
+/// ends) and handed to the ranks in `options.env`, where root_dir() reads it. Unset in a rank.
+struct CheckpointRoot {
+  std::unique_ptr<TempDir> tmp;
+  RunOptions options;
+  CheckpointRoot() {
+    if (in_rank_process()) return;
+    tmp = std::make_unique<TempDir>();
+    options.env["FSDP_TEST_CKPT_ROOT"] = tmp->path;
+  }
+  const std::string& path() const { return tmp->path; }
+};
 
 inline std::string root_dir() {
   const char* d = std::getenv("FSDP_TEST_CKPT_ROOT");

@@ -4,7 +4,6 @@
 // still the latest; a rank killed during its background write leaving the previous one the latest.
 #include "checkpoint/async_save.h"
 #include "tests/checkpoint_helpers.h"
-#include "tests/temp_dir.h"
 
 #include <malloc.h>
 
@@ -81,16 +80,11 @@ void same_files_as_sync(Rank& r) {
 }
 
 TEST(CheckpointAsync, SameFilesAsASynchronousSaveWhileTrainingGoesOn) {
-  std::unique_ptr<TempDir> tmp;
-  RunOptions o;
-  if (!in_rank_process()) {
-    tmp = std::make_unique<TempDir>();
-    o.env["FSDP_TEST_CKPT_ROOT"] = tmp->path;
-  }
-  run_ranks(2, same_files_as_sync, o);
+  CheckpointRoot root;
+  run_ranks(2, same_files_as_sync, root.options);
   if (!in_rank_process()) {
     PlainMLPImpl plain;
-    EXPECT_EQ(checkpoint::load(tmp->path + "/async", plain).step, 3);  // the destructor's wait
+    EXPECT_EQ(checkpoint::load(root.path() + "/async", plain).step, 3);  // the destructor's wait
   }
 }
 
@@ -104,12 +98,7 @@ struct WideImpl : torch::nn::Module {
 };
 
 TEST(CheckpointAsync, SnapshotMemoryIsReusedOverManySaves) {
-  std::unique_ptr<TempDir> tmp;
-  RunOptions o;
-  if (!in_rank_process()) {
-    tmp = std::make_unique<TempDir>();
-    o.env["FSDP_TEST_CKPT_ROOT"] = tmp->path;
-  }
+  CheckpointRoot root;
   run_ranks(
       2,
       [](Rank& r) {
@@ -143,19 +132,14 @@ TEST(CheckpointAsync, SnapshotMemoryIsReusedOverManySaves) {
         // which its buffer cache keeps or frees), about one snapshot here: so the bound is three.
         EXPECT_LT(growth, 3 * capacity) << "host memory grew over 15 saves by more than three snapshots";
       },
-      o);
+      root.options);
 }
 
 // With wait_if_busy(false) and a save tried every step, each try is started on every rank or
 // refused on every rank (the ranks agree). Without the agreement this fails: the ranks start
 // different saves, which then pair up wrongly.
 TEST(CheckpointAsync, SkippingABusySaveIsAgreedByEveryRank) {
-  std::unique_ptr<TempDir> tmp;
-  RunOptions o;
-  if (!in_rank_process()) {
-    tmp = std::make_unique<TempDir>();
-    o.env["FSDP_TEST_CKPT_ROOT"] = tmp->path;
-  }
+  CheckpointRoot root;
   run_ranks(
       2,
       [](Rank& r) {
@@ -190,7 +174,7 @@ TEST(CheckpointAsync, SkippingABusySaveIsAgreedByEveryRank) {
         std::cout << "rank " << r.rank << ": " << started.sum().item<int64_t>() << " of " << kSteps << " saves started"
                   << std::endl;
       },
-      o);
+      root.options);
 }
 
 // The second launch: a good save, then one whose background write fails on rank 1 (an injected
@@ -223,17 +207,12 @@ void disk_error(Rank& r) {
 }
 
 TEST(CheckpointAsync, ABackgroundDiskErrorIsThrownByTheNextCall) {
-  std::unique_ptr<TempDir> tmp;
-  RunOptions o;
-  if (!in_rank_process()) {
-    tmp = std::make_unique<TempDir>();
-    o.env["FSDP_TEST_CKPT_ROOT"] = tmp->path;
-  }
-  o.env["FSDP_CHECKPOINT_FAIL_WRITE"] = "ENOSPC:.staging-step-000002/rank-00001";
-  run_ranks(2, disk_error, o);
+  CheckpointRoot root;
+  root.options.env["FSDP_CHECKPOINT_FAIL_WRITE"] = "ENOSPC:.staging-step-000002/rank-00001";
+  run_ranks(2, disk_error, root.options);
   if (!in_rank_process()) {
     PlainMLPImpl plain;
-    EXPECT_EQ(checkpoint::load(tmp->path + "/step-000001", plain).step, 1);
+    EXPECT_EQ(checkpoint::load(root.path() + "/step-000001", plain).step, 1);
   }
 }
 
@@ -254,22 +233,17 @@ void killed_mid_write(Rank& r) {
 }
 
 TEST(CheckpointAsync, ARankKilledDuringItsBackgroundWriteLeavesThePreviousLatest) {
-  std::unique_ptr<TempDir> tmp;
-  RunOptions o;
-  if (!in_rank_process()) {
-    tmp = std::make_unique<TempDir>();
-    o.env["FSDP_TEST_CKPT_ROOT"] = tmp->path;
-  }
-  o.collective_timeout = std::chrono::seconds(5);
-  o.env["FSDP_TEST_STEP"] = "1";
-  run_ranks(2, killed_mid_write, o);
-  o.env["FSDP_TEST_STEP"] = "2";
-  o.env["FSDP_CHECKPOINT_CRASH_AT"] = "data-written@1";
-  o.may_die = {1};
-  run_ranks(2, killed_mid_write, o);
+  CheckpointRoot root;
+  root.options.collective_timeout = std::chrono::seconds(5);
+  root.options.env["FSDP_TEST_STEP"] = "1";
+  run_ranks(2, killed_mid_write, root.options);
+  root.options.env["FSDP_TEST_STEP"] = "2";
+  root.options.env["FSDP_CHECKPOINT_CRASH_AT"] = "data-written@1";
+  root.options.may_die = {1};
+  run_ranks(2, killed_mid_write, root.options);
   if (!in_rank_process()) {
     PlainMLPImpl plain;
-    EXPECT_EQ(checkpoint::load(tmp->path, plain).step, 1);
+    EXPECT_EQ(checkpoint::load(root.path(), plain).step, 1);
   }
 }
 

@@ -6,7 +6,6 @@
 // (load_safetensors).
 #include "checkpoint/consolidate.h"
 #include "tests/checkpoint_helpers.h"
-#include "tests/temp_dir.h"
 
 #include <nlohmann/json.hpp>
 
@@ -118,15 +117,10 @@ void load_consolidated_elsewhere(Rank& r) {
 }
 
 TEST(CheckpointConsolidate, OneFileOrHuggingFaceShardsEqualTheModelAndLoadInPython) {
-  std::unique_ptr<TempDir> tmp;
-  RunOptions o;
-  if (!in_rank_process()) {
-    tmp = std::make_unique<TempDir>();
-    o.env["FSDP_TEST_CKPT_ROOT"] = tmp->path;
-  }
-  run_ranks(2, check_consolidate, o);
-  run_ranks(3, load_consolidated_elsewhere, o);
-  run_ranks(1, load_consolidated_elsewhere, o);
+  CheckpointRoot root;
+  run_ranks(2, check_consolidate, root.options);
+  run_ranks(3, load_consolidated_elsewhere, root.options);
+  run_ranks(1, load_consolidated_elsewhere, root.options);
 }
 
 }  // namespace

@@ -3,7 +3,6 @@
 // tensor equal to the file's, each rank reading exactly the bytes of its rows; names are mapped
 // (a prefix stripped, a tensor skipped), and without the map the mismatch is refused.
 #include "tests/checkpoint_helpers.h"
-#include "tests/temp_dir.h"
 
 #include <cstdlib>
 #include <memory>
@@ -51,17 +50,14 @@ TEST(CheckpointHuggingFace, SafetensorsFromPythonLoadIntoShardsAtOneToFourRanks)
 #ifndef FSDP_PYTHON
   GTEST_SKIP() << "no Python virtualenv configured";
 #else
-  std::unique_ptr<TempDir> tmp;
-  RunOptions o;
+  CheckpointRoot root;
   if (!in_rank_process()) {
-    tmp = std::make_unique<TempDir>();
-    o.env["FSDP_TEST_CKPT_ROOT"] = tmp->path;
     const std::string cmd = std::string(FSDP_PYTHON) + " " + FSDP_SOURCE_DIR + "/tests/make_hf_checkpoint.py " +
-                            tmp->path + "/hf > " + tmp->path + "/python.log 2>&1";
+                            root.path() + "/hf > " + root.path() + "/python.log 2>&1";
     ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
-    o.env["FSDP_TEST_CKPT_ROOT"] = tmp->path + "/hf";
+    root.options.env["FSDP_TEST_CKPT_ROOT"] = root.path() + "/hf";
   }
-  for (int M = 1; M <= 4; ++M) run_ranks(M, load_hf, o);
+  for (int M = 1; M <= 4; ++M) run_ranks(M, load_hf, root.options);
 #endif
 }
 

@@ -4,7 +4,6 @@
 // checksum blocks), the loaded model computing what a plain LibTorch model with the same weights
 // computes, and training going on as without the interruption. Then the generators' states.
 #include "tests/checkpoint_helpers.h"
-#include "tests/temp_dir.h"
 
 #include <c10/util/accumulate.h>
 
@@ -142,15 +141,10 @@ void load_all(Rank& r) {
 }
 
 TEST(CheckpointLoad, ReshardMatrixEveryStrategyBitExact) {
-  std::unique_ptr<TempDir> tmp;  // in the test process only; the ranks take its path from the environment
-  RunOptions o;
-  o.timeout = std::chrono::seconds(300);
-  if (!in_rank_process()) {
-    tmp = std::make_unique<TempDir>();
-    o.env["FSDP_TEST_CKPT_ROOT"] = tmp->path;
-  }
-  for (int N = 1; N <= 4; ++N) run_ranks(N, save_all, o);
-  for (int M = 1; M <= 4; ++M) run_ranks(M, load_all, o);
+  CheckpointRoot root;
+  root.options.timeout = std::chrono::seconds(300);
+  for (int N = 1; N <= 4; ++N) run_ranks(N, save_all, root.options);
+  for (int M = 1; M <= 4; ++M) run_ranks(M, load_all, root.options);
 }
 
 // Generator states: saved at 2 ranks, loaded at 3. Ranks 0 and 1 draw what they drew after the
@@ -201,14 +195,9 @@ void load_rng(Rank& r) {
 }
 
 TEST(CheckpointLoad, GeneratorStatesRestoredAndDerivedForNewRanks) {
-  std::unique_ptr<TempDir> tmp;
-  RunOptions o;
-  if (!in_rank_process()) {
-    tmp = std::make_unique<TempDir>();
-    o.env["FSDP_TEST_CKPT_ROOT"] = tmp->path;
-  }
-  run_ranks(2, save_rng, o);
-  run_ranks(3, load_rng, o);
+  CheckpointRoot root;
+  run_ranks(2, save_rng, root.options);
+  run_ranks(3, load_rng, root.options);
 }
 }  // namespace
 }  // namespace fsdp::testing
