@@ -7,6 +7,8 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
+#include <cstdint>
+#include <cstdlib>
 #include <iomanip>
 #include <limits>
 #include <map>
@@ -42,6 +44,9 @@ at::Tensor ShardedGradScaler::scale(const at::Tensor& loss) const {
 
 void ShardedGradScaler::unscale_(torch::optim::Optimizer& optimizer) {
   if (!options_.enabled()) return;
+  TORCH_CHECK(!stepped_, "fsdp::optim::ShardedGradScaler::unscale_ (rank ", model_.rank(),
+              "): called after step(), which unscales; call unscale_() before step() (for clipping), or not at all, "
+              "and update() after step().");
   TORCH_CHECK(!unscaled_, "fsdp::optim::ShardedGradScaler::unscale_ (rank ", model_.rank(),
               "): called twice since the last update(); unscale once per step (step() unscales when you did not).");
   model_.check_gradients_reduced("ShardedGradScaler::unscale_");
@@ -77,12 +82,16 @@ bool ShardedGradScaler::step(torch::optim::Optimizer& optimizer) {
     optimizer.step();
     return true;
   }
+  TORCH_CHECK(!stepped_, "fsdp::optim::ShardedGradScaler::step (rank ", model_.rank(),
+              "): step() was called already since the last update() (PyTorch refuses it too); call update() after "
+              "each step().");
   if (!unscaled_) unscale_(optimizer);
   if (!any_grads_) unscaled_ = false;  // nothing was unscaled: the next backward's step may unscale
   TORCH_CHECK(any_grads_, "fsdp::optim::ShardedGradScaler::step (rank ", model_.rank(),
               "): no parameter of the optimizer has a gradient on any rank, so no inf/NaN check was made (PyTorch: "
               "\"No inf checks were recorded for this optimizer\"). Run scaler.scale(loss).backward() before "
               "scaler.step(optimizer), and zero_grad() after the step, not between.");
+  stepped_ = true;
   if (found_inf_) return false;
   optimizer.step();
   return true;
@@ -96,6 +105,7 @@ void ShardedGradScaler::update() {
   at::_amp_update_scale_(scale_, growth_tracker_, found, options_.growth_factor(), options_.backoff_factor(),
                          options_.growth_interval());
   unscaled_ = false;
+  stepped_ = false;
 }
 
 namespace {
@@ -128,32 +138,42 @@ void ShardedGradScaler::load_state_dict(const std::map<std::string, std::string>
   };
   TORCH_CHECK(options_.enabled(), where(),
               ": the scaler is disabled (GradScalerOptions::enabled false); load into an enabled one.");
-  TORCH_CHECK(!unscaled_, where(), ": called between unscale_()/step() and update(); load between steps.");
+  TORCH_CHECK(!unscaled_ && !stepped_, where(), ": called between unscale_()/step() and update(); load between steps.");
+  for (const auto& [key, value] : state) {  // a misspelt key of ours would otherwise be ignored
+    const bool ours = key.rfind("grad_scaler.", 0) == 0;
+    const bool known = key == kScale || key == kTracker || key == kGrowth || key == kBackoff || key == kInterval;
+    TORCH_CHECK(!ours || known, where(), ": unknown key '", key, "' (", value, "); the scaler's keys are ", kScale,
+                ", ", kTracker, ", ", kGrowth, ", ", kBackoff, " and ", kInterval, ".");
+  }
   const auto number = [&](const char* key) {
     const auto it = state.find(key);
     TORCH_CHECK(it != state.end(), where(), ": '", key,
                 "' is missing: pass what scaler.state_dict() gave (saved in the checkpoint's metadata with "
                 "SaveOptions::metadata).");
-    size_t used = 0;
-    double v = 0;
-    try {
-      v = std::stod(it->second, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    TORCH_CHECK(used > 0 && used == it->second.size() && std::isfinite(v), where(), ": '", key, "' is '", it->second,
-                "', not a finite number.");
+    const std::string& text = it->second;
+    // Decimal only (strtod would also take hexadecimal, "inf" and leading blanks).
+    const bool decimal = !text.empty() && text.find_first_not_of("0123456789+-.eE") == std::string::npos;
+    char* end = nullptr;
+    const double v = decimal ? std::strtod(text.c_str(), &end) : 0.0;
+    TORCH_CHECK(decimal && end == text.c_str() + text.size() && std::isfinite(v), where(), ": '", key, "' is '", text,
+                "', not a finite decimal number.");
     return v;
   };
   const double scale = number(kScale), growth = number(kGrowth), backoff = number(kBackoff);
   const double tracker = number(kTracker), interval = number(kInterval);
-  TORCH_CHECK(scale > 0, where(), ": '", kScale, "' is ", scale, "; a scale is positive.");
-  TORCH_CHECK(tracker >= 0 && tracker == std::floor(tracker) && interval > 0 && interval == std::floor(interval),
-              where(), ": '", kTracker, "' (", tracker, ") and '", kInterval, "' (", interval,
-              ") must be whole, the interval positive.");
+  const auto scale32 = static_cast<float>(scale);  // what the scale is kept in
+  TORCH_CHECK(scale > 0 && std::isnormal(scale32), where(), ": '", kScale, "' is ", scale,
+              "; a scale is a positive number that fp32 holds (", std::numeric_limits<float>::min(), " to ",
+              std::numeric_limits<float>::max(), ").");
+  constexpr double kIntMax = std::numeric_limits<int32_t>::max();
+  TORCH_CHECK(interval >= 1 && interval <= kIntMax && interval == std::floor(interval), where(), ": '", kInterval,
+              "' is ", interval, "; it is a whole number of steps from 1 to ", kIntMax, ".");
+  TORCH_CHECK(tracker >= 0 && tracker < interval && tracker == std::floor(tracker), where(), ": '", kTracker, "' is ",
+              tracker, "; it counts the clean steps since the scale last changed: a whole number below the interval (",
+              interval, ").");
   TORCH_CHECK(growth > 1.0 && backoff > 0 && backoff < 1.0, where(), ": growth_factor ", growth, " and backoff_factor ",
               backoff, " must satisfy growth_factor > 1 and 0 < backoff_factor < 1.");
-  scale_.fill_(scale);
+  scale_.fill_(scale32);
   growth_tracker_.fill_(static_cast<int64_t>(tracker));
   options_.growth_factor(growth).backoff_factor(backoff).growth_interval(static_cast<int64_t>(interval));
 }

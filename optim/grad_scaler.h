@@ -63,13 +63,15 @@ class ShardedGradScaler {
   bool found_inf() const { return found_inf_; }
   const GradScalerOptions& options() const { return options_; }
 
-  /// The scale, the clean steps counted towards the next growth and the options, as key/values
-  /// (PyTorch's GradScaler.state_dict, keys prefixed "grad_scaler."), exact: checkpoint metadata.
-  /// Empty when the scaler is disabled.
+  /// The scale, the clean steps counted towards the next growth and the options, as exact
+  /// decimal key/values for a checkpoint's metadata: grad_scaler.scale, grad_scaler.growth_tracker
+  /// (PyTorch's GradScaler.state_dict "_growth_tracker"), grad_scaler.growth_factor,
+  /// grad_scaler.backoff_factor, grad_scaler.growth_interval. Empty when the scaler is disabled.
   std::map<std::string, std::string> state_dict() const;
-  /// Restores what state_dict gave (other keys are ignored, so a checkpoint's whole metadata may
-  /// be passed); call it between steps. Throws, naming the key, when one is missing or malformed,
-  /// and on a disabled scaler (as PyTorch).
+  /// Restores what state_dict gave, options included (they replace the constructor's, as in
+  /// PyTorch); keys outside "grad_scaler." are ignored, so a checkpoint's whole metadata may be
+  /// passed. Call it between steps. Throws, naming the key, when one of ours is unknown, missing or
+  /// unusable (a scale fp32 cannot hold, a count not below the interval), and on a disabled scaler.
   void load_state_dict(const std::map<std::string, std::string>& state);
 
  private:
@@ -80,6 +82,7 @@ class ShardedGradScaler {
   bool unscaled_ = false;
   bool found_inf_ = false;
   bool any_grads_ = false;  // whether any rank had a gradient at the last unscale_
+  bool stepped_ = false;    // step() since the last update()
 };
 
 }  // namespace fsdp::optim

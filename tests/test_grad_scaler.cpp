@@ -168,6 +168,8 @@ TEST(GradScaler, Refusals) {
     auto [x, y] = gpt_batch(kCfg, 4300);
     scaler.scale(gpt_loss(model(local_rows(x, r.rank, 2)), local_rows(y, r.rank, 2))).backward();
     EXPECT_TRUE(scaler.step(opt));
+    expect_error([&] { scaler.step(opt); }, "step() was called already since the last update()");
+    expect_error([&] { scaler.unscale_(opt); }, "called after step(), which unscales");
     scaler.update();
 
     auto state = scaler.state_dict();
@@ -175,9 +177,22 @@ TEST(GradScaler, Refusals) {
     expect_error([&] { scaler.load_state_dict(state); }, "'grad_scaler.growth_tracker' is missing");
     state = scaler.state_dict();
     state["grad_scaler.scale"] = "12x";
-    expect_error([&] { scaler.load_state_dict(state); }, "'grad_scaler.scale' is '12x', not a finite number");
-    state["grad_scaler.scale"] = "-1";
-    expect_error([&] { scaler.load_state_dict(state); }, "a scale is positive");
+    expect_error([&] { scaler.load_state_dict(state); }, "'grad_scaler.scale' is '12x', not a finite decimal number");
+    // Whatever reads as a double but not as a usable scale or count: refused, naming the key.
+    for (const char* bad : {"-1", "1e39", "1e-300", "0"}) {
+      state["grad_scaler.scale"] = bad;
+      expect_error([&] { scaler.load_state_dict(state); }, "a scale is a positive number that fp32 holds");
+    }
+    state["grad_scaler.scale"] = "0x10";
+    expect_error([&] { scaler.load_state_dict(state); }, "'grad_scaler.scale' is '0x10', not a finite decimal number");
+    state = scaler.state_dict();
+    for (const char* bad : {"99999999999", "2000", "1.5", "-1"}) {
+      state["grad_scaler.growth_tracker"] = bad;
+      expect_error([&] { scaler.load_state_dict(state); }, "a whole number below the interval (2000)");
+    }
+    state = scaler.state_dict();
+    state["grad_scaler._growth_tracker"] = "1";
+    expect_error([&] { scaler.load_state_dict(state); }, "unknown key 'grad_scaler._growth_tracker'");
     EXPECT_EQ(scaler.get_scale(), 1024.0) << "a refused load changes nothing";
     fsdp::optim::ShardedGradScaler off(model, fsdp::optim::GradScalerOptions().enabled(false));
     EXPECT_TRUE(off.state_dict().empty());

@@ -322,6 +322,14 @@ TEST(MixedPrecision, Refusals) {
       EXPECT_NE(msg.find("give that unit MixedPrecisionPolicy::output_dtype"), std::string::npos) << msg;
       EXPECT_EQ(msg.find("unit 'h.0'"), std::string::npos) << "named once, by the innermost unit: " << msg;
     }
+    {  // The same in the root's own layers: its head fed fp32 by a unit whose output_dtype says so.
+      auto net = std::make_shared<UnevenMLPImpl<true>>();
+      net->fc2->set_mixed_precision(MixedPrecisionPolicy(bf16).output_dtype(torch::kFloat));
+      auto mlp = fsdp::fully_shard(net, r.pg, test_options().mixed_precision(bf16));
+      const torch::Tensor in = torch::randn({4, 7});
+      expect_error([&] { mlp(in); },
+                   "fsdp (rank 0): raised in the forward of unit '<root>', whose parameters compute in BFloat16");
+    }
     // reduce_dtype alone works with every strategy (here replicated, alone: the cast is all).
     auto replicated = fsdp::fully_shard(gpt::make_gpt<true>(kCfg), r.pg,
                                         test_options(ShardingStrategy::kNoShard, 0)
