@@ -101,6 +101,11 @@ void ShardedGradScaler::update() {
   if (!options_.enabled()) return;
   TORCH_CHECK(unscaled_, "fsdp::optim::ShardedGradScaler::update (rank ", model_.rank(),
               "): no step() or unscale_() since the last update(); call update() once per step, after step().");
+  if (!any_grads_) unscaled_ = false;  // nothing was checked: the next backward's step starts over
+  TORCH_CHECK(any_grads_, "fsdp::optim::ShardedGradScaler::update (rank ", model_.rank(),
+              "): no inf/NaN check was made since the last update() (no rank had a gradient at unscale_()), so "
+              "the scale cannot be updated (PyTorch: \"No inf checks were recorded prior to update\"). Run "
+              "scaler.scale(loss).backward() before unscale_() and step().");
   at::Tensor found = at::full({1}, found_inf_ ? 1.0 : 0.0, at::kFloat);
   at::_amp_update_scale_(scale_, growth_tracker_, found, options_.growth_factor(), options_.backoff_factor(),
                          options_.growth_interval());
@@ -161,8 +166,9 @@ void ShardedGradScaler::load_state_dict(const std::map<std::string, std::string>
   };
   const double scale = number(kScale), growth = number(kGrowth), backoff = number(kBackoff);
   const double tracker = number(kTracker), interval = number(kInterval);
-  const auto scale32 = static_cast<float>(scale);  // what the scale is kept in
-  TORCH_CHECK(scale > 0 && std::isnormal(scale32), where(), ": '", kScale, "' is ", scale,
+  // What the scale is kept in (converted only when in range: beyond, the conversion is undefined).
+  const float scale32 = scale > 0 && scale <= std::numeric_limits<float>::max() ? static_cast<float>(scale) : 0.0F;
+  TORCH_CHECK(std::isnormal(scale32), where(), ": '", kScale, "' is ", scale,
               "; a scale is a positive number that fp32 holds (", std::numeric_limits<float>::min(), " to ",
               std::numeric_limits<float>::max(), ").");
   constexpr double kIntMax = std::numeric_limits<int32_t>::max();

@@ -165,6 +165,8 @@ TEST(GradScaler, Refusals) {
     fsdp::optim::ShardedGradScaler scaler(model, fsdp::optim::GradScalerOptions().init_scale(1024));
     torch::optim::AdamW opt(model.parameters(), torch::optim::AdamWOptions(1e-2));
     expect_error([&] { scaler.step(opt); }, "no parameter of the optimizer has a gradient on any rank");
+    scaler.unscale_(opt);  // no gradient anywhere: nothing checked, so no update either
+    expect_error([&] { scaler.update(); }, "No inf checks were recorded prior to update");
     auto [x, y] = gpt_batch(kCfg, 4300);
     scaler.scale(gpt_loss(model(local_rows(x, r.rank, 2)), local_rows(y, r.rank, 2))).backward();
     EXPECT_TRUE(scaler.step(opt));

@@ -261,10 +261,11 @@ Pending Comm::launch(const std::string& what, const at::Tensor& t, const Start& 
                      std::optional<SideStream> side) const {
   Pending p{nullptr, what, t.is_cpu(), backend(t)};
   try {
-    if (side && t.is_cuda() && shared_->side_streams) {
+    if (side && t.is_cuda() && shared_->side_streams && shared_->streams) {
       // FSDP2's way: asyncOp false runs the collective on the stream current at the call, here
       // the side stream, and returns no work; the event after it is what the consumer waits for.
-      p.event = on_side_stream(t.device(), *side, [&] { p.work = start(*p.backend, /*async_op=*/false); });
+      p.event =
+          on_side_stream(*shared_->streams, t.device(), *side, [&] { p.work = start(*p.backend, /*async_op=*/false); });
     } else {
       p.work = start(*p.backend, /*async_op=*/true);
     }

@@ -66,7 +66,8 @@ struct CommShared {
   static constexpr size_t kDeviceIssued = 64;  ///< kept at most; the oldest are completed long before
   /// CUDA: all-gathers on one side stream, reductions on another (FullyShardOptions::comm_streams);
   /// otherwise every collective on the backend's own stream.
-  bool side_streams = true;
+  bool side_streams = !nccl_blocking_wait();
+  std::shared_ptr<SideStreams> streams = make_side_streams();
   /// Testing: all-gathers, reduce-scatters and all-reduces over a one-rank group are launched on
   /// the backend too (normally a copy), so that a single device exercises its streams and waits.
   bool launch_alone = false;

@@ -21,6 +21,16 @@ bool maybe_add_nccl_backend(c10d::ProcessGroup& pg, const c10::intrusive_ptr<c10
 /// prefetched all-gather never queues behind a reduce-scatter on the backend's single stream.
 enum class SideStream { kAllGather = 0, kReduce = 1 };
 
+/// One model's side streams (per device and kind, taken from PyTorch's pool when first used), so
+/// that two models' collectives never queue behind each other. Null without CUDA.
+class SideStreams;
+std::shared_ptr<SideStreams> make_side_streams();
+
+/// Whether ProcessGroupNCCL waits blockingly (TORCH_NCCL_BLOCKING_WAIT or NCCL_BLOCKING_WAIT, read
+/// as it reads them): its watchdog then tracks no collective, so side streams, which return no
+/// work to wait on, would lose the timeout. False without CUDA.
+bool nccl_blocking_wait();
+
 /// The end of a collective issued on a side stream. block_current() makes the stream current
 /// then wait for it (never the CPU); destroyed without that, it does so itself, so that the
 /// collective's buffers, freed after it, are never reused under the collective.
@@ -33,7 +43,7 @@ class StreamEvent {
 /// Runs `issue` (which launches a collective with asyncOp false: on the current stream) with side
 /// stream `which` of `device` current, after making that stream wait for what the current stream
 /// has queued (the collective's inputs); returns the event recorded after it. CUDA builds only.
-std::unique_ptr<StreamEvent> on_side_stream(const c10::Device& device, SideStream which,
+std::unique_ptr<StreamEvent> on_side_stream(SideStreams& streams, const c10::Device& device, SideStream which,
                                             const std::function<void()>& issue);
 
 struct CudaMemory {

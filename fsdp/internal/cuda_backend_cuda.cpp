@@ -23,7 +23,7 @@ bool maybe_add_nccl_backend(c10d::ProcessGroup& pg, const c10::intrusive_ptr<c10
   c10::cuda::set_device(static_cast<c10::DeviceIndex>(device));
   // On a timeout the watchdog aborts the communicators and marks the collective failed, without
   // ending the process from its thread (2: CleanUpOnly; PyTorch's default tears the process
-  // down): the library reports it at its next wait with the usual message (Comm::wait_on_stream).
+  // down): the library reports it at its next wait with the usual message (Comm::wait_on_stream, Comm::wait_on_event).
   // A value the user set is kept.
   setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2", /*overwrite=*/0);
   auto opts = c10d::ProcessGroupNCCL::Options::create();
@@ -60,36 +60,55 @@ class CudaStreamEvent final : public StreamEvent {
   bool waited_ = false;
 };
 
-// One stream per device and kind for the whole process, from PyTorch's pool, high priority (as
-// FSDP2's: a collective's kernels start ahead of queued compute).
-c10::cuda::CUDAStream side_stream(c10::DeviceIndex device, SideStream which) {
-  static std::mutex mu;
-  static std::map<std::pair<int, int>, c10::cuda::CUDAStream> streams;
-  const std::lock_guard<std::mutex> lock(mu);
-  const std::pair<int, int> key{device, static_cast<int>(which)};
-  auto it = streams.find(key);
-  if (it == streams.end()) {
-    it = streams.emplace(key, c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device)).first;
-  }
-  return it->second;
-}
-
 }  // namespace
 
-std::unique_ptr<StreamEvent> on_side_stream(const c10::Device& device, SideStream which,
+// A model's streams per device and kind, from PyTorch's pool, high priority (as FSDP2's: a
+// collective's kernels start ahead of queued compute).
+class SideStreams {
+ public:
+  c10::cuda::CUDAStream get(c10::DeviceIndex device, SideStream which) {
+    const std::lock_guard<std::mutex> lock(mu_);
+    const std::pair<int, int> key{device, static_cast<int>(which)};
+    auto it = streams_.find(key);
+    if (it == streams_.end()) {
+      it = streams_.emplace(key, c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device)).first;
+    }
+    return it->second;
+  }
+
+ private:
+  std::mutex mu_;
+  std::map<std::pair<int, int>, c10::cuda::CUDAStream> streams_;
+};
+
+std::shared_ptr<SideStreams> make_side_streams() {
+  return std::make_shared<SideStreams>();
+}
+
+bool nccl_blocking_wait() {
+  return c10d::getCvarBool(c10d::TORCH_NCCL_BLOCKING_WAIT, false);
+}
+
+std::unique_ptr<StreamEvent> on_side_stream(SideStreams& streams, const c10::Device& device, SideStream which,
                                             const std::function<void()>& issue) {
   const c10::DeviceIndex index = device.index();
   const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(index);
-  const c10::cuda::CUDAStream side = side_stream(index, which);
+  const c10::cuda::CUDAStream side = streams.get(index, which);
   // The collective starts after what the current stream queued so far: its inputs' producers.
   c10::cuda::CUDAEvent inputs_ready;
   inputs_ready.record(current);
   inputs_ready.block(side);
-  {
+  auto done = std::make_unique<CudaStreamEvent>(index);
+  try {
     const c10::cuda::CUDAStreamGuard on_side(side);
     issue();
+  } catch (...) {
+    // The backend may have queued the collective before it threw: the current stream waits for
+    // whatever the side stream holds before the buffers can be given back.
+    done->record(side);
+    done->block_current();
+    throw;
   }
-  auto done = std::make_unique<CudaStreamEvent>(index);
   done->record(side);
   return done;
 }

@@ -13,7 +13,15 @@ CudaMemory cuda_memory(int) {
   return {};
 }
 void cuda_reset_peak(int) {}
-std::unique_ptr<StreamEvent> on_side_stream(const c10::Device& device, SideStream, const std::function<void()>&) {
+class SideStreams {};
+std::shared_ptr<SideStreams> make_side_streams() {
+  return nullptr;
+}
+bool nccl_blocking_wait() {
+  return false;
+}
+std::unique_ptr<StreamEvent> on_side_stream(SideStreams&, const c10::Device& device, SideStream,
+                                            const std::function<void()>&) {
   TORCH_CHECK(false, "fsdp: a collective on ", device, " tensors, but this build of LibTorch has no CUDA");
 }
 

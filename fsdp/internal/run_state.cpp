@@ -9,7 +9,6 @@
 #include <ATen/ops/zeros.h>
 #include <torch/csrc/autograd/engine.h>
 
-#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <sstream>
@@ -28,9 +27,7 @@ RunState::RunState(c10::intrusive_ptr<c10d::ProcessGroup> pg, FullyShardOptions 
       pool(2 * (2 + static_cast<int64_t>(this->options.prefetch()))) {
   // Blocking wait makes ProcessGroupNCCL track no collective in its watchdog, and a collective on
   // a side stream returns no work to wait on: the timeout would be lost (docs/design.md).
-  const char* blocking = std::getenv("TORCH_NCCL_BLOCKING_WAIT");
-  const bool blocking_wait = blocking != nullptr && (std::string(blocking) == "1" || std::string(blocking) == "true");
-  comm.shared()->side_streams = this->options.comm_streams() && !blocking_wait;
+  comm.shared()->side_streams = this->options.comm_streams() && !nccl_blocking_wait();
 }
 
 void RunState::init_hybrid(int group_size) {

@@ -340,8 +340,9 @@ void Unit::wait_gather() {
   try {
     shard_comm_->wait(gather_);
   } catch (const std::exception& e) {
-    // The backend keeps its own reference to the buffer; ours is dropped so that nothing ever
-    // reads a gather that did not complete, and the run state refuses further steps.
+    // Ours is dropped so that nothing ever reads a gather that did not complete (Gloo and NCCL's
+    // own stream keep their reference; on a side stream the wait was queued before the error was
+    // seen), and the run state refuses further steps.
     gathered_ = at::Tensor();
     gather_in_ = at::Tensor();
     enter(UnitState::kSharded);

@@ -38,7 +38,7 @@ class Unit : public std::enable_shared_from_this<Unit> {
   std::string label() const;
   /// Gives a unit sharded while it was built its place in the model: module path and parameter names.
   void rename(const std::string& path);
-  /// Until rename: e.g. "the 3rd unit built in the ShardingScope (BlockImpl)".
+  /// Until rename: e.g. "BlockImpl #3 (built in a ShardingScope)".
   void set_built_label(std::string label) { built_label_ = std::move(label); }
   bool is_root() const { return is_root_; }
   ShardingStrategy strategy() const { return strategy_; }
@@ -181,21 +181,24 @@ class Unit : public std::enable_shared_from_this<Unit> {
   UnitState state_ = UnitState::kUnsharded;  // at wrap time the parameters are full
   BackwardPhase backward_ = BackwardPhase::kIdle;
   // An all-gather in flight (prefetch): its output buffer stays alive until unshard() waits.
-  Pending gather_;
   at::Tensor gathered_;
   at::Tensor gather_in_;  // kShardOptimizerState: this rank's rows, packed for the all-gather
   // A reduction in flight: its input, its output and which parameters had a gradient.
-  Pending reduce_;
   at::Tensor reduce_in_, reduce_out_;
   std::vector<bool> reduce_has_grad_;
   bool reducing_ = false;
   bool stale_ = false;           // kShardOptimizerState: reduced; gathered by forwards until the next backward
   bool holds_reduced_ = false;   // kShardOptimizerState: the full gradients were reduced (or are being)
   std::vector<Bucket> buckets_;  // kNoShard
-  std::vector<Pending> bucket_work_;
   size_t next_bucket_ = 0;
   size_t grads_expected_ = 0;
   size_t grads_ready_ = 0;
+  // The collectives in flight, declared last so that they are destroyed first: a CUDA collective
+  // dropped without its wait makes the current stream wait for it as it goes, before its buffers
+  // above are freed.
+  Pending gather_;
+  Pending reduce_;
+  std::vector<Pending> bucket_work_;  // kNoShard
 };
 
 }  // namespace fsdp::detail

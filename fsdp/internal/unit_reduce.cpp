@@ -111,9 +111,10 @@ void Unit::finish_reduce() {
       }
     }
   } catch (const std::exception& e) {
+    bucket_work_.clear();  // before the buffers (see Unit::gather_)
+    reduce_ = Pending{};
     reduce_in_ = at::Tensor();
     reduce_out_ = at::Tensor();
-    bucket_work_.clear();
     next_bucket_ = 0;
     run_->mark_broken(error_text(e));
     throw;
