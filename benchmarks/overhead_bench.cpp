@@ -18,10 +18,9 @@
 // ms per step. The step includes everything the library does at world size 1: its collectives
 // over the one-rank group (copies), its hooks, its boundary checks and its allocations.
 // Memory: each side's model state from shapes after its step (parameters and AdamW moments; the
-// gradients were set to none by zero_grad), and the
-// most bytes allocated during its step above those allocated when the step began (activations,
-// gradients, the library's buffers), from the caching allocator on CUDA and the counting
-// allocator on CPU: the largest over the measured rounds.
+// gradients were set to none by zero_grad), and the most bytes allocated during its step above
+// those allocated when the step began (activations, gradients, the library's buffers), from the
+// caching allocator on CUDA and the counting allocator on CPU: the largest over the measured rounds.
 #include "examples/cli.h"
 #include "examples/gpt.h"
 #include "fsdp/fsdp.h"

@@ -166,15 +166,10 @@ class FullyShardedModule : public FSDPModule {
       FullyShardedModule* handle;
       ~Ended() { handle->root_forward_ended(); }
     } ended{this};
-    auto out = [&] {
-      try {
-        return detail::forward_with_casts(*impl_, casts.input, std::index_sequence_for<Args...>(),
-                                          std::forward<Args>(args)...);
-      } catch (c10::Error& e) {
-        detail::name_unit_in_error(*root_, e);  // the root's own layers (a dtype mismatch, the user's error)
-        throw;
-      }
-    }();
+    auto out = detail::forward_naming_unit(*root_, [&] {  // errors in the root's own layers name it
+      return detail::forward_with_casts(*impl_, casts.input, std::index_sequence_for<Args...>(),
+                                        std::forward<Args>(args)...);
+    });
     detail::cast_output(out, casts.output);  // mixed precision (fsdp/mixed_precision.h)
     std::vector<at::Tensor> tensors;
     detail::collect_tensors(out, tensors);

@@ -62,6 +62,16 @@ void unit_post_forward(Unit& unit, const std::vector<at::Tensor>& outputs);
 /// Adds to an error raised in the unit's forward (by LibTorch's operators or the user's code) which
 /// unit, rank and dtypes it was, unless an inner unit or the library already said so.
 void name_unit_in_error(const Unit& unit, c10::Error& e);
+/// Runs the forward `fn` of `unit`, naming the unit in an error it raises (name_unit_in_error).
+template <typename Fn>
+auto forward_naming_unit(const Unit& unit, Fn&& fn) {
+  try {
+    return fn();
+  } catch (c10::Error& e) {
+    name_unit_in_error(unit, e);  // e.g. a dtype mismatch between units
+    throw;
+  }
+}
 }  // namespace detail
 
 /// The non-template part of every sharded module: the unit it belongs to once fully_shard ran.
@@ -89,14 +99,7 @@ class ShardedUnit {
   auto run_unit(Fn&& forward) {
     if (!fsdp_unit_) return forward(std::optional<at::ScalarType>());
     const detail::ForwardCasts casts = detail::unit_pre_forward(*fsdp_unit_);
-    auto out = [&] {
-      try {
-        return forward(casts.input);
-      } catch (c10::Error& e) {
-        detail::name_unit_in_error(*fsdp_unit_, e);  // e.g. a dtype mismatch between units
-        throw;
-      }
-    }();
+    auto out = detail::forward_naming_unit(*fsdp_unit_, [&] { return forward(casts.input); });
     detail::cast_output(out, casts.output);
     std::vector<at::Tensor> tensors;
     detail::collect_tensors(out, tensors);
@@ -161,15 +164,10 @@ class ShardedImpl : public detail::UnitModule<Impl> {
   template <typename... Args>
   auto forward(Args&&... args) {
     return this->run_unit([&](std::optional<at::ScalarType> in) {
-      using Ps = typename detail::forward_params<Impl, sizeof...(Args)>::type;
-      return call(in, static_cast<Ps*>(nullptr), std::index_sequence_for<Args...>(), std::forward<Args>(args)...);
+      // Through Impl&: Impl's own forward, not this wrapper's.
+      return detail::forward_with_casts(static_cast<Impl&>(*this), in, std::index_sequence_for<Args...>(),
+                                        std::forward<Args>(args)...);
     });
-  }
-
- private:
-  template <typename Ps, typename... Args, size_t... I>
-  decltype(auto) call(std::optional<at::ScalarType> in, Ps*, std::index_sequence<I...>, Args&&... args) {
-    return Impl::forward(detail::cast_input<std::tuple_element_t<I, Ps>>(std::forward<Args>(args), in)...);
   }
 };
 
