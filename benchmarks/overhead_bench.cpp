@@ -3,13 +3,19 @@
 //
 //   build/benchmarks/overhead_bench [--sizes small,1m,4m,350m] [--rounds 20] [--batch-size 4] [--json]
 //                                   [--device cpu|cuda] [--mixed-precision bf16] [--prefetch K]
-//                                   [--peak-tflops F]
+//                                   [--peak-tflops F] [--offload]
 //
 // --mixed-precision bf16: the wrapped model gathers and computes in bf16 with fp32 master weights
 // (fsdp::MixedPrecisionPolicy); plain LibTorch runs the same fp32 model under autocast to bf16
 // (the usual way to train in bf16 without a wrapper). Both report model FLOPs per second (6Ψ per
 // token for the weights plus 12·L·T·C for attention, as llm.c and nanoGPT count them) and, with
 // --peak-tflops (the device's dense peak in that precision), the model FLOPs utilization.
+//
+// --offload (CUDA): the wrapped model keeps its shards, gradients and optimizer state in pinned host
+// memory (fsdp::CPUOffloadPolicy) and steps with fsdp::optim::FusedAdamW on the CPU; plain LibTorch
+// stays wholly on the device. Reported beside the times: the device bytes the wrapped model holds
+// between steps (the allocator's bytes after the rounds, less those held before it was built and
+// the plain side's AdamW moments from shapes), which without offload is its model state.
 //
 // Method: one process, both models built from the same seed, each with its own torch::optim::AdamW;
 // after warm-up steps, the two step alternately (plain, wrapped, plain, ...) for --rounds rounds,
@@ -24,6 +30,7 @@
 #include "examples/cli.h"
 #include "examples/gpt.h"
 #include "fsdp/fsdp.h"
+#include "optim/fused_adamw.h"
 #include "optim/state_bytes.h"
 
 #include <ATen/autocast_mode.h>
@@ -37,6 +44,7 @@
 #include <cstdio>
 #include <iostream>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -65,10 +73,11 @@ int main(int argc, char** argv) try {
   std::string device_name = "cpu", precision = "fp32";
   int prefetch = 1;
   double peak_tflops = 0;
+  bool offload = false;
   for (int i = 1; i < argc; ++i) {
     const std::string k = argv[i];
-    if (k == "--json") {
-      json = true;
+    if (k == "--json" || k == "--offload") {
+      (k == "--json" ? json : offload) = true;
       continue;
     }
     if (i + 1 >= argc) throw cli::InputError("missing value after " + k, true);
@@ -103,6 +112,9 @@ int main(int argc, char** argv) try {
     throw cli::InputError("--device cuda, but this machine has no CUDA device (or LibTorch was built without CUDA)",
                           false);
   }
+  if (offload && device_name != "cuda") {
+    throw cli::InputError("--offload needs --device cuda (a CPU model has nothing to offload)", true);
+  }
   const torch::Device device(device_name);
   if (device.is_cpu()) fsdp::memory::enable_cpu_counting();  // before any model exists
   const bool bf16 = precision == "bf16";
@@ -116,14 +128,22 @@ int main(int argc, char** argv) try {
     torch::manual_seed(0);
     auto plain = gpt::make_gpt<false>(cfg);
     plain->to(device);
+    sync();
+    const int64_t device_before_wrapped = fsdp::memory::stats(device).current_bytes;
     torch::manual_seed(0);
     auto unwrapped = gpt::make_gpt<true>(cfg);
     unwrapped->to(device);
     auto options = fsdp::FullyShardOptions().prefetch(prefetch);
     if (bf16) options.mixed_precision(fsdp::MixedPrecisionPolicy().param_dtype(torch::kBFloat16));
+    if (offload) options.offload_policy(fsdp::CPUOffloadPolicy());
     auto wrapped = fsdp::fully_shard(unwrapped, pg, options);
     torch::optim::AdamW plain_opt(plain->parameters(), torch::optim::AdamWOptions(1e-4));
-    torch::optim::AdamW wrapped_opt(wrapped->parameters(), torch::optim::AdamWOptions(1e-4));
+    // Offloaded, the step runs on the CPU: the vectorized, multi-threaded AdamW over each unit's
+    // flat shard (it behaves as torch::optim::AdamW).
+    std::unique_ptr<torch::optim::AdamW> wrapped_opt_ptr =
+        offload ? std::make_unique<fsdp::optim::FusedAdamW>(wrapped, torch::optim::AdamWOptions(1e-4))
+                : std::make_unique<torch::optim::AdamW>(wrapped->parameters(), torch::optim::AdamWOptions(1e-4));
+    torch::optim::AdamW& wrapped_opt = *wrapped_opt_ptr;
     torch::manual_seed(1);
     auto tok = torch::randint(cfg.vocab_size, {batch, cfg.block_size + 1}, torch::kLong).to(device);
     auto x = tok.narrow(1, 0, cfg.block_size), y = tok.narrow(1, 1, cfg.block_size).flatten();
@@ -180,7 +200,12 @@ int main(int argc, char** argv) try {
       f.push_back(wrapped_step());
     }
     const double mp = median(p), mf = median(f);
-    const auto plain_state = static_cast<long long>(fsdp::optim::state_bytes(plain->parameters(), &plain_opt).total());
+    const auto plain_bytes = fsdp::optim::state_bytes(plain->parameters(), &plain_opt);
+    const auto plain_state = static_cast<long long>(plain_bytes.total());
+    sync();
+    // The plain side's parameters were on the device before; its moments came with its first step.
+    const auto wrapped_device_bytes = static_cast<long long>(fsdp::memory::stats(device).current_bytes -
+                                                             device_before_wrapped - plain_bytes.optimizer);
     const auto wrapped_state =
         static_cast<long long>(fsdp::optim::state_bytes(wrapped.parameters(), &wrapped_opt).total());
     const long long params = static_cast<long long>(wrapped.num_parameters());
@@ -204,12 +229,14 @@ int main(int argc, char** argv) try {
           "\"ratio\": %.4f, \"diff_ms\": %.4f, \"plain_phases_ms\": [%.4f, %.4f, %.4f], "
           "\"wrapped_phases_ms\": [%.4f, %.4f, %.4f], \"plain_tflops\": %.6g, \"wrapped_tflops\": %.6g, "
           "\"plain_mfu\": %s, \"wrapped_mfu\": %s, \"mfu_ratio\": %.4f, \"plain_state_bytes\": %lld, "
-          "\"wrapped_state_bytes\": %lld, \"plain_step_peak_bytes\": %lld, \"wrapped_step_peak_bytes\": %lld}%s\n",
+          "\"wrapped_state_bytes\": %lld, \"plain_step_peak_bytes\": %lld, \"wrapped_step_peak_bytes\": %lld, "
+          "\"offload\": %s, \"wrapped_device_bytes_between_steps\": %lld}%s\n",
           sizes[n].c_str(), params, rounds, device_name.c_str(), precision.c_str(), prefetch, mp, mf, mf / mp, mf - mp,
           ph[0][0], ph[0][1], ph[0][2], ph[1][0], ph[1][1], ph[1][2], tflops_plain, tflops_wrapped,
           cli::json_number(mfu_plain, "%.4f").c_str(), cli::json_number(mfu_wrapped, "%.4f").c_str(),
           tflops_wrapped / tflops_plain, plain_state, wrapped_state, static_cast<long long>(step_peak[0]),
-          static_cast<long long>(step_peak[1]), n + 1 < sizes.size() ? "," : "");
+          static_cast<long long>(step_peak[1]), offload ? "true" : "false", wrapped_device_bytes,
+          n + 1 < sizes.size() ? "," : "");
     } else {
       std::printf(
           "%-6s %9lld params: plain %8.3f ms/step, wrapped %8.3f ms/step, ratio %.3f, %+.3f ms (forward/backward/"
@@ -222,6 +249,8 @@ int main(int argc, char** argv) try {
           sizes[n].c_str(), plain_state, wrapped_state, static_cast<long long>(step_peak[0]),
           static_cast<long long>(step_peak[1]),
           static_cast<double>(step_peak[1]) / static_cast<double>(std::max<int64_t>(step_peak[0], 1)));
+      std::printf("%-6s wrapped%s: device bytes held between steps %lld\n", sizes[n].c_str(),
+                  offload ? " (offloaded)" : "", wrapped_device_bytes);
     }
   }
   if (json) std::printf("]\n");

@@ -8,13 +8,16 @@
 
 #include <atomic>
 #include <mutex>
+#include <unordered_map>
 
 namespace fsdp::memory {
 namespace {
 
-// Wraps the CPU allocator that was installed before it. Each allocation carries a small context
-// that owns the inner DataPtr and remembers its size, so frees are counted exactly, whichever
-// thread or tensor releases the memory.
+// Wraps the CPU allocator that was installed before it, counting the bytes of every allocation
+// until it is freed, whichever thread or tensor releases it. Each DataPtr's context is its data
+// pointer, as the default CPU allocator's: oneDNN (bf16 matmuls on CPUs with AMX or AVX512-BF16)
+// allocates through raw_allocate / raw_deallocate, which require that. The inner allocation and
+// its size wait in a table keyed by the pointer.
 class CountingAllocator final : public c10::Allocator {
  public:
   explicit CountingAllocator(c10::Allocator* inner) : inner_(inner) {}
@@ -22,10 +25,16 @@ class CountingAllocator final : public c10::Allocator {
   c10::DataPtr allocate(size_t n) override {
     c10::DataPtr inner = inner_->allocate(n);
     void* data = inner.get();
-    auto* ctx = new Context{std::move(inner), static_cast<int64_t>(n), this};
-    add(ctx->bytes);
-    return {data, ctx, &CountingAllocator::release, c10::Device(c10::kCPU)};
+    if (data == nullptr) return inner;  // zero bytes: nothing to count or to free
+    {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      live_.emplace(data, Live{std::move(inner), static_cast<int64_t>(n)});
+    }
+    add(static_cast<int64_t>(n));
+    return {data, data, &CountingAllocator::release, c10::Device(c10::kCPU)};
   }
+
+  c10::DeleterFnPtr raw_deleter() const override { return &CountingAllocator::release; }
 
   void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
 
@@ -33,16 +42,23 @@ class CountingAllocator final : public c10::Allocator {
   void reset_peak() { peak_.store(current_.load()); }
 
  private:
-  struct Context {
+  struct Live {
     c10::DataPtr inner;
     int64_t bytes;
-    CountingAllocator* owner;
   };
 
-  static void release(void* p) {
-    auto* ctx = static_cast<Context*>(p);
-    ctx->owner->current_.fetch_sub(ctx->bytes);
-    delete ctx;  // frees the inner allocation
+  static void release(void* p);
+
+  void forget(void* p) {
+    c10::DataPtr inner;  // freed as it leaves this scope, outside the lock
+    {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      auto it = live_.find(p);
+      if (it == live_.end()) return;
+      inner = std::move(it->second.inner);
+      current_.fetch_sub(it->second.bytes);
+      live_.erase(it);
+    }
   }
 
   void add(int64_t n) {
@@ -53,12 +69,18 @@ class CountingAllocator final : public c10::Allocator {
   }
 
   c10::Allocator* inner_;
+  std::mutex mutex_;
+  std::unordered_map<void*, Live> live_;
   std::atomic<int64_t> current_{0};
   std::atomic<int64_t> peak_{0};
 };
 
 CountingAllocator* g_counting = nullptr;
 std::once_flag g_once;
+
+void CountingAllocator::release(void* p) {
+  g_counting->forget(p);
+}
 
 }  // namespace
 

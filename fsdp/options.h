@@ -19,10 +19,20 @@ namespace fsdp {
 /// CPU offload (PyTorch FSDP2's CPUOffloadPolicy, DeepSpeed's ZeRO-Offload): a CUDA model's
 /// shards, sharded gradients and optimizer state live in host memory (pinned, so that copies to
 /// and from the GPU run asynchronously); each unit's shard is copied to the GPU just before its
-/// all-gather, its reduced gradients back just after the reduce-scatter, and the optimizer steps
-/// on the CPU (fsdp::optim::FusedAdamW: one vectorized, multi-threaded pass per unit). Only for
-/// models on a CUDA device: a CPU model has nothing to offload and is refused.
+/// all-gather (cast there with mixed precision), its reduced gradients back just after the
+/// reduce-scatter, and the optimizer steps on the CPU (fsdp::optim::FusedAdamW: one vectorized,
+/// multi-threaded pass per unit). The GPU holds only the units gathered at the moment and the
+/// gradients in transit.
+///
+/// What the program sees: between steps the parameters are CPU tensors (their shards) with CPU
+/// gradients, so an optimizer built on model->parameters() after wrapping keeps its state on the
+/// CPU; inside forward and backward they are the full CUDA tensors. Inputs stay on the GPU.
+/// For the strategies that gather parameters from shards (kFullShard, kShardGradOp, kHybridShard);
+/// kNoShard and kShardOptimizerState keep full parameters on the GPU and refuse it. Only for models
+/// on a CUDA device: a CPU model has nothing to offload and is refused.
 struct CPUOffloadPolicy {
+  /// Page-locked host memory for the shards and gradients: copies overlap compute. False: pageable
+  /// memory, each copy synchronous (less pinned memory, slower).
   TORCH_ARG(bool, pin_memory) = true;
 };
 
@@ -32,8 +42,12 @@ namespace detail {
 /// negative prefetch, a bucket size that is not positive. (Group sizes are checked against the
 /// world size when the groups are made.)
 void check_options(const FullyShardOptions& options, const char* caller);
+/// Test seam: $FSDP_TEST_OFFLOAD_ON_CPU=1 lets a CPU model take an offload policy, "offloading" to
+/// the same CPU through separate buffers, so that CI exercises every copy and pointer switch of
+/// the CUDA path (docs/design.md, "CPU offload"). Never for training.
+bool offload_on_cpu_for_tests();
 /// Refuses an offload policy for a model that has nothing to offload (its parameters, the first of
-/// which is `param` on `device`, are not on a CUDA device), and where this build cannot offload.
+/// which is `param` on `device`, are not on a CUDA device).
 void check_offload(const FullyShardOptions& options, const std::string& param, const c10::Device& device, int rank);
 }  // namespace detail
 

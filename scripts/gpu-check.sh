@@ -14,12 +14,13 @@
 #
 # Parts (each bounded by `timeout`, all of them in about 5 minutes on one H200):
 #   1 cuda_tests      Cuda.* at world size 1 over NCCL: parity fp32 and bf16, allocator bytes, async save,
-#                     collectives on the side streams and on NCCL's stream
+#                     collectives on the side streams and on NCCL's stream, CPU offload against none
 #   2 overhead        a 406M-parameter GPT, wrapped vs plain LibTorch, fp32 and bf16 (ratio, MFU)
 #   3 prefetch        the same in bf16 with prefetch 0 and 1 (step time ratio)
 #   4 simulated       rank 0 of 8, 64 and 1024 for a 7B model over the fake process group, against the formulas
-#   5 offload         CPUOffloadPolicy on the GPU model (reported as not available in this version)
-#   6 mixed_precision the CPU parity tests of mixed precision (run everywhere)
+#   5 offload         the same GPT in bf16 with CPUOffloadPolicy and FusedAdamW on the CPU: step time
+#                     against plain LibTorch on the GPU, device bytes between steps, step peak
+#   6 cpu_tests       the CPU parity tests of mixed precision and of offload's CPU seam (run everywhere)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -89,8 +90,14 @@ if [ "$GPU" = 1 ] && [ "$QUICK" = 0 ]; then
 else
   part simulated 120 "$BUILD/benchmarks/fsdp_bench" --simulate --sim-models tiny --sim-world-sizes 8 --json
 fi
-skip offload "CPUOffloadPolicy is not available for CUDA models in this version (refused with an error)"
-part mixed_precision 300 "$BUILD/tests/fsdp_tests" --gtest_filter='*MixedPrecision*'
+if [ "$GPU" = 1 ]; then
+  # shellcheck disable=SC2086
+  part offload 300 "$BUILD/benchmarks/overhead_bench" --device cuda --sizes $SIZE --rounds 5 --json \
+    --mixed-precision bf16 --offload $PEAK
+else
+  skip offload "no CUDA device: offload needs one (its CPU seam runs in cpu_tests)"
+fi
+part cpu_tests 300 "$BUILD/tests/fsdp_tests" --gtest_filter='*MixedPrecision*:*Offload*'
 
 # The summary: every part's status, and the figures the issue asks for.
 export OUT GPU GPU_NAME
@@ -131,6 +138,15 @@ if fp32 and bf16:
 if bf16 and pf0:
     summary["prefetch"] = {"step_ms_prefetch1": bf16[0]["wrapped_ms"], "step_ms_prefetch0": pf0[0]["wrapped_ms"],
                            "off_over_on": pf0[0]["wrapped_ms"] / bf16[0]["wrapped_ms"]}
+off = rows("offload")
+if off:
+    r = off[0]
+    summary["offload"] = {
+        "params": r["params"], "step_ms_plain": r["plain_ms"], "step_ms_offloaded": r["wrapped_ms"],
+        "offloaded_over_plain": r["ratio"], "phases_ms_offloaded": r["wrapped_phases_ms"],
+        "device_bytes_between_steps": r["wrapped_device_bytes_between_steps"],
+        "device_step_peak_bytes": r["wrapped_step_peak_bytes"], "host_state_bytes": r["wrapped_state_bytes"],
+        "plain_state_bytes": r["plain_state_bytes"]}
 sim = rows("simulated")
 if sim:
     summary["simulated"] = [{k: r.get(k) for k in ("model", "world_size", "params", "measured", "state_bytes_at_step",

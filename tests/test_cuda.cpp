@@ -1,6 +1,6 @@
 // The CUDA path at world size 1 (NCCL), for scripts/gpu-check.sh on a machine with a GPU; skipped
 // where there is none (every CI machine). Parity against plain LibTorch on the same device in fp32
-// and bf16, model state from the caching allocator against the shapes, and the asynchronous save
+// and bf16, model state from the caching allocator against the shapes, CPU offload, and the asynchronous save
 // of a model in GPU memory against a synchronous one; the collectives on side streams (launched
 // over the one-rank NCCL group, which the model itself would skip), with the one-rank launch they
 // rely on checked on CPU (Gloo) everywhere.
@@ -81,6 +81,69 @@ TEST(Cuda, ParityAndMemoryAtWorldSizeOne) {
                 << ", parameters + AdamW state from shapes " << state << '\n';
       EXPECT_GE(held, state);
       EXPECT_LE(held, state + state / 20 + (1 << 20)) << "nothing but the model state stays on the device";
+    }
+  });
+}
+
+// CPU offload on the GPU: the offloaded model trains as the same model without offload (fp32 and
+// bf16; the optimizer steps on the CPU there, so within 1e-5 / 1e-2 rather than to the bit),
+// between steps its parameters and gradients are pinned host tensors, and the caching allocator
+// holds nothing of the model state after the step.
+TEST(Cuda, OffloadTrainsAsWithoutOffloadAndFreesTheDevice) {
+  if (!have_cuda()) GTEST_SKIP() << "no CUDA device";
+  run_ranks(1, [&](Rank& r) {
+    const torch::Device dev(torch::kCUDA, 0);
+    for (bool bf16 : {false, true}) {
+      auto options = test_options();
+      if (bf16) options.mixed_precision(MixedPrecisionPolicy().param_dtype(torch::kBFloat16));
+      std::vector<torch::Tensor> off_losses;
+      torch::OrderedDict<std::string, torch::Tensor> off_params;
+      {  // The offloaded model first, alone on the device, so the allocator's bytes are its own.
+        const auto before = fsdp::memory::stats(dev).current_bytes;
+        torch::manual_seed(0);
+        auto b = gpt::make_gpt<true>(kCfg);
+        b->to(dev);
+        auto off = fsdp::fully_shard(
+            b, r.pg, test_options().mixed_precision(options.mixed_precision()).offload_policy(CPUOffloadPolicy()));
+        torch::optim::AdamW opt(off.parameters(), torch::optim::AdamWOptions(1e-2));
+        for (int step = 0; step < 4; ++step) {
+          torch::Tensor x, y;
+          std::tie(x, y) = gpt_batch(kCfg, 5000 + step);
+          opt.zero_grad();
+          auto loss = gpt_loss(off(x.to(dev)), y.to(dev));
+          EXPECT_EQ(loss.device(), dev);
+          loss.backward();
+          for (const auto& p : off.parameters()) {
+            EXPECT_TRUE(p.is_cpu() && p.is_pinned() && p.grad().is_cpu() && p.grad().is_pinned());
+          }
+          opt.step();
+          off_losses.push_back(loss.detach().cpu().to(torch::kFloat));
+        }
+        opt.zero_grad();
+        const auto held = fsdp::memory::stats(dev).current_bytes - before;
+        std::cout << "[cuda] offload " << (bf16 ? "bf16" : "fp32") << ": allocator bytes held after the step " << held
+                  << '\n';
+        EXPECT_LE(held, 1 << 20) << "no model state on the device between steps (the buffer pool's few KiB aside)";
+        for (const auto& kv : off.named_parameters()) off_params.insert(kv.key(), kv.value().detach().clone());
+      }
+      torch::manual_seed(0);
+      auto a = gpt::make_gpt<true>(kCfg);
+      a->to(dev);
+      auto plain = fsdp::fully_shard(a, r.pg, options);
+      torch::optim::AdamW opt(plain.parameters(), torch::optim::AdamWOptions(1e-2));
+      for (int step = 0; step < 4; ++step) {
+        torch::Tensor x, y;
+        std::tie(x, y) = gpt_batch(kCfg, 5000 + step);
+        opt.zero_grad();
+        auto loss = gpt_loss(plain(x.to(dev)), y.to(dev));
+        loss.backward();
+        opt.step();
+        EXPECT_TRUE(close(off_losses[step], loss.detach().cpu().to(torch::kFloat), bf16 ? 1e-2 : 1e-5))
+            << (bf16 ? "bf16" : "fp32") << " loss at step " << step;
+      }
+      for (const auto& kv : plain.named_parameters()) {
+        EXPECT_TRUE(close(off_params[kv.key()], kv.value().detach().cpu(), bf16 ? 5e-2 : 1e-5)) << kv.key();
+      }
     }
   });
 }

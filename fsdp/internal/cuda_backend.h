@@ -46,6 +46,18 @@ class StreamEvent {
 std::unique_ptr<StreamEvent> on_side_stream(SideStreams& streams, const c10::Device& device, SideStream which,
                                             const std::function<void()>& issue);
 
+/// A point in the current stream of a CUDA device that the CPU can wait for (CPU offload): recorded
+/// after an asynchronous copy between pinned host memory and the device, so that the CPU reads a
+/// host buffer the copy writes, or writes one the copy reads, only once the copy has passed.
+class HostSync {
+ public:
+  virtual ~HostSync() = default;
+  /// Blocks the CPU until the stream has reached the point (throws on a CUDA error).
+  virtual void synchronize() = 0;
+};
+/// Records one on `device`'s current stream; null for a CPU device (copies there are synchronous).
+std::unique_ptr<HostSync> record_host_sync(const c10::Device& device);
+
 struct CudaMemory {
   int64_t current = 0;
   int64_t peak = 0;

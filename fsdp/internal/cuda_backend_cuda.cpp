@@ -113,6 +113,22 @@ std::unique_ptr<StreamEvent> on_side_stream(SideStreams& streams, const c10::Dev
   return done;
 }
 
+namespace {
+class CudaHostSync final : public HostSync {
+ public:
+  explicit CudaHostSync(const c10::cuda::CUDAStream& stream) { event_.record(stream); }
+  void synchronize() override { event_.synchronize(); }
+
+ private:
+  c10::cuda::CUDAEvent event_;
+};
+}  // namespace
+
+std::unique_ptr<HostSync> record_host_sync(const c10::Device& device) {
+  if (!device.is_cuda()) return nullptr;
+  return std::make_unique<CudaHostSync>(c10::cuda::getCurrentCUDAStream(device.index()));
+}
+
 CudaMemory cuda_memory(int device) {
   if (c10::cuda::device_count() == 0) return {};
   auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(device));

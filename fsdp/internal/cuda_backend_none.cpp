@@ -25,4 +25,9 @@ std::unique_ptr<StreamEvent> on_side_stream(SideStreams&, const c10::Device& dev
   TORCH_CHECK(false, "fsdp: a collective on ", device, " tensors, but this build of LibTorch has no CUDA");
 }
 
+std::unique_ptr<HostSync> record_host_sync(const c10::Device& device) {
+  TORCH_CHECK(device.is_cpu(), "fsdp: a copy on ", device, ", but this build of LibTorch has no CUDA");
+  return nullptr;
+}
+
 }  // namespace fsdp::detail

@@ -59,6 +59,7 @@ Unit::Unit(std::string name, const std::vector<std::pair<std::string, at::Tensor
     slots_.push_back(std::move(s));
   }
   resolve_precision();  // unit_precision.cpp
+  resolve_offload();    // unit_offload.cpp
 }
 
 std::string Unit::describe(const char* op) const {
@@ -111,12 +112,16 @@ void Unit::init() {
   // Sharded over one rank (world size 1, or hybrid groups of one), the shard is the whole unit:
   // its storage serves as the unsharded one, as when replicated, and gathering moves nothing.
   // With mixed precision the gathered parameters are a cast copy even then (kShards over one rank).
-  kind_ = shards_are_rows_of_full()                   ? BufferKind::kRowsOfFull
-          : (buckets() || S_ == 1) && !casts_params() ? BufferKind::kWhole
-                                                      : BufferKind::kShards;
+  // With offload the shard is in host memory and the gathered parameters on the device, apart even
+  // over one rank.
+  kind_ = shards_are_rows_of_full()                                ? BufferKind::kRowsOfFull
+          : (buckets() || S_ == 1) && !casts_params() && !offload_ ? BufferKind::kWhole
+                                                                   : BufferKind::kShards;
+  const at::TensorOptions compute = slots_.front().param.options().requires_grad(false);
   buffers_ = make_buffers(slots_, buffers_.shard_numel, S_, shard_rank_, kind_,
-                          slots_.front().param.options().requires_grad(false), param_dtype_);
-  if (kind_ != BufferKind::kWhole && (S_ > 1 || casts_params())) {  // its buffers from the pool, at most this size
+                          offload_ ? host_options(compute) : compute, compute.dtype(param_dtype_));
+  if (kind_ != BufferKind::kWhole &&
+      (S_ > 1 || casts_params() || offload_)) {  // its buffers from the pool, at most this size
     run_->pool.note_unit(S_ * shard_numel() * static_cast<int64_t>(buffers_.unsharded.element_size()));
   }
   if (buckets()) {
@@ -167,15 +172,14 @@ void Unit::begin_unshard() {
   // so a unit in flight costs its size once, not twice.
   gathered_ = run_->pool.take(S_ * shard_numel(), buffers_.unsharded.options());
   at::Tensor in = buffers_.flat_shard;
-  if (shards_are_rows_of_full() || casts_params()) {
+  if (shards_are_rows_of_full() || casts_params() || offload_) {
     // ZeRO-1's rows are packed; mixed precision casts the shard, so the all-gather moves
-    // param_dtype bytes.
+    // param_dtype bytes; offload copies the host shard to the device.
     gather_in_ = run_->pool.take(shard_numel(), buffers_.unsharded.options());
     if (shards_are_rows_of_full()) {
       pack_rows(slots_, gather_in_);
     } else {
-      at::AutoDispatchBelowADInplaceOrView below_autograd;
-      gather_in_.copy_(buffers_.flat_shard);
+      copy_shard_in(gather_in_);  // unit_offload.cpp
     }
     in = gather_in_;
   }
@@ -193,8 +197,8 @@ void Unit::unshard() {
 
 void Unit::gather() {
   begin_unshard();
-  if (S_ == 1) {  // nothing was moved (begin_unshard); with mixed precision, a cast
-    if (casts_params()) cast_alone();
+  if (S_ == 1) {  // nothing was moved (begin_unshard); with mixed precision a cast, with offload a copy
+    if (casts_params() || offload_) copy_alone();
     return;
   }
   wait_gather();
@@ -367,7 +371,9 @@ bool Unit::holds_unsynced_grads() const {
 }
 
 void Unit::check_conversion(const std::optional<at::Device>& device, const std::optional<at::ScalarType>& dtype) const {
-  detail::check_conversion(slots_, device, dtype, run_->comm.rank(), label());
+  // Offload: the model is on its device although the shards are in host memory.
+  const bool model_device = offload_ && device && is_on(buffers_.unsharded.device(), *device);
+  detail::check_conversion(slots_, model_device ? std::nullopt : device, dtype, run_->comm.rank(), label());
 }
 
 void Unit::gather_full(std::vector<at::Tensor>& out, const at::Device& device) {

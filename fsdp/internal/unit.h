@@ -6,6 +6,7 @@
 #pragma once
 
 #include "fsdp/internal/comm.h"
+#include "fsdp/internal/cuda_backend.h"
 #include "fsdp/internal/lifecycle.h"
 #include "fsdp/internal/reduce.h"
 #include "fsdp/internal/unit_buffers.h"
@@ -48,6 +49,13 @@ class Unit : public std::enable_shared_from_this<Unit> {
   at::ScalarType master_dtype() const { return master_dtype_; }
   at::ScalarType param_dtype() const { return param_dtype_; }
   at::ScalarType reduce_dtype() const { return reduce_dtype_; }
+  /// CPU offload (fsdp/options.h: CPUOffloadPolicy): the shards and sharded gradients live in host
+  /// memory, the gathered parameters on the model's device.
+  bool offloads() const { return offload_; }
+  /// Offload: blocks until the copies this unit queued between host and device have passed, so
+  /// that the CPU may read the gradients and write the shards (end of backward, end of a forward
+  /// without gradients).
+  void wait_host_copies();
   /// What the unit's forward casts its floating-point inputs and outputs to (unset: nothing).
   std::optional<at::ScalarType> input_cast() const;
   std::optional<at::ScalarType> output_cast() const { return mp_.output_dtype(); }
@@ -133,10 +141,21 @@ class Unit : public std::enable_shared_from_this<Unit> {
   bool casts_params() const { return param_dtype_ != master_dtype_; }
   /// The gradients go through a cast on their way to the shards (so even alone they are packed).
   bool casts_grads() const { return param_dtype_ != master_dtype_ || reduce_dtype_ != master_dtype_; }
-  /// Over one rank with mixed precision: fills the unsharded storage with the cast shard.
-  void cast_alone();
+  /// Over one rank with mixed precision or offload: fills the unsharded storage with the shard,
+  /// cast (mixed precision) and copied to the device (offload).
+  void copy_alone();
   /// Sets the dtypes from the policy and the parameters; refuses what cannot be done (constructor).
   void resolve_precision();
+  /// Offload: whether the unit offloads, and whether its strategy allows it (constructor).
+  void resolve_offload();
+  /// Offload: the options of the shards' host memory.
+  at::TensorOptions host_options(const at::TensorOptions& compute) const;
+  /// Offload: `shard` (the device's copy of the flat shard, param_dtype) is filled from the host
+  /// shard; asynchronous from pinned memory.
+  void copy_shard_in(const at::Tensor& shard);
+  /// Offload: the reduced gradients (on the device, master dtype) copied into a new host buffer,
+  /// which the sharded gradients then alias; asynchronous from pinned memory until wait_host_copies.
+  at::Tensor copy_grads_out(const at::Tensor& reduced);
   /// Mixed precision, gradient sync off: moves this backward's full gradients (param_dtype) into
   /// the slots' sums in the master dtype, so that micro-batches accumulate without bf16 rounding.
   void accumulate_unsynced();
@@ -170,6 +189,10 @@ class Unit : public std::enable_shared_from_this<Unit> {
   const StrategyTraits& traits_;
   MixedPrecisionPolicy mp_;
   at::ScalarType master_dtype_ = at::kFloat, param_dtype_ = at::kFloat, reduce_dtype_ = at::kFloat;
+  bool offload_ = false;  // CPU offload: the shards and sharded gradients in host memory
+  bool pin_ = false;      // offload to a CUDA device with pinned memory: copies are asynchronous
+  // Offload: the last copies queued between the host buffers and the device.
+  std::unique_ptr<HostSync> shard_copied_, grads_copied_;
   Comm* shard_comm_ = nullptr;      // the S ranks this unit is sharded over
   Comm* replicate_comm_ = nullptr;  // kHybridShard: the N/S ranks holding the same shard
   int64_t S_ = 1, shard_rank_ = 0, world_size_ = 1;

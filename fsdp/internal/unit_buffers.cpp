@@ -73,7 +73,7 @@ int64_t lay_out(std::vector<ParamSlot>& slots, int64_t S, int64_t r) {
 }
 
 UnitBuffers make_buffers(std::vector<ParamSlot>& slots, int64_t shard_numel, int64_t S, int64_t r, BufferKind kind,
-                         const at::TensorOptions& opts, at::ScalarType compute_dtype) {
+                         const at::TensorOptions& opts, const at::TensorOptions& full_opts) {
   UnitBuffers b;
   b.shard_numel = shard_numel;
 
@@ -100,7 +100,7 @@ UnitBuffers make_buffers(std::vector<ParamSlot>& slots, int64_t shard_numel, int
         .copy_(flat_rows(p, s.layout.begin(r), s.local_rows, s.layout.row_numel));
     s.sharded = alias_rows(b.flat_shard, s.offset, local_shape(s.shape, s.layout, r));
   }
-  b.unsharded = kind == BufferKind::kWhole ? b.flat_shard : unallocated(S * b.shard_numel, opts.dtype(compute_dtype));
+  b.unsharded = kind == BufferKind::kWhole ? b.flat_shard : unallocated(S * b.shard_numel, full_opts);
   for (auto& s : slots) {
     s.unsharded = unchecked_view(b.unsharded, S * s.offset, s.shape);
     s.param.set_data(s.unsharded);  // the parameter's own storage is released here
@@ -157,10 +157,15 @@ bool adopt_replaced(std::vector<ParamSlot>& slots, int64_t shard_rank, int rank,
   return replaced;
 }
 
+bool is_on(const at::Device& actual, const at::Device& wanted) {
+  // torch::kCUDA (no index) names the current device's type, as LibTorch's own .to() takes it.
+  return actual.type() == wanted.type() && (!wanted.has_index() || actual.index() == wanted.index());
+}
+
 void check_conversion(const std::vector<ParamSlot>& slots, const std::optional<at::Device>& device,
                       const std::optional<at::ScalarType>& dtype, int rank, const std::string& unit) {
   for (const auto& s : slots) {
-    const bool same_device = !device || *device == s.sharded.device();
+    const bool same_device = !device || is_on(s.sharded.device(), *device);
     const bool same_dtype = !dtype || *dtype == s.sharded.scalar_type();
     TORCH_CHECK(same_device && same_dtype, "fsdp (rank ", rank, "): .to(", device ? device->str() : std::string(),
                 device && dtype ? ", " : "", dtype ? c10::toString(*dtype) : "",

@@ -1,7 +1,7 @@
 // A unit's buffers: each parameter's slot (its shard, its full view, the gradient waiting aside),
 // the flat shard that holds this rank's rows of every parameter, the unsharded buffer whose storage
 // exists only while the unit is gathered, and the aliasing that ties the user's parameters to
-// them. Where later dtype casts and pinned host copies belong.
+// them. With CPU offload the flat shard is in host memory (unit_offload.cpp).
 #pragma once
 
 #include "fsdp/shard_layout.h"
@@ -81,10 +81,11 @@ int64_t lay_out(std::vector<ParamSlot>& slots, int64_t S, int64_t r);
 
 /// For slots laid out (above): copies this rank's rows of each parameter into the flat shard (or
 /// keeps the full parameters), points each parameter at its full view and fills the slots' views.
-/// The parameters' own storage is released. The flat shard has `opts`' dtype (the master weights'),
-/// the unsharded buffer `compute_dtype` (mixed precision's param_dtype; kShards only).
+/// The parameters' own storage is released. The flat shard has `opts` (the master weights' dtype;
+/// pinned host memory with CPU offload), the unsharded buffer `full_opts` (the model's device,
+/// mixed precision's param_dtype; kShards only).
 UnitBuffers make_buffers(std::vector<ParamSlot>& slots, int64_t shard_numel, int64_t S, int64_t r, BufferKind kind,
-                         const at::TensorOptions& opts, at::ScalarType compute_dtype);
+                         const at::TensorOptions& opts, const at::TensorOptions& full_opts);
 
 /// Lends `block`'s memory to `t`'s storage (which must have none), the whole of it; every view of
 /// the storage sees it. The caller keeps `block` alive until take_memory_back(t).
@@ -111,6 +112,10 @@ void point_at_shards(std::vector<ParamSlot>& slots);
 /// copied into its shard and is pointed back at it; another shape, dtype or device is refused,
 /// naming `rank`, the parameter and `unit`. Returns whether any was replaced.
 bool adopt_replaced(std::vector<ParamSlot>& slots, int64_t shard_rank, int rank, const std::string& unit);
+
+/// Whether a tensor on `actual` is on `wanted` (a device without index, such as torch::kCUDA,
+/// matches every device of its type).
+bool is_on(const at::Device& actual, const at::Device& wanted);
 
 /// Refuses a conversion of the parameters to another dtype or device after wrapping.
 void check_conversion(const std::vector<ParamSlot>& slots, const std::optional<at::Device>& device,

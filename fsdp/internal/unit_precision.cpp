@@ -1,6 +1,6 @@
 // A unit's mixed precision (fsdp/mixed_precision.h): which dtypes its policy resolves to, what it
-// refuses, and the cast that stands in for the all-gather over one rank. The casts themselves sit
-// where the data moves: the shard is cast into the all-gather's input (Unit::begin_unshard), the
+// refuses, and the copy that stands in for the all-gather over one rank. The casts themselves sit
+// where the data moves: the shard is cast into the all-gather's input (Unit::copy_shard_in), the
 // gradients into the reduce-scatter's packed input (Unit::reduce_grads), the sum back to the
 // master dtype when the reduction completes (Unit::finish_reduce).
 #include "fsdp/internal/run_state.h"
@@ -45,13 +45,13 @@ std::optional<at::ScalarType> Unit::input_cast() const {
   return param_dtype_;
 }
 
-void Unit::cast_alone() {
+void Unit::copy_alone() {
   // Over one rank the gathered parameters would be the shard itself; with mixed precision they are
-  // its cast copy, in the unsharded storage, which exists only while the unit is gathered.
+  // its cast copy, with offload its copy on the device, in the unsharded storage, which exists only
+  // while the unit is gathered.
   unsharded_memory_ = run_->pool.take(shard_numel(), buffers_.unsharded.options());
   lend_memory(buffers_.unsharded, unsharded_memory_);
-  at::AutoDispatchBelowADInplaceOrView below_autograd;
-  buffers_.unsharded.copy_(buffers_.flat_shard);
+  copy_shard_in(buffers_.unsharded);
 }
 
 void Unit::accumulate_unsynced() {

@@ -62,9 +62,10 @@ void Unit::reduce_grads() {
   // packing frees its buffers first, so one unit's packed gradients are in flight at a time (as in
   // FSDP2), not two.
   run_->finish_reduces();
-  if (world_size_ == 1 && !shards_are_rows_of_full() && !casts_grads()) {
+  if (world_size_ == 1 && !shards_are_rows_of_full() && !casts_grads() && !offload_) {
     // Alone: the gradients are final as autograd left them, and become the sharded ones (the
-    // shard is the whole parameter) without a copy; counted as issued.
+    // shard is the whole parameter) without a copy; counted as issued. (Offload packs them even
+    // so: they go to the host.)
     shard_comm_->record(Comm::Op::kReduceScatter, shard_numel(), reduce_what_);
     keep_local_grads(slots_, is_unsharded(), 0, slots_.size());
     return;
@@ -126,6 +127,7 @@ void Unit::finish_reduce() {
   reduced.div_(static_cast<double>(run_->comm.world_size()));
   // Mixed precision: the sum is in reduce_dtype; the optimizer steps the master dtype.
   if (reduced.scalar_type() != master_dtype_) reduced = reduced.to(master_dtype_);
+  if (offload_) reduced = copy_grads_out(reduced);  // unit_offload.cpp
   if (shards_are_rows_of_full()) {
     stale_ = true;  // the optimizer steps the shards next
     write_rows_into_full_grads(slots_, is_unsharded(), reduced, reduce_has_grad_, shard_rank_);
@@ -143,6 +145,7 @@ void Unit::reset_after_failed_backward() {
     try {
       shard_comm_->wait(reduce_);
       for (auto& p : bucket_work_) run_->comm.wait(p);
+      wait_host_copies();  // offload: a gradient copy to the host may still be writing
     } catch (const std::exception& e) {
       run_->mark_broken(error_text(e));
     }
