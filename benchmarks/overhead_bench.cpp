@@ -76,6 +76,12 @@ int main(int argc, char** argv) try {
   bool offload = false;
   for (int i = 1; i < argc; ++i) {
     const std::string k = argv[i];
+    if (k == "--help" || k == "-h") {
+      std::cout << "usage: overhead_bench [--sizes small,1m,4m,350m] [--rounds N] [--batch-size B] [--json]\n"
+                   "                      [--device cpu|cuda] [--mixed-precision bf16] [--prefetch K]\n"
+                   "                      [--peak-tflops F] [--offload (cuda)]\n";
+      return 0;
+    }
     if (k == "--json" || k == "--offload") {
       (k == "--json" ? json : offload) = true;
       continue;

@@ -96,7 +96,7 @@ namespace {
 void check_conversion(const RunState& state, const std::optional<at::Device>& device,
                       const std::optional<at::ScalarType>& dtype) {
   for (const auto& w : state.groups) {
-    if (auto g = w.lock()) g->check_conversion(device, dtype);
+    if (auto g = w.lock()) g->check_conversion(device, dtype, /*converting=*/false);
   }
 }
 }  // namespace
@@ -231,6 +231,7 @@ void FSDPModule::all_reduce(at::Tensor& tensor, c10d::ReduceOp op, const std::st
 
 void FSDPModule::zero_grad(bool set_to_none) {
   root_->state().check_no_unsynced_grads("model.zero_grad()");
+  root_->state().wait_host_copies();  // offload: no gradient copy still writing what is zeroed
   module_->zero_grad(set_to_none);
 }
 

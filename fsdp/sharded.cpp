@@ -51,7 +51,10 @@ void name_unit_in_error(const Unit& unit, c10::Error& e) {
   if (what.find("dtype") != std::string::npos || what.find("scalar type") != std::string::npos) {
     os << ". If the operands' dtypes differ, an input may come from a unit that computes in another dtype: give "
           "that unit MixedPrecisionPolicy::output_dtype, or this one the same param_dtype (its inputs are then "
-          "cast, cast_forward_inputs)";
+          "cast, cast_forward_inputs). Or from a unit whose output_dtype differs from this one's param_dtype: a "
+          "model-wide output_dtype casts every unit's output, and only a unit's own forward inputs are cast back, "
+          "not what the root's layers take from a unit; for an fp32 loss cast the model's output instead "
+          "(model(x).to(torch::kFloat))";
   }
   e.add_context(os.str());
 }
@@ -75,7 +78,7 @@ void unit_zero_grad(Unit& unit) {
 }
 
 void unit_to(Unit& unit, const std::optional<at::Device>& device, const std::optional<at::ScalarType>& dtype) {
-  explained_check(unit, [&] { unit.check_conversion(device, dtype); });
+  explained_check(unit, [&] { unit.check_conversion(device, dtype, /*converting=*/true); });
 }
 
 }  // namespace detail

@@ -7,6 +7,7 @@
 #include "checkpoint/async_save.h"
 #include "checkpoint/checkpoint.h"
 #include "fsdp/internal/comm.h"
+#include "optim/fused_adamw.h"
 #include "tests/mixed_reference.h"
 
 #include <torch/cuda.h>
@@ -144,6 +145,25 @@ TEST(Cuda, OffloadTrainsAsWithoutOffloadAndFreesTheDevice) {
       for (const auto& kv : plain.named_parameters()) {
         EXPECT_TRUE(close(off_params[kv.key()], kv.value().detach().cpu(), bf16 ? 5e-2 : 1e-5)) << kv.key();
       }
+    }
+    // The parameters move between host shards and device views with set_data, which resets their
+    // AccumulateGrad: the unit's own (with its hook) must be back, so that a unit is reduced inside
+    // backward (before the input's gradient), not at its end, at every step.
+    torch::manual_seed(0);
+    auto mlp = std::make_shared<UnevenMLPImpl<true>>();
+    mlp->to(dev);
+    auto model = fsdp::fully_shard(mlp, r.pg, test_options().offload_policy(CPUOffloadPolicy()));
+    fsdp::optim::FusedAdamW opt(model);
+    for (int step = 0; step < 3; ++step) {
+      opt.zero_grad();
+      model.reset_comm_stats();
+      auto input = torch::randn({kGlobalBatch, 7}, dev).requires_grad_(true);
+      int64_t reduced_before_input_grad = -1;
+      input.register_hook(
+          [&](const torch::Tensor&) { reduced_before_input_grad = model.comm_stats().reduce_scatters; });
+      model(input).square().mean().backward();
+      EXPECT_GE(reduced_before_input_grad, 2) << "the root and fc2 reduced inside backward at step " << step;
+      opt.step();
     }
   });
 }

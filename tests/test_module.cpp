@@ -173,7 +173,9 @@ TEST(ModuleSemantics, HandleForwardsModuleCalls) {
     model.to(torch::kCPU);  // the model's own device and dtype: nothing to do
     model.to(torch::kFloat);
     auto msg = error_of([&] { model.to(torch::kDouble); });
-    EXPECT_NE(msg.find("A wrapped model's dtype and device are fixed"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("A wrapped model's dtype and device are fixed; nothing was converted"), std::string::npos)
+        << msg;
+    EXPECT_EQ(msg.find("convert them back"), std::string::npos) << "the handle's to() converts nothing: " << msg;
     msg = error_of([&] { model->blocks[0]->to(torch::kDouble); });
     EXPECT_NE(msg.find("convert the model before wrapping it"), std::string::npos) << msg;
     // Module::to converts the root's own parameters before its units refuse; the next forward

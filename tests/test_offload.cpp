@@ -149,6 +149,20 @@ TEST(Offload, AccumulationWithoutSyncAndInference) {
       seam());
 }
 
+// Ranks that differ in offload would gather full weights over different backends: refused when
+// wrapping, naming the option.
+TEST(Offload, RanksThatDifferInOffloadAreRefused) {
+  run_ranks(
+      2,
+      [](Rank& r) {
+        auto options = test_options();
+        if (r.rank == 0) options.offload_policy(CPUOffloadPolicy());
+        expect_error([&] { fsdp::fully_shard(gpt::make_gpt<true>(kCfg), r.pg, options); },
+                     "option 'offload_policy' is set on rank 0 but unset on rank 1");
+      },
+      seam());
+}
+
 TEST(Offload, Refusals) {
   run_ranks(
       1,

@@ -275,6 +275,15 @@ Pending Comm::launch(const std::string& what, const at::Tensor& t, const Start& 
   return p;
 }
 
+std::unique_ptr<StreamEvent> Comm::on_side(const at::Device& device, SideStream side,
+                                           const std::function<void()>& fn) const {
+  if (device.is_cuda() && shared_->side_streams && shared_->streams) {
+    return on_side_stream(*shared_->streams, device, side, fn);
+  }
+  fn();
+  return nullptr;
+}
+
 void Comm::record(Op op, int64_t numel, const std::string& what) const {
   switch (op) {
     case Op::kAllGather:

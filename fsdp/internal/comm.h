@@ -116,6 +116,12 @@ class Comm {
   Pending all_reduce_async(at::Tensor& t, c10d::ReduceOp op, const std::string& what);
   /// Broadcasts `t` in place from group rank `root` (a strided tensor goes through a copy).
   void broadcast(const at::Tensor& t, int root, const std::string& what);
+  /// CUDA with side streams (as the collectives): runs `fn` with side stream `side` of `device`
+  /// current, after what the current stream has queued, and returns the event after it, which the
+  /// consumer's stream must wait for (StreamEvent::block_current). Elsewhere runs `fn` on the
+  /// current stream and returns null. CPU offload's copies between host and device use it.
+  std::unique_ptr<StreamEvent> on_side(const at::Device& device, SideStream side,
+                                       const std::function<void()>& fn) const;
 
   /// Fails every rank of the group alike unless all of them are at the same call: `code` (a kind
   /// and up to five numbers) identifies the call and `what` says it in words, followed in the

@@ -80,7 +80,10 @@ std::string describe_options(const FullyShardOptions& o) {
      << "option bucket_bytes " << o.bucket_bytes() << '\n'
      << "option shard_group_size " << o.shard_group_size() << '\n'
      << "option sync_module_states " << (o.sync_module_states() ? "true" : "false") << '\n'
-     << "option verify_collectives " << (o.verify_collectives() ? "true" : "false") << '\n';
+     << "option verify_collectives " << (o.verify_collectives() ? "true" : "false")
+     << '\n'
+     // Offloaded units gather full weights over the CPU backend, others over the device's.
+     << "option offload_policy " << (o.offload_policy() ? "set" : "unset") << '\n';
   // Mixed precision is in each parameter's line, with its unit's strategy (wrap.cpp), so that a
   // rank with a policy and one without differ on the same line, which the error then names.
   return os.str();

@@ -97,9 +97,7 @@ void RunState::finalize_backward() {
   finish_reduces();
   // Offload: the gradients copied to the host are there before backward returns, and the shards'
   // copies to the device have passed, before an optimizer reads the one or writes the other.
-  for (auto& w : groups) {
-    if (auto g = w.lock()) g->wait_host_copies();
-  }
+  wait_host_copies();
   // Ranks whose backwards issued different collectives of equal sizes are stopped here, before an
   // optimizer uses what they reduced.
   check_boundary(Boundary::kBackwardEnd, backwards_, 0, "the end of backward #" + std::to_string(backwards_));
@@ -110,14 +108,17 @@ void RunState::end_forward() {
   recording_.clear();
   // A unit prefetched but skipped by this forward must not keep reading its shard (which the
   // optimizer may update next) nor hold its gathered buffer.
-  const bool grad = c10::GradMode::is_enabled();
   for (auto& w : groups) {
-    auto g = w.lock();
-    if (!g) continue;
-    g->drop_prefetch();
-    // Offload, no backward to come: the shards' copies to the device pass before the caller may
-    // write the shards (with gradients, backward's end waits).
-    if (!grad) g->wait_host_copies();
+    if (auto g = w.lock()) g->drop_prefetch();
+  }
+  // Offload, no backward to come: the shards' copies to the device pass before the caller may
+  // write the shards (with gradients, backward's end waits).
+  if (!c10::GradMode::is_enabled()) wait_host_copies();
+}
+
+void RunState::wait_host_copies() {
+  for (auto& w : groups) {
+    if (auto g = w.lock()) g->wait_host_copies();
   }
 }
 

@@ -84,6 +84,9 @@ class RunState : public std::enable_shared_from_this<RunState> {
   void after_reduce_issued(Unit& unit);
   /// Completes every reduce-scatter still in flight.
   void finish_reduces();
+  /// CPU offload: waits until the units' copies between host and device have passed (see
+  /// Unit::wait_host_copies).
+  void wait_host_copies();
   /// A collective failed: ranks no longer agree on the sequence of collectives, so every later
   /// forward refuses to run (instead of pairing mismatched collectives).
   void mark_broken(const std::string& why);

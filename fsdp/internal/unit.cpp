@@ -163,8 +163,10 @@ void Unit::begin_unshard() {
   adopt_replaced_shards();  // the gather reads the shards
   if (S_ == 1) {
     // One rank: the unsharded storage is the shard's (or, ZeRO-1, the full parameters are the
-    // rows), so there is nothing to move. Counted as issued, as the algorithm has it.
+    // rows), so there is nothing to move; with mixed precision or offload a copy stands in for
+    // the gather. Counted as issued, as the algorithm has it.
     shard_comm_->record(Comm::Op::kAllGather, shard_numel(), gather_what_);
+    if (casts_params() || offload_) copy_alone();  // unit_precision.cpp
     enter(UnitState::kGathering);
     return;
   }
@@ -198,10 +200,11 @@ void Unit::unshard() {
 void Unit::gather() {
   begin_unshard();
   if (S_ == 1) {  // nothing was moved (begin_unshard); with mixed precision a cast, with offload a copy
-    if (casts_params() || offload_) copy_alone();
+    wait_shard_in();
     return;
   }
   wait_gather();
+  wait_shard_in();  // offload: before the all-gather on the same side stream, so passed already
   run_->pool.give_back(gather_in_);
   if (kind_ == BufferKind::kShards) {
     unsharded_memory_ = run_->pool.take(S_ * shard_numel(), buffers_.unsharded.options());
@@ -347,6 +350,7 @@ void Unit::wait_gather() {
     // Ours is dropped so that nothing ever reads a gather that did not complete (Gloo and NCCL's
     // own stream keep their reference; on a side stream the wait was queued before the error was
     // seen), and the run state refuses further steps.
+    shard_in_.reset();  // the current stream waits for the copy before the buffers go
     gathered_ = at::Tensor();
     gather_in_ = at::Tensor();
     enter(UnitState::kSharded);
@@ -358,8 +362,13 @@ void Unit::wait_gather() {
 void Unit::drop_prefetch() {
   if (state_ != UnitState::kGathering) return;
   if (S_ > 1) wait_gather();
+  wait_shard_in();
   run_->pool.give_back(gathered_);
-  run_->pool.give_back(gather_in_);  // kShardOptimizerState: not copied out, so the unit stays due
+  run_->pool.give_back(gather_in_);   // kShardOptimizerState: not copied out, so the unit stays due
+  if (unsharded_memory_.defined()) {  // over one rank: the copy made when the gather was issued
+    take_memory_back(buffers_.unsharded);
+    run_->pool.give_back(unsharded_memory_);
+  }
   enter(UnitState::kSharded);
 }
 
@@ -370,10 +379,20 @@ bool Unit::holds_unsynced_grads() const {
   });
 }
 
-void Unit::check_conversion(const std::optional<at::Device>& device, const std::optional<at::ScalarType>& dtype) const {
+void Unit::check_conversion(const std::optional<at::Device>& device, const std::optional<at::ScalarType>& dtype,
+                            bool converting) const {
   // Offload: the model is on its device although the shards are in host memory.
-  const bool model_device = offload_ && device && is_on(buffers_.unsharded.device(), *device);
-  detail::check_conversion(slots_, model_device ? std::nullopt : device, dtype, run_->comm.rank(), label());
+  if (offload_ && device) {
+    // Offload: the model is on its device although the shards are in host memory.
+    const at::Device model = buffers_.unsharded.device();
+    TORCH_CHECK(is_on(model, *device), "fsdp (rank ", run_->comm.rank(), "): .to(", device->str(),
+                ") on the wrapped model: unit '", label(), "' is on ", model,
+                " with its shards offloaded to host memory (FullyShardOptions::offload_policy). A wrapped model's "
+                "device is fixed: wrap a model built on ",
+                *device, " without offload_policy instead.");
+  }
+  const bool model_device = offload_ && device;
+  detail::check_conversion(slots_, model_device ? std::nullopt : device, dtype, run_->comm.rank(), label(), converting);
 }
 
 void Unit::gather_full(std::vector<at::Tensor>& out, const at::Device& device) {

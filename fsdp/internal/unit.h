@@ -88,7 +88,10 @@ class Unit : public std::enable_shared_from_this<Unit> {
     }
   }
   /// Refuses a conversion of the unit's parameters to another dtype or device after wrapping.
-  void check_conversion(const std::optional<at::Device>& device, const std::optional<at::ScalarType>& dtype) const;
+  /// `converting`: called from the module's own to(), which has converted earlier modules already
+  /// (the error then says how to convert them back); false from the handle's, which only checks.
+  void check_conversion(const std::optional<at::Device>& device, const std::optional<at::ScalarType>& dtype,
+                        bool converting) const;
   /// kShardOptimizerState: the shards were written by something the library cannot see (a loaded
   /// checkpoint): the next forward gathers them. Other strategies always gather from the shards.
   void mark_shards_written() { stale_ = shards_are_rows_of_full(); }
@@ -142,7 +145,8 @@ class Unit : public std::enable_shared_from_this<Unit> {
   /// The gradients go through a cast on their way to the shards (so even alone they are packed).
   bool casts_grads() const { return param_dtype_ != master_dtype_ || reduce_dtype_ != master_dtype_; }
   /// Over one rank with mixed precision or offload: fills the unsharded storage with the shard,
-  /// cast (mixed precision) and copied to the device (offload).
+  /// cast (mixed precision) and copied to the device (offload), when the gather is issued (so a
+  /// prefetch overlaps the copy); gather() waits for it.
   void copy_alone();
   /// Sets the dtypes from the policy and the parameters; refuses what cannot be done (constructor).
   void resolve_precision();
@@ -153,6 +157,8 @@ class Unit : public std::enable_shared_from_this<Unit> {
   /// Offload: `shard` (the device's copy of the flat shard, param_dtype) is filled from the host
   /// shard; asynchronous from pinned memory.
   void copy_shard_in(const at::Tensor& shard);
+  /// The current stream waits for copy_shard_in's copy (before the gathered parameters are used).
+  void wait_shard_in();
   /// Offload: the reduced gradients (on the device, master dtype) copied into a new host buffer,
   /// which the sharded gradients then alias; asynchronous from pinned memory until wait_host_copies.
   at::Tensor copy_grads_out(const at::Tensor& reduced);
@@ -191,8 +197,12 @@ class Unit : public std::enable_shared_from_this<Unit> {
   at::ScalarType master_dtype_ = at::kFloat, param_dtype_ = at::kFloat, reduce_dtype_ = at::kFloat;
   bool offload_ = false;  // CPU offload: the shards and sharded gradients in host memory
   bool pin_ = false;      // offload to a CUDA device with pinned memory: copies are asynchronous
-  // Offload: the last copies queued between the host buffers and the device.
+  // Offload: the last copies queued between the host buffers and the device (the CPU waits for
+  // these), the ends of those on side streams (a stream waits for these), and the device buffer
+  // the gradients' copy reads, kept until the copy has passed.
   std::unique_ptr<HostSync> shard_copied_, grads_copied_;
+  std::unique_ptr<StreamEvent> shard_in_, grads_out_;
+  at::Tensor grads_src_;
   Comm* shard_comm_ = nullptr;      // the S ranks this unit is sharded over
   Comm* replicate_comm_ = nullptr;  // kHybridShard: the N/S ranks holding the same shard
   int64_t S_ = 1, shard_rank_ = 0, world_size_ = 1;

@@ -163,11 +163,18 @@ bool is_on(const at::Device& actual, const at::Device& wanted) {
 }
 
 void check_conversion(const std::vector<ParamSlot>& slots, const std::optional<at::Device>& device,
-                      const std::optional<at::ScalarType>& dtype, int rank, const std::string& unit) {
+                      const std::optional<at::ScalarType>& dtype, int rank, const std::string& unit, bool converting) {
   for (const auto& s : slots) {
     const bool same_device = !device || is_on(s.sharded.device(), *device);
     const bool same_dtype = !dtype || *dtype == s.sharded.scalar_type();
-    TORCH_CHECK(same_device && same_dtype, "fsdp (rank ", rank, "): .to(", device ? device->str() : std::string(),
+    if (same_device && same_dtype) continue;
+    TORCH_CHECK(converting, "fsdp (rank ", rank, "): .to(", device ? device->str() : std::string(),
+                device && dtype ? ", " : "", dtype ? c10::toString(*dtype) : "", ") on the wrapped model: parameter '",
+                s.name, "' of unit '", unit, "' is ", s.sharded.scalar_type(), " on ", s.sharded.device(),
+                ". A wrapped model's dtype and device are fixed; nothing was converted. To train in another dtype "
+                "or on another device, convert the model before wrapping it (model->to(...), then "
+                "fsdp::fully_shard), or see fsdp::MixedPrecisionPolicy.");
+    TORCH_CHECK(false, "fsdp (rank ", rank, "): .to(", device ? device->str() : std::string(),
                 device && dtype ? ", " : "", dtype ? c10::toString(*dtype) : "",
                 ") on the wrapped model would convert parameter '", s.name, "' of unit '", unit, "' (",
                 s.sharded.scalar_type(), " on ", s.sharded.device(),

@@ -119,7 +119,7 @@ bool is_on(const at::Device& actual, const at::Device& wanted);
 
 /// Refuses a conversion of the parameters to another dtype or device after wrapping.
 void check_conversion(const std::vector<ParamSlot>& slots, const std::optional<at::Device>& device,
-                      const std::optional<at::ScalarType>& dtype, int rank, const std::string& unit);
+                      const std::optional<at::ScalarType>& dtype, int rank, const std::string& unit, bool converting);
 
 /// The sharded gradients as one flat buffer in the flat shard's layout, when every parameter with
 /// elements has its gradient there at its offset; undefined otherwise.

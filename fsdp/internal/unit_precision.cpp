@@ -48,7 +48,7 @@ std::optional<at::ScalarType> Unit::input_cast() const {
 void Unit::copy_alone() {
   // Over one rank the gathered parameters would be the shard itself; with mixed precision they are
   // its cast copy, with offload its copy on the device, in the unsharded storage, which exists only
-  // while the unit is gathered.
+  // while the unit is gathered (from the moment the gather is issued, as a gather's output).
   unsharded_memory_ = run_->pool.take(shard_numel(), buffers_.unsharded.options());
   lend_memory(buffers_.unsharded, unsharded_memory_);
   copy_shard_in(buffers_.unsharded);

@@ -145,7 +145,6 @@ void Unit::reset_after_failed_backward() {
     try {
       shard_comm_->wait(reduce_);
       for (auto& p : bucket_work_) run_->comm.wait(p);
-      wait_host_copies();  // offload: a gradient copy to the host may still be writing
     } catch (const std::exception& e) {
       run_->mark_broken(error_text(e));
     }
@@ -153,6 +152,11 @@ void Unit::reset_after_failed_backward() {
     next_bucket_ = 0;
     reduce_in_ = at::Tensor();
     reduce_out_ = at::Tensor();
+  }
+  try {
+    wait_host_copies();  // offload: a gradient copy to the host may still be writing
+  } catch (const std::exception& e) {
+    run_->mark_broken(error_text(e));
   }
   if (backward_ != BackwardPhase::kRunning) return;
   backward_ = BackwardPhase::kIdle;
