@@ -13,6 +13,8 @@ namespace fsdp::detail {
 
 /// One line per option that changes the sequence or sizes of collectives: "option <name> <value>".
 std::string describe_options(const FullyShardOptions& options);
+/// "option offload_policy set" when it is set, else nothing: appended last to a description.
+std::string describe_offload(const FullyShardOptions& options);
 
 /// One line per buffer of `root`, in module order: "buffer <name> <dtype> <shape> (<device type>)".
 std::string describe_buffers(torch::nn::Module& root);

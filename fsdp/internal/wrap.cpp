@@ -67,6 +67,7 @@ void shard_on_construction(const std::shared_ptr<RunState>& state, torch::nn::Mo
     desc << "param " << name << ' ' << p.dtype() << ' ' << p.sizes() << (p.requires_grad() ? "" : " frozen") << " ("
          << c10::DeviceTypeName(p.device().type(), true) << ")" << (mixed ? " " + to_string(mp) : "") << "\n";
   }
+  desc << describe_offload(state->options);
   check_same_model_on_all_ranks(state->comm, desc.str());
   if (traits(strategy).shard_over == ShardOver::kGroup) state->init_hybrid(state->options.shard_group_size());
   auto group = std::make_shared<Unit>("", std::move(unique), state, /*is_root=*/false, strategy,
@@ -189,7 +190,7 @@ std::shared_ptr<Unit> shard_model(const std::shared_ptr<torch::nn::Module>& root
          << unit_of[p.unsafeGetTensorImpl()] << (p.requires_grad() ? "" : " frozen") << " ("
          << c10::DeviceTypeName(p.device().type(), true) << ")\n";
   }
-  desc << describe_buffers(*root);
+  desc << describe_buffers(*root) << describe_offload(options);
   check_same_model_on_all_ranks(state->comm, desc.str());
   // Buffers (running statistics, masks, tables drawn from the RNG) start equal on every rank, as
   // in PyTorch's FSDP and DDP; parameters are broadcast unit by unit as they are sharded.
