@@ -7,13 +7,18 @@
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
+#include <c10/core/Event.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 
 #include <atomic>
 #include <chrono>
 #include <exception>
 #include <iostream>
+#include <memory>
 #include <numeric>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -49,6 +54,9 @@ struct AsyncSaver::Impl {
   AsyncSaveOptions options;
   detail::Group group;  // the saver's own ranks: never the model's process group (but for one rank)
   at::Tensor snapshot;  // bytes, reused while large enough
+  // A snapshot of CUDA tensors: the end of its copy on a side stream, which the background thread
+  // waits for before it reads the snapshot.
+  std::shared_ptr<c10::Event> copied;
   std::thread worker;
   bool started = false;  // a save was started and wait()/save() has not collected it
   std::string what;      // "the save of 'root/name'", for errors
@@ -120,8 +128,9 @@ struct AsyncSaver::Impl {
     report = failed == nullptr;
     started = true;
     done = false;
-    worker = std::thread([this, p, failed] {
+    worker = std::thread([this, p, failed, copied = copied] {
       try {
+        if (copied) copied->synchronize();
         result = detail::write_and_commit(*p, group, "fsdp::checkpoint::AsyncSaver's background save", [&] {
           if (failed) std::rethrow_exception(failed);
         });
@@ -145,20 +154,50 @@ struct AsyncSaver::Impl {
       offsets.push_back(total);
       total += (static_cast<int64_t>(kv.second.nbytes()) + kAlign - 1) / kAlign * kAlign;
     }
-    // CUDA tensors are copied into pinned host memory (a faster, DMA-able copy). The copy is a
-    // blocking one on the current stream: a side stream is for the GPU work (not run on a GPU yet).
+    // CUDA tensors are copied into pinned host memory, asynchronously on a side stream that first
+    // waits for what the current stream has queued (the values as of this call); the current
+    // stream then waits for the copy's end, so that training's later writes come after its reads,
+    // and the background thread waits for it before reading the snapshot. save() itself never
+    // waits for the GPU. (Tensors on several devices: copied synchronously, one by one.)
+    copied.reset();
     bool cuda = false;
-    for (const auto& kv : p.tensors) cuda = cuda || kv.second.is_cuda();
+    std::optional<c10::Device> device;
+    bool one_device = true;
+    for (const auto& kv : p.tensors) {
+      if (!kv.second.is_cuda()) continue;
+      cuda = true;
+      if (device && *device != kv.second.device()) one_device = false;
+      device = kv.second.device();
+    }
     if (!snapshot.defined() || snapshot.numel() < total || (cuda && !snapshot.is_pinned())) {
       snapshot = at::Tensor();  // the old one first: never two at once
       snapshot = at::empty({std::max<int64_t>(total, 1)}, at::TensorOptions().dtype(at::kByte).pinned_memory(cuda));
+    }
+    std::optional<c10::Stream> side;
+    std::optional<c10::impl::VirtualGuardImpl> cuda_impl;
+    if (cuda && one_device) {
+      cuda_impl.emplace(device->type());
+      side = cuda_impl->getStreamFromGlobalPool(*device);
+      c10::Event ready(device->type());
+      ready.record(cuda_impl->getStream(*device));
+      ready.block(*side);
     }
     for (size_t i = 0; i < p.tensors.size(); ++i) {
       at::Tensor& t = p.tensors[i].second;
       const auto n = static_cast<int64_t>(t.nbytes());
       at::Tensor copy = snapshot.narrow(0, offsets[i], n).view(t.scalar_type()).view(t.sizes());
-      copy.copy_(t);
+      if (side && t.is_cuda()) {
+        const c10::StreamGuard on_side(*side);
+        copy.copy_(t, /*non_blocking=*/true);
+      } else {
+        copy.copy_(t);
+      }
       t = copy;
+    }
+    if (side) {
+      copied = std::make_shared<c10::Event>(device->type());
+      copied->record(*side);
+      copied->block(cuda_impl->getStream(*device));
     }
   }
 
