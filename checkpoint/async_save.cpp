@@ -160,15 +160,14 @@ struct AsyncSaver::Impl {
     // and the background thread waits for it before reading the snapshot. save() itself never
     // waits for the GPU. (Tensors on several devices: copied synchronously, one by one.)
     copied.reset();
-    bool cuda = false;
-    std::optional<c10::Device> device;
+    std::optional<c10::Device> device;  // of the CUDA tensors (the last one's)
     bool one_device = true;
     for (const auto& kv : p.tensors) {
       if (!kv.second.is_cuda()) continue;
-      cuda = true;
       if (device && *device != kv.second.device()) one_device = false;
       device = kv.second.device();
     }
+    const bool cuda = device.has_value();
     if (!snapshot.defined() || snapshot.numel() < total || (cuda && !snapshot.is_pinned())) {
       snapshot = at::Tensor();  // the old one first: never two at once
       snapshot = at::empty({std::max<int64_t>(total, 1)}, at::TensorOptions().dtype(at::kByte).pinned_memory(cuda));

@@ -54,16 +54,16 @@ class CountingAllocator final : public c10::Allocator {
     {
       const std::lock_guard<std::mutex> lock(mutex_);
       auto it = live_.find(p);
-      if (it == live_.end()) {
-        // Allocated before counting began (oneDNN looks the allocator up when it frees): the
-        // allocator that made it frees it.
-        if (c10::DeleterFnPtr d = inner_->raw_deleter()) d(p);
+      if (it != live_.end()) {
+        inner = std::move(it->second.inner);
+        current_.fetch_sub(it->second.bytes);
+        live_.erase(it);
         return;
       }
-      inner = std::move(it->second.inner);
-      current_.fetch_sub(it->second.bytes);
-      live_.erase(it);
     }
+    // Allocated before counting began (oneDNN looks the allocator up when it frees): the
+    // allocator that made it frees it.
+    if (c10::DeleterFnPtr d = inner_->raw_deleter()) d(p);
   }
 
   void add(int64_t n) {

@@ -222,11 +222,14 @@ void Unit::reshard() {
     return;
   }
   use_shard_views();
-  if (unsharded_memory_.defined()) {
-    take_memory_back(buffers_.unsharded);
-    run_->pool.give_back(unsharded_memory_);
-  }
+  free_unsharded_memory();
   enter(UnitState::kSharded);
+}
+
+void Unit::free_unsharded_memory() {
+  if (!unsharded_memory_.defined()) return;
+  take_memory_back(buffers_.unsharded);
+  run_->pool.give_back(unsharded_memory_);
 }
 
 void Unit::use_full_views() {
@@ -364,11 +367,8 @@ void Unit::drop_prefetch() {
   if (S_ > 1) wait_gather();
   wait_shard_in();
   run_->pool.give_back(gathered_);
-  run_->pool.give_back(gather_in_);   // kShardOptimizerState: not copied out, so the unit stays due
-  if (unsharded_memory_.defined()) {  // over one rank: the copy made when the gather was issued
-    take_memory_back(buffers_.unsharded);
-    run_->pool.give_back(unsharded_memory_);
-  }
+  run_->pool.give_back(gather_in_);  // kShardOptimizerState: not copied out, so the unit stays due
+  free_unsharded_memory();           // over one rank: the copy made when the gather was issued
   enter(UnitState::kSharded);
 }
 
@@ -381,7 +381,6 @@ bool Unit::holds_unsynced_grads() const {
 
 void Unit::check_conversion(const std::optional<at::Device>& device, const std::optional<at::ScalarType>& dtype,
                             bool converting) const {
-  // Offload: the model is on its device although the shards are in host memory.
   if (offload_ && device) {
     // Offload: the model is on its device although the shards are in host memory.
     const at::Device model = buffers_.unsharded.device();
@@ -391,8 +390,8 @@ void Unit::check_conversion(const std::optional<at::Device>& device, const std::
                 "device is fixed: wrap a model built on ",
                 *device, " without offload_policy instead.");
   }
-  const bool model_device = offload_ && device;
-  detail::check_conversion(slots_, model_device ? std::nullopt : device, dtype, run_->comm.rank(), label(), converting);
+  // The device was checked above when offloading: the shards' (host) device is not the model's.
+  detail::check_conversion(slots_, offload_ ? std::nullopt : device, dtype, run_->comm.rank(), label(), converting);
 }
 
 void Unit::gather_full(std::vector<at::Tensor>& out, const at::Device& device) {

@@ -178,6 +178,8 @@ class Unit : public std::enable_shared_from_this<Unit> {
   void gather();  // completes (or issues and completes) the all-gather into the unsharded storage
   void use_full_views();
   void use_shard_views();
+  /// Takes back the memory lent to the unsharded storage, if any (reshard, a dropped prefetch).
+  void free_unsharded_memory();
   /// Between steps: a parameter whose storage was replaced (torch::load uses set_) is copied into
   /// its shard and pointed back at it; one of another shape, dtype or device is refused.
   void adopt_replaced_shards();

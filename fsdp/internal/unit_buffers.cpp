@@ -6,6 +6,7 @@
 #include <c10/util/strides.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <sstream>
 #include <utility>
 
 namespace fsdp::detail {
@@ -168,15 +169,15 @@ void check_conversion(const std::vector<ParamSlot>& slots, const std::optional<a
     const bool same_device = !device || is_on(s.sharded.device(), *device);
     const bool same_dtype = !dtype || *dtype == s.sharded.scalar_type();
     if (same_device && same_dtype) continue;
-    TORCH_CHECK(converting, "fsdp (rank ", rank, "): .to(", device ? device->str() : std::string(),
-                device && dtype ? ", " : "", dtype ? c10::toString(*dtype) : "", ") on the wrapped model: parameter '",
-                s.name, "' of unit '", unit, "' is ", s.sharded.scalar_type(), " on ", s.sharded.device(),
+    std::ostringstream call;
+    call << "fsdp (rank " << rank << "): .to(" << (device ? device->str() : std::string())
+         << (device && dtype ? ", " : "") << (dtype ? c10::toString(*dtype) : "") << ") on the wrapped model";
+    TORCH_CHECK(converting, call.str(), ": parameter '", s.name, "' of unit '", unit, "' is ", s.sharded.scalar_type(),
+                " on ", s.sharded.device(),
                 ". A wrapped model's dtype and device are fixed; nothing was converted. To train in another dtype "
                 "or on another device, convert the model before wrapping it (model->to(...), then "
                 "fsdp::fully_shard), or see fsdp::MixedPrecisionPolicy.");
-    TORCH_CHECK(false, "fsdp (rank ", rank, "): .to(", device ? device->str() : std::string(),
-                device && dtype ? ", " : "", dtype ? c10::toString(*dtype) : "",
-                ") on the wrapped model would convert parameter '", s.name, "' of unit '", unit, "' (",
+    TORCH_CHECK(false, call.str(), " would convert parameter '", s.name, "' of unit '", unit, "' (",
                 s.sharded.scalar_type(), " on ", s.sharded.device(),
                 ") after fsdp::fully_shard. A wrapped model's dtype and device are fixed: convert the model "
                 "before wrapping it (model->to(...), then fsdp::fully_shard). Parameters converted before this "

@@ -8,13 +8,14 @@
 // - out: the reduced gradients (the reduce-scatter's output, divided, in the master dtype) are
 //   copied into a new pinned host buffer that the sharded gradients alias (finish_reduce), on the
 //   reduction's side stream.
-// Both copies are asynchronous from pinned memory (side streams off: on the current stream). The CPU must not read the
-// host gradients, or write the host shard (the optimizer's step), before they have passed: wait_host_copies() blocks on
-// the last of them, and the run state calls it where backward ends (RunState::finalize_backward, after which an
-// optimizer may step) and after a forward without gradients. Accumulating into host gradients that exist already waits
-// at once (the CPU adds). Buffers need no other care: PyTorch's pinned-memory allocator keeps a host block in use until
-// the copies queued on it have passed, and a device buffer freed on the stream that copies it is reused only after the
-// copy.
+// Both copies are asynchronous from pinned memory (side streams off: on the current stream). The
+// CPU must not read the host gradients, or write the host shard (the optimizer's step), before they
+// have passed: wait_host_copies() blocks on the last of them, and the run state calls it where
+// backward ends (RunState::finalize_backward, after which an optimizer may step) and after a
+// forward without gradients. Accumulating into host gradients that exist already waits at once
+// (the CPU adds). Buffers need no other care: PyTorch's pinned-memory allocator keeps a host block
+// in use until the copies queued on it have passed, and a device buffer freed on the stream that
+// copies it is reused only after the copy.
 #include "fsdp/internal/run_state.h"
 #include "fsdp/internal/unit.h"
 #include "fsdp/strategy.h"
