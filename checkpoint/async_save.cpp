@@ -1,6 +1,7 @@
 // AsyncSaver: the snapshot on the caller's thread, the write and the commit on a background thread
 // over the saver's own process group (checkpoint/async_save.h, internal/save_steps.h).
 #include "checkpoint/async_save.h"
+#include "fsdp/internal/check.h"
 
 #include "checkpoint/internal/save_steps.h"
 #include "fsdp/process_group.h"
@@ -35,18 +36,6 @@ double since(Clock::time_point t0) {
 // aligned for its dtype (and for vectorized copies).
 constexpr int64_t kAlign = 64;
 
-std::string message_of(const std::exception_ptr& e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const c10::Error& err) {
-    return err.what_without_backtrace();
-  } catch (const std::exception& err) {
-    return err.what();
-  } catch (...) {
-    return "an unknown exception";
-  }
-}
-
 }  // namespace
 
 struct AsyncSaver::Impl {
@@ -66,16 +55,16 @@ struct AsyncSaver::Impl {
   std::atomic<bool> done{false};  // the background thread has ended
 
   Impl(const FSDPModule& m, const AsyncSaveOptions& o) : model(m), options(o) {
-    group.timeout = m.options().timeout();
     const auto& pg = m.process_group();
     if (m.world_size() == 1) {
-      group.pg = pg;  // one rank: no collective is ever issued
+      group = detail::Group::own(pg, m.options().timeout());  // one rank: no collective is ever issued
       return;
     }
     static std::atomic<int> count{0};  // every rank creates its savers in the same order
     std::vector<int> ranks(m.world_size());
     std::iota(ranks.begin(), ranks.end(), 0);
-    group.pg = fsdp::new_subgroup(pg, ranks, "fsdp-checkpoint-async-saver-" + std::to_string(count++));
+    group = detail::Group::own(fsdp::new_subgroup(pg, ranks, "fsdp-checkpoint-async-saver-" + std::to_string(count++)),
+                               m.options().timeout());
   }
 
   // Waits for the save in flight; returns its error (reported or not), leaving none behind.
@@ -98,18 +87,18 @@ struct AsyncSaver::Impl {
       // Every rank must make the same choice, or their saves would pair up wrongly: whether any
       // rank's previous save is still being written is agreed on the caller's thread, over the
       // model's group (where this call sits between steps, like a synchronous save).
-      at::Tensor busy = at::full({1}, started && running() ? 1 : 0, at::kLong);
-      model.all_reduce(busy, c10d::ReduceOp::MAX, "fsdp::checkpoint::AsyncSaver::save: is a save still being written");
-      TORCH_CHECK(busy.item<int64_t>() == 0, who, ": ", started ? what : std::string("the previous save"),
-                  " is still being written on this rank or another, and this saver does not wait "
-                  "(AsyncSaveOptions::wait_if_busy(false)): nothing was started on any rank; call save() again "
-                  "later, or wait() first.");
+      const bool busy = detail::Group::of(model).agree(
+          "fsdp::checkpoint::AsyncSaver::save: is a save still being written", started && running());
+      FSDP_CHECK(!busy, who, ": ", started ? what : std::string("the previous save"),
+                 " is still being written on this rank or another, and this saver does not wait "
+                 "(AsyncSaveOptions::wait_if_busy(false)): nothing was started on any rank; call save() again "
+                 "later, or wait() first.");
     }
     if (started) {
       bool reportable = true;
       const std::exception_ptr e = collect(reportable);
       out.waited_seconds = since(t0);
-      TORCH_CHECK(!e || !reportable, who, ": nothing was started, because the previous save failed: ", message_of(e));
+      FSDP_CHECK(!e || !reportable, who, ": nothing was started, because the previous save failed: ", error_text(e));
     }
     auto p = std::make_shared<detail::PreparedSave>();
     p->root = root;
@@ -212,7 +201,7 @@ AsyncSaver::~AsyncSaver() {
   const std::exception_ptr e = impl_->collect(reportable);
   if (e && reportable) {
     std::cerr << "fsdp::checkpoint::AsyncSaver (destroyed): " << impl_->what
-              << " failed and no save() or wait() received the error: " << message_of(e) << std::endl;
+              << " failed and no save() or wait() received the error: " << error_text(e) << std::endl;
   }
 }
 
@@ -229,8 +218,8 @@ SaveResult AsyncSaver::wait() {
   if (impl_->started) {
     bool reportable = true;
     const std::exception_ptr e = impl_->collect(reportable);
-    TORCH_CHECK(!e || !reportable, "fsdp::checkpoint::AsyncSaver::wait (rank ", impl_->model.rank(), " of ",
-                impl_->model.world_size(), "): ", impl_->what, " failed: ", message_of(e));
+    FSDP_CHECK(!e || !reportable, "fsdp::checkpoint::AsyncSaver::wait (rank ", impl_->model.rank(), " of ",
+               impl_->model.world_size(), "): ", impl_->what, " failed: ", error_text(e));
   }
   return impl_->result;
 }

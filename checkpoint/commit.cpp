@@ -1,4 +1,5 @@
 #include "checkpoint/commit.h"
+#include "fsdp/internal/check.h"
 
 #include "checkpoint/internal/crash_point.h"
 
@@ -41,7 +42,7 @@ bool exists(const std::string& path) {
 std::vector<std::string> entries(const std::string& dir) {
   std::vector<std::string> out;
   DIR* d = ::opendir(dir.c_str());
-  TORCH_CHECK(d != nullptr, "fsdp::checkpoint: cannot list '", dir, "': ", system_error());
+  FSDP_CHECK(d != nullptr, "fsdp::checkpoint: cannot list '", dir, "': ", system_error());
   while (dirent* e = ::readdir(d)) {
     const std::string n = e->d_name;
     if (n != "." && n != "..") out.push_back(n);
@@ -53,8 +54,8 @@ std::vector<std::string> entries(const std::string& dir) {
 
 void remove_tree(const std::string& path) {
   auto rm = [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); };
-  TORCH_CHECK(::nftw(path.c_str(), rm, 16, FTW_DEPTH | FTW_PHYS) == 0 || errno == ENOENT,
-              "fsdp::checkpoint: cannot remove '", path, "': ", system_error());
+  FSDP_CHECK(::nftw(path.c_str(), rm, 16, FTW_DEPTH | FTW_PHYS) == 0 || errno == ENOENT,
+             "fsdp::checkpoint: cannot remove '", path, "': ", system_error());
 }
 
 void make_dirs(const std::string& path) {
@@ -66,18 +67,18 @@ void make_dirs(const std::string& path) {
     if (part.empty()) continue;
     at += part + "/";
     if (::mkdir(at.c_str(), 0755) != 0) {
-      TORCH_CHECK(errno == EEXIST && is_dir(at), "fsdp::checkpoint: cannot create the directory '", at,
-                  "': ", errno == EEXIST ? "a file of that name exists" : system_error());
+      FSDP_CHECK(errno == EEXIST && is_dir(at), "fsdp::checkpoint: cannot create the directory '", at,
+                 "': ", errno == EEXIST ? "a file of that name exists" : system_error());
     }
   }
 }
 
 void check_name(const std::string& name) {
-  TORCH_CHECK(!name.empty() && name.find('/') == std::string::npos && name[0] != '.' && name != kLatest,
-              "fsdp::checkpoint: '", name,
-              "' cannot name a checkpoint: use a plain directory name, without '/', not starting with '.', and "
-              "not '",
-              kLatest, "'.");
+  FSDP_CHECK(!name.empty() && name.find('/') == std::string::npos && name[0] != '.' && name != kLatest,
+             "fsdp::checkpoint: '", name,
+             "' cannot name a checkpoint: use a plain directory name, without '/', not starting with '.', and "
+             "not '",
+             kLatest, "'.");
 }
 
 }  // namespace
@@ -107,24 +108,24 @@ std::string begin_staging(const std::string& root, const std::string& name) {
   // save that crashed after its rename and before `latest`, or a run that went back to an earlier
   // checkpoint and got here again) is replaced at the commit, atomically.
   const std::string final_dir = root + "/" + name;
-  TORCH_CHECK(!exists(final_dir) || (exists(final_dir + "/" + kManifest) && latest_checkpoint(root) != final_dir),
-              "fsdp::checkpoint: '", final_dir, "' exists already and ",
-              exists(final_dir + "/" + kManifest) ? "is the latest checkpoint" : "is not a checkpoint",
-              "; a save never writes into it. Save under another name (the step, say), or remove it first.");
+  FSDP_CHECK(!exists(final_dir) || (exists(final_dir + "/" + kManifest) && latest_checkpoint(root) != final_dir),
+             "fsdp::checkpoint: '", final_dir, "' exists already and ",
+             exists(final_dir + "/" + kManifest) ? "is the latest checkpoint" : "is not a checkpoint",
+             "; a save never writes into it. Save under another name (the step, say), or remove it first.");
   const std::string staging = staging_path(root, name);
-  TORCH_CHECK(::mkdir(staging.c_str(), 0755) == 0, "fsdp::checkpoint: cannot create the staging directory '", staging,
-              "': ", system_error());
+  FSDP_CHECK(::mkdir(staging.c_str(), 0755) == 0, "fsdp::checkpoint: cannot create the staging directory '", staging,
+             "': ", system_error());
   return staging;
 }
 
 void fsync_path(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  TORCH_CHECK(fd >= 0, "fsdp::checkpoint: cannot open '", path, "' to fsync it: ", system_error());
+  FSDP_CHECK(fd >= 0, "fsdp::checkpoint: cannot open '", path, "' to fsync it: ", system_error());
   const int rc = ::fsync(fd);
   const int err = errno;
   ::close(fd);
   errno = err;
-  TORCH_CHECK(rc == 0, "fsdp::checkpoint: fsync of '", path, "' failed: ", system_error());
+  FSDP_CHECK(rc == 0, "fsdp::checkpoint: fsync of '", path, "' failed: ", system_error());
 }
 
 void write_atomically(const std::string& dir, const std::string& name, const std::string& content) {
@@ -133,20 +134,20 @@ void write_atomically(const std::string& dir, const std::string& name, const std
     std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
     f << content;
     f.flush();
-    TORCH_CHECK(f.good(), "fsdp::checkpoint: cannot write '", tmp, "'");
+    FSDP_CHECK(f.good(), "fsdp::checkpoint: cannot write '", tmp, "'");
   }
   fsync_path(tmp);
   detail::crash_point(name == kLatest ? "latest-written" : "manifest-written", 0);
-  TORCH_CHECK(::rename(tmp.c_str(), path.c_str()) == 0, "fsdp::checkpoint: cannot rename '", tmp, "' to '", path,
-              "': ", system_error());
+  FSDP_CHECK(::rename(tmp.c_str(), path.c_str()) == 0, "fsdp::checkpoint: cannot rename '", tmp, "' to '", path,
+             "': ", system_error());
   fsync_path(dir);
   detail::crash_point(name == kLatest ? "latest-renamed" : "manifest-renamed", 0);
 }
 
 std::string commit(const std::string& root, const std::string& staging, const std::string& name) {
   check_name(name);
-  TORCH_CHECK(exists(staging + "/" + kManifest), "fsdp::checkpoint: '", staging, "' has no ", kManifest,
-              ": only a complete checkpoint is committed.");
+  FSDP_CHECK(exists(staging + "/" + kManifest), "fsdp::checkpoint: '", staging, "' has no ", kManifest,
+             ": only a complete checkpoint is committed.");
   fsync_path(staging);
   const std::string final_dir = root + "/" + name;
   // A committed checkpoint of this name that begin_staging allowed (not the latest) is moved aside
@@ -155,13 +156,13 @@ std::string commit(const std::string& root, const std::string& staging, const st
   const std::string replaced = root + "/" + kReplacedPrefix + name;
   const bool replacing = exists(final_dir);
   if (replacing) {
-    TORCH_CHECK(latest_checkpoint(root) != final_dir, "fsdp::checkpoint: '", final_dir,
-                "' became the latest checkpoint during the save; not replacing it.");
-    TORCH_CHECK(::rename(final_dir.c_str(), replaced.c_str()) == 0, "fsdp::checkpoint: cannot move '", final_dir,
-                "' aside to replace it: ", system_error());
+    FSDP_CHECK(latest_checkpoint(root) != final_dir, "fsdp::checkpoint: '", final_dir,
+               "' became the latest checkpoint during the save; not replacing it.");
+    FSDP_CHECK(::rename(final_dir.c_str(), replaced.c_str()) == 0, "fsdp::checkpoint: cannot move '", final_dir,
+               "' aside to replace it: ", system_error());
   }
-  TORCH_CHECK(::rename(staging.c_str(), final_dir.c_str()) == 0, "fsdp::checkpoint: cannot rename '", staging, "' to '",
-              final_dir, "': ", system_error());
+  FSDP_CHECK(::rename(staging.c_str(), final_dir.c_str()) == 0, "fsdp::checkpoint: cannot rename '", staging, "' to '",
+             final_dir, "': ", system_error());
   fsync_path(root);
   detail::crash_point("directory-renamed", 0);
   write_atomically(root, kLatest, name + "\n");
@@ -174,26 +175,26 @@ std::string latest_checkpoint(const std::string& root) {
   if (!f) return "";
   std::string name;
   std::getline(f, name);
-  TORCH_CHECK(!name.empty() && name.find('/') == std::string::npos, "fsdp::checkpoint: '", root, "/", kLatest,
-              "' does not name a checkpoint ('", name, "').");
+  FSDP_CHECK(!name.empty() && name.find('/') == std::string::npos, "fsdp::checkpoint: '", root, "/", kLatest,
+             "' does not name a checkpoint ('", name, "').");
   const std::string dir = root + "/" + name;
-  TORCH_CHECK(exists(dir + "/" + kManifest), "fsdp::checkpoint: '", root, "/", kLatest, "' names '", name,
-              "', which is not a committed checkpoint (no ", kManifest, " in '", dir,
-              "'). Something other than this library changed the directory.");
+  FSDP_CHECK(exists(dir + "/" + kManifest), "fsdp::checkpoint: '", root, "/", kLatest, "' names '", name,
+             "', which is not a committed checkpoint (no ", kManifest, " in '", dir,
+             "'). Something other than this library changed the directory.");
   return dir;
 }
 
 std::string resolve_checkpoint(const std::string& path) {
   const size_t slash = path.find_last_of('/', path.size() > 1 ? path.size() - 2 : 0);
   const std::string base = path.substr(slash == std::string::npos ? 0 : slash + 1);
-  TORCH_CHECK(base.empty() || base[0] != '.' || base == "." || base == "..", "fsdp::checkpoint: '", path,
-              "' is a staging directory of a save that did not finish: it is never loaded. Load a committed "
-              "checkpoint (the root, for its latest).");
+  FSDP_CHECK(base.empty() || base[0] != '.' || base == "." || base == "..", "fsdp::checkpoint: '", path,
+             "' is a staging directory of a save that did not finish: it is never loaded. Load a committed "
+             "checkpoint (the root, for its latest).");
   if (exists(path + "/" + kManifest)) return path;
   const std::string latest = latest_checkpoint(path);
-  TORCH_CHECK(!latest.empty(), "fsdp::checkpoint: '", path, "' is neither a checkpoint (no ", kManifest,
-              ") nor a root with a '", kLatest, "' pointer", is_dir(path) ? "" : " (it is not a directory)",
-              ": give a checkpoint directory, or the root a save wrote into.");
+  FSDP_CHECK(!latest.empty(), "fsdp::checkpoint: '", path, "' is neither a checkpoint (no ", kManifest,
+             ") nor a root with a '", kLatest, "' pointer", is_dir(path) ? "" : " (it is not a directory)",
+             ": give a checkpoint directory, or the root a save wrote into.");
   return latest;
 }
 

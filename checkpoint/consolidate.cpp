@@ -1,4 +1,5 @@
 #include "checkpoint/consolidate.h"
+#include "fsdp/internal/check.h"
 
 #include "checkpoint/commit.h"
 #include "checkpoint/manifest.h"
@@ -75,17 +76,17 @@ class Consolidator {
       const int fd = open_file(c.file, t);
       const std::string path = m_.dir + "/" + m_.files[c.file].name;
       const uint64_t piece = std::max<uint64_t>(1, kPiece / c.block_bytes) * c.block_bytes;
-      TORCH_CHECK(piece <= kPiece, "fsdp::checkpoint::consolidate: a checksum block of ", c.block_bytes, " bytes in '",
-                  path, "' is larger than the read buffer: the manifest is corrupt.");
+      FSDP_CHECK(piece <= kPiece, "fsdp::checkpoint::consolidate: a checksum block of ", c.block_bytes, " bytes in '",
+                 path, "' is larger than the read buffer: the manifest is corrupt.");
       for (uint64_t at = c.begin; at < c.end; at += piece) {
         const uint64_t n = std::min(piece, c.end - at);
         pread_exactly(fd, path, at, n, buf_.get());
         uint32_t got = 0;
         const int64_t block = first_bad_block(c, at, buf_.get(), n, got);
-        TORCH_CHECK(block < 0, "fsdp::checkpoint::consolidate: tensor '", t.key, "' rows ", c.row_begin, " to ",
-                    c.row_end, " in '", path, "', checksum block ", block,
-                    " does not match the manifest: the file is corrupt ('fsdp-ckpt verify ", m_.dir,
-                    "' lists every fault). Nothing was written.");
+        FSDP_CHECK(block < 0, "fsdp::checkpoint::consolidate: tensor '", t.key, "' rows ", c.row_begin, " to ",
+                   c.row_end, " in '", path, "', checksum block ", block,
+                   " does not match the manifest: the file is corrupt ('fsdp-ckpt verify ", m_.dir,
+                   "' lists every fault). Nothing was written.");
         w.write(buf_.get(), n);
       }
     }
@@ -96,13 +97,13 @@ class Consolidator {
     if (fds_[f] >= 0) return fds_[f];
     const std::string path = m_.dir + "/" + m_.files[f].name;
     const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    TORCH_CHECK(fd >= 0, "fsdp::checkpoint::consolidate: cannot open '", path, "' (", std::strerror(errno),
-                "), which holds rows of tensor '", t.key, "': the checkpoint is incomplete.");
+    FSDP_CHECK(fd >= 0, "fsdp::checkpoint::consolidate: cannot open '", path, "' (", std::strerror(errno),
+               "), which holds rows of tensor '", t.key, "': the checkpoint is incomplete.");
     fds_[f] = fd;
     struct stat st {};
-    TORCH_CHECK(::fstat(fd, &st) == 0 && static_cast<uint64_t>(st.st_size) == m_.files[f].bytes,
-                "fsdp::checkpoint::consolidate: '", path, "' has ", st.st_size, " bytes but the manifest says ",
-                m_.files[f].bytes, ": it was truncated or replaced.");
+    FSDP_CHECK(::fstat(fd, &st) == 0 && static_cast<uint64_t>(st.st_size) == m_.files[f].bytes,
+               "fsdp::checkpoint::consolidate: '", path, "' has ", st.st_size, " bytes but the manifest says ",
+               m_.files[f].bytes, ": it was truncated or replaced.");
     return fd;
   }
 
@@ -117,8 +118,8 @@ ConsolidateResult consolidate(const std::string& checkpoint, const std::string& 
                               const ConsolidateOptions& options) {
   const Manifest m = read_manifest(resolve_checkpoint(checkpoint));
   struct stat st {};
-  TORCH_CHECK(!out.empty() && ::lstat(out.c_str(), &st) != 0, "fsdp::checkpoint::consolidate: '", out,
-              "' exists; give a new directory (nothing is written into an existing one).");
+  FSDP_CHECK(!out.empty() && ::lstat(out.c_str(), &st) != 0, "fsdp::checkpoint::consolidate: '", out,
+             "' exists; give a new directory (nothing is written into an existing one).");
   std::string parent = ".", base = out;
   const size_t slash = out.find_last_of('/');
   if (slash != std::string::npos) {
@@ -126,8 +127,8 @@ ConsolidateResult consolidate(const std::string& checkpoint, const std::string& 
     base = out.substr(slash + 1);
   }
   const std::string tmp = parent + "/." + base + ".partial-" + std::to_string(::getpid());
-  TORCH_CHECK(::mkdir(tmp.c_str(), 0755) == 0, "fsdp::checkpoint::consolidate: cannot create '", tmp,
-              "': ", std::strerror(errno));
+  FSDP_CHECK(::mkdir(tmp.c_str(), 0755) == 0, "fsdp::checkpoint::consolidate: cannot create '", tmp,
+             "': ", std::strerror(errno));
   ConsolidateResult result;
   result.dir = out;
   result.buffer_bytes = kPiece;
@@ -137,8 +138,8 @@ ConsolidateResult consolidate(const std::string& checkpoint, const std::string& 
       if (t.kind == "parameter" || t.kind == "buffer") model.push_back({&t, t.key.substr(6)});   // "model/"
       if (t.kind == "optimizer" && options.optimizer()) optim.push_back({&t, t.key.substr(6)});  // "optim/"
     }
-    TORCH_CHECK(!options.optimizer() || !optim.empty(), "fsdp::checkpoint::consolidate: '", m.dir,
-                "' holds no optimizer state (it was saved without an optimizer, or before its first step).");
+    FSDP_CHECK(!options.optimizer() || !optim.empty(), "fsdp::checkpoint::consolidate: '", m.dir,
+               "' holds no optimizer state (it was saved without an optimizer, or before its first step).");
     Consolidator reader(m);
     std::vector<std::string> names;
     for (const auto& [kind, tensors] : {std::pair<std::string, const std::vector<Picked>*>{"model", &model},
@@ -175,8 +176,8 @@ ConsolidateResult consolidate(const std::string& checkpoint, const std::string& 
       }
     }
     fsync_path(tmp);
-    TORCH_CHECK(::rename(tmp.c_str(), out.c_str()) == 0, "fsdp::checkpoint::consolidate: cannot rename '", tmp,
-                "' to '", out, "': ", std::strerror(errno));
+    FSDP_CHECK(::rename(tmp.c_str(), out.c_str()) == 0, "fsdp::checkpoint::consolidate: cannot rename '", tmp, "' to '",
+               out, "': ", std::strerror(errno));
     fsync_path(parent);
     for (const auto& n : names) result.files.push_back(out + "/" + n);
   } catch (...) {

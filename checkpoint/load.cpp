@@ -2,6 +2,8 @@
 // verifies the bytes of the rows it holds (internal/reader.h), and only when every rank has done
 // all that without a fault are the shards written. A plain module is loaded the same way, whole.
 #include "checkpoint/checkpoint.h"
+#include "fsdp/internal/access.h"
+#include "fsdp/internal/check.h"
 
 #include "checkpoint/commit.h"
 #include "checkpoint/internal/collectives.h"
@@ -89,7 +91,7 @@ std::vector<detail::ReadTarget> match(const Manifest& m, const std::vector<Wante
   os << " Load it into the model it was saved from (same architecture, names and dtypes)"
      << (unexpected.empty() || !missing.empty() || !different.empty() ? "" : ", or pass LoadOptions().strict(false)")
      << "; 'fsdp-ckpt inspect " << m.dir << "' lists what it holds." << hint;
-  TORCH_CHECK(false, os.str());
+  FSDP_CHECK(false, os.str());
 }
 
 int64_t file_bytes(const std::string& path) {
@@ -135,17 +137,17 @@ OptimizerPlan plan_optimizer(const Manifest& m, const FSDPModule& model, const t
                              std::vector<Wanted>& wanted) {
   OptimizerPlan plan;
   plan.type = detail::optimizer_type(opt, "fsdp::checkpoint::load");
-  TORCH_CHECK(m.has_optimizer, "checkpoint '", m.dir,
-              "' was saved without an optimizer: load the model alone (fsdp::checkpoint::load(path, model)).");
-  TORCH_CHECK(m.optimizer.type == plan.type, "checkpoint '", m.dir, "' holds ", m.optimizer.type,
-              " state, but the optimizer is ", plan.type, ": load it into the optimizer type it was saved from.");
+  FSDP_CHECK(m.has_optimizer, "checkpoint '", m.dir,
+             "' was saved without an optimizer: load the model alone (fsdp::checkpoint::load(path, model)).");
+  FSDP_CHECK(m.optimizer.type == plan.type, "checkpoint '", m.dir, "' holds ", m.optimizer.type,
+             " state, but the optimizer is ", plan.type, ": load it into the optimizer type it was saved from.");
   const auto specs = model.shard_specs();
   std::map<const void*, const ShardSpec*> by_param;
   for (const auto& s : specs) by_param[s.local.unsafeGetTensorImpl()] = &s;
   const auto& groups = opt.param_groups();
-  TORCH_CHECK(groups.size() == m.optimizer.param_groups.size(), "checkpoint '", m.dir, "' has ",
-              m.optimizer.param_groups.size(), " param group(s) but the optimizer has ", groups.size(),
-              ": build the optimizer with the param groups it was saved with.");
+  FSDP_CHECK(groups.size() == m.optimizer.param_groups.size(), "checkpoint '", m.dir, "' has ",
+             m.optimizer.param_groups.size(), " param group(s) but the optimizer has ", groups.size(),
+             ": build the optimizer with the param groups it was saved with.");
   // Saved state names per parameter, from the tensor keys "optim/<name>/<state>".
   std::map<std::string, std::vector<std::string>> saved;
   for (const auto& t : m.tensors) {
@@ -159,18 +161,18 @@ OptimizerPlan plan_optimizer(const Manifest& m, const FSDPModule& model, const t
     std::vector<std::string> names;
     for (const auto& param : groups[g].params()) {
       const auto it = by_param.find(param.unsafeGetTensorImpl());
-      TORCH_CHECK(it != by_param.end(), "the optimizer holds a parameter of shape ", param.sizes(),
-                  " that is not one of the wrapped model's: build the optimizer on the wrapped model's parameters "
-                  "(model->parameters() after fsdp::fully_shard).");
+      FSDP_CHECK(it != by_param.end(), "the optimizer holds a parameter of shape ", param.sizes(),
+                 " that is not one of the wrapped model's: build the optimizer on the wrapped model's parameters "
+                 "(model->parameters() after fsdp::fully_shard).");
       const ShardSpec& s = *it->second;
       names.push_back(s.name);
       in_groups.insert(s.name);
       OptimizerPlan::Param p;
       p.param = param;
       for (const auto& n : saved[s.name]) {
-        TORCH_CHECK(std::find(allowed.begin(), allowed.end(), n) != allowed.end(), "checkpoint '", m.dir,
-                    "' holds optimizer state '", n, "' of parameter '", s.name, "', which ", plan.type,
-                    " does not keep: the manifest was edited or written by another program.");
+        FSDP_CHECK(std::find(allowed.begin(), allowed.end(), n) != allowed.end(), "checkpoint '", m.dir,
+                   "' holds optimizer state '", n, "' of parameter '", s.name, "', which ", plan.type,
+                   " does not keep: the manifest was edited or written by another program.");
         p.names.push_back(n);
       }
       p.dst = detail::state_destinations(opt, plan.type, param, p.names);
@@ -180,9 +182,9 @@ OptimizerPlan plan_optimizer(const Manifest& m, const FSDPModule& model, const t
       }
       const auto step = m.optimizer.steps.find(s.name);
       if (step != m.optimizer.steps.end()) p.step = step->second;
-      TORCH_CHECK(plan.type == "SGD" || p.names.empty() || p.step >= 0, "checkpoint '", m.dir, "' holds ", plan.type,
-                  " state of parameter '", s.name,
-                  "' but no step for it: the manifest was edited or written by another program.");
+      FSDP_CHECK(plan.type == "SGD" || p.names.empty() || p.step >= 0, "checkpoint '", m.dir, "' holds ", plan.type,
+                 " state of parameter '", s.name,
+                 "' but no step for it: the manifest was edited or written by another program.");
       plan.params.push_back(std::move(p));
     }
     const auto& want = m.optimizer.param_groups[g].params;
@@ -195,17 +197,17 @@ OptimizerPlan plan_optimizer(const Manifest& m, const FSDPModule& model, const t
       for (const auto& n : names) {
         if (saved_set.count(n) == 0) extra += (extra.empty() ? "" : ", ") + n;
       }
-      TORCH_CHECK(false, "param group ", g, " of the optimizer does not hold the parameters it was saved with (",
-                  names.size(), " now, ", want.size(), " saved",
-                  missing.empty() ? std::string() : "; saved, not in the group: " + missing,
-                  extra.empty() ? std::string() : "; in the group, not saved: " + extra,
-                  missing.empty() && extra.empty() ? "; the same parameters in another order" : "",
-                  "): build the optimizer with the param groups it was saved with.");
+      FSDP_CHECK(false, "param group ", g, " of the optimizer does not hold the parameters it was saved with (",
+                 names.size(), " now, ", want.size(), " saved",
+                 missing.empty() ? std::string() : "; saved, not in the group: " + missing,
+                 extra.empty() ? std::string() : "; in the group, not saved: " + extra,
+                 missing.empty() && extra.empty() ? "; the same parameters in another order" : "",
+                 "): build the optimizer with the param groups it was saved with.");
     }
   }
   for (const auto& kv : saved) {
-    TORCH_CHECK(in_groups.count(kv.first) == 1, "checkpoint '", m.dir, "' holds optimizer state of '", kv.first,
-                "', which is in none of the optimizer's param groups.");
+    FSDP_CHECK(in_groups.count(kv.first) == 1, "checkpoint '", m.dir, "' holds optimizer state of '", kv.first,
+               "', which is in none of the optimizer's param groups.");
   }
   return plan;
 }
@@ -270,12 +272,12 @@ LoadResult load_checkpoint(const std::string& path, FSDPModule& model, torch::op
   RngPlan rng;
   std::unique_ptr<detail::ShardReader> reader;
   phase("checking the checkpoint against the model", [&] {
-    TORCH_CHECK(options.io_threads() >= 1, "LoadOptions::io_threads is ", options.io_threads(),
-                ": give at least 1 thread.");
-    TORCH_CHECK(!model.step_in_progress(),
-                "a step is under way (a forward ran with gradients and its backward has not, or this is inside the "
-                "forward or the backward): load between steps, after the optimizer's step and before the next "
-                "forward; a forward that needs no backward runs under torch::NoGradGuard.");
+    FSDP_CHECK(options.io_threads() >= 1, "LoadOptions::io_threads is ", options.io_threads(),
+               ": give at least 1 thread.");
+    FSDP_CHECK(!model.step_in_progress(),
+               "a step is under way (a forward ran with gradients and its backward has not, or this is inside the "
+               "forward or the backward): load between steps, after the optimizer's step and before the next "
+               "forward; a forward that needs no backward runs under torch::NoGradGuard.");
     if (hf_names != nullptr) {
       std::set<std::string> buffers;
       for (const auto& kv : model.named_buffers()) buffers.insert(kv.key());
@@ -311,7 +313,7 @@ LoadResult load_checkpoint(const std::string& path, FSDPModule& model, torch::op
   LoadResult r = result_of(m, reader->stats());
   r.rng = rng_outcome;
   at::Tensor totals = at::tensor({r.bytes_needed, r.bytes_read}, at::kLong);
-  model.all_reduce(totals, c10d::ReduceOp::SUM, call + ": totals");
+  fsdp::detail::all_reduce(model, totals, c10d::ReduceOp::SUM, call + ": totals");
   r.bytes_needed_total = totals[0].item<int64_t>();
   r.bytes_read_total = totals[1].item<int64_t>();
   r.seconds = since(t0);
@@ -363,7 +365,7 @@ LoadResult load(const std::string& path, torch::nn::Module& module, const LoadOp
     r.seconds = since(t0);
     return r;
   } catch (const c10::Error& e) {
-    TORCH_CHECK(false, "fsdp::checkpoint::load of '", path, "' into a plain module: ", e.what_without_backtrace());
+    FSDP_CHECK(false, "fsdp::checkpoint::load of '", path, "' into a plain module: ", e.what_without_backtrace());
   }
 }
 

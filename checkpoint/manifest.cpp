@@ -1,7 +1,9 @@
 #include "checkpoint/manifest.h"
+#include "fsdp/internal/check.h"
 
 #include "checkpoint/commit.h"
 #include "checkpoint/internal/crc32c.h"
+#include "checkpoint/internal/manifest_builder.h"
 #include "checkpoint/safetensors.h"
 
 #include <c10/core/ScalarType.h>
@@ -33,26 +35,26 @@ Manifest read_manifest(const std::string& dir) {
   m.dir = dir;
   const std::string path = dir + "/" + kManifest;
   std::ifstream f(path);
-  TORCH_CHECK(f, "fsdp::checkpoint: '", dir, "' has no readable ", kManifest,
-              ": it is not a committed checkpoint (a save that did not finish leaves none).");
+  FSDP_CHECK(f, "fsdp::checkpoint: '", dir, "' has no readable ", kManifest,
+             ": it is not a committed checkpoint (a save that did not finish leaves none).");
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(f);
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "fsdp::checkpoint: '", path, "' is not valid JSON (", e.what(), ").");
+    FSDP_CHECK(false, "fsdp::checkpoint: '", path, "' is not valid JSON (", e.what(), ").");
   }
   try {
     m.format_version = j.at("format_version").get<int>();
-    TORCH_CHECK(m.format_version <= kFormatVersion, "fsdp::checkpoint: '", path, "' has format version ",
-                m.format_version, ", newer than this library's (", kFormatVersion,
-                "): read it with the newer libtorch-fsdp that wrote it.");
-    TORCH_CHECK(m.format_version >= 1, "fsdp::checkpoint: '", path, "' has format version ", m.format_version, ".");
+    FSDP_CHECK(m.format_version <= kFormatVersion, "fsdp::checkpoint: '", path, "' has format version ",
+               m.format_version, ", newer than this library's (", kFormatVersion,
+               "): read it with the newer libtorch-fsdp that wrote it.");
+    FSDP_CHECK(m.format_version >= 1, "fsdp::checkpoint: '", path, "' has format version ", m.format_version, ".");
     m.library_version = j.at("library_version").get<std::string>();
     m.name = j.at("name").get<std::string>();
     m.step = j.at("step").get<int64_t>();
     m.world_size = j.at("world_size").get<int>();
     m.block_bytes = j.at("block_bytes").get<uint64_t>();
-    TORCH_CHECK(m.block_bytes > 0, "fsdp::checkpoint: '", path, "' has block_bytes 0.");
+    FSDP_CHECK(m.block_bytes > 0, "fsdp::checkpoint: '", path, "' has block_bytes 0.");
     m.strategies = j.at("strategies").get<std::map<std::string, std::string>>();
     m.metadata = j.at("metadata").get<std::map<std::string, std::string>>();
     if (j.contains("optimizer") && !j["optimizer"].is_null()) {
@@ -64,23 +66,23 @@ Manifest read_manifest(const std::string& dir) {
             {g.at("options").get<std::map<std::string, double>>(), g.at("params").get<std::vector<std::string>>()});
       }
       for (const auto& [name, step] : o.at("steps").items()) {
-        TORCH_CHECK(step.is_number_integer() && step.get<int64_t>() >= 0, "fsdp::checkpoint: '", path,
-                    "' gives parameter '", name, "' the optimizer step ", step.dump(),
-                    ", not a whole number from 0: the manifest is corrupt.");
+        FSDP_CHECK(step.is_number_integer() && step.get<int64_t>() >= 0, "fsdp::checkpoint: '", path,
+                   "' gives parameter '", name, "' the optimizer step ", step.dump(),
+                   ", not a whole number from 0: the manifest is corrupt.");
         m.optimizer.steps[name] = step.get<int64_t>();
       }
     }
     for (const auto& fe : j.at("files")) {
       m.files.push_back({fe.at("name").get<std::string>(), fe.at("rank").get<int>(), fe.at("bytes").get<uint64_t>()});
-      TORCH_CHECK(m.files.back().name.find('/') == std::string::npos, "fsdp::checkpoint: '", path,
-                  "' names a file outside its directory ('", m.files.back().name, "').");
+      FSDP_CHECK(m.files.back().name.find('/') == std::string::npos, "fsdp::checkpoint: '", path,
+                 "' names a file outside its directory ('", m.files.back().name, "').");
     }
-    TORCH_CHECK(m.world_size >= 1 && m.files.size() == static_cast<size_t>(m.world_size), "fsdp::checkpoint: '", path,
-                "' says ", m.world_size, " ranks saved it but lists ", m.files.size(),
-                " files: the manifest is corrupt.");
+    FSDP_CHECK(m.world_size >= 1 && m.files.size() == static_cast<size_t>(m.world_size), "fsdp::checkpoint: '", path,
+               "' says ", m.world_size, " ranks saved it but lists ", m.files.size(),
+               " files: the manifest is corrupt.");
     for (size_t i = 0; i < m.files.size(); ++i) {
-      TORCH_CHECK(m.files[i].rank == static_cast<int>(i), "fsdp::checkpoint: '", path, "' lists file ", i, " ('",
-                  m.files[i].name, "') as rank ", m.files[i].rank, "'s: the manifest is corrupt.");
+      FSDP_CHECK(m.files[i].rank == static_cast<int>(i), "fsdp::checkpoint: '", path, "' lists file ", i, " ('",
+                 m.files[i].name, "') as rank ", m.files[i].rank, "'s: the manifest is corrupt.");
     }
     for (const auto& [key, t] : j.at("tensors").items()) {
       ManifestTensor mt;
@@ -94,8 +96,8 @@ Manifest read_manifest(const std::string& dir) {
         ManifestChunk ch;
         const auto rows = c.at("rows").get<std::vector<int64_t>>();
         const auto bytes = c.at("bytes").get<std::vector<uint64_t>>();
-        TORCH_CHECK(rows.size() == 2 && bytes.size() == 2, "fsdp::checkpoint: tensor '", key, "' in '", path,
-                    "' has a chunk whose rows or bytes are not a pair.");
+        FSDP_CHECK(rows.size() == 2 && bytes.size() == 2, "fsdp::checkpoint: tensor '", key, "' in '", path,
+                   "' has a chunk whose rows or bytes are not a pair.");
         ch.row_begin = rows[0];
         ch.row_end = rows[1];
         ch.file = c.at("file").get<size_t>();
@@ -103,7 +105,7 @@ Manifest read_manifest(const std::string& dir) {
         ch.end = bytes[1];
         ch.block_bytes = c.at("block_bytes").get<uint64_t>();
         ch.crc32c = c.at("crc32c").get<std::vector<uint32_t>>();
-        TORCH_CHECK(
+        FSDP_CHECK(
             ch.row_begin == next && ch.row_end > ch.row_begin && ch.file < m.files.size() && ch.end >= ch.begin &&
                 ch.end - ch.begin == static_cast<uint64_t>(ch.row_end - ch.row_begin) * row_bytes &&
                 ch.block_bytes > 0 && ch.block_bytes <= m.block_bytes &&
@@ -115,15 +117,35 @@ Manifest read_manifest(const std::string& dir) {
         next = ch.row_end;
         mt.chunks.push_back(std::move(ch));
       }
-      TORCH_CHECK(next == mt.rows() || (mt.bytes() == 0 && mt.chunks.empty()), "fsdp::checkpoint: tensor '", key,
-                  "' in '", path, "' has rows up to ", next, " of ", mt.rows(),
-                  " in its chunks: the manifest is corrupt.");
+      FSDP_CHECK(next == mt.rows() || (mt.bytes() == 0 && mt.chunks.empty()), "fsdp::checkpoint: tensor '", key,
+                 "' in '", path, "' has rows up to ", next, " of ", mt.rows(),
+                 " in its chunks: the manifest is corrupt.");
       m.tensors.push_back(std::move(mt));
     }
   } catch (const nlohmann::json::exception& e) {
-    TORCH_CHECK(false, "fsdp::checkpoint: '", path, "' is not a checkpoint manifest (", e.what(), ").");
+    FSDP_CHECK(false, "fsdp::checkpoint: '", path, "' is not a checkpoint manifest (", e.what(), ").");
   }
   return m;
+}
+
+std::string manifest_from_parts(const std::string& header, const std::vector<std::string>& parts,
+                                int64_t& bytes_total) {
+  detail::ManifestHeader h;
+  detail::ordered_json tensors;
+  try {
+    auto j = detail::ordered_json::parse(header);
+    h.name = j.at("name").get<std::string>();
+    h.step = j.at("step").get<int64_t>();
+    h.world_size = j.at("world_size").get<int>();
+    h.block_bytes = j.at("block_bytes").get<uint64_t>();
+    h.strategies = j.at("strategies");
+    h.metadata = j.at("metadata");
+    h.optimizer = j.at("optimizer");
+    tensors = std::move(j.at("tensors"));
+  } catch (const nlohmann::json::exception& e) {
+    FSDP_CHECK(false, "fsdp::checkpoint: the header of a manifest to assemble is not valid (", e.what(), ").");
+  }
+  return detail::assemble_manifest(h, std::move(tensors), parts, bytes_total);
 }
 
 }  // namespace fsdp::checkpoint

@@ -73,4 +73,15 @@ struct Manifest {
 /// files referenced by index. Errors name the file and the tensor. Reads no data.
 Manifest read_manifest(const std::string& dir);
 
+/// The text of manifest.json as rank 0 of a save assembles it from the part each rank sends it, for
+/// timing that at more ranks than a machine runs (benchmarks/ckpt_bench simulate); a save does it
+/// itself. `header`: a JSON object with the manifest's "name", "step", "world_size", "block_bytes",
+/// "strategies", "metadata", "optimizer" ({"type", "param_groups"} or null) and "tensors" (the
+/// model's: key -> {"kind", "dtype", "shape"}, in the model's order). `parts`, in rank order: JSON
+/// objects {"rank", "file", "bytes" (its size), "tensors" (the others it wrote, as above), "steps"
+/// (optimizer steps by parameter name), "chunks" ([{"tensor", "rows", "bytes", "block_bytes",
+/// "crc32c"}])}. Checks that the chunks cover every tensor's rows once and that the ranks' steps
+/// agree; `bytes_total` gets the bytes of all chunks.
+std::string manifest_from_parts(const std::string& header, const std::vector<std::string>& parts, int64_t& bytes_total);
+
 }  // namespace fsdp::checkpoint

@@ -1,4 +1,5 @@
 #include "checkpoint/safetensors.h"
+#include "fsdp/internal/check.h"
 
 #include "checkpoint/commit.h"
 #include "checkpoint/internal/crash_point.h"
@@ -86,7 +87,7 @@ class SequentialWriter {
       errno = injected;
       const ssize_t w = injected != 0 ? -1 : ::write(fd_, p, n);
       if (w < 0 && errno == EINTR) continue;
-      TORCH_CHECK(w > 0, "fsdp::checkpoint: writing ", what, " to '", path_, "' failed: ", system_error());
+      FSDP_CHECK(w > 0, "fsdp::checkpoint: writing ", what, " to '", path_, "' failed: ", system_error());
       p += w;
       n -= static_cast<size_t>(w);
     }
@@ -108,16 +109,16 @@ std::string safetensors_dtype(at::ScalarType type) {
   for (const auto& [t, name] : dtype_names()) {
     if (t == type) return name;
   }
-  TORCH_CHECK(false, "fsdp::checkpoint: dtype ", type,
-              " has no safetensors name; save tensors of a supported dtype (float64/32/16, bfloat16, float8, "
-              "integers, bool).");
+  FSDP_CHECK(false, "fsdp::checkpoint: dtype ", type,
+             " has no safetensors name; save tensors of a supported dtype (float64/32/16, bfloat16, float8, "
+             "integers, bool).");
 }
 
 at::ScalarType scalar_type_of(const std::string& dtype, const std::string& where) {
   for (const auto& [t, name] : dtype_names()) {
     if (dtype == name) return t;
   }
-  TORCH_CHECK(false, "fsdp::checkpoint: ", where, " has dtype '", dtype, "', which this library does not read.");
+  FSDP_CHECK(false, "fsdp::checkpoint: ", where, " has dtype '", dtype, "', which this library does not read.");
 }
 
 uint64_t checksum_block(uint64_t bytes, uint64_t max_block, uint64_t min_blocks) {
@@ -143,15 +144,15 @@ namespace {
 // file's layout, offsets absolute.
 std::string header_of(const std::string& path, std::vector<TensorRecord> tensors,
                       std::map<std::string, std::string> metadata, uint64_t alignment, FileRecord& rec) {
-  TORCH_CHECK(alignment >= 8, "fsdp::checkpoint: the alignment of '", path, "' must be at least 8");
+  FSDP_CHECK(alignment >= 8, "fsdp::checkpoint: the alignment of '", path, "' must be at least 8");
   metadata["format"] = "pt";
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   header[kMetadataKey] = metadata;
   std::set<std::string> names;
   uint64_t offset = 0;
   for (auto& tr : tensors) {
-    TORCH_CHECK(tr.name != kMetadataKey && names.insert(tr.name).second, "fsdp::checkpoint: tensor name '", tr.name,
-                "' is reserved or given twice for '", path, "'.");
+    FSDP_CHECK(tr.name != kMetadataKey && names.insert(tr.name).second, "fsdp::checkpoint: tensor name '", tr.name,
+               "' is reserved or given twice for '", path, "'.");
     const uint64_t bytes = numel_of(tr.shape) * c10::elementSize(scalar_type_of(tr.dtype, "tensor '" + tr.name + "'"));
     tr.begin = offset;
     tr.end = offset + bytes;
@@ -182,7 +183,7 @@ SafetensorsWriter::SafetensorsWriter(const std::string& path, std::vector<Tensor
   FileRecord rec;
   const std::string header = header_of(path, std::move(tensors), std::move(metadata), alignment, rec);
   impl_ = std::make_unique<Impl>(path);
-  TORCH_CHECK(impl_->fd.fd >= 0, "fsdp::checkpoint: cannot create '", path, "': ", system_error());
+  FSDP_CHECK(impl_->fd.fd >= 0, "fsdp::checkpoint: cannot create '", path, "': ", system_error());
   impl_->rec = std::move(rec);
   impl_->out.append(header.data(), header.size(), "the header");
 }
@@ -196,8 +197,8 @@ const FileRecord& SafetensorsWriter::record() const {
 void SafetensorsWriter::write(const void* data, uint64_t n) {
   Impl& w = *impl_;
   const uint64_t total = w.rec.size - w.rec.data_start;
-  TORCH_CHECK(w.written + n <= total, "fsdp::checkpoint: ", n, " more bytes for '", w.rec.path,
-              "', whose tensors hold ", total - w.written, " more.");
+  FSDP_CHECK(w.written + n <= total, "fsdp::checkpoint: ", n, " more bytes for '", w.rec.path, "', whose tensors hold ",
+             total - w.written, " more.");
   while (w.tensor < w.rec.tensors.size() && w.rec.data_start + w.written >= w.rec.tensors[w.tensor].end) ++w.tensor;
   const std::string what =
       w.tensor < w.rec.tensors.size() ? "tensor '" + w.rec.tensors[w.tensor].name + "'" : std::string("the data");
@@ -207,25 +208,25 @@ void SafetensorsWriter::write(const void* data, uint64_t n) {
 
 FileRecord SafetensorsWriter::finish(bool fsync) {
   Impl& w = *impl_;
-  TORCH_CHECK(w.rec.data_start + w.written == w.rec.size, "fsdp::checkpoint: '", w.rec.path, "' got ", w.written,
-              " bytes of data, but its tensors hold ", w.rec.size - w.rec.data_start, ".");
+  FSDP_CHECK(w.rec.data_start + w.written == w.rec.size, "fsdp::checkpoint: '", w.rec.path, "' got ", w.written,
+             " bytes of data, but its tensors hold ", w.rec.size - w.rec.data_start, ".");
   w.out.flush("the data");
   if (fsync) {
-    TORCH_CHECK(::fsync(w.fd.fd) == 0, "fsdp::checkpoint: fsync of '", w.rec.path, "' failed: ", system_error());
+    FSDP_CHECK(::fsync(w.fd.fd) == 0, "fsdp::checkpoint: fsync of '", w.rec.path, "' failed: ", system_error());
   }
   return w.rec;
 }
 
 FileRecord write_safetensors(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                              std::map<std::string, std::string> metadata, const WriteOptions& options) {
-  TORCH_CHECK(options.alignment() >= 8 && options.block_bytes() > 0 && options.min_blocks() > 0,
-              "fsdp::checkpoint::write_safetensors: the alignment must be at least 8, the block size and the "
-              "number of blocks positive");
+  FSDP_CHECK(options.alignment() >= 8 && options.block_bytes() > 0 && options.min_blocks() > 0,
+             "fsdp::checkpoint::write_safetensors: the alignment must be at least 8, the block size and the "
+             "number of blocks positive");
   std::vector<TensorRecord> records;
   std::vector<at::Tensor> data;
   for (const auto& [name, t] : tensors) {
-    TORCH_CHECK(t.defined() && t.device().is_cpu(), "fsdp::checkpoint: tensor '", name, "' for '", path,
-                "' is undefined or not on the CPU; copy it to the CPU first.");
+    FSDP_CHECK(t.defined() && t.device().is_cpu(), "fsdp::checkpoint: tensor '", name, "' for '", path,
+               "' is undefined or not on the CPU; copy it to the CPU first.");
     TensorRecord tr;
     tr.name = name;
     tr.dtype = safetensors_dtype(t.scalar_type());
@@ -258,16 +259,16 @@ FileRecord read_safetensors_header(const std::string& path) {
   FileRecord rec;
   rec.path = path;
   struct stat st {};
-  TORCH_CHECK(::stat(path.c_str(), &st) == 0, "fsdp::checkpoint: cannot open '", path, "': ", system_error());
+  FSDP_CHECK(::stat(path.c_str(), &st) == 0, "fsdp::checkpoint: cannot open '", path, "': ", system_error());
   rec.size = static_cast<uint64_t>(st.st_size);
-  TORCH_CHECK(rec.size >= 8, "fsdp::checkpoint: '", path, "' has ", rec.size,
-              " bytes, fewer than a safetensors header's length field (8): it is truncated or not a safetensors file.");
+  FSDP_CHECK(rec.size >= 8, "fsdp::checkpoint: '", path, "' has ", rec.size,
+             " bytes, fewer than a safetensors header's length field (8): it is truncated or not a safetensors file.");
   uint8_t length[8];
   read_bytes(path, 0, 8, length);
   uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | length[i];
-  TORCH_CHECK(n <= kMaxHeader && 8 + n <= rec.size, "fsdp::checkpoint: '", path, "' says its header has ", n,
-              " bytes, but the file has ", rec.size, ": it is truncated or not a safetensors file.");
+  FSDP_CHECK(n <= kMaxHeader && 8 + n <= rec.size, "fsdp::checkpoint: '", path, "' says its header has ", n,
+             " bytes, but the file has ", rec.size, ": it is truncated or not a safetensors file.");
   std::string text(n, '\0');
   read_bytes(path, 8, n, text.data());
   rec.data_start = 8 + n;
@@ -275,9 +276,9 @@ FileRecord read_safetensors_header(const std::string& path) {
   try {
     header = nlohmann::json::parse(text);
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "fsdp::checkpoint: the header of '", path, "' is not valid JSON (", e.what(), ").");
+    FSDP_CHECK(false, "fsdp::checkpoint: the header of '", path, "' is not valid JSON (", e.what(), ").");
   }
-  TORCH_CHECK(header.is_object(), "fsdp::checkpoint: the header of '", path, "' is not a JSON object.");
+  FSDP_CHECK(header.is_object(), "fsdp::checkpoint: the header of '", path, "' is not a JSON object.");
   try {
     for (const auto& [key, value] : header.items()) {
       if (key == kMetadataKey) {
@@ -289,22 +290,22 @@ FileRecord read_safetensors_header(const std::string& path) {
       tr.dtype = value.at("dtype").get<std::string>();
       tr.shape = value.at("shape").get<std::vector<int64_t>>();
       const auto offsets = value.at("data_offsets").get<std::vector<uint64_t>>();
-      TORCH_CHECK(offsets.size() == 2, "fsdp::checkpoint: tensor '", key, "' in '", path, "' has data_offsets of ",
-                  offsets.size(), " numbers, not 2.");
+      FSDP_CHECK(offsets.size() == 2, "fsdp::checkpoint: tensor '", key, "' in '", path, "' has data_offsets of ",
+                 offsets.size(), " numbers, not 2.");
       tr.begin = rec.data_start + offsets[0];
       tr.end = rec.data_start + offsets[1];
       const at::ScalarType type = scalar_type_of(tr.dtype, "tensor '" + key + "' in '" + path + "'");
       for (int64_t d : tr.shape) {
-        TORCH_CHECK(d >= 0, "fsdp::checkpoint: tensor '", key, "' in '", path, "' has a negative dimension.");
+        FSDP_CHECK(d >= 0, "fsdp::checkpoint: tensor '", key, "' in '", path, "' has a negative dimension.");
       }
-      TORCH_CHECK(offsets[0] <= offsets[1] && offsets[1] - offsets[0] == numel_of(tr.shape) * c10::elementSize(type),
-                  "fsdp::checkpoint: tensor '", key, "' in '", path, "' has bytes [", offsets[0], ", ", offsets[1],
-                  ") of the data buffer, which do not hold its shape ", c10::IntArrayRef(tr.shape), " of ", tr.dtype,
-                  ".");
+      FSDP_CHECK(offsets[0] <= offsets[1] && offsets[1] - offsets[0] == numel_of(tr.shape) * c10::elementSize(type),
+                 "fsdp::checkpoint: tensor '", key, "' in '", path, "' has bytes [", offsets[0], ", ", offsets[1],
+                 ") of the data buffer, which do not hold its shape ", c10::IntArrayRef(tr.shape), " of ", tr.dtype,
+                 ".");
       rec.tensors.push_back(std::move(tr));
     }
   } catch (const nlohmann::json::exception& e) {
-    TORCH_CHECK(false, "fsdp::checkpoint: the header of '", path, "' is not a safetensors header (", e.what(), ").");
+    FSDP_CHECK(false, "fsdp::checkpoint: the header of '", path, "' is not a safetensors header (", e.what(), ").");
   }
   // The data buffer is covered exactly, in order: no hole, no overlap, and it ends with the file.
   std::sort(rec.tensors.begin(), rec.tensors.end(), [](const TensorRecord& x, const TensorRecord& y) {
@@ -312,12 +313,12 @@ FileRecord read_safetensors_header(const std::string& path) {
   });
   uint64_t at = rec.data_start;
   for (const auto& t : rec.tensors) {
-    TORCH_CHECK(t.begin == at, "fsdp::checkpoint: tensor '", t.name, "' in '", path, "' starts at byte ", t.begin,
-                " of the file, but the previous tensor ends at ", at, ": the header is corrupt.");
+    FSDP_CHECK(t.begin == at, "fsdp::checkpoint: tensor '", t.name, "' in '", path, "' starts at byte ", t.begin,
+               " of the file, but the previous tensor ends at ", at, ": the header is corrupt.");
     at = t.end;
   }
-  TORCH_CHECK(at == rec.size, "fsdp::checkpoint: the tensors of '", path, "' end at byte ", at, " but the file has ",
-              rec.size, " bytes: it is ", at > rec.size ? "truncated." : "longer than its header says.");
+  FSDP_CHECK(at == rec.size, "fsdp::checkpoint: the tensors of '", path, "' end at byte ", at, " but the file has ",
+             rec.size, " bytes: it is ", at > rec.size ? "truncated." : "longer than its header says.");
   return rec;
 }
 
@@ -327,17 +328,17 @@ void pread_exactly(int fd, const std::string& path, uint64_t offset, uint64_t n,
   while (done < n) {
     const ssize_t r = ::pread(fd, p + done, n - done, static_cast<off_t>(offset + done));
     if (r < 0 && errno == EINTR) continue;
-    TORCH_CHECK(r >= 0, "fsdp::checkpoint: reading bytes [", offset, ", ", offset + n, ") of '", path,
-                "' failed: ", system_error());
-    TORCH_CHECK(r > 0, "fsdp::checkpoint: '", path, "' ends at byte ", offset + done, ", before byte ", offset + n,
-                " that is needed: it is truncated.");
+    FSDP_CHECK(r >= 0, "fsdp::checkpoint: reading bytes [", offset, ", ", offset + n, ") of '", path,
+               "' failed: ", system_error());
+    FSDP_CHECK(r > 0, "fsdp::checkpoint: '", path, "' ends at byte ", offset + done, ", before byte ", offset + n,
+               " that is needed: it is truncated.");
     done += static_cast<uint64_t>(r);
   }
 }
 
 void read_bytes(const std::string& path, uint64_t offset, uint64_t n, void* dst) {
   Fd f(path, O_RDONLY);
-  TORCH_CHECK(f.fd >= 0, "fsdp::checkpoint: cannot open '", path, "': ", system_error());
+  FSDP_CHECK(f.fd >= 0, "fsdp::checkpoint: cannot open '", path, "': ", system_error());
   pread_exactly(f.fd, path, offset, n, dst);
 }
 

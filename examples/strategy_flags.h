@@ -1,21 +1,23 @@
-// The sharding strategies by the command-line names train_gpt and fsdp_bench share (`--strategy
-// full`); fsdp::to_string() gives the library's own names ("full-shard", ...).
+// The sharding strategies by the command-line names train_gpt and the benchmarks share
+// (`--strategy full`); fsdp::to_string() gives the library's own names ("full-shard", ...).
 #pragma once
 
-#include "fsdp/options.h"
+#include "fsdp/strategy.h"
 
 #include <map>
 #include <string>
 
 namespace gpt {
 
-/// Flag -> strategy, from the strategies' traits (fsdp/strategy.h).
+/// --strategy value -> strategy: one name per ZeRO stage, short enough to type.
 inline const std::map<std::string, fsdp::ShardingStrategy>& strategy_flags() {
-  static const std::map<std::string, fsdp::ShardingStrategy> m = [] {
-    std::map<std::string, fsdp::ShardingStrategy> out;
-    for (const auto& t : fsdp::kStrategies) out[t.flag] = t.strategy;
-    return out;
-  }();
+  static const std::map<std::string, fsdp::ShardingStrategy> m{
+      {"full", fsdp::ShardingStrategy::kFullShard},
+      {"grad-op", fsdp::ShardingStrategy::kShardGradOp},
+      {"optimizer", fsdp::ShardingStrategy::kShardOptimizerState},
+      {"replicate", fsdp::ShardingStrategy::kNoShard},
+      {"hybrid", fsdp::ShardingStrategy::kHybridShard},
+  };
   return m;
 }
 

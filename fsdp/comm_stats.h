@@ -13,12 +13,10 @@ namespace fsdp {
 /// paper's communication volume: all-gather output + reduce-scatter input + 2 x all-reduce elements.
 /// The small cross-rank checks (at each forward, backward and clipping call) are counted apart.
 struct CommStats {
-  int64_t all_gathers = 0;
-  int64_t reduce_scatters = 0;
-  int64_t all_reduces = 0;
-  int64_t broadcasts = 0;
-  int64_t elements = 0;
-  int64_t checks = 0;
+  /// Collectives issued, by kind.
+  int64_t all_gathers = 0, reduce_scatters = 0, all_reduces = 0, broadcasts = 0;
+  int64_t elements = 0;  ///< the ZeRO paper's volume (above)
+  int64_t checks = 0;    ///< cross-rank agreements
 };
 
 /// The library's temporary buffers (FSDPModule::buffer_cache_stats): a unit's all-gather output,

@@ -1,4 +1,5 @@
 #include "fsdp/env.h"
+#include "fsdp/internal/check.h"
 #include "fsdp/internal/env.h"
 
 #include <c10/util/Exception.h>
@@ -27,10 +28,10 @@ std::chrono::milliseconds parse_timeout_seconds(const std::string& value, const 
       v.empty() || v.find_first_not_of("0123456789.eE+-") != std::string::npos ? -1.0 : std::strtod(v.c_str(), &end);
   const bool ok =
       errno == 0 && end != nullptr && end != v.c_str() && *end == '\0' && std::isfinite(s) && s > 0 && s <= kMax;
-  TORCH_CHECK(ok, "fsdp: ", what, "='", value,
-              "' is not a timeout: give a decimal number of seconds above 0 and at most 31536000 (a year), "
-              "fractions allowed, e.g. ",
-              what, "=60.");
+  FSDP_CHECK(ok, "fsdp: ", what, "='", value,
+             "' is not a timeout: give a decimal number of seconds above 0 and at most 31536000 (a year), "
+             "fractions allowed, e.g. ",
+             what, "=60.");
   return std::chrono::milliseconds(std::max<int64_t>(1, static_cast<int64_t>(std::llround(s * 1000.0))));
 }
 
@@ -57,7 +58,7 @@ bool verify_collectives_from_env() {
   const char* v = detail::getenv_or_null("FSDP_VERIFY_COLLECTIVES");
   if (v == nullptr) return false;
   const std::string s = v;
-  TORCH_CHECK(s == "0" || s == "1", "fsdp: FSDP_VERIFY_COLLECTIVES='", s, "' must be 1 (check) or 0 (off).");
+  FSDP_CHECK(s == "0" || s == "1", "fsdp: FSDP_VERIFY_COLLECTIVES='", s, "' must be 1 (check) or 0 (off).");
   return s == "1";
 }
 

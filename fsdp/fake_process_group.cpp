@@ -1,4 +1,5 @@
 #include "fsdp/fake_process_group.h"
+#include "fsdp/internal/check.h"
 
 #include "fsdp/env.h"
 #include "fsdp/internal/comm.h"
@@ -27,15 +28,15 @@ class FakeBackend final : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& out, at::Tensor& in,
                                                  const c10d::AllgatherOptions& /*opts*/) override {
-    TORCH_CHECK(out.numel() == in.numel() * getSize(), "fsdp fake process group: all-gather of ", in.numel(),
-                " elements into ", out.numel(), " at world size ", getSize());
+    FSDP_CHECK(out.numel() == in.numel() * getSize(), "fsdp fake process group: all-gather of ", in.numel(),
+               " elements into ", out.numel(), " at world size ", getSize());
     out.view({getSize(), in.numel()}).copy_(in.reshape({1, -1}));
     return c10::make_intrusive<DoneWork>();
   }
   c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& out, at::Tensor& in,
                                                       const c10d::ReduceScatterOptions& /*opts*/) override {
-    TORCH_CHECK(in.numel() == out.numel() * getSize(), "fsdp fake process group: reduce-scatter of ", in.numel(),
-                " elements into ", out.numel(), " at world size ", getSize());
+    FSDP_CHECK(in.numel() == out.numel() * getSize(), "fsdp fake process group: reduce-scatter of ", in.numel(),
+               " elements into ", out.numel(), " at world size ", getSize());
     out.copy_(in.view({getSize(), out.numel()})[getRank()]);
     return c10::make_intrusive<DoneWork>();
   }
@@ -55,8 +56,8 @@ class FakeBackend final : public c10d::Backend {
 }  // namespace
 
 c10::intrusive_ptr<c10d::ProcessGroup> make_fake_process_group(int rank, int world_size) {
-  TORCH_CHECK(world_size >= 1 && rank >= 0 && rank < world_size, "fsdp::make_fake_process_group: rank ", rank,
-              " is not in [0, ", world_size, ")");
+  FSDP_CHECK(world_size >= 1 && rank >= 0 && rank < world_size, "fsdp::make_fake_process_group: rank ", rank,
+             " is not in [0, ", world_size, ")");
   auto pg = c10::make_intrusive<c10d::ProcessGroup>(c10::make_intrusive<c10d::HashStore>(), rank, world_size);
   pg->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::CUSTOM,
                  c10::make_intrusive<FakeBackend>(rank, world_size));

@@ -1,6 +1,13 @@
-// libtorch-fsdp: fully sharded data parallel training for LibTorch. The one header to include.
+// libtorch-fsdp: fully sharded data parallel training for LibTorch. The one header to include: the
+// whole library, as <torch/all.h> is the whole of LibTorch: the core (fsdp/), the optimizers and
+// clipping (optim/, fsdp::optim) and the sharded checkpoints (checkpoint/, fsdp::checkpoint). The
+// CMake target fsdp::fsdp links all three; a program that wants less includes the headers it uses.
 #pragma once
 
+#include "checkpoint/async_save.h"
+#include "checkpoint/checkpoint.h"
+#include "checkpoint/consolidate.h"
+#include "fsdp/error.h"
 #include "fsdp/fake_process_group.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/memory.h"

@@ -1,5 +1,7 @@
 #include "fsdp/fully_shard.h"
+#include "fsdp/internal/check.h"
 
+#include "fsdp/internal/access.h"
 #include "fsdp/internal/run_state.h"
 #include "fsdp/internal/unit.h"
 #include "fsdp/internal/wrap.h"
@@ -20,11 +22,12 @@ FSDPModule::FSDPModule(std::shared_ptr<torch::nn::Module> module, const c10::int
 }
 
 FSDPModule::FSDPModule(std::shared_ptr<torch::nn::Module> module, ShardingScope& scope) : module_(std::move(module)) {
-  TORCH_CHECK(scope.state() != nullptr, "fsdp::fully_shard: the ShardingScope has no state");
-  TORCH_CHECK(scope.state()->groups.empty(), "fsdp::fully_shard (rank ", scope.state()->comm.rank(),
-              "): this ShardingScope already wrapped a model; open one scope per model.");
+  const std::shared_ptr<RunState>& state = detail::Access::state(scope);
+  FSDP_CHECK(state != nullptr, "fsdp::fully_shard: the ShardingScope has no state");
+  FSDP_CHECK(state->units.empty(), "fsdp::fully_shard (rank ", state->comm.rank(),
+             "): this ShardingScope already wrapped a model; open one scope per model.");
   scope.close();
-  root_ = shard_model(module_, scope.process_group(), scope.state()->options, scope.state());
+  root_ = shard_model(module_, scope.process_group(), state->options, state);
   reset_comm_stats();
 }
 
@@ -32,7 +35,11 @@ detail::ForwardCasts FSDPModule::root_pre_forward() {
   root_->state().begin_forward();
   root_->state().in_root_forward = true;
   root_->pre_forward();
-  return {root_->input_cast(), root_->output_cast()};
+  detail::ForwardCasts casts;
+  casts.input = root_->input_cast();
+  casts.output = root_->output_cast();
+  casts.compute = root_->param_dtype();
+  return casts;
 }
 
 void FSDPModule::root_post_forward(const std::vector<at::Tensor>& outputs) {
@@ -57,8 +64,9 @@ void FSDPModule::end_access(bool threw) const {
   if (threw && !refused && state.direct_access == 0 && !state.in_root_forward) {
     TORCH_WARN("fsdp (rank ", state.comm.rank(),
                "): an error left a call through the handle's operator->. If that call was the module's own "
-               "forward (model->forward(x)), it ran around the wrapper on this rank's shards; call the handle "
-               "itself: model(x) or model.forward(x).");
+               "forward (model->forward(x)) or a unit's Impl::forward (model->h0->BlockImpl::forward(x)), it ran "
+               "around the wrapper on this rank's shards; call the handle itself: model(x) or model.forward(x), "
+               "and a unit as block(x) or block->forward(x).");
   }
 }
 
@@ -95,9 +103,7 @@ namespace {
 // The handle's to(): every unit refuses a change (a wrapped model's dtype and device are fixed).
 void check_conversion(const RunState& state, const std::optional<at::Device>& device,
                       const std::optional<at::ScalarType>& dtype) {
-  for (const auto& w : state.groups) {
-    if (auto g = w.lock()) g->check_conversion(device, dtype, /*converting=*/false);
-  }
+  state.for_each_unit([&](const detail::Unit& u) { u.check_conversion(device, dtype, /*converting=*/false); });
 }
 }  // namespace
 
@@ -114,23 +120,21 @@ void FSDPModule::to(at::Device device) {
 torch::OrderedDict<std::string, at::Tensor> FSDPModule::full_state_dict(bool rank0_only) const {
   RunState& state = root_->state();
   state.check_not_broken();
-  TORCH_CHECK(!state.in_backward(), "fsdp::full_state_dict (", state.comm.where(),
-              "): called during backward; call it between steps.");
-  state.check_boundary(RunState::Boundary::kFullStateDict, rank0_only ? 1 : 0, 0,
+  FSDP_CHECK(!state.in_backward(), "fsdp::full_state_dict (", state.comm.where(),
+             "): called during backward; call it between steps.");
+  state.check_boundary(detail::Call::kFullStateDict, detail::Fingerprint().add(rank0_only ? 1 : 0),
                        std::string("full_state_dict(rank0_only=") + (rank0_only ? "true" : "false") + ")");
   const bool keep = !rank0_only || state.comm.rank() == 0;
   std::unordered_map<const c10::TensorImpl*, at::Tensor> full;
-  for (auto& w : state.groups) {
-    auto g = w.lock();
-    if (!g) continue;
+  state.for_each_unit([&](detail::Unit& u) {
     // A unit left gathered by a forward whose backward never ran: back to its shards first (the
     // same on every rank, which ran the same forwards).
-    g->reshard();
+    u.reshard();
     std::vector<at::Tensor> gathered;
-    g->gather_full(gathered, at::kCPU);
-    if (!keep) continue;
-    for (size_t i = 0; i < gathered.size(); ++i) full.emplace(g->slots()[i].param.unsafeGetTensorImpl(), gathered[i]);
-  }
+    u.gather_full(gathered, at::kCPU);
+    if (!keep) return;
+    for (size_t i = 0; i < gathered.size(); ++i) full.emplace(u.slots()[i].param.unsafeGetTensorImpl(), gathered[i]);
+  });
   torch::OrderedDict<std::string, at::Tensor> out;
   if (!keep) return out;
   for (const auto& kv : module_->named_parameters()) out.insert(kv.key(), full.at(kv.value().unsafeGetTensorImpl()));
@@ -141,34 +145,30 @@ torch::OrderedDict<std::string, at::Tensor> FSDPModule::full_state_dict(bool ran
 }
 
 void FSDPModule::mark_shards_written() {
-  for (auto& w : root_->state().groups) {
-    if (auto g = w.lock()) g->mark_shards_written();
-  }
+  root_->state().for_each_unit([](detail::Unit& u) { u.mark_shards_written(); });
 }
 
 std::vector<UnitInfo> FSDPModule::units() const {
   std::vector<UnitInfo> out;
   size_t spec = 0;
-  for (auto& w : root_->state().groups) {
-    if (auto g = w.lock()) {
-      UnitInfo u;
-      u.name = g->name();
-      u.strategy = g->strategy();
-      u.shard_numel = g->shard_numel();
-      u.shard_rank = g->shard_rank();
-      u.shard_world_size = g->shard_world_size();
-      u.unsharded = g->is_unsharded();
-      u.param_dtype = g->param_dtype();
-      u.reduce_dtype = g->reduce_dtype();
-      for (const auto& s : g->slots()) {
-        u.params.push_back(s.name);
-        u.specs.push_back(spec++);
-      }
-      u.flat_shard = g->flat_shard();
-      u.flat_grad = g->flat_grad();
-      out.push_back(std::move(u));
+  root_->state().for_each_unit([&](const detail::Unit& g) {
+    UnitInfo u;
+    u.name = g.name();
+    u.strategy = g.strategy();
+    u.shard_numel = g.shard_numel();
+    u.shard_rank = g.shard_rank();
+    u.shard_world_size = g.shard_world_size();
+    u.unsharded = g.is_unsharded();
+    u.param_dtype = g.param_dtype();
+    u.reduce_dtype = g.reduce_dtype();
+    for (const auto& s : g.slots()) {
+      u.params.push_back(s.name);
+      u.specs.push_back(spec++);
     }
-  }
+    u.flat_shard = g.flat_shard();
+    u.flat_grad = g.flat_grad();
+    out.push_back(std::move(u));
+  });
   return out;
 }
 
@@ -177,25 +177,23 @@ std::vector<ShardSpec> FSDPModule::shard_specs() const {
   const int rank = state.comm.rank();
   std::vector<ShardSpec> out;
   size_t unit = 0;
-  for (const auto& w : state.groups) {
-    auto g = w.lock();
-    if (!g) continue;
-    TORCH_CHECK(!g->is_unsharded(), "fsdp::shard_specs (", state.comm.where(), "): unit '",
-                g->is_root() ? "<root>" : g->name(),
-                "' is unsharded (inside its forward or backward); ask for the shard contract between steps.");
-    const int S = static_cast<int>(g->shard_world_size());
-    for (const auto& s : g->slots()) {
+  state.for_each_unit([&](const detail::Unit& g) {
+    FSDP_CHECK_IN(g.error_context("fsdp::shard_specs"), !g.is_unsharded(), "fsdp::shard_specs (", state.comm.where(),
+                  "): unit '", g.label(),
+                  "' is unsharded (inside its forward or backward); ask for the shard contract between steps.");
+    const int S = static_cast<int>(g.shard_world_size());
+    for (const auto& s : g.slots()) {
       ShardSpec p;
       p.name = s.name;
       p.global_shape = s.shape;
       p.dtype = s.sharded.scalar_type();
-      p.strategy = g->strategy();
+      p.strategy = g.strategy();
       p.unit = unit;
       p.layout = s.layout;
-      p.shard_rank = static_cast<int>(g->shard_rank());
+      p.shard_rank = static_cast<int>(g.shard_rank());
       p.shard_world_size = S;
       p.replica_rank = rank / S;
-      p.replicas = static_cast<int>(g->replication());
+      p.replicas = static_cast<int>(g.replication());
       p.row_begin = s.layout.begin(p.shard_rank);
       p.row_end = s.layout.end(p.shard_rank);
       p.local = s.param;
@@ -203,30 +201,14 @@ std::vector<ShardSpec> FSDPModule::shard_specs() const {
       out.push_back(std::move(p));
     }
     ++unit;
-  }
+  });
   return out;
 }
 
 void FSDPModule::discard_unsynced_gradients() {
-  TORCH_CHECK(!root_->state().in_backward(), "fsdp::discard_unsynced_gradients (", root_->state().comm.where(),
-              "): called during backward; call it between steps.");
-  for (auto& w : root_->state().groups) {
-    if (auto g = w.lock()) g->drop_unsynced_grads();
-  }
-}
-
-void FSDPModule::check_gradients_reduced(const char* caller) const {
-  root_->state().check_no_unsynced_grads(caller);
-}
-
-void FSDPModule::all_reduce(at::Tensor& tensor, c10d::ReduceOp op, const std::string& what) const {
-  RunState& state = root_->state();
-  state.check_not_broken();
-  // Every rank must be at this call: one rank reducing while another runs its next forward would
-  // pair this all-reduce with a collective of another size.
-  const auto name = static_cast<int64_t>(std::hash<std::string>{}(what) >> 1);
-  state.check_boundary(RunState::Boundary::kModelCollective, name, tensor.numel(), what);
-  state.comm.all_reduce(tensor, std::move(op), what);
+  FSDP_CHECK(!root_->state().in_backward(), "fsdp::discard_unsynced_gradients (", root_->state().comm.where(),
+             "): called during backward; call it between steps.");
+  root_->state().for_each_unit([](detail::Unit& u) { u.drop_unsynced_grads(); });
 }
 
 void FSDPModule::zero_grad(bool set_to_none) {
@@ -244,11 +226,9 @@ bool FSDPModule::requires_gradient_sync() const {
 
 int64_t FSDPModule::num_parameters() const {
   int64_t n = 0;
-  for (auto& w : root_->state().groups) {
-    if (auto g = w.lock()) {
-      for (const auto& s : g->slots()) n += s.layout.numel();
-    }
-  }
+  root_->state().for_each_unit([&](const detail::Unit& u) {
+    for (const auto& s : u.slots()) n += s.layout.numel();
+  });
   return n;
 }
 
@@ -289,10 +269,39 @@ int FSDPModule::world_size() const {
 bool FSDPModule::step_in_progress() const {
   const RunState& state = root_->state();
   if (state.in_root_forward || state.in_backward()) return true;
-  for (const auto& w : state.groups) {
-    if (auto g = w.lock(); g && g->backward_pending()) return true;
-  }
-  return false;
+  bool pending = false;
+  state.for_each_unit([&](const detail::Unit& u) { pending = pending || u.backward_pending(); });
+  return pending;
 }
 
+namespace detail {
+
+RunState& Access::state(const FSDPModule& model) {
+  return model.root_->state();
+}
+
+std::vector<int64_t> agree(const FSDPModule& model, Call call, uint64_t payload, const std::string& what,
+                           int64_t vote) {
+  RunState& state = Access::state(model);
+  state.check_not_broken();
+  return state.check_boundary(call, Fingerprint().add(payload), what, vote);
+}
+
+void all_reduce(const FSDPModule& model, at::Tensor& tensor, c10d::ReduceOp op, const std::string& what) {
+  // Every rank must be at this call: one rank reducing while another runs its next forward would
+  // pair this all-reduce with a collective of another size.
+  agree(model, Call::kModelCollective, Fingerprint().add(what).add(tensor.numel()).value(), what);
+  RunState& state = Access::state(model);
+  state.breaks_on_failure([&] { state.comm.all_reduce(tensor, op, what); });
+}
+
+void gradients_rescaled(const FSDPModule& model) {
+  Access::state(model).watch.rescaled_by_library();
+}
+
+void check_gradients_reduced(const FSDPModule& model, const char* caller) {
+  Access::state(model).check_no_unsynced_grads(caller);
+}
+
+}  // namespace detail
 }  // namespace fsdp

@@ -32,6 +32,7 @@
 namespace fsdp {
 namespace detail {
 class Unit;
+struct Access;
 }  // namespace detail
 
 /// The handle of a wrapped model, the non-template part of FullyShardedModule<Impl>: what the
@@ -50,9 +51,6 @@ class FSDPModule {
   torch::OrderedDict<std::string, at::Tensor> named_parameters(bool recurse = true) const;
   std::vector<at::Tensor> buffers(bool recurse = true) const;
   torch::OrderedDict<std::string, at::Tensor> named_buffers(bool recurse = true) const;
-  /// Earlier names of parameters() and named_parameters().
-  std::vector<at::Tensor> sharded_parameters() const { return parameters(); }
-  torch::OrderedDict<std::string, at::Tensor> named_sharded_parameters() const { return named_parameters(); }
   void train(bool on = true);
   void eval() { train(false); }
   bool is_training() const;
@@ -82,13 +80,6 @@ class FSDPModule {
   /// the library, not in the parameters' .grad, so an optimizer's zero_grad() does not reach them):
   /// the micro-batches since the last backward with sync on are discarded. Between steps.
   void discard_unsynced_gradients();
-  /// Throws, naming `caller`, while gradients accumulated with gradient sync off wait unreduced
-  /// (see set_requires_gradient_sync): stepping or clipping now would miss those micro-batches.
-  void check_gradients_reduced(const char* caller) const;
-  /// Reduces `tensor` in place over every rank of the model, bounded by its timeout, after
-  /// checking that every rank is at the same call (`what` names it in errors; equal on all ranks).
-  /// For what is computed from shards (a global norm, a count): fsdp::optim uses it.
-  void all_reduce(at::Tensor& tensor, c10d::ReduceOp op, const std::string& what) const;
   /// Tells the library that the shards were written in a way it cannot see (for example values
   /// copied into the parameters' data by a checkpoint loader): the next forward gathers them.
   /// Writes through the parameters (optimizers) and torch::load of the module are noticed without it.
@@ -135,6 +126,7 @@ class FSDPModule {
   const FullyShardOptions& options() const;
 
  protected:
+  friend struct detail::Access;
   /// Returns what the root's mixed-precision policy casts (its forward's inputs and outputs).
   detail::ForwardCasts root_pre_forward();
   void root_post_forward(const std::vector<at::Tensor>& outputs);
@@ -161,14 +153,13 @@ class FullyShardedModule : public FSDPModule {
 
   template <typename... Args>
   decltype(auto) forward(Args&&... args) {
-    const detail::ForwardCasts casts = root_pre_forward();
+    detail::ForwardCasts casts = root_pre_forward();
     struct Ended {
       FullyShardedModule* handle;
       ~Ended() { handle->root_forward_ended(); }
     } ended{this};
-    auto out = detail::forward_naming_unit(*root_, [&] {  // errors in the root's own layers name it
-      return detail::forward_with_casts(*impl_, casts.input, std::index_sequence_for<Args...>(),
-                                        std::forward<Args>(args)...);
+    auto out = detail::forward_naming_unit(*root_, casts, [&] {  // errors in the root's own layers name it
+      return detail::forward_with_casts(*impl_, casts, std::index_sequence_for<Args...>(), std::forward<Args>(args)...);
     });
     detail::cast_output(out, casts.output);  // mixed precision (fsdp/mixed_precision.h)
     std::vector<at::Tensor> tensors;

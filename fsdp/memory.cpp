@@ -1,4 +1,5 @@
 #include "fsdp/memory.h"
+#include "fsdp/internal/check.h"
 
 #include "fsdp/internal/cuda_backend.h"
 
@@ -106,10 +107,10 @@ Stats stats(c10::Device device) {
     auto m = detail::cuda_memory(device.has_index() ? device.index() : 0);
     return {m.current, m.peak};
   }
-  TORCH_CHECK(device.is_cpu(), "fsdp::memory::stats: unsupported device ", device);
-  TORCH_CHECK(g_counting != nullptr,
-              "fsdp::memory::stats: CPU memory is not being counted; call fsdp::memory::enable_cpu_counting() "
-              "at the start of main(), before any tensor is created.");
+  FSDP_CHECK(device.is_cpu(), "fsdp::memory::stats: unsupported device ", device);
+  FSDP_CHECK(g_counting != nullptr,
+             "fsdp::memory::stats: CPU memory is not being counted; call fsdp::memory::enable_cpu_counting() "
+             "at the start of main(), before any tensor is created.");
   return g_counting->stats();
 }
 

@@ -55,15 +55,33 @@ inline at::Tensor cast_floating(const at::Tensor& t, std::optional<at::ScalarTyp
   return t.to(*dtype);
 }
 
+/// What a unit's forward casts (its floating-point inputs to `input`, its outputs to `output`),
+/// and what it saw of its tensor arguments: the first floating-point one, after the cast, of
+/// another dtype than the unit computes in (`compute`). LibTorch's operators refuse such a mix,
+/// and the error then says why (Unit's forward errors, sharded.cpp).
+struct ForwardCasts {
+  std::optional<at::ScalarType> input, output;
+  at::ScalarType compute = at::kFloat;
+  std::optional<at::ScalarType> other_input;
+  void see(const at::Tensor& t) {
+    if (!other_input && t.defined() && t.is_floating_point() && t.scalar_type() != compute) {
+      other_input = t.scalar_type();
+    }
+  }
+};
+
 /// An input `x` for a forward parameter of type `P`: a tensor is cast unless the callee takes it by
 /// non-const reference (it may write into it); anything else is forwarded. Decided by the callee's
 /// parameter, never by how the caller passes the tensor (model(x) and model(x.clone()) alike).
 template <typename P, typename T>
-decltype(auto) cast_input(T&& x, std::optional<at::ScalarType> dtype) {
+decltype(auto) cast_input(T&& x, ForwardCasts& casts) {
   constexpr bool mutable_ref = std::is_lvalue_reference_v<P> && !std::is_const_v<std::remove_reference_t<P>>;
   if constexpr (std::is_same_v<std::decay_t<T>, at::Tensor> && !mutable_ref) {
-    return cast_floating(x, dtype);
+    at::Tensor cast = cast_floating(x, casts.input);
+    casts.see(cast);
+    return cast;
   } else {
+    if constexpr (std::is_same_v<std::decay_t<T>, at::Tensor>) casts.see(x);
     return std::forward<T>(x);
   }
 }
@@ -98,10 +116,9 @@ struct forward_params<Impl, N,
 
 /// Calls impl.forward(args...) with each argument cast as cast_input says for its parameter.
 template <typename Impl, typename... Args, size_t... I>
-decltype(auto) forward_with_casts(Impl& impl, std::optional<at::ScalarType> dtype, std::index_sequence<I...>,
-                                  Args&&... args) {
+decltype(auto) forward_with_casts(Impl& impl, ForwardCasts& casts, std::index_sequence<I...>, Args&&... args) {
   using Ps = typename forward_params<Impl, sizeof...(Args)>::type;
-  return impl.forward(cast_input<std::tuple_element_t<I, Ps>>(std::forward<Args>(args), dtype)...);
+  return impl.forward(cast_input<std::tuple_element_t<I, Ps>>(std::forward<Args>(args), casts)...);
 }
 
 /// An output: tensors, and tensors in vectors, pairs and tuples, are cast in place.

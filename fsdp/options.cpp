@@ -1,5 +1,6 @@
-#include "fsdp/options.h"
+#include "fsdp/internal/options_check.h"
 
+#include "fsdp/internal/check.h"
 #include "fsdp/internal/env.h"
 
 #include <c10/util/Exception.h>
@@ -10,15 +11,15 @@ namespace fsdp {
 
 namespace detail {
 void check_options(const FullyShardOptions& o, const char* caller) {
-  TORCH_CHECK(is_valid(o.strategy()), caller, ": FullyShardOptions::strategy is ", static_cast<int>(o.strategy()),
-              ", not a ShardingStrategy; use one of fsdp::ShardingStrategy's values (fsdp/strategy.h).");
-  TORCH_CHECK(o.prefetch() >= 0, caller, ": FullyShardOptions::prefetch is ", o.prefetch(),
-              "; it is the number of units gathered ahead, 0 or more (0 turns prefetch off).");
-  TORCH_CHECK(o.bucket_bytes() > 0, caller, ": FullyShardOptions::bucket_bytes is ", o.bucket_bytes(),
-              "; replicated units all-reduce their gradients in buckets of that many bytes, so it must be "
-              "positive (PyTorch DDP's default is 25 MiB).");
-  TORCH_CHECK(o.timeout().count() > 0, caller, ": FullyShardOptions::timeout is ", o.timeout().count(),
-              " ms; it bounds every wait for a collective, so it must be positive (the default is 10 minutes).");
+  FSDP_CHECK(is_valid(o.strategy()), caller, ": FullyShardOptions::strategy is ", static_cast<int>(o.strategy()),
+             ", not a ShardingStrategy; use one of fsdp::ShardingStrategy's values (fsdp/strategy.h).");
+  FSDP_CHECK(o.prefetch() >= 0, caller, ": FullyShardOptions::prefetch is ", o.prefetch(),
+             "; it is the number of units gathered ahead, 0 or more (0 turns prefetch off).");
+  FSDP_CHECK(o.bucket_bytes() > 0, caller, ": FullyShardOptions::bucket_bytes is ", o.bucket_bytes(),
+             "; replicated units all-reduce their gradients in buckets of that many bytes, so it must be "
+             "positive (PyTorch DDP's default is 25 MiB).");
+  FSDP_CHECK(o.timeout().count() > 0, caller, ": FullyShardOptions::timeout is ", o.timeout().count(),
+             " ms; it bounds every wait for a collective, so it must be positive (the default is 10 minutes).");
 }
 bool offload_on_cpu_for_tests() {
   const char* v = getenv_or_null("FSDP_TEST_OFFLOAD_ON_CPU");
@@ -28,12 +29,12 @@ bool offload_on_cpu_for_tests() {
 void check_offload(const FullyShardOptions& o, const std::string& param, const c10::Device& device, int rank) {
   if (!o.offload_policy()) return;
   if (device.is_cpu() && offload_on_cpu_for_tests()) return;
-  TORCH_CHECK(device.is_cuda(), "fsdp::fully_shard (rank ", rank,
-              "): FullyShardOptions::offload_policy keeps a CUDA model's shards, gradients and optimizer state in "
-              "host memory, but this model's parameters are on ",
-              device, " ('", param,
-              "'): there is nothing to offload, they are in host memory already. Remove offload_policy, or build "
-              "the model on a CUDA device (model->to(torch::kCUDA)) before fsdp::fully_shard.");
+  FSDP_CHECK(device.is_cuda(), "fsdp::fully_shard (rank ", rank,
+             "): FullyShardOptions::offload_policy keeps a CUDA model's shards, gradients and optimizer state in "
+             "host memory, but this model's parameters are on ",
+             device, " ('", param,
+             "'): there is nothing to offload, they are in host memory already. Remove offload_policy, or build "
+             "the model on a CUDA device (model->to(torch::kCUDA)) before fsdp::fully_shard.");
 }
 
 }  // namespace detail

@@ -36,21 +36,6 @@ struct CPUOffloadPolicy {
   TORCH_ARG(bool, pin_memory) = true;
 };
 
-struct FullyShardOptions;
-namespace detail {
-/// Throws, naming `caller` and the option, when a value cannot be used: an unknown strategy, a
-/// negative prefetch, a bucket size that is not positive. (Group sizes are checked against the
-/// world size when the groups are made.)
-void check_options(const FullyShardOptions& options, const char* caller);
-/// Test seam: $FSDP_TEST_OFFLOAD_ON_CPU=1 lets a CPU model take an offload policy, "offloading" to
-/// the same CPU through separate buffers, so that CI exercises every copy and pointer switch of
-/// the CUDA path (docs/design.md, "CPU offload"). Never for training.
-bool offload_on_cpu_for_tests();
-/// Refuses an offload policy for a model that has nothing to offload (its parameters, the first of
-/// which is `param` on `device`, are not on a CUDA device).
-void check_offload(const FullyShardOptions& options, const std::string& param, const c10::Device& device, int rank);
-}  // namespace detail
-
 struct FullyShardOptions {
   /// Bound on every collective the library issues, whatever the backend does with it: a peer that
   /// does not answer in time makes this rank throw an error naming the operation, the unit, the

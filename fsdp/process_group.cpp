@@ -1,4 +1,5 @@
 #include "fsdp/process_group.h"
+#include "fsdp/internal/check.h"
 #include "fsdp/internal/env.h"
 
 #include "fsdp/env.h"
@@ -25,17 +26,17 @@ int parse_int(const char* name, const char* value, int lo, int hi) {
   char* end = nullptr;
   errno = 0;
   long v = std::strtol(value, &end, 10);
-  TORCH_CHECK(errno == 0 && end != value && *end == '\0' && v >= lo && v <= hi,
-              "fsdp::init_process_group: environment variable ", name, "='", value, "' is not an integer in [", lo,
-              ", ", hi, "]. Launch with torchrun or srun, or fix the variable.");
+  FSDP_CHECK(errno == 0 && end != value && *end == '\0' && v >= lo && v <= hi,
+             "fsdp::init_process_group: environment variable ", name, "='", value, "' is not an integer in [", lo, ", ",
+             hi, "]. Launch with torchrun or srun, or fix the variable.");
   return static_cast<int>(v);
 }
 
 int require_int(const char* name, const char* launcher, int lo, int hi) {
   const char* v = getenv_or_null(name);
-  TORCH_CHECK(v != nullptr, "fsdp::init_process_group: environment variable ", name, " is not set, but the ", launcher,
-              " environment is partly there. Launch with `torchrun --no-python --nproc-per-node N ./program` "
-              "(or srun under Slurm), or unset the launcher variables to run a single process.");
+  FSDP_CHECK(v != nullptr, "fsdp::init_process_group: environment variable ", name, " is not set, but the ", launcher,
+             " environment is partly there. Launch with `torchrun --no-python --nproc-per-node N ./program` "
+             "(or srun under Slurm), or unset the launcher variables to run a single process.");
   return parse_int(name, v, lo, hi);
 }
 
@@ -47,16 +48,16 @@ LaunchEnv& current_env() {
 void read_master(LaunchEnv& env) {
   if (env.world_size == 1) return;
   const char* addr = getenv_or_null("MASTER_ADDR");
-  TORCH_CHECK(addr != nullptr, "fsdp::init_process_group: environment variable MASTER_ADDR is not set (rank ", env.rank,
-              " of ", env.world_size, ", launcher ", env.launcher, "). ",
-              env.launcher == "slurm"
-                  ? "Under Slurm, export MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1)."
-                  : "torchrun sets it; set it to rank 0's host when launching by hand.");
+  FSDP_CHECK(addr != nullptr, "fsdp::init_process_group: environment variable MASTER_ADDR is not set (rank ", env.rank,
+             " of ", env.world_size, ", launcher ", env.launcher, "). ",
+             env.launcher == "slurm"
+                 ? "Under Slurm, export MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1)."
+                 : "torchrun sets it; set it to rank 0's host when launching by hand.");
   env.master_addr = addr;
   const char* port = getenv_or_null("MASTER_PORT");
   if (port == nullptr) {
-    TORCH_CHECK(env.launcher == "slurm", "fsdp::init_process_group: environment variable MASTER_PORT is not set (rank ",
-                env.rank, " of ", env.world_size, "). torchrun sets it; set it to a free port when launching by hand.");
+    FSDP_CHECK(env.launcher == "slurm", "fsdp::init_process_group: environment variable MASTER_PORT is not set (rank ",
+               env.rank, " of ", env.world_size, "). torchrun sets it; set it to a free port when launching by hand.");
     env.master_port = 29500;
   } else {
     env.master_port = parse_int("MASTER_PORT", port, 1, 65535);
@@ -87,16 +88,16 @@ LaunchEnv read_launch_env() {
     env.launcher = "none";
     return env;
   }
-  TORCH_CHECK(env.rank < env.world_size, "fsdp::init_process_group: inconsistent ", env.launcher, " environment: rank ",
-              env.rank, " is not below the world size ", env.world_size, " (",
-              env.launcher == "slurm" ? "SLURM_PROCID / SLURM_NTASKS" : "RANK / WORLD_SIZE", ").");
+  FSDP_CHECK(env.rank < env.world_size, "fsdp::init_process_group: inconsistent ", env.launcher, " environment: rank ",
+             env.rank, " is not below the world size ", env.world_size, " (",
+             env.launcher == "slurm" ? "SLURM_PROCID / SLURM_NTASKS" : "RANK / WORLD_SIZE", ").");
   read_master(env);
   return env;
 }
 
 LaunchEnv make_launch_env(int rank, int world_size, bool need_master) {
-  TORCH_CHECK(world_size >= 1 && rank >= 0 && rank < world_size, "fsdp::init_process_group: rank ", rank,
-              " and world size ", world_size, " given in InitOptions are inconsistent: need 0 <= rank < world_size.");
+  FSDP_CHECK(world_size >= 1 && rank >= 0 && rank < world_size, "fsdp::init_process_group: rank ", rank,
+             " and world size ", world_size, " given in InitOptions are inconsistent: need 0 <= rank < world_size.");
   LaunchEnv env;
   env.launcher = "explicit";
   env.rank = rank;
@@ -113,13 +114,13 @@ const LaunchEnv& launch_env() {
 c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const InitOptions& options) {
   const std::string& method = options.init_method();
   const bool file_store = method.rfind("file://", 0) == 0;
-  TORCH_CHECK(file_store || method == "env://", "fsdp::init_process_group: unknown init_method '", method,
-              "'; use \"env://\" or \"file:///path\".");
-  TORCH_CHECK((options.rank() < 0) == (options.world_size() < 0),
-              "fsdp::init_process_group: give both InitOptions::rank and InitOptions::world_size, or neither.");
+  FSDP_CHECK(file_store || method == "env://", "fsdp::init_process_group: unknown init_method '", method,
+             "'; use \"env://\" or \"file:///path\".");
+  FSDP_CHECK((options.rank() < 0) == (options.world_size() < 0),
+             "fsdp::init_process_group: give both InitOptions::rank and InitOptions::world_size, or neither.");
   const std::chrono::milliseconds timeout = options.timeout();
-  TORCH_CHECK(timeout.count() > 0, "fsdp::init_process_group: InitOptions::timeout must be positive, not ",
-              timeout.count(), " ms.");
+  FSDP_CHECK(timeout.count() > 0, "fsdp::init_process_group: InitOptions::timeout must be positive, not ",
+             timeout.count(), " ms.");
   LaunchEnv env =
       options.rank() >= 0 ? make_launch_env(options.rank(), options.world_size(), !file_store) : read_launch_env();
   detail::arm_parent_death_signal(env);
@@ -149,19 +150,19 @@ c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const InitOptions& opt
 
 c10::intrusive_ptr<c10d::ProcessGroup> new_subgroup(const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
                                                     const std::vector<int>& ranks, const std::string& name) {
-  TORCH_CHECK(pg, "fsdp::new_subgroup: the parent process group is null");
+  FSDP_CHECK(pg, "fsdp::new_subgroup: the parent process group is null");
   const int me = pg->getRank();
   const auto it = std::find(ranks.begin(), ranks.end(), me);
-  TORCH_CHECK(it != ranks.end(), "fsdp::new_subgroup (rank ", me, "): this rank is not among the ranks of subgroup '",
-              name, "'");
+  FSDP_CHECK(it != ranks.end(), "fsdp::new_subgroup (rank ", me, "): this rank is not among the ranks of subgroup '",
+             name, "'");
   if (detail::is_fake_backend(*pg->getBackend(c10::DeviceType::CPU))) {  // a simulated job's subgroup
     return make_fake_process_group(static_cast<int>(it - ranks.begin()), static_cast<int>(ranks.size()));
   }
   auto store = pg->getStore();
-  TORCH_CHECK(store, "fsdp::new_subgroup (rank ", me,
-              "): the parent process group has no store; create it with fsdp::init_process_group()");
+  FSDP_CHECK(store, "fsdp::new_subgroup (rank ", me,
+             "): the parent process group has no store; create it with fsdp::init_process_group()");
   auto parent = c10::dynamic_intrusive_pointer_cast<c10d::ProcessGroupGloo>(pg->getBackend(c10::DeviceType::CPU));
-  TORCH_CHECK(parent, "fsdp::new_subgroup (rank ", me, "): the parent process group has no Gloo backend for CPU");
+  FSDP_CHECK(parent, "fsdp::new_subgroup (rank ", me, "): the parent process group has no Gloo backend for CPU");
   const int rank = static_cast<int>(it - ranks.begin());
   const int size = static_cast<int>(ranks.size());
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>("fsdp_subgroup/" + name, store);
@@ -174,8 +175,8 @@ c10::intrusive_ptr<c10d::ProcessGroup> new_subgroup(const c10::intrusive_ptr<c10
     gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(c10::make_intrusive<c10d::PrefixStore>("gloo", prefixed), rank,
                                                        size, opts);
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "fsdp::new_subgroup: rank ", me, " could not connect subgroup '", name, "' within ",
-                opts->timeout.count(), " ms: ", e.what(), " Every member must create it with the same ranks.");
+    FSDP_CHECK(false, "fsdp::new_subgroup: rank ", me, " could not connect subgroup '", name, "' within ",
+               opts->timeout.count(), " ms: ", error_text(e), " Every member must create it with the same ranks.");
   }
   sub->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, gloo);
   sub->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
@@ -191,15 +192,20 @@ c10::intrusive_ptr<c10d::ProcessGroup> new_subgroup(const c10::intrusive_ptr<c10
 }
 
 void all_reduce(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, at::Tensor& tensor, c10d::ReduceOp op) {
-  TORCH_CHECK(pg, "fsdp::all_reduce: the process group is null");
+  FSDP_CHECK(pg, "fsdp::all_reduce: the process group is null");
   if (pg->getSize() == 1) return;
   detail::Comm comm(pg, detail::group_timeout(*pg));
   const std::string what = "fsdp::all_reduce of " + std::to_string(tensor.numel()) + " " +
                            std::string(c10::toString(tensor.scalar_type())) + " element(s)";
   // Every rank must be at this call: one rank reducing a metric while another runs the model would
   // otherwise pair collectives of different sizes.
-  comm.check_same_call({201, tensor.numel(), static_cast<int64_t>(tensor.scalar_type()), static_cast<int64_t>(op.op_)},
-                       what);
+  comm.agree(detail::Call::kUserAllReduce,
+             detail::Fingerprint()
+                 .add(tensor.numel())
+                 .add(static_cast<int64_t>(tensor.scalar_type()))
+                 .add(static_cast<int64_t>(op.op_))
+                 .value(),
+             what);
   comm.all_reduce(tensor, std::move(op), what);
 }
 

@@ -1,4 +1,5 @@
 #include "fsdp/sharded.h"
+#include "fsdp/internal/check.h"
 
 #include "fsdp/internal/run_state.h"
 #include "fsdp/internal/unit.h"
@@ -11,11 +12,11 @@
 namespace fsdp {
 
 ShardedUnit& as_unit(const std::shared_ptr<torch::nn::Module>& module) {
-  TORCH_CHECK(module != nullptr, "fsdp::as_unit: the module is null");
+  FSDP_CHECK(module != nullptr, "fsdp::as_unit: the module is null");
   auto* unit = dynamic_cast<ShardedUnit*>(module.get());
-  TORCH_CHECK(unit != nullptr, "fsdp::as_unit: module '", module->name(),
-              "' is not an fsdp::Sharded unit. Build it as fsdp::Sharded<ItsImpl>(...) to give it per-unit settings; "
-              "a plain module belongs to the unit that contains it.");
+  FSDP_CHECK(unit != nullptr, "fsdp::as_unit: module '", module->name(),
+             "' is not an fsdp::Sharded unit. Build it as fsdp::Sharded<ItsImpl>(...) to give it per-unit settings; "
+             "a plain module belongs to the unit that contains it.");
   return *unit;
 }
 
@@ -23,38 +24,58 @@ namespace detail {
 
 ForwardCasts unit_pre_forward(Unit& unit) {
   unit.pre_forward();
-  return {unit.input_cast(), unit.output_cast()};
+  ForwardCasts casts;
+  casts.input = unit.input_cast();
+  casts.output = unit.output_cast();
+  casts.compute = unit.param_dtype();
+  return casts;
 }
 
 void unit_post_forward(Unit& unit, const std::vector<at::Tensor>& outputs) {
+  for (const auto& t : outputs) {
+    if (t.defined() && t.is_floating_point()) {
+      unit.state().unit_output_dtypes |= uint64_t{1} << static_cast<int>(t.scalar_type());
+    }
+  }
   unit.post_forward(outputs);
 }
 
-namespace {
-constexpr const char* kInUnit = "fsdp (rank ";
-}
-
-void name_unit_in_error(const Unit& unit, c10::Error& e) {
-  if (std::string(e.what_without_backtrace()).rfind("fsdp", 0) == 0) return;  // the library's own
-  for (const auto& c : e.context()) {
-    if (c.rfind(kInUnit, 0) == 0) return;  // an inner unit's
-  }
+void name_unit_in_error(const Unit& unit, const ForwardCasts& casts, c10::Error& e) {
+  if (dynamic_cast<const fsdp::Error*>(&e) != nullptr) return;  // the library's own says enough
+  RunState& state = unit.state();
+  if (state.named_error == &e) return;  // an inner unit's (the same exception, passing through)
+  state.named_error = &e;
   std::ostringstream os;
-  os << kInUnit << unit.state().comm.rank() << "): raised in the forward of unit '" << unit.label()
+  os << "fsdp (rank " << state.comm.rank() << "): raised in the forward of unit '" << unit.label()
      << "', whose parameters compute in " << unit.param_dtype();
   if (const auto in = unit.input_cast()) {
     os << " and whose floating-point inputs are cast to " << *in;
   } else {
     os << " (its inputs are not cast)";
   }
-  const std::string what = e.msg();
-  if (what.find("dtype") != std::string::npos || what.find("scalar type") != std::string::npos) {
+  // Seen as the forward ran, not read from ATen's text: an input of another dtype, or (the root's
+  // own layers) a unit's output of another dtype than the root computes in.
+  const uint64_t compute_bit = uint64_t{1} << static_cast<int>(unit.param_dtype());
+  const bool other_dtype =
+      casts.other_input.has_value() || (unit.is_root() && (state.unit_output_dtypes & ~compute_bit) != 0);
+  if (other_dtype) {
     os << ". If the operands' dtypes differ, an input may come from a unit that computes in another dtype: give "
           "that unit MixedPrecisionPolicy::output_dtype, or this one the same param_dtype (its inputs are then "
           "cast, cast_forward_inputs). Or from a unit whose output_dtype differs from this one's param_dtype: a "
           "model-wide output_dtype casts every unit's output, and only a unit's own forward inputs are cast back, "
           "not what the root's layers take from a unit; for an fp32 loss cast the model's output instead "
           "(model(x).to(torch::kFloat))";
+  }
+  if (unit.is_root()) {
+    const std::vector<std::string> skipped = state.units_not_run_in_this_forward();
+    if (!skipped.empty()) {
+      os << ". Unit" << (skipped.size() > 1 ? "s '" : " '") << skipped.front() << "'"
+         << (skipped.size() > 1 ? " and " + std::to_string(skipped.size() - 1) + " more" : std::string())
+         << (skipped.size() > 1 ? " had" : " had")
+         << " not run through the fsdp::Sharded wrapper when this was raised: if the model's forward called "
+            "a unit's Impl::forward directly (block->BlockImpl::forward(x)), it ran on this rank's shards; call "
+            "the unit itself (block(x) or block->forward(x))";
+    }
   }
   e.add_context(os.str());
 }
@@ -90,11 +111,11 @@ void refuse_when_sharded(const std::shared_ptr<detail::Unit>& unit, const std::s
                          const char* setting) {
   if (!unit) return;
   detail::explained_check(*unit, [&] {
-    TORCH_CHECK(false, "fsdp (rank ", unit->state().comm.rank(), "): ", call, " on unit '", unit->label(),
-                "', which is sharded already (", has,
-                "). Call it before fsdp::fully_shard; a unit built inside an fsdp::ShardingScope is sharded as it "
-                "is built: give the ",
-                setting, " to the scope's options.");
+    FSDP_CHECK(false, "fsdp (rank ", unit->state().comm.rank(), "): ", call, " on unit '", unit->label(),
+               "', which is sharded already (", has,
+               "). Call it before fsdp::fully_shard; a unit built inside an fsdp::ShardingScope is sharded as it "
+               "is built: give the ",
+               setting, " to the scope's options.");
   });
 }
 }  // namespace
@@ -104,8 +125,8 @@ void ShardedUnit::set_sharding_strategy(ShardingStrategy strategy) {
     refuse_when_sharded(fsdp_unit_, std::string("set_sharding_strategy(") + to_string(strategy) + ")",
                         std::string("as ") + to_string(fsdp_unit_->strategy()), "strategy");
   }
-  TORCH_CHECK(is_valid(strategy), "fsdp: set_sharding_strategy(", static_cast<int>(strategy),
-              "): not a ShardingStrategy; use one of fsdp::ShardingStrategy's values (fsdp/strategy.h).");
+  FSDP_CHECK(is_valid(strategy), "fsdp: set_sharding_strategy(", static_cast<int>(strategy),
+             "): not a ShardingStrategy; use one of fsdp::ShardingStrategy's values (fsdp/strategy.h).");
   strategy_ = strategy;
 }
 

@@ -53,34 +53,35 @@ template <typename T, typename = std::enable_if_t<std::is_arithmetic_v<T>>>
 void collect_tensors(const T&, std::vector<at::Tensor>&) {}
 
 class Unit;
-/// What a unit's forward casts (mixed precision): its floating-point inputs and outputs.
-struct ForwardCasts {
-  std::optional<at::ScalarType> input, output;
-};
 ForwardCasts unit_pre_forward(Unit& unit);
 void unit_post_forward(Unit& unit, const std::vector<at::Tensor>& outputs);
-/// Adds to an error raised in the unit's forward (by LibTorch's operators or the user's code) which
-/// unit, rank and dtypes it was, unless an inner unit or the library already said so.
-void name_unit_in_error(const Unit& unit, c10::Error& e);
+/// Adds to an error raised in the unit's forward by LibTorch's operators or the user's code (not
+/// by the library: an fsdp::Error says enough) which unit, rank and dtypes it was, unless an inner
+/// unit did already, and the remedy when the forward saw a dtype its unit does not compute in.
+void name_unit_in_error(const Unit& unit, const ForwardCasts& casts, c10::Error& e);
 /// Runs the forward `fn` of `unit`, naming the unit in an error it raises (name_unit_in_error).
 template <typename Fn>
-auto forward_naming_unit(const Unit& unit, Fn&& fn) {
+auto forward_naming_unit(const Unit& unit, const ForwardCasts& casts, Fn&& fn) {
   try {
     return fn();
   } catch (c10::Error& e) {
-    name_unit_in_error(unit, e);  // e.g. a dtype mismatch between units
+    name_unit_in_error(unit, casts, e);  // e.g. a dtype mismatch between units
     throw;
   }
 }
 }  // namespace detail
 
-/// The non-template part of every sharded module: the unit it belongs to once fully_shard ran.
+namespace detail {
+struct Access;
+}  // namespace detail
+
+/// The non-template part of every sharded module: its per-unit settings, and the unit it belongs
+/// to once sharded.
 class ShardedUnit {
  public:
   virtual ~ShardedUnit() = default;
-  /// The unit's state; null before fsdp::fully_shard.
-  const std::shared_ptr<detail::Unit>& fsdp_unit() const { return fsdp_unit_; }
-  void fsdp_attach(std::shared_ptr<detail::Unit> unit) { fsdp_unit_ = std::move(unit); }
+  /// Whether this module is sharded (by fsdp::fully_shard, or as it was built in a ShardingScope).
+  bool is_sharded() const { return fsdp_unit_ != nullptr; }
 
   /// This unit's strategy, overriding FullyShardOptions::strategy; set before fsdp::fully_shard:
   ///   blocks.back()->set_sharding_strategy(fsdp::ShardingStrategy::kShardGradOp);
@@ -94,12 +95,13 @@ class ShardedUnit {
 
  protected:
   /// Runs `forward` between the unit's pre- and post-forward steps.
-  /// `forward(input_dtype)` casts its floating-point tensor arguments to input_dtype (when set).
+  /// `forward(casts)` casts its floating-point tensor arguments to casts.input (when set).
   template <typename Fn>
   auto run_unit(Fn&& forward) {
-    if (!fsdp_unit_) return forward(std::optional<at::ScalarType>());
-    const detail::ForwardCasts casts = detail::unit_pre_forward(*fsdp_unit_);
-    auto out = detail::forward_naming_unit(*fsdp_unit_, [&] { return forward(casts.input); });
+    detail::ForwardCasts casts;
+    if (!fsdp_unit_) return forward(casts);
+    casts = detail::unit_pre_forward(*fsdp_unit_);
+    auto out = detail::forward_naming_unit(*fsdp_unit_, casts, [&] { return forward(casts); });
     detail::cast_output(out, casts.output);
     std::vector<at::Tensor> tensors;
     detail::collect_tensors(out, tensors);
@@ -107,9 +109,12 @@ class ShardedUnit {
     return out;
   }
 
-  std::shared_ptr<detail::Unit> fsdp_unit_;
+  std::shared_ptr<detail::Unit> fsdp_unit_;  // null until sharded (set through detail::Access)
   std::optional<ShardingStrategy> strategy_;
   std::optional<MixedPrecisionPolicy> mixed_precision_;
+
+ private:
+  friend struct detail::Access;
 };
 
 namespace detail {
@@ -163,9 +168,9 @@ class ShardedImpl : public detail::UnitModule<Impl> {
   using detail::UnitModule<Impl>::UnitModule;
   template <typename... Args>
   auto forward(Args&&... args) {
-    return this->run_unit([&](std::optional<at::ScalarType> in) {
+    return this->run_unit([&](detail::ForwardCasts& casts) {
       // Through Impl&: Impl's own forward, not this wrapper's.
-      return detail::forward_with_casts(static_cast<Impl&>(*this), in, std::index_sequence_for<Args...>(),
+      return detail::forward_with_casts(static_cast<Impl&>(*this), casts, std::index_sequence_for<Args...>(),
                                         std::forward<Args>(args)...);
     });
   }
@@ -176,8 +181,8 @@ class ShardedImpl<Impl, R (C::*)(A...)> : public detail::UnitModule<Impl> {
  public:
   using detail::UnitModule<Impl>::UnitModule;
   R forward(A... args) {
-    return this->run_unit([&](std::optional<at::ScalarType> in) -> R {
-      return Impl::forward(detail::cast_input<A>(std::forward<A>(args), in)...);
+    return this->run_unit([&](detail::ForwardCasts& casts) -> R {
+      return Impl::forward(detail::cast_input<A>(std::forward<A>(args), casts)...);
     });
   }
 };

@@ -1,5 +1,8 @@
 #include "fsdp/sharding_scope.h"
+#include "fsdp/internal/check.h"
 
+#include "fsdp/internal/access.h"
+#include "fsdp/internal/options_check.h"
 #include "fsdp/internal/wrap.h"
 
 #include "fsdp/internal/run_state.h"
@@ -17,7 +20,7 @@ thread_local std::vector<ShardingScope*> g_open;
 
 ShardingScope::ShardingScope(c10::intrusive_ptr<c10d::ProcessGroup> pg, FullyShardOptions options)
     : pg_(std::move(pg)) {
-  TORCH_CHECK(pg_, "fsdp::ShardingScope: the process group is null; create one with fsdp::init_process_group()");
+  FSDP_CHECK(pg_, "fsdp::ShardingScope: the process group is null; create one with fsdp::init_process_group()");
   detail::check_options(options, "fsdp::ShardingScope");
   state_ = std::make_shared<detail::RunState>(pg_, options);
   g_open.push_back(this);
@@ -42,8 +45,8 @@ namespace detail {
 
 void on_unit_constructed(torch::nn::Module& module, ShardedUnit& unit) {
   ShardingScope* scope = ShardingScope::current();
-  if (scope == nullptr || unit.fsdp_unit() != nullptr) return;
-  shard_on_construction(scope->state(), module, unit);
+  if (scope == nullptr || unit.is_sharded()) return;
+  shard_on_construction(Access::state(*scope), module, unit);
 }
 
 }  // namespace detail

@@ -23,7 +23,8 @@
 namespace fsdp {
 namespace detail {
 class RunState;
-}
+struct Access;
+}  // namespace detail
 
 class ShardingScope {
  public:
@@ -37,15 +38,14 @@ class ShardingScope {
   void close();
   bool is_open() const { return open_; }
   const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const { return pg_; }
-  /// The state the scope's units and, after fsdp::fully_shard(model, scope), the model share.
-  const std::shared_ptr<detail::RunState>& state() const { return state_; }
 
   /// The innermost open scope of this thread, or null.
   static ShardingScope* current();
 
  private:
+  friend struct detail::Access;
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
-  std::shared_ptr<detail::RunState> state_;
+  std::shared_ptr<detail::RunState> state_;  // what the scope's units, then the model, share
   bool open_ = false;
 };
 

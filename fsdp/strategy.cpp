@@ -24,7 +24,7 @@ double bytes(const StateCoefficients& c, double psi, double d) {
 
 bool strategy_from_string(const std::string& text, ShardingStrategy& out) {
   for (const auto& t : kStrategies) {
-    if (text == t.flag || text == t.name) {
+    if (text == t.name) {
       out = t.strategy;
       return true;
     }

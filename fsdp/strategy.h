@@ -40,10 +40,49 @@ struct StateCoefficients {
   double sharded = 0;
 };
 
+/// StrategyTraits' yes/no properties, named where the table below sets them.
+enum StrategyFlag : unsigned {
+  kParamsSharded = 1u << 0,
+  kReshardAfterForward = 1u << 1,
+  kGradsSharded = 1u << 2,
+  kOptimizerSharded = 1u << 3,
+  kPeakAddsGathered = 1u << 4,
+  kCommAcrossGroups = 1u << 5,
+};
+
+/// The formulas of a strategy as text ("16Ψ/N", ...), as docs/strategies.md shows them.
+struct StrategyFormulas {
+  const char* at_step;
+  const char* peak;
+  const char* comm;
+  const char* peak_mixed;
+};
+
 struct StrategyTraits {
+  constexpr StrategyTraits(ShardingStrategy strategy, const char* name, const char* zero, ShardOver shard_over,
+                           unsigned flags, GradReduction reduction, StateCoefficients at_step, StateCoefficients peak,
+                           int comm_psi, StrategyFormulas formulas)
+      : strategy(strategy),
+        name(name),
+        zero(zero),
+        shard_over(shard_over),
+        params_sharded((flags & kParamsSharded) != 0),
+        reshard_after_forward((flags & kReshardAfterForward) != 0),
+        grads_sharded((flags & kGradsSharded) != 0),
+        optimizer_sharded((flags & kOptimizerSharded) != 0),
+        reduction(reduction),
+        at_step(at_step),
+        peak(peak),
+        peak_adds_gathered((flags & kPeakAddsGathered) != 0),
+        comm_psi(comm_psi),
+        comm_across_groups((flags & kCommAcrossGroups) != 0),
+        formula_at_step(formulas.at_step),
+        formula_peak(formulas.peak),
+        formula_comm(formulas.comm),
+        formula_peak_mixed(formulas.peak_mixed) {}
+
   ShardingStrategy strategy;
   const char* name;  ///< "full-shard", ...: messages and logs
-  const char* flag;  ///< the examples' --strategy value: "full", "grad-op", "optimizer", "replicate", "hybrid"
   const char* zero;  ///< its name elsewhere: ZeRO stage, PyTorch FSDP
   ShardOver shard_over;
   /// Between steps only this rank's rows of each parameter exist (else full parameters are kept
@@ -77,23 +116,28 @@ struct StrategyTraits {
   const char* formula_peak_mixed;
 };
 
+/// Indexed by ShardingStrategy. Each row: strategy, names, what it shards over, its flags, how
+/// gradients are reduced, model-state bytes per parameter at the step and at the peak ({full,
+/// sharded}), elements sent per step (times Ψ), the formulas.
 // clang-format off
 inline constexpr std::array<StrategyTraits, 5> kStrategies{{
-  {ShardingStrategy::kFullShard, "full-shard", "full", "ZeRO-3, FULL_SHARD / FSDP2 reshard_after_forward=True",
-   ShardOver::kWorld, true, true, true, true, GradReduction::kReduceScatter,
-   {0, 16}, {0, 16}, true, 3, false, "16Ψ/N", "16Ψ/N + 4(Ψr + 2Ψu)", "3Ψ", "16Ψ/N + 2(Ψr + 2Ψu)"},
-  {ShardingStrategy::kShardGradOp, "shard-grad-op", "grad-op", "ZeRO-2, SHARD_GRAD_OP / FSDP2 reshard_after_forward=False",
-   ShardOver::kWorld, true, false, true, true, GradReduction::kReduceScatter,
-   {0, 16}, {4, 12}, false, 2, false, "16Ψ/N", "4Ψ + 12Ψ/N", "2Ψ", "2Ψ + 12Ψ/N"},
-  {ShardingStrategy::kShardOptimizerState, "shard-optimizer-state", "optimizer", "ZeRO-1 (llm.c's pattern)",
-   ShardOver::kWorld, false, false, false, true, GradReduction::kReduceScatter,
-   {8, 8}, {8, 8}, false, 2, false, "8Ψ + 8Ψ/N", "8Ψ + 8Ψ/N", "2Ψ", ""},
-  {ShardingStrategy::kNoShard, "no-shard", "replicate", "replicated, DDP / NO_SHARD",
-   ShardOver::kNone, false, false, false, false, GradReduction::kAllReduceBuckets,
-   {16, 0}, {16, 0}, false, 2, false, "16Ψ", "16Ψ", "2Ψ", ""},
-  {ShardingStrategy::kHybridShard, "hybrid-shard", "hybrid", "ZeRO-3 in groups of S, HYBRID_SHARD / FSDP2 2-D mesh",
-   ShardOver::kGroup, true, true, true, true, GradReduction::kReduceScatterAllReduce,
-   {0, 16}, {0, 16}, true, 3, true, "16Ψ/S", "16Ψ/S + 4(Ψr + 2Ψu)", "3Ψ + 2Ψ/S", "16Ψ/S + 2(Ψr + 2Ψu)"},
+  {ShardingStrategy::kFullShard, "full-shard", "ZeRO-3, FULL_SHARD / FSDP2 reshard_after_forward=True",
+   ShardOver::kWorld, kParamsSharded | kReshardAfterForward | kGradsSharded | kOptimizerSharded | kPeakAddsGathered,
+   GradReduction::kReduceScatter, {0, 16}, {0, 16}, 3,
+   {"16Ψ/N", "16Ψ/N + 4(Ψr + 2Ψu)", "3Ψ", "16Ψ/N + 2(Ψr + 2Ψu)"}},
+  {ShardingStrategy::kShardGradOp, "shard-grad-op", "ZeRO-2, SHARD_GRAD_OP / FSDP2 reshard_after_forward=False",
+   ShardOver::kWorld, kParamsSharded | kGradsSharded | kOptimizerSharded,
+   GradReduction::kReduceScatter, {0, 16}, {4, 12}, 2, {"16Ψ/N", "4Ψ + 12Ψ/N", "2Ψ", "2Ψ + 12Ψ/N"}},
+  {ShardingStrategy::kShardOptimizerState, "shard-optimizer-state", "ZeRO-1 (llm.c's pattern)",
+   ShardOver::kWorld, kOptimizerSharded, GradReduction::kReduceScatter, {8, 8}, {8, 8}, 2,
+   {"8Ψ + 8Ψ/N", "8Ψ + 8Ψ/N", "2Ψ", ""}},
+  {ShardingStrategy::kNoShard, "no-shard", "replicated, DDP / NO_SHARD", ShardOver::kNone, 0u,
+   GradReduction::kAllReduceBuckets, {16, 0}, {16, 0}, 2, {"16Ψ", "16Ψ", "2Ψ", ""}},
+  {ShardingStrategy::kHybridShard, "hybrid-shard", "ZeRO-3 in groups of S, HYBRID_SHARD / FSDP2 2-D mesh",
+   ShardOver::kGroup,
+   kParamsSharded | kReshardAfterForward | kGradsSharded | kOptimizerSharded | kPeakAddsGathered | kCommAcrossGroups,
+   GradReduction::kReduceScatterAllReduce, {0, 16}, {0, 16}, 3,
+   {"16Ψ/S", "16Ψ/S + 4(Ψr + 2Ψu)", "3Ψ + 2Ψ/S", "16Ψ/S + 2(Ψr + 2Ψu)"}},
 }};
 // clang-format on
 
@@ -112,17 +156,14 @@ constexpr const char* to_string(ShardingStrategy s) {
   return traits(s).name;
 }
 
-/// The strategy whose `flag` (or `name`) is `text`; false when none is.
+/// The strategy whose `name` is `text` ("full-shard", ...); false when none is.
 bool strategy_from_string(const std::string& text, ShardingStrategy& out);
 
 /// The sizes the formulas take: Ψ (all parameters), the root unit's and the largest other unit's
 /// parameters, N ranks and hybrid's group size S (N when not hybrid).
 struct FormulaInputs {
-  double psi = 0;
-  double root = 0;
-  double largest_unit = 0;
-  int world_size = 1;
-  int group_size = 1;
+  double psi = 0, root = 0, largest_unit = 0;  ///< Ψ, the root unit's and the largest other unit's parameters
+  int world_size = 1, group_size = 1;          ///< N, and S (N when not hybrid)
   /// Bytes of a gathered parameter element: 4 (fp32), or 2 with a bf16/fp16 mixed-precision
   /// param_dtype. The master shards, gradients and moments stay fp32 either way.
   double param_bytes = 4;

@@ -1,4 +1,6 @@
 #include "optim/clip_grad_norm.h"
+#include "fsdp/internal/access.h"
+#include "fsdp/internal/check.h"
 
 #include <ATen/ops/empty.h>
 
@@ -24,7 +26,7 @@ struct ShardGrad {
 /// `grads` with this rank's gradients (for clipping). `caller` names the function in errors.
 double global_norm(const FSDPModule& model, double norm_type, bool error_if_nonfinite, const char* caller,
                    std::vector<ShardGrad>& grads) {
-  model.check_gradients_reduced(caller);
+  fsdp::detail::check_gradients_reduced(model, caller);
   for (const auto& p : model.shard_specs()) {  // each parameter once (a tied weight is one tensor)
     if (p.local.grad().defined()) grads.push_back({p.local.grad(), p.replicas, p.name});
   }
@@ -57,10 +59,10 @@ double global_norm(const FSDPModule& model, double norm_type, bool error_if_nonf
   // must be here (the model checks that first).
   std::ostringstream call;
   call << caller << " (norm_type " << norm_type << ")";
-  model.all_reduce(t, inf ? c10d::ReduceOp::MAX : c10d::ReduceOp::SUM, call.str());
-  TORCH_CHECK(t[1].item<double>() > 0, caller, " (rank ", model.rank(), " of ", model.world_size(),
-              "): no sharded parameter has a gradient on any rank. Call it after loss.backward() and before "
-              "the optimizer step.");
+  fsdp::detail::all_reduce(model, t, inf ? c10d::ReduceOp::MAX : c10d::ReduceOp::SUM, call.str());
+  FSDP_CHECK(t[1].item<double>() > 0, caller, " (rank ", model.rank(), " of ", model.world_size(),
+             "): no sharded parameter has a gradient on any rank. Call it after loss.backward() and before "
+             "the optimizer step.");
   double total = inf ? t[0].item<double>() : std::pow(t[0].item<double>(), 1.0 / norm_type);
   if (t[2].item<double>() > 0 && std::isfinite(total)) total = std::numeric_limits<double>::quiet_NaN();
   if (error_if_nonfinite && !std::isfinite(total)) {
@@ -76,11 +78,11 @@ double global_norm(const FSDPModule& model, double norm_type, bool error_if_nonf
       mine << "every gradient on this rank is finite (the non-finite values are on another rank, or the sum of "
               "their powers overflowed)";
     }
-    TORCH_CHECK(false, caller, " (rank ", model.rank(), " of ", model.world_size(), "): the total gradient norm ",
-                "(norm_type ", norm_type, ") is ", total, ", not finite; ", mine.str(),
-                ". Training has diverged or the data holds bad values: lower the learning rate, check the input "
-                "data, or clip the gradients (a smaller max_norm); error_if_nonfinite=false returns the norm "
-                "instead of throwing.");
+    FSDP_CHECK(false, caller, " (rank ", model.rank(), " of ", model.world_size(), "): the total gradient norm ",
+               "(norm_type ", norm_type, ") is ", total, ", not finite; ", mine.str(),
+               ". Training has diverged or the data holds bad values: lower the learning rate, check the input "
+               "data, or clip the gradients (a smaller max_norm); error_if_nonfinite=false returns the norm "
+               "instead of throwing.");
   }
   return total;
 }
@@ -93,6 +95,7 @@ double clip_grad_norm(const FSDPModule& model, double max_norm, double norm_type
   const double coef = max_norm / (total + 1e-6);
   if (coef < 1.0) {
     for (auto& g : grads) g.grad.mul_(coef);
+    fsdp::detail::gradients_rescaled(model);  // by the global norm: not the per-rank habit warned about
   }
   return total;
 }

@@ -1,4 +1,6 @@
 #include "optim/fused_adamw.h"
+#include "fsdp/internal/access.h"
+#include "fsdp/internal/check.h"
 
 #include <ATen/ops/_fused_adamw.h>
 #include <ATen/ops/full.h>
@@ -22,7 +24,7 @@ bool aliases(const at::Tensor& t, const at::Tensor& view) {
 
 FusedAdamW::FusedAdamW(const FSDPModule& model, const torch::optim::AdamWOptions& options)
     : AdamW(model.parameters(), options), model_(model) {
-  TORCH_CHECK(!options.amsgrad(), "fsdp::optim::FusedAdamW: amsgrad is not supported; use torch::optim::AdamW");
+  FSDP_CHECK(!options.amsgrad(), "fsdp::optim::FusedAdamW: amsgrad is not supported; use torch::optim::AdamW");
 }
 
 torch::optim::AdamWParamState& FusedAdamW::param_state(const ShardSpec& p, size_t unit) {
@@ -41,10 +43,10 @@ torch::optim::AdamWParamState& FusedAdamW::param_state(const ShardSpec& p, size_
   // Loaded (torch::load of the optimizer) or otherwise replaced: into the flat buffers.
   for (auto [mine, flat] : {std::pair{st.exp_avg(), exp_avg}, std::pair{st.exp_avg_sq(), exp_avg_sq}}) {
     if (aliases(mine, flat)) continue;
-    TORCH_CHECK(mine.sizes() == flat.sizes(), "fsdp::optim::FusedAdamW (rank ", model_.rank(),
-                "): the loaded state of parameter '", p.name, "' has shape ", mine.sizes(),
-                ", but this rank's rows of it are ", flat.sizes(),
-                ". Load the optimizer state this rank saved from the same wrapped model and world size.");
+    FSDP_CHECK(mine.sizes() == flat.sizes(), "fsdp::optim::FusedAdamW (rank ", model_.rank(),
+               "): the loaded state of parameter '", p.name, "' has shape ", mine.sizes(),
+               ", but this rank's rows of it are ", flat.sizes(),
+               ". Load the optimizer state this rank saved from the same wrapped model and world size.");
     flat.copy_(mine);
   }
   st.exp_avg(exp_avg);
@@ -59,7 +61,7 @@ at::Tensor FusedAdamW::step(LossClosure closure) {
     at::AutoGradMode grad(true);
     loss = closure();
   }
-  model_.check_gradients_reduced("fsdp::optim::FusedAdamW::step");
+  fsdp::detail::check_gradients_reduced(model_, "fsdp::optim::FusedAdamW::step");
   const auto& o = static_cast<const torch::optim::AdamWOptions&>(param_groups()[0].options());
   const std::vector<ShardSpec> specs = model_.shard_specs();
   const std::vector<UnitInfo> units = model_.units();
@@ -109,9 +111,9 @@ at::Tensor FusedAdamW::step(LossClosure closure) {
     }
   }
   tensors_last_step_ = params.size();
-  TORCH_CHECK(any_grad || units.empty(),
-              "fsdp::optim::FusedAdamW::step: no sharded parameter has a gradient. Call step() after "
-              "loss.backward() (and zero_grad() after step()).");
+  FSDP_CHECK(any_grad || units.empty(),
+             "fsdp::optim::FusedAdamW::step: no sharded parameter has a gradient. Call step() after "
+             "loss.backward() (and zero_grad() after step()).");
   if (!params.empty()) {
     at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, /*max_exp_avg_sqs=*/{}, steps, o.lr(),
                       std::get<0>(o.betas()), std::get<1>(o.betas()), o.weight_decay(), o.eps(),

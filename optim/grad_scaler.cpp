@@ -1,4 +1,6 @@
 #include "optim/grad_scaler.h"
+#include "fsdp/internal/access.h"
+#include "fsdp/internal/check.h"
 
 #include <ATen/ops/_amp_foreach_non_finite_check_and_unscale.h>
 #include <ATen/ops/_amp_update_scale.h>
@@ -21,14 +23,14 @@ namespace fsdp::optim {
 
 ShardedGradScaler::ShardedGradScaler(FSDPModule model, const GradScalerOptions& options)
     : model_(std::move(model)), options_(options) {
-  TORCH_CHECK(options.init_scale() > 0 && std::isfinite(options.init_scale()), "fsdp::optim::ShardedGradScaler (rank ",
-              model_.rank(), "): init_scale is ", options.init_scale(), "; it must be positive and finite.");
-  TORCH_CHECK(options.growth_factor() > 1.0 && options.backoff_factor() > 0 && options.backoff_factor() < 1.0,
-              "fsdp::optim::ShardedGradScaler (rank ", model_.rank(), "): growth_factor ", options.growth_factor(),
-              " and backoff_factor ", options.backoff_factor(),
-              " must satisfy growth_factor > 1 and 0 < backoff_factor < 1 (defaults 2 and 0.5).");
-  TORCH_CHECK(options.growth_interval() > 0, "fsdp::optim::ShardedGradScaler (rank ", model_.rank(),
-              "): growth_interval is ", options.growth_interval(), "; it must be positive (default 2000).");
+  FSDP_CHECK(options.init_scale() > 0 && std::isfinite(options.init_scale()), "fsdp::optim::ShardedGradScaler (rank ",
+             model_.rank(), "): init_scale is ", options.init_scale(), "; it must be positive and finite.");
+  FSDP_CHECK(options.growth_factor() > 1.0 && options.backoff_factor() > 0 && options.backoff_factor() < 1.0,
+             "fsdp::optim::ShardedGradScaler (rank ", model_.rank(), "): growth_factor ", options.growth_factor(),
+             " and backoff_factor ", options.backoff_factor(),
+             " must satisfy growth_factor > 1 and 0 < backoff_factor < 1 (defaults 2 and 0.5).");
+  FSDP_CHECK(options.growth_interval() > 0, "fsdp::optim::ShardedGradScaler (rank ", model_.rank(),
+             "): growth_interval is ", options.growth_interval(), "; it must be positive (default 2000).");
   scale_ = at::full({1}, options.init_scale(), at::kFloat);
   growth_tracker_ = at::zeros({1}, at::kInt);
 }
@@ -44,12 +46,12 @@ at::Tensor ShardedGradScaler::scale(const at::Tensor& loss) const {
 
 void ShardedGradScaler::unscale_(torch::optim::Optimizer& optimizer) {
   if (!options_.enabled()) return;
-  TORCH_CHECK(!stepped_, "fsdp::optim::ShardedGradScaler::unscale_ (rank ", model_.rank(),
-              "): called after step(), which unscales; call unscale_() before step() (for clipping), or not at all, "
-              "and update() after step().");
-  TORCH_CHECK(!unscaled_, "fsdp::optim::ShardedGradScaler::unscale_ (rank ", model_.rank(),
-              "): called twice since the last update(); unscale once per step (step() unscales when you did not).");
-  model_.check_gradients_reduced("ShardedGradScaler::unscale_");
+  FSDP_CHECK(!stepped_, "fsdp::optim::ShardedGradScaler::unscale_ (rank ", model_.rank(),
+             "): called after step(), which unscales; call unscale_() before step() (for clipping), or not at all, "
+             "and update() after step().");
+  FSDP_CHECK(!unscaled_, "fsdp::optim::ShardedGradScaler::unscale_ (rank ", model_.rank(),
+             "): called twice since the last update(); unscale once per step (step() unscales when you did not).");
+  fsdp::detail::check_gradients_reduced(model_, "ShardedGradScaler::unscale_");
   // PyTorch's own kernel, per device and dtype: multiplies by 1/scale (in fp32) and flags
   // anything not finite.
   const at::Tensor inv_scale = scale_.to(at::kDouble).reciprocal().to(at::kFloat);
@@ -71,10 +73,12 @@ void ShardedGradScaler::unscale_(torch::optim::Optimizer& optimizer) {
     found.narrow(0, 0, 1).add_(found_here.cpu());
   }
   // Each rank holds its own rows only: an overflow on any rank skips the step everywhere.
-  model_.all_reduce(found, c10d::ReduceOp::MAX, "ShardedGradScaler: inf/NaN found in any rank's gradients");
+  fsdp::detail::all_reduce(model_, found, c10d::ReduceOp::MAX,
+                           "ShardedGradScaler: inf/NaN found in any rank's gradients");
   found_inf_ = found[0].item<float>() > 0;
   any_grads_ = found[1].item<float>() > 0;
   unscaled_ = true;
+  fsdp::detail::gradients_rescaled(model_);
 }
 
 bool ShardedGradScaler::step(torch::optim::Optimizer& optimizer) {
@@ -82,15 +86,15 @@ bool ShardedGradScaler::step(torch::optim::Optimizer& optimizer) {
     optimizer.step();
     return true;
   }
-  TORCH_CHECK(!stepped_, "fsdp::optim::ShardedGradScaler::step (rank ", model_.rank(),
-              "): step() was called already since the last update() (PyTorch refuses it too); call update() after "
-              "each step().");
+  FSDP_CHECK(!stepped_, "fsdp::optim::ShardedGradScaler::step (rank ", model_.rank(),
+             "): step() was called already since the last update() (PyTorch refuses it too); call update() after "
+             "each step().");
   if (!unscaled_) unscale_(optimizer);
   if (!any_grads_) unscaled_ = false;  // nothing was unscaled: the next backward's step may unscale
-  TORCH_CHECK(any_grads_, "fsdp::optim::ShardedGradScaler::step (rank ", model_.rank(),
-              "): no parameter of the optimizer has a gradient on any rank, so no inf/NaN check was made (PyTorch: "
-              "\"No inf checks were recorded for this optimizer\"). Run scaler.scale(loss).backward() before "
-              "scaler.step(optimizer), and zero_grad() after the step, not between.");
+  FSDP_CHECK(any_grads_, "fsdp::optim::ShardedGradScaler::step (rank ", model_.rank(),
+             "): no parameter of the optimizer has a gradient on any rank, so no inf/NaN check was made (PyTorch: "
+             "\"No inf checks were recorded for this optimizer\"). Run scaler.scale(loss).backward() before "
+             "scaler.step(optimizer), and zero_grad() after the step, not between.");
   stepped_ = true;
   if (found_inf_) return false;
   optimizer.step();
@@ -99,13 +103,13 @@ bool ShardedGradScaler::step(torch::optim::Optimizer& optimizer) {
 
 void ShardedGradScaler::update() {
   if (!options_.enabled()) return;
-  TORCH_CHECK(unscaled_, "fsdp::optim::ShardedGradScaler::update (rank ", model_.rank(),
-              "): no step() or unscale_() since the last update(); call update() once per step, after step().");
+  FSDP_CHECK(unscaled_, "fsdp::optim::ShardedGradScaler::update (rank ", model_.rank(),
+             "): no step() or unscale_() since the last update(); call update() once per step, after step().");
   if (!any_grads_) unscaled_ = false;  // nothing was checked: the next backward's step starts over
-  TORCH_CHECK(any_grads_, "fsdp::optim::ShardedGradScaler::update (rank ", model_.rank(),
-              "): no inf/NaN check was made since the last update() (no rank had a gradient at unscale_()), so "
-              "the scale cannot be updated (PyTorch: \"No inf checks were recorded prior to update\"). Run "
-              "scaler.scale(loss).backward() before unscale_() and step().");
+  FSDP_CHECK(any_grads_, "fsdp::optim::ShardedGradScaler::update (rank ", model_.rank(),
+             "): no inf/NaN check was made since the last update() (no rank had a gradient at unscale_()), so "
+             "the scale cannot be updated (PyTorch: \"No inf checks were recorded prior to update\"). Run "
+             "scaler.scale(loss).backward() before unscale_() and step().");
   at::Tensor found = at::full({1}, found_inf_ ? 1.0 : 0.0, at::kFloat);
   at::_amp_update_scale_(scale_, growth_tracker_, found, options_.growth_factor(), options_.backoff_factor(),
                          options_.growth_interval());
@@ -141,44 +145,44 @@ void ShardedGradScaler::load_state_dict(const std::map<std::string, std::string>
   const auto where = [&] {
     return c10::str("fsdp::optim::ShardedGradScaler::load_state_dict (rank ", model_.rank(), ")");
   };
-  TORCH_CHECK(options_.enabled(), where(),
-              ": the scaler is disabled (GradScalerOptions::enabled false); load into an enabled one.");
-  TORCH_CHECK(!unscaled_ && !stepped_, where(), ": called between unscale_()/step() and update(); load between steps.");
+  FSDP_CHECK(options_.enabled(), where(),
+             ": the scaler is disabled (GradScalerOptions::enabled false); load into an enabled one.");
+  FSDP_CHECK(!unscaled_ && !stepped_, where(), ": called between unscale_()/step() and update(); load between steps.");
   for (const auto& [key, value] : state) {  // a misspelt key of ours would otherwise be ignored
     const bool ours = key.rfind("grad_scaler.", 0) == 0;
     const bool known = key == kScale || key == kTracker || key == kGrowth || key == kBackoff || key == kInterval;
-    TORCH_CHECK(!ours || known, where(), ": unknown key '", key, "' (", value, "); the scaler's keys are ", kScale,
-                ", ", kTracker, ", ", kGrowth, ", ", kBackoff, " and ", kInterval, ".");
+    FSDP_CHECK(!ours || known, where(), ": unknown key '", key, "' (", value, "); the scaler's keys are ", kScale, ", ",
+               kTracker, ", ", kGrowth, ", ", kBackoff, " and ", kInterval, ".");
   }
   const auto number = [&](const char* key) {
     const auto it = state.find(key);
-    TORCH_CHECK(it != state.end(), where(), ": '", key,
-                "' is missing: pass what scaler.state_dict() gave (saved in the checkpoint's metadata with "
-                "SaveOptions::metadata).");
+    FSDP_CHECK(it != state.end(), where(), ": '", key,
+               "' is missing: pass what scaler.state_dict() gave (saved in the checkpoint's metadata with "
+               "SaveOptions::metadata).");
     const std::string& text = it->second;
     // Decimal only (strtod would also take hexadecimal, "inf" and leading blanks).
     const bool decimal = !text.empty() && text.find_first_not_of("0123456789+-.eE") == std::string::npos;
     char* end = nullptr;
     const double v = decimal ? std::strtod(text.c_str(), &end) : 0.0;
-    TORCH_CHECK(decimal && end == text.c_str() + text.size() && std::isfinite(v), where(), ": '", key, "' is '", text,
-                "', not a finite decimal number.");
+    FSDP_CHECK(decimal && end == text.c_str() + text.size() && std::isfinite(v), where(), ": '", key, "' is '", text,
+               "', not a finite decimal number.");
     return v;
   };
   const double scale = number(kScale), growth = number(kGrowth), backoff = number(kBackoff);
   const double tracker = number(kTracker), interval = number(kInterval);
   // What the scale is kept in (converted only when in range: beyond, the conversion is undefined).
   const float scale32 = scale > 0 && scale <= std::numeric_limits<float>::max() ? static_cast<float>(scale) : 0.0F;
-  TORCH_CHECK(std::isnormal(scale32), where(), ": '", kScale, "' is ", scale,
-              "; a scale is a positive number that fp32 holds (", std::numeric_limits<float>::min(), " to ",
-              std::numeric_limits<float>::max(), ").");
+  FSDP_CHECK(std::isnormal(scale32), where(), ": '", kScale, "' is ", scale,
+             "; a scale is a positive number that fp32 holds (", std::numeric_limits<float>::min(), " to ",
+             std::numeric_limits<float>::max(), ").");
   constexpr double kIntMax = std::numeric_limits<int32_t>::max();
-  TORCH_CHECK(interval >= 1 && interval <= kIntMax && interval == std::floor(interval), where(), ": '", kInterval,
-              "' is ", interval, "; it is a whole number of steps from 1 to ", kIntMax, ".");
-  TORCH_CHECK(tracker >= 0 && tracker < interval && tracker == std::floor(tracker), where(), ": '", kTracker, "' is ",
-              tracker, "; it counts the clean steps since the scale last changed: a whole number below the interval (",
-              interval, ").");
-  TORCH_CHECK(growth > 1.0 && backoff > 0 && backoff < 1.0, where(), ": growth_factor ", growth, " and backoff_factor ",
-              backoff, " must satisfy growth_factor > 1 and 0 < backoff_factor < 1.");
+  FSDP_CHECK(interval >= 1 && interval <= kIntMax && interval == std::floor(interval), where(), ": '", kInterval,
+             "' is ", interval, "; it is a whole number of steps from 1 to ", kIntMax, ".");
+  FSDP_CHECK(tracker >= 0 && tracker < interval && tracker == std::floor(tracker), where(), ": '", kTracker, "' is ",
+             tracker, "; it counts the clean steps since the scale last changed: a whole number below the interval (",
+             interval, ").");
+  FSDP_CHECK(growth > 1.0 && backoff > 0 && backoff < 1.0, where(), ": growth_factor ", growth, " and backoff_factor ",
+             backoff, " must satisfy growth_factor > 1 and 0 < backoff_factor < 1.");
   scale_.fill_(scale32);
   growth_tracker_.fill_(static_cast<int64_t>(tracker));
   options_.growth_factor(growth).backoff_factor(backoff).growth_interval(static_cast<int64_t>(interval));

@@ -101,7 +101,7 @@ inline std::map<std::string, std::pair<int, int>> shard_places(const Rank& r, co
 inline void expect_shards_match(const Rank& r, const FSDPModule& model, torch::nn::Module& ref, bool grads = false) {
   auto want = ref.named_parameters();
   const auto place = shard_places(r, model);
-  for (const auto& kv : model.named_sharded_parameters()) {
+  for (const auto& kv : model.named_parameters()) {
     const auto [rank, world] = place.at(kv.key());
     const torch::Tensor& mine = grads ? kv.value().grad() : kv.value();
     const torch::Tensor& theirs = grads ? want[kv.key()].grad() : want[kv.key()];

@@ -25,7 +25,7 @@ inline std::unique_ptr<torch::optim::Optimizer> make_sharded_optimizer(Opt o, co
   if (o == Opt::kFusedAdamW) {
     return std::make_unique<fsdp::optim::FusedAdamW>(model, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
   }
-  return make_optimizer(o, model.sharded_parameters());
+  return make_optimizer(o, model.parameters());
 }
 
 /// The example GPT's loss: cross-entropy over every position.
@@ -155,7 +155,7 @@ void check_accumulation(Rank& r, const FullyShardOptions& options, bool sync_eve
   torch::manual_seed(0);
   auto model = fsdp::fully_shard(gpt::make_gpt<true>(cfg), r.pg, options);
   auto ref_opt = make_optimizer(Opt::kSGD, ref->parameters());
-  auto opt = make_optimizer(Opt::kSGD, model.sharded_parameters());
+  auto opt = make_optimizer(Opt::kSGD, model.parameters());
   for (int step = 0; step < 3; ++step) {
     ref_opt->zero_grad();
     opt->zero_grad();

@@ -2,6 +2,7 @@
 // points, FSDP_CHECKPOINT_CRASH_AT). Afterwards the latest checkpoint loads whole, and is the
 // previous one or, once `latest` was renamed, the new one, bit for bit, never a mix; and the next
 // save of the same step succeeds and leaves nothing behind.
+#include "checkpoint/async_save.h"
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/commit.h"
 #include "tests/models.h"
@@ -9,6 +10,7 @@
 
 #include <dirent.h>
 
+#include <chrono>
 #include <iostream>
 #include <memory>
 
@@ -123,6 +125,61 @@ TEST(CheckpointCrash, ARankKilledAtEachStepOfTheCommitLeavesTheOldOrTheNewWhole)
       expect_latest(root, next, what + ", then saved again");
       EXPECT_EQ(dot_entries(root), std::vector<std::string>{}) << what;
     }
+  }
+}
+
+// A peer that hangs (SIGSTOP at the crash point "data-fsynced") while the other rank waits in the
+// agreement that follows the write: the waiting rank fails within the model's timeout (3 s; the
+// process group's own is 60 s), with an fsdp::Error naming the agreement and the timeout. Once in
+// a synchronous save (the agreement on the training thread, over the model's group) and once in an
+// asynchronous save's background thread (over the saver's own group; the error comes out of wait()).
+void stopped_peer_in_agreement(Rank& r) {
+  const bool async = std::getenv("FSDP_TEST_ASYNC") != nullptr;
+  torch::manual_seed(1);
+  auto model = fsdp::fully_shard(std::make_shared<UnevenMLPImpl<true>>(), r.pg,
+                                 FullyShardOptions().timeout(std::chrono::seconds(3)));
+  const auto start = std::chrono::steady_clock::now();
+  std::string msg;
+  try {
+    if (async) {
+      checkpoint::AsyncSaver saver(model);
+      saver.save(root_dir(), checkpoint::SaveOptions().step(1));
+      saver.wait();
+    } else {
+      checkpoint::save(root_dir(), model, checkpoint::SaveOptions().step(1));
+    }
+  } catch (const fsdp::Error& e) {
+    msg = e.what_without_backtrace();
+    EXPECT_EQ(e.rank(), 0) << msg;
+  }
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_EQ(r.rank, 0) << "rank 1 stops at the crash point and never gets here";
+  std::cout << (async ? "async" : "sync") << ": error after " << waited << " s: " << msg << std::endl;
+  ASSERT_FALSE(msg.empty()) << "the save did not fail with an fsdp::Error";
+  EXPECT_GT(waited, 2.5) << msg;
+  EXPECT_LT(waited, 3.0 + 3.0) << "the model's 3 s timeout, plus the write and the peer check\n" << msg;
+  EXPECT_NE(msg.find("(timeout 3000 ms)"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("writing this rank's file"), std::string::npos) << msg;
+  EXPECT_NE(msg.find(async ? "AsyncSaver's background save" : "fsdp::checkpoint::save"), std::string::npos) << msg;
+}
+
+TEST(CheckpointCrash, AStoppedPeerFailsTheAgreementWithinTheTimeout) {
+  std::unique_ptr<TempDir> tmp;
+  std::string base;
+  if (!in_rank_process()) {
+    tmp = std::make_unique<TempDir>();
+    base = tmp->path;
+  }
+  for (const bool async : {false, true}) {
+    SCOPED_TRACE(async ? "asynchronous save" : "synchronous save");
+    RunOptions o;
+    o.env["FSDP_TEST_CKPT_ROOT"] = base + (async ? "/async" : "/sync");
+    if (async) o.env["FSDP_TEST_ASYNC"] = "1";
+    o.env["FSDP_CHECKPOINT_CRASH_AT"] = "data-fsynced@1:stop";
+    o.collective_timeout = std::chrono::seconds(60);  // the process group's: the model's 3 s must bound the wait
+    o.timeout = std::chrono::seconds(60);
+    o.may_die = {1};
+    run_ranks(2, stopped_peer_in_agreement, o);
   }
 }
 

@@ -71,7 +71,7 @@ TEST_P(Construction, PeakIsShardsSoFarPlusOneUnit) {
       EXPECT_EQ(fsdp::memory::stats().current_bytes - base, shards);
       auto model = fsdp::fully_shard(net, scope);
       EXPECT_EQ(fsdp::memory::stats().current_bytes - base, shards);
-      EXPECT_EQ(fsdp::optim::state_bytes(model.sharded_parameters()).params, shards);
+      EXPECT_EQ(fsdp::optim::state_bytes(model.parameters()).params, shards);
     }
   });
 }
@@ -90,7 +90,7 @@ TEST_P(SameWeightsAtAnyRankCount, GPT) {
     torch::manual_seed(7);
     ShardingScope scope(r.pg, test_options().sync_module_states(false));
     auto net = gpt::make_gpt<true>(cfg);
-    for (auto& block : net->blocks) ASSERT_NE(block->fsdp_unit(), nullptr) << "sharded when built";
+    for (auto& block : net->blocks) ASSERT_TRUE(block->is_sharded()) << "sharded when built";
     auto model = fsdp::fully_shard(net, scope);
     expect_shards_match(r, model, *ref);
   });
@@ -180,7 +180,7 @@ TEST(Construction, ScopesClosedOutOfOrder) {
     b->close();
     EXPECT_EQ(ShardingScope::current(), nullptr);
     auto plain = fsdp::Sharded<torch::nn::LinearImpl>(3, 4);
-    EXPECT_EQ(plain->fsdp_unit(), nullptr) << "built after every scope closed";
+    EXPECT_FALSE(plain->is_sharded()) << "built after every scope closed";
   });
 }
 
@@ -201,7 +201,7 @@ TEST(Construction, Misuse) {
               std::string::npos);
     // Outside any scope, units are built whole.
     auto plain = fsdp::Sharded<torch::nn::LinearImpl>(3, 4);
-    EXPECT_EQ(plain->fsdp_unit(), nullptr);
+    EXPECT_FALSE(plain->is_sharded());
     EXPECT_EQ(plain->weight.numel(), 12);
   });
 }

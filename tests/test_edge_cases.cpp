@@ -124,9 +124,20 @@ TEST(EdgeCases, ClippingOrFusedStepBeforeBackwardIsAnError) {
   });
 }
 
+// A model whose forward calls a unit's Impl::forward (around its fsdp::Sharded wrapper).
+struct CallsImplForwardImpl : torch::nn::Module {
+  CallsImplForwardImpl()
+      : ln(register_module("ln", fsdp::Sharded<torch::nn::LayerNormImpl>(torch::nn::LayerNormOptions({8})))),
+        head(register_module("head", torch::nn::Linear(8, 2))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return head(ln->torch::nn::LayerNormImpl::forward(x)); }
+  fsdp::Sharded<torch::nn::LayerNormImpl> ln;
+  torch::nn::Linear head;
+};
+
 // Calling the model's own forward (model->forward, around the handle) is refused with a hint as
 // soon as it reaches a unit; a block's own forward (around its wrapper) between steps finds its
 // shards: an error from the first operation that needs the full shape, never a read of freed memory.
+// Inside the handle's forward, such an error names the unit that never ran through its wrapper.
 TEST(EdgeCases, BlockCalledAroundItsWrapper) {
   run_ranks(2, [](Rank& r) {
     auto model = fsdp::fully_shard(gpt::make_gpt<true>(kCfg), r.pg, test_options());
@@ -151,6 +162,13 @@ TEST(EdgeCases, BlockCalledAroundItsWrapper) {
     EXPECT_NE(msg.find("Call the handle itself: model(x)"), std::string::npos) << msg;
     // The handle still works, with nothing left half done by the refused call.
     EXPECT_EQ(model(idx).sizes(), (std::vector<int64_t>{2, kCfg.block_size, kCfg.vocab_size}));
+    // The model's forward calls ln->LayerNormImpl::forward: LibTorch's error on the shard's shape,
+    // with the library's hint naming the unit and the remedy.
+    auto direct = fsdp::fully_shard(std::make_shared<CallsImplForwardImpl>(), r.pg, test_options());
+    msg = error_of([&] { direct(torch::randn({3, 8})); });
+    EXPECT_NE(msg.find("normalized_shape"), std::string::npos) << "LibTorch's own error first\n" << msg;
+    EXPECT_NE(msg.find("Unit 'ln' had not run through the fsdp::Sharded wrapper"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("call the unit itself (block(x) or block->forward(x))"), std::string::npos) << msg;
   });
 }
 
@@ -189,8 +207,8 @@ TEST(EdgeCases, WeightSharedInsideOneUnit) {
     auto ref = std::make_shared<TiedNetImpl<false>>();
     torch::manual_seed(2);
     auto model = fsdp::fully_shard(std::make_shared<TiedNetImpl<true>>(), r.pg, test_options());
-    ASSERT_EQ(model.sharded_parameters().size(), 1u);  // one tensor, under two names
-    ASSERT_EQ(model.named_sharded_parameters().size(), 2u);
+    ASSERT_EQ(model.parameters().size(), 1u);  // one tensor, under two names
+    ASSERT_EQ(model.named_parameters().size(), 2u);
     torch::optim::SGD ref_opt({ref->unit->a->weight}, 0.1), opt(model.parameters(), 0.1);
     compare_steps(
         r, ref, model, ref_opt, opt, 3,
@@ -199,7 +217,7 @@ TEST(EdgeCases, WeightSharedInsideOneUnit) {
           return forward(rows(torch::randn({kGlobalBatch, 5}))).square().mean();
         },
         [](int) {});
-    EXPECT_TRUE(close(model.named_sharded_parameters()["unit.b.weight"].detach(),
+    EXPECT_TRUE(close(model.named_parameters()["unit.b.weight"].detach(),
                       owned_rows(ref->unit->a->weight.detach(), r.rank, r.world_size)));
   });
 }

@@ -151,7 +151,7 @@ TEST(Errors, BuffersAreBroadcastAndChecked) {
     EXPECT_TRUE(rank0_mix.equal(net->mix * 3)) << "the buffer differs between ranks after fully_shard";
     torch::manual_seed(100);
     auto ref0 = std::make_shared<BufferedImpl>();  // rank 0's initial model, plain LibTorch
-    torch::optim::SGD ref_opt(ref0->parameters(), 0.1), opt(model.sharded_parameters(), 0.1);
+    torch::optim::SGD ref_opt(ref0->parameters(), 0.1), opt(model.parameters(), 0.1);
     torch::manual_seed(7);
     auto x = torch::randn({kGlobalBatch, 6});
     for (int step = 0; step < 3; ++step) {

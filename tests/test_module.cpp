@@ -93,6 +93,49 @@ INSTANTIATE_TEST_SUITE_P(
                       ModuleCase{ShardingStrategy::kHybridShard, 4, 2}),
     module_case_name);
 
+// A write through the parameters right after wrapping, before the first forward (under
+// torch::NoGradGuard, as an initialization a program does itself), is what the first forward
+// computes with, under every strategy, at 2 and 3 ranks: losses and shards as plain LibTorch's
+// with the same write. (ZeRO-1 keeps full parameters; the write reaches only this rank's rows of
+// them until its first forward gathers.)
+TEST(ModuleSemantics, AWriteBeforeTheFirstForwardIsSeen) {
+  for (const int W : {2, 3}) {
+    run_ranks(W, [](Rank& r) {
+      for (const ShardingStrategy s :
+           {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp, ShardingStrategy::kShardOptimizerState,
+            ShardingStrategy::kNoShard, ShardingStrategy::kHybridShard}) {
+        const int group = s == ShardingStrategy::kHybridShard ? (r.world_size == 2 ? 1 : 3) : 0;
+        SCOPED_TRACE(strategy_case_label(s, r.world_size, group));
+        torch::manual_seed(0);
+        auto ref = gpt::make_gpt<false>(kCfg);
+        torch::manual_seed(0);
+        auto model = fsdp::fully_shard(gpt::make_gpt<true>(kCfg), r.pg, test_options(s, group));
+        {
+          torch::NoGradGuard no_grad;
+          for (auto& p : ref->parameters()) p.mul_(0.9);
+          for (auto& p : model->parameters()) p.mul_(0.9);
+        }
+        torch::optim::SGD ref_opt(ref->parameters(), 0.1), opt(model->parameters(), 0.1);
+        for (int step = 0; step < 2; ++step) {
+          auto [x, y] = gpt_batch(kCfg, 40 + step);
+          ref_opt.zero_grad();
+          auto ref_loss = gpt_loss(ref->forward(x), y);
+          ref_loss.backward();
+          ref_opt.step();
+          opt.zero_grad();
+          auto loss = gpt_loss(model(local_rows(x, r.rank, r.world_size)), local_rows(y, r.rank, r.world_size));
+          loss.backward();
+          opt.step();
+          auto global = loss.detach().clone();
+          all_reduce_sum(r, global);
+          EXPECT_TRUE(close(global / r.world_size, ref_loss.detach())) << "loss at step " << step;
+        }
+        expect_shards_match(r, model, *ref);
+      }
+    });
+  }
+}
+
 // A file that does not hold this rank's shards (here: the unwrapped model's full weights) is
 // refused at the next forward, naming the parameter and both shapes.
 TEST(ModuleSemantics, LoadingAnotherLayoutIsRefused) {
@@ -151,6 +194,90 @@ TEST(ModuleSemantics, AccumulationNeverSyncedIsReported) {
     for (const auto& p : model->parameters()) EXPECT_TRUE(p.grad().defined());
     model->zero_grad();
     for (const auto& p : model->parameters()) EXPECT_FALSE(p.grad().defined());
+  });
+}
+
+// LibTorch's torch::nn::utils::clip_grad_norm_(model->parameters(), max) computes each rank's part
+// of the norm only (between steps the parameters are shards): the next forward warns, once, on
+// every rank, with the remedy. Not for fsdp::optim::clip_grad_norm, nor under kNoShard (whole
+// gradients, whose per-rank norm is the global one), nor for gradients zeroed in place.
+TEST(ModuleSemantics, LibTorchsClipGradNormIsWarnedOnce) {
+  run_ranks(2, [](Rank& r) {
+    enum class Clip { kLibTorch, kLibrary, kNone };
+    struct Case {
+      const char* name;
+      ShardingStrategy strategy;
+      Clip clip;
+      bool warns;
+    };
+    for (const Case& c : {Case{"libtorch, full", ShardingStrategy::kFullShard, Clip::kLibTorch, true},
+                          Case{"libtorch, optimizer", ShardingStrategy::kShardOptimizerState, Clip::kLibTorch, true},
+                          Case{"library, full", ShardingStrategy::kFullShard, Clip::kLibrary, false},
+                          Case{"libtorch, replicate", ShardingStrategy::kNoShard, Clip::kLibTorch, false},
+                          Case{"zeroed in place", ShardingStrategy::kFullShard, Clip::kNone, false}}) {
+      SCOPED_TRACE(c.name);
+      torch::manual_seed(0);
+      auto model = fsdp::fully_shard(gpt::make_gpt<true>(kCfg), r.pg, test_options(c.strategy, 0));
+      torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-3));
+      WarningCapture capture;
+      for (int step = 0; step < 3; ++step) {
+        auto [x, y] = gpt_batch(kCfg, 50 + step);
+        opt.zero_grad();
+        gpt_loss(model(local_rows(x, r.rank, r.world_size)), local_rows(y, r.rank, r.world_size)).backward();
+        if (c.clip == Clip::kLibTorch) torch::nn::utils::clip_grad_norm_(model->parameters(), 1e-3);  // clips
+        if (c.clip == Clip::kLibrary) fsdp::optim::clip_grad_norm(model, 1e-3);
+        opt.step();
+        if (c.clip == Clip::kNone) opt.zero_grad(/*set_to_none=*/false);
+      }
+      const std::string& text = capture.text();
+      const std::string warning = "fsdp (global rank " + std::to_string(r.rank) +
+                                  " of 2): after the last backward, the sharded gradients were rescaled in place";
+      if (!c.warns) {
+        EXPECT_EQ(text, "");
+        continue;
+      }
+      ASSERT_NE(text.find(warning), std::string::npos) << text;
+      EXPECT_EQ(text.find(warning, text.find(warning) + 1), std::string::npos) << "warned more than once:\n" << text;
+      EXPECT_NE(text.find("fsdp::optim::clip_grad_norm(model, max_norm)"), std::string::npos) << text;
+    }
+  });
+}
+
+// Gradient sync turned off and never on again, with torch::optim's own zero_grad (set_to_none
+// false: gradients zeroed in place, so the optimizer still steps): the next forward after that
+// step throws on every rank, whatever optimizer ran.
+TEST(ModuleSemantics, AStepWhileUnsyncedGradientsWaitIsReportedAtTheNextForward) {
+  run_ranks(2, [](Rank& r) {
+    for (const bool adamw : {true, false}) {
+      SCOPED_TRACE(adamw ? "AdamW" : "SGD with momentum");
+      torch::manual_seed(0);
+      auto model = fsdp::fully_shard(gpt::make_gpt<true>(kCfg), r.pg, test_options());
+      std::unique_ptr<torch::optim::Optimizer> opt;
+      if (adamw) {
+        opt = std::make_unique<torch::optim::AdamW>(model->parameters(), torch::optim::AdamWOptions(1e-3));
+      } else {
+        opt = std::make_unique<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+      }
+      auto step = [&](int i) {
+        auto [x, y] = gpt_batch(kCfg, 60 + i);
+        opt->zero_grad(/*set_to_none=*/false);
+        gpt_loss(model(local_rows(x, r.rank, r.world_size)), local_rows(y, r.rank, r.world_size)).backward();
+        opt->step();
+      };
+      step(0);                                  // synced
+      model.set_requires_gradient_sync(false);  // ... and never on again
+      step(1);
+      const std::string msg = error_of([&] { step(2); });
+      EXPECT_EQ(msg.rfind("fsdp (global rank " + std::to_string(r.rank) + " of 2): the parameters were written", 0), 0u)
+          << msg;
+      EXPECT_NE(msg.find("while 3 unit(s) ('<root>', 'h.0', 'h.1') hold gradients accumulated without sync"),
+                std::string::npos)
+          << msg;
+      EXPECT_NE(msg.find("model.set_requires_gradient_sync(true)"), std::string::npos) << msg;
+      model.discard_unsynced_gradients();  // then training goes on
+      model.set_requires_gradient_sync(true);
+      EXPECT_EQ(error_of([&] { step(3); }), "");
+    }
   });
 }
 

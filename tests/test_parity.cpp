@@ -132,7 +132,7 @@ TEST_P(AccumulationParity, GPT) {
     check_accumulation(r, test_options(), sync_every, [&](const auto& model, bool sync, int m) {
       EXPECT_EQ(model.comm_stats().reduce_scatters, sync ? 1 + kAccumulationConfig.n_layer : 0) << "micro-batch " << m;
       if (!sync) {
-        for (const auto& p : model.sharded_parameters()) EXPECT_FALSE(p.grad().defined());
+        for (const auto& p : model.parameters()) EXPECT_FALSE(p.grad().defined());
       }
     });
   });

@@ -1,6 +1,7 @@
 // Sharding really happens: rows per rank per parameter, unsharded storage at 0 bytes between
 // units, and the number and size of the collectives per step. Expected values are computed here
 // from shapes, not read back from the library's bookkeeping.
+#include "fsdp/internal/access.h"
 #include "tests/parity.h"
 
 #include "fsdp/internal/unit.h"  // the unsharded storage, to see it freed
@@ -23,7 +24,7 @@ TEST(Sharding, RowsPerRankIncludingEmptyShards) {
 
     auto model = fsdp::fully_shard(std::make_shared<UnevenMLPImpl<true>>(), r.pg, test_options());
     int64_t flat_bytes_expected = 0;
-    for (const auto& kv : model.named_sharded_parameters()) {
+    for (const auto& kv : model.named_parameters()) {
       const auto& shape = shapes.at(kv.key());
       const auto& sharded = kv.value();
       if (shape.empty()) {  // the scalar: rank 0 owns it, the others hold 0 elements
@@ -40,9 +41,9 @@ TEST(Sharding, RowsPerRankIncludingEmptyShards) {
       EXPECT_TRUE(sharded.requires_grad());
     }
     // fc2.weight has 5 rows: rank 3 owns none (c = 2: 2, 2, 1, 0).
-    EXPECT_EQ(model.named_sharded_parameters()["fc2.weight"].size(0), expected_rows(5, r.rank, 4));
+    EXPECT_EQ(model.named_parameters()["fc2.weight"].size(0), expected_rows(5, r.rank, 4));
     // Every unit's shards share one flat buffer, padded per parameter to c rows.
-    EXPECT_EQ(fsdp::optim::state_bytes(model.sharded_parameters()).params, flat_bytes_expected);
+    EXPECT_EQ(fsdp::optim::state_bytes(model.parameters()).params, flat_bytes_expected);
     // Between steps the module's own parameters are those shards.
     const auto named = model->named_parameters();
     for (const auto& kv : model.named_parameters()) {
@@ -83,7 +84,8 @@ TEST(Sharding, UnshardedStorageIsFreedBetweenUnits) {
     for (int i = 0; i < 3; ++i) {
       chain->units[i]->probe = [&, i] {
         for (int j = 0; j < 3; ++j) {
-          seen[i].emplace_back(j, chain->units[j]->fsdp_unit()->slots()[0].unsharded.storage().nbytes());
+          seen[i].emplace_back(j,
+                               fsdp::detail::Access::unit(*chain->units[j])->slots()[0].unsharded.storage().nbytes());
         }
       };
     }
@@ -105,7 +107,9 @@ TEST(Sharding, UnshardedStorageIsFreedBetweenUnits) {
     // After forward only the root keeps its gathered memory (for backward), though its parameters
     // are the shards again; after backward nothing is gathered, and every parameter is its shard,
     // with a sharded gradient.
-    auto unsharded_bytes = [](auto& u) { return u->fsdp_unit()->slots()[0].unsharded.storage().nbytes(); };
+    auto unsharded_bytes = [](auto& u) {
+      return fsdp::detail::Access::unit(*u)->slots()[0].unsharded.storage().nbytes();
+    };
     for (auto& u : chain->units) EXPECT_EQ(unsharded_bytes(u), 0u);
     EXPECT_EQ(chain->head->weight.size(0), 1);
     loss.backward();
@@ -207,7 +211,7 @@ TEST(Sharding, FrozenAndEmptyParametersInAUnit) {
       if (p.requires_grad()) ref_trainable.push_back(p);
     }
     std::vector<torch::Tensor> trainable;
-    for (const auto& p : model.sharded_parameters()) {
+    for (const auto& p : model.parameters()) {
       if (p.requires_grad()) trainable.push_back(p);
     }
     torch::optim::SGD ref_opt(ref_trainable, 0.1), opt(trainable, 0.1);
@@ -219,7 +223,7 @@ TEST(Sharding, FrozenAndEmptyParametersInAUnit) {
         },
         [](int) {});
     expect_shards_match(r, model, *ref);
-    EXPECT_FALSE(model.named_sharded_parameters()["lr.base"].grad().defined());
+    EXPECT_FALSE(model.named_parameters()["lr.base"].grad().defined());
     expect_between_steps(r, model, *ref);  // resharded at the end of backward
   });
 }
@@ -246,11 +250,11 @@ TEST(Sharding, StepAfterAFailedBackward) {
     out.register_hook([](const torch::Tensor&) -> torch::Tensor { throw std::runtime_error("user hook failed"); });
     EXPECT_THROW(out.sum().backward(), std::exception);
 
-    for (const auto& p : model.sharded_parameters()) p.mutable_grad() = torch::Tensor();
+    for (const auto& p : model.parameters()) p.mutable_grad() = torch::Tensor();
     model(mine).square().mean().backward();
     ref->forward(x).square().mean().backward();
     auto want = ref->named_parameters();
-    for (const auto& kv : model.named_sharded_parameters()) {
+    for (const auto& kv : model.named_parameters()) {
       if (!kv.value().requires_grad()) continue;
       ASSERT_TRUE(kv.value().grad().defined()) << kv.key();
       EXPECT_TRUE(close(kv.value().grad(), owned_rows(want[kv.key()].grad(), r.rank, r.world_size))) << kv.key();

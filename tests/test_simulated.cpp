@@ -16,7 +16,7 @@ RankView one_step(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, ShardingStra
   gpt::Config cfg{37, 8, 3, 2, 18, true};
   torch::manual_seed(0);
   auto model = fsdp::fully_shard(gpt::make_gpt<true>(cfg), pg, test_options().strategy(strategy).shard_group_size(2));
-  torch::optim::AdamW opt(model.sharded_parameters(), torch::optim::AdamWOptions(1e-3));
+  torch::optim::AdamW opt(model.parameters(), torch::optim::AdamWOptions(1e-3));
   torch::manual_seed(1);
   auto tok = torch::randint(cfg.vocab_size, {2, cfg.block_size + 1}, torch::kLong);
   model.reset_comm_stats();
@@ -24,8 +24,8 @@ RankView one_step(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, ShardingStra
   torch::nn::functional::cross_entropy(logits.flatten(0, 1), tok.narrow(1, 1, cfg.block_size).flatten()).backward();
   opt.step();
   RankView v;
-  for (const auto& p : model.sharded_parameters()) v.shapes.push_back(p.sizes().vec());
-  v.state_bytes = fsdp::optim::state_bytes(model.sharded_parameters(), &opt).total();
+  for (const auto& p : model.parameters()) v.shapes.push_back(p.sizes().vec());
+  v.state_bytes = fsdp::optim::state_bytes(model.parameters(), &opt).total();
   v.comm = model.comm_stats();
   return v;
 }
@@ -70,14 +70,14 @@ TEST(Simulated, RankOfAThousand) {
   ShardingScope scope(pg, test_options());
   auto model = fsdp::fully_shard(gpt::make_gpt<true>(cfg), scope);
   EXPECT_EQ(model.world_size(), W);
-  torch::optim::AdamW opt(model.sharded_parameters(), torch::optim::AdamWOptions(1e-3));
+  torch::optim::AdamW opt(model.parameters(), torch::optim::AdamWOptions(1e-3));
   auto tok = torch::randint(cfg.vocab_size, {1, cfg.block_size + 1}, torch::kLong);
   model.reset_comm_stats();
   auto logits = model(tok.narrow(1, 0, cfg.block_size));
   torch::nn::functional::cross_entropy(logits.flatten(0, 1), tok.narrow(1, 1, cfg.block_size).flatten()).backward();
   opt.step();
   EXPECT_GT(owned, 0);
-  EXPECT_EQ(fsdp::optim::state_bytes(model.sharded_parameters(), &opt).total(), 8 * padded + 8 * owned);
+  EXPECT_EQ(fsdp::optim::state_bytes(model.parameters(), &opt).total(), 8 * padded + 8 * owned);
   // What rank 100 of a real job would send: the root gathered once, each block twice, every unit
   // reduce-scattered once (3Ψ, padding included).
   EXPECT_EQ(model.comm_stats().elements, W * (2 * root + 3 * blocks));
@@ -109,7 +109,7 @@ TEST(Simulated, HeldStateBytesAndPeakFromShapes) {
   auto model =
       fsdp::fully_shard(std::make_shared<ThreeUnitsImpl>(), make_fake_process_group(0, 4), test_options().prefetch(0));
   EXPECT_EQ(model.held_state_bytes(), U * shard);  // the shards only
-  torch::optim::SGD sgd(model.sharded_parameters(), 0.1);
+  torch::optim::SGD sgd(model.parameters(), 0.1);
   for (int step = 0; step < 2; ++step) {
     sgd.zero_grad();
     model.track_state_peak(true);

@@ -163,7 +163,7 @@ TEST(CollectivesPerStep, EveryStrategy) {
       // Replicated: one bucket per parameter (1 byte), so the count of all-reduces is exact.
       auto opts = test_options().strategy(strategy).shard_group_size(2).bucket_bytes(1);
       auto model = fsdp::fully_shard(gpt::make_gpt<true>(cfg), r.pg, opts);
-      torch::optim::SGD sgd(model.sharded_parameters(), 0.1);
+      torch::optim::SGD sgd(model.parameters(), 0.1);
       for (int step = 0; step < 3; ++step) {
         model.reset_comm_stats();
         sgd.zero_grad();
@@ -269,7 +269,7 @@ TEST_P(FailedBackward, ThenZeroGradThenStep) {
     auto ref = gpt::make_gpt<false>(cfg);
     torch::manual_seed(0);
     auto model = fsdp::fully_shard(gpt::make_gpt<true>(cfg), r.pg, strategy_options(c));
-    torch::optim::SGD opt(model.sharded_parameters(), 0.1);
+    torch::optim::SGD opt(model.parameters(), 0.1);
     auto [x, y] = gpt_batch(cfg, 7500);
     auto mx = local_rows(x, r.rank, r.world_size), my = local_rows(y, r.rank, r.world_size);
     gpt_loss(model(mx), my).backward();  // gradients left in place (no zero_grad)

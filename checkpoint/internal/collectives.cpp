@@ -1,99 +1,65 @@
 #include "checkpoint/internal/collectives.h"
 
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
-#include <ATen/ops/full.h>
-#include <ATen/ops/tensor.h>
-#include <ATen/ops/zeros.h>
-#include <c10/util/Exception.h>
-
-#include <algorithm>
-#include <cstring>
-#include <functional>
+#include "fsdp/internal/access.h"
+#include "fsdp/internal/check.h"
+#include "fsdp/internal/run_state.h"
 
 namespace fsdp::checkpoint::detail {
-namespace {
 
-void wait(const c10::intrusive_ptr<c10d::Work>& work, const c10d::ProcessGroup& pg, std::chrono::milliseconds timeout,
-          const std::string& what) {
-  try {
-    work->wait(timeout);
-  } catch (const std::exception& e) {
-    TORCH_CHECK(false, "fsdp::checkpoint (rank ", pg.getRank(), " of ", pg.getSize(), "): ", what,
-                " failed or timed out after ", timeout.count(), " ms (", e.what(),
-                "). Another rank stopped or is not saving: every rank must call the same save.");
-  }
+using fsdp::detail::Call;
+using fsdp::detail::Fingerprint;
+
+Group Group::of(const FSDPModule& model) {
+  Group g;
+  g.model_ = &model;
+  // The model's own communication context (not a copy): its statistics and call log.
+  auto& state = fsdp::detail::Access::state(model);
+  g.comm_ = std::shared_ptr<fsdp::detail::Comm>(state.shared_from_this(), &state.comm);
+  return g;
 }
 
-}  // namespace
+Group Group::own(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, std::chrono::milliseconds timeout) {
+  Group g;
+  std::vector<int> ranks(static_cast<size_t>(pg->getSize()));
+  for (int r = 0; r < pg->getSize(); ++r) ranks[static_cast<size_t>(r)] = r;
+  g.comm_ = std::make_shared<fsdp::detail::Comm>(pg, timeout, std::make_shared<fsdp::detail::CommShared>(),
+                                                 fsdp::detail::GroupInfo{"the asynchronous saver's group", ranks});
+  return g;
+}
+
+bool Group::agree(const std::string& what, bool failed) const {
+  const uint64_t payload = Fingerprint().add(what).value();
+  const std::vector<int64_t> votes =
+      model_ != nullptr ? fsdp::detail::agree(*model_, Call::kCheckpointPhase, payload, what, failed ? 1 : 0)
+                        : comm_->agree(Call::kCheckpointPhase, payload, what, {}, failed ? 1 : 0);
+  for (int64_t v : votes) {
+    if (v != 0) return true;
+  }
+  return false;
+}
+
+std::vector<std::string> Group::gather_to_rank0(const std::string& text, const std::string& what) const {
+  if (model_ == nullptr) return comm_->exchange_strings(text, what, /*root=*/0);
+  // Over the model's group: a failure leaves its ranks at different collectives.
+  std::vector<std::string> out;
+  fsdp::detail::Access::state(*model_).breaks_on_failure(
+      [&] { out = comm_->exchange_strings(text, what, /*root=*/0); });
+  return out;
+}
 
 void agree(const Group& group, const std::string& call, const std::string& where, const std::string& phase,
            const std::string& consequence, const std::function<void()>& fn) {
   std::string error;
   try {
     fn();
-  } catch (const c10::Error& e) {
-    error = e.what_without_backtrace();
-  } catch (const std::exception& e) {
-    error = e.what();
+  } catch (...) {
+    error = error_text(std::current_exception());
   }
-  at::Tensor failed = at::full({1}, error.empty() ? 0 : 1, at::kLong);
-  if (group.model != nullptr) {
-    group.model->all_reduce(failed, c10d::ReduceOp::MAX, call + ": " + phase);
-  } else if (group.size() > 1) {  // a side group: only the saver's background thread uses it
-    // With the flag, the call's hash and its negation: after a MAX, the ranks were at the same
-    // call only if both come back unchanged (a save of another name on some rank would otherwise
-    // pair with this one).
-    const auto hash = static_cast<int64_t>(std::hash<std::string>{}(call + ": " + phase) >> 2);
-    failed = at::tensor({failed.item<int64_t>(), hash, -hash}, at::kLong);
-    std::vector<at::Tensor> t{failed};
-    c10d::AllreduceOptions o;
-    o.reduceOp = c10d::ReduceOp::MAX;
-    o.timeout = group.timeout;
-    wait(group.pg->getBackend(c10::DeviceType::CPU)->allreduce(t, o), *group.pg, group.timeout, call + ": " + phase);
-    TORCH_CHECK(failed[1].item<int64_t>() == hash && failed[2].item<int64_t>() == -hash, where,
-                ": the ranks are not at the same call (", call, ": ", phase,
-                " here): every rank must save the same root and name. Nothing was committed.");
-    failed = failed.narrow(0, 0, 1);
-  }
-  TORCH_CHECK(error.empty(), where, ": ", phase, " failed on this rank: ", error);
-  TORCH_CHECK(failed.item<int64_t>() == 0, where, ": ", phase, " failed on another rank (its error says why); ",
-              consequence, ".");
-}
-
-std::vector<std::string> gather_to_rank0(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const std::string& text,
-                                         std::chrono::milliseconds timeout, const std::string& what) {
-  const int W = pg->getSize(), r = pg->getRank();
-  if (W == 1) return {text};
-  auto backend = pg->getBackend(c10::DeviceType::CPU);
-  // The lengths first (one number per rank, to every rank), then the texts padded to the longest,
-  // to rank 0 only.
-  std::vector<at::Tensor> len_in{at::full({1}, static_cast<int64_t>(text.size()), at::kLong)};
-  std::vector<std::vector<at::Tensor>> len_out(1);
-  for (int i = 0; i < W; ++i) len_out[0].push_back(at::empty({1}, at::kLong));
-  c10d::AllgatherOptions ag;
-  ag.timeout = timeout;
-  wait(backend->allgather(len_out, len_in, ag), *pg, timeout, what);
-  int64_t longest = 0;
-  for (const auto& l : len_out[0]) longest = std::max(longest, l.item<int64_t>());
-  std::vector<at::Tensor> in{at::zeros({std::max<int64_t>(longest, 1)}, at::kByte)};
-  std::memcpy(in[0].data_ptr(), text.data(), text.size());
-  std::vector<std::vector<at::Tensor>> out;
-  if (r == 0) {
-    out.emplace_back();
-    for (int i = 0; i < W; ++i) out[0].push_back(at::empty_like(in[0]));
-  }
-  c10d::GatherOptions go;
-  go.rootRank = 0;
-  go.timeout = timeout;
-  wait(backend->gather(out, in, go), *pg, timeout, what);
-  std::vector<std::string> texts;
-  if (r != 0) return texts;
-  for (int i = 0; i < W; ++i) {
-    const auto n = static_cast<size_t>(len_out[0][i].item<int64_t>());
-    texts.emplace_back(static_cast<const char*>(out[0][i].data_ptr()), n);
-  }
-  return texts;
+  const bool any_failed = group.agree(call + ": " + phase, !error.empty());
+  const ErrorContext context = group.error_context(call + ": " + phase);
+  FSDP_CHECK_IN(context, error.empty(), where, ": ", phase, " failed on this rank: ", error);
+  FSDP_CHECK_IN(context, !any_failed, where, ": ", phase, " failed on another rank (its error says why); ", consequence,
+                ".");
 }
 
 }  // namespace fsdp::checkpoint::detail

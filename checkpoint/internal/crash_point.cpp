@@ -1,4 +1,5 @@
 #include "checkpoint/internal/crash_point.h"
+#include "fsdp/internal/check.h"
 
 #include <c10/util/Exception.h>
 
@@ -15,8 +16,11 @@ void crash_point(const char* point, int rank) {
     return std::string(v != nullptr ? v : "");
   }();
   if (at.empty()) return;
+  // "<point>@<rank>" dies there (SIGKILL); "<point>@<rank>:stop" stops there (SIGSTOP), as a
+  // process that hangs: its peers must fail within their timeout.
   const std::string here = std::string(point) + "@" + std::to_string(rank);
   if (at == here) std::raise(SIGKILL);
+  if (at == here + ":stop") std::raise(SIGSTOP);
 }
 
 int injected_write_error(const std::string& path) {
@@ -27,8 +31,8 @@ int injected_write_error(const std::string& path) {
   if (spec.empty()) return 0;
   const auto colon = spec.find(':');
   const std::string code = spec.substr(0, colon);
-  TORCH_CHECK(colon != std::string::npos && (code == "ENOSPC" || code == "EIO"), "FSDP_CHECKPOINT_FAIL_WRITE='", spec,
-              "' is malformed: write ENOSPC:TEXT or EIO:TEXT (a testing hook; unset it otherwise).");
+  FSDP_CHECK(colon != std::string::npos && (code == "ENOSPC" || code == "EIO"), "FSDP_CHECKPOINT_FAIL_WRITE='", spec,
+             "' is malformed: write ENOSPC:TEXT or EIO:TEXT (a testing hook; unset it otherwise).");
   if (path.find(spec.substr(colon + 1)) == std::string::npos) return 0;
   return code == "ENOSPC" ? ENOSPC : EIO;
 }

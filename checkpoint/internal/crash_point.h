@@ -1,6 +1,7 @@
 // Fault injection for the crash-safety and disk-error tests (docs/checkpoint-format.md, "Crash safety"): with
 // FSDP_CHECKPOINT_CRASH_AT="<point>@<rank>" in its environment, the process of that rank SIGKILLs
-// itself when a save reaches <point>, as a node that dies there would. Unset (always, outside
+// itself when a save reaches <point>, as a node that dies there would; "<point>@<rank>:stop" makes
+// it SIGSTOP itself there instead, as a process that hangs. Unset (always, outside
 // tests), a crash point costs one cached lookup. Internal to the checkpoint library.
 #pragma once
 

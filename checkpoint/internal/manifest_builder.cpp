@@ -1,4 +1,5 @@
 #include "checkpoint/internal/manifest_builder.h"
+#include "fsdp/internal/check.h"
 
 #include "checkpoint/manifest.h"
 #include "fsdp_version.h"
@@ -56,9 +57,9 @@ std::string assemble_manifest(const ManifestHeader& header, ordered_json model_t
     for (const auto& [name, step] : part["steps"].items()) {
       const int64_t s = step.get<int64_t>();
       const auto [it, fresh] = step_of.emplace(name, s);
-      TORCH_CHECK(fresh || it->second == s, "the optimizer's step of parameter '", name, "' is ", it->second,
-                  " on one rank but ", s, " on rank ", r,
-                  ": every rank must step the optimizer the same number of times.");
+      FSDP_CHECK(fresh || it->second == s, "the optimizer's step of parameter '", name, "' is ", it->second,
+                 " on one rank but ", s, " on rank ", r,
+                 ": every rank must step the optimizer the same number of times.");
       if (fresh) steps[name] = s;
     }
   }
@@ -75,9 +76,9 @@ std::string assemble_manifest(const ManifestHeader& header, ordered_json model_t
       next = c["rows"][1].get<int64_t>();
     }
     const bool empty = std::find(shape.begin(), shape.end(), 0) != shape.end();
-    TORCH_CHECK(empty || next == (shape.empty() ? 1 : shape[0]), "tensor '", key, "' has rows ", next,
-                " and on without a writer: the ranks that hold them have no such state. Step the optimizer on "
-                "every rank before saving.");
+    FSDP_CHECK(empty || next == (shape.empty() ? 1 : shape[0]), "tensor '", key, "' has rows ", next,
+               " and on without a writer: the ranks that hold them have no such state. Step the optimizer on "
+               "every rank before saving.");
   }
   json optimizer = header.optimizer;
   if (!optimizer.is_null()) optimizer["steps"] = std::move(steps);

@@ -1,4 +1,5 @@
 #include "checkpoint/internal/optimizer_state.h"
+#include "fsdp/internal/check.h"
 
 #include <ATen/ops/empty_like.h>
 #include <c10/util/Exception.h>
@@ -75,9 +76,9 @@ std::string optimizer_type(const torch::optim::Optimizer& opt, const std::string
   if (dynamic_cast<const AdamW*>(&opt) != nullptr) return "AdamW";
   if (dynamic_cast<const Adam*>(&opt) != nullptr) return "Adam";
   if (dynamic_cast<const SGD*>(&opt) != nullptr) return "SGD";
-  TORCH_CHECK(false, where, ": optimizer type ", c10::demangle(typeid(opt).name()),
-              " is not supported (torch::optim::SGD, Adam, AdamW and fsdp::optim::FusedAdamW are); save the model "
-              "alone, and the optimizer with torch::save.");
+  FSDP_CHECK(false, where, ": optimizer type ", c10::demangle(typeid(opt).name()),
+             " is not supported (torch::optim::SGD, Adam, AdamW and fsdp::optim::FusedAdamW are); save the model "
+             "alone, and the optimizer with torch::save.");
 }
 
 std::vector<std::string> state_names(const std::string& type) {
@@ -101,11 +102,11 @@ void set_group_options(torch::optim::OptimizerParamGroup& group, const std::stri
                        const std::map<std::string, double>& options, const std::string& where) {
   const auto want = group_options(group, type);
   for (const auto& kv : want) {
-    TORCH_CHECK(options.count(kv.first) == 1, where, ": the saved ", type, " param group has no '", kv.first, "'.");
+    FSDP_CHECK(options.count(kv.first) == 1, where, ": the saved ", type, " param group has no '", kv.first, "'.");
   }
   for (const auto& kv : options) {
-    TORCH_CHECK(want.count(kv.first) == 1, where, ": the saved ", type, " param group has '", kv.first, "', which ",
-                type, " does not have.");
+    FSDP_CHECK(want.count(kv.first) == 1, where, ": the saved ", type, " param group has '", kv.first, "', which ",
+               type, " does not have.");
   }
   auto& o = group.options();
   if (type == "AdamW") {

@@ -1,4 +1,5 @@
 #include "checkpoint/internal/parallel_io.h"
+#include "fsdp/internal/check.h"
 
 #include "checkpoint/internal/crash_point.h"
 #include "checkpoint/safetensors.h"
@@ -35,12 +36,9 @@ void run_parallel(size_t n, int threads, const std::function<void(int, size_t)>&
   auto loop = [&](int worker) {
     try {
       for (size_t i = next++; i < n && !failed; i = next++) work(worker, i);
-    } catch (const c10::Error& e) {
+    } catch (...) {
       std::lock_guard<std::mutex> lock(mu);
-      if (!failed.exchange(true)) error = e.what_without_backtrace();
-    } catch (const std::exception& e) {
-      std::lock_guard<std::mutex> lock(mu);
-      if (!failed.exchange(true)) error = e.what();
+      if (!failed.exchange(true)) error = error_text(std::current_exception());
     }
   };
   const int extra = static_cast<int>(std::min<size_t>(n, static_cast<size_t>(std::max(threads, 1)))) - 1;
@@ -48,13 +46,13 @@ void run_parallel(size_t n, int threads, const std::function<void(int, size_t)>&
   for (int t = 1; t <= extra; ++t) pool.emplace_back(loop, t);
   loop(0);
   for (auto& t : pool) t.join();
-  TORCH_CHECK(!failed, error);
+  FSDP_CHECK(!failed, error);
 }
 
 struct AlignedBuffer {
   void* p = nullptr;
   AlignedBuffer(uint64_t align, uint64_t n) {
-    TORCH_CHECK(::posix_memalign(&p, align, n) == 0, "fsdp::checkpoint: cannot allocate ", n, " bytes for I/O");
+    FSDP_CHECK(::posix_memalign(&p, align, n) == 0, "fsdp::checkpoint: cannot allocate ", n, " bytes for I/O");
   }
   ~AlignedBuffer() { std::free(p); }
   AlignedBuffer(const AlignedBuffer&) = delete;
@@ -67,8 +65,8 @@ uint64_t direct_alignment(int fd, const std::string& path) {
   if (::statx(fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &stx) != 0 || (stx.stx_mask & STATX_DIOALIGN) == 0) {
     return kDefaultAlign;
   }
-  TORCH_CHECK(stx.stx_dio_offset_align != 0, "fsdp::checkpoint: the filesystem of '", path,
-              "' does not support direct I/O (statx gives no alignment for it): save without direct_io.");
+  FSDP_CHECK(stx.stx_dio_offset_align != 0, "fsdp::checkpoint: the filesystem of '", path,
+             "' does not support direct I/O (statx gives no alignment for it): save without direct_io.");
   return std::max<uint64_t>({stx.stx_dio_offset_align, stx.stx_dio_mem_align, 512});
 }
 
@@ -78,8 +76,8 @@ void pwrite_all(int fd, const std::string& path, const char* p, uint64_t n, uint
     errno = injected;
     const ssize_t w = injected != 0 ? -1 : ::pwrite(fd, p, n, static_cast<off_t>(offset));
     if (w < 0 && errno == EINTR) continue;
-    TORCH_CHECK(w > 0, "fsdp::checkpoint: writing bytes ", offset, " to ", offset + n, " of '", path,
-                "' failed: ", std::strerror(errno));
+    FSDP_CHECK(w > 0, "fsdp::checkpoint: writing bytes ", offset, " to ", offset + n, " of '", path,
+               "' failed: ", std::strerror(errno));
     p += w;
     n -= static_cast<uint64_t>(w);
     offset += static_cast<uint64_t>(w);
@@ -89,14 +87,14 @@ void pwrite_all(int fd, const std::string& path, const char* p, uint64_t n, uint
 }  // namespace
 
 void write_pieces(const std::string& path, const std::vector<IoPiece>& pieces, const IoOptions& options) {
-  TORCH_CHECK(options.threads >= 1 && options.block_bytes > 0, "fsdp::checkpoint: ", options.threads,
-              " I/O threads and blocks of ", options.block_bytes, " bytes: both must be positive.");
+  FSDP_CHECK(options.threads >= 1 && options.block_bytes > 0, "fsdp::checkpoint: ", options.threads,
+             " I/O threads and blocks of ", options.block_bytes, " bytes: both must be positive.");
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | (options.direct ? O_DIRECT : 0), 0644);
-  TORCH_CHECK(fd >= 0, "fsdp::checkpoint: cannot create '", path, "'", options.direct ? " with O_DIRECT" : "", ": ",
-              std::strerror(errno),
-              errno == EINVAL && options.direct
-                  ? " (this filesystem does not support direct I/O: save without direct_io)"
-                  : "");
+  FSDP_CHECK(fd >= 0, "fsdp::checkpoint: cannot create '", path, "'", options.direct ? " with O_DIRECT" : "", ": ",
+             std::strerror(errno),
+             errno == EINVAL && options.direct
+                 ? " (this filesystem does not support direct I/O: save without direct_io)"
+                 : "");
   struct Closer {  // closes on every path out, but the last one's checked close
     int fd;
     ~Closer() {
@@ -143,12 +141,12 @@ void write_pieces(const std::string& path, const std::vector<IoPiece>& pieces, c
     pwrite_all(fd, path, buf, n, lo);
   });
   if (options.direct && size % align != 0) {
-    TORCH_CHECK(::ftruncate(fd, static_cast<off_t>(size)) == 0, "fsdp::checkpoint: truncating '", path, "' to ", size,
-                " bytes failed: ", std::strerror(errno));
+    FSDP_CHECK(::ftruncate(fd, static_cast<off_t>(size)) == 0, "fsdp::checkpoint: truncating '", path, "' to ", size,
+               " bytes failed: ", std::strerror(errno));
   }
   closer.fd = -1;
-  TORCH_CHECK(::close(fd) == 0 || errno == EINTR, "fsdp::checkpoint: closing '", path,
-              "' failed: ", std::strerror(errno));
+  FSDP_CHECK(::close(fd) == 0 || errno == EINTR, "fsdp::checkpoint: closing '", path,
+             "' failed: ", std::strerror(errno));
 }
 
 void read_parallel(const std::vector<ReadRequest>& requests, int threads, uint64_t block_bytes) {

@@ -1,4 +1,5 @@
 #include "checkpoint/internal/reader.h"
+#include "fsdp/internal/check.h"
 
 #include "checkpoint/internal/parallel_io.h"
 
@@ -54,8 +55,8 @@ class HostBuffer {
     reset();
     if (n == 0) return;
     void* p = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    TORCH_CHECK(p != MAP_FAILED, "cannot map ", n,
-                " bytes of host memory for a checkpoint read: ", std::strerror(errno));
+    FSDP_CHECK(p != MAP_FAILED, "cannot map ", n,
+               " bytes of host memory for a checkpoint read: ", std::strerror(errno));
     if (n >= (size_t{2} << 20)) ::madvise(p, n, MADV_HUGEPAGE);
     p_ = static_cast<uint8_t*>(p);
     n_ = n;
@@ -153,17 +154,17 @@ void ShardReader::open_files() {
     if (fds_[f] >= 0) continue;
     const std::string path = m_.dir + "/" + m_.files[f].name;
     const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    TORCH_CHECK(fd >= 0, "cannot open '", path, "' (", std::strerror(errno), "), which holds rows ", p.row_begin,
-                " to ", p.row_end, " of tensor '", p.tensor->key,
-                "': the checkpoint is incomplete. Restore the file, or load an earlier checkpoint.");
+    FSDP_CHECK(fd >= 0, "cannot open '", path, "' (", std::strerror(errno), "), which holds rows ", p.row_begin, " to ",
+               p.row_end, " of tensor '", p.tensor->key,
+               "': the checkpoint is incomplete. Restore the file, or load an earlier checkpoint.");
     fds_[f] = fd;
     ++stats_.files;
     struct stat st {};
-    TORCH_CHECK(::fstat(fd, &st) == 0, "cannot stat '", path, "': ", std::strerror(errno));
-    TORCH_CHECK(static_cast<uint64_t>(st.st_size) == m_.files[f].bytes, "'", path, "' has ", st.st_size,
-                " bytes but the manifest says ", m_.files[f].bytes, ": it was truncated or replaced (needed for rows ",
-                p.row_begin, " to ", p.row_end, " of tensor '", p.tensor->key,
-                "'). Restore the file, or load an earlier checkpoint.");
+    FSDP_CHECK(::fstat(fd, &st) == 0, "cannot stat '", path, "': ", std::strerror(errno));
+    FSDP_CHECK(static_cast<uint64_t>(st.st_size) == m_.files[f].bytes, "'", path, "' has ", st.st_size,
+               " bytes but the manifest says ", m_.files[f].bytes, ": it was truncated or replaced (needed for rows ",
+               p.row_begin, " to ", p.row_end, " of tensor '", p.tensor->key,
+               "'). Restore the file, or load an earlier checkpoint.");
   }
 }
 
@@ -173,7 +174,7 @@ void ShardReader::read(int threads) {
   std::vector<ReadRequest> requests;
   for (Range& r : ranges_) {
     const int fd = fds_[r.file];
-    TORCH_CHECK(fd >= 0, "ShardReader::read before open_files");
+    FSDP_CHECK(fd >= 0, "ShardReader::read before open_files");
     const uint64_t size = r.end - r.begin;
     r.data.allocate(size);
     requests.push_back({fd, &paths[r.file], r.begin, size, r.data.get()});
@@ -189,12 +190,12 @@ void ShardReader::read(int threads) {
     if (block < 0) continue;
     const uint64_t at = c.begin + static_cast<uint64_t>(block) * c.block_bytes;
     const uint64_t n = std::min(c.block_bytes, c.end - at);
-    TORCH_CHECK(false, "tensor '", p.tensor->key, "' rows ", c.row_begin, " to ", c.row_end, " in '", m_.dir, "/",
-                m_.files[c.file].name, "', bytes ", at, " to ", at + n, " (checksum block ", block, "): CRC32C ",
-                hex(got), " but the manifest says ", hex(c.crc32c[block]),
-                ". The file is corrupt; nothing was loaded. Restore it or load an earlier checkpoint ('fsdp-ckpt "
-                "verify ",
-                m_.dir, "' lists every fault).");
+    FSDP_CHECK(false, "tensor '", p.tensor->key, "' rows ", c.row_begin, " to ", c.row_end, " in '", m_.dir, "/",
+               m_.files[c.file].name, "', bytes ", at, " to ", at + n, " (checksum block ", block, "): CRC32C ",
+               hex(got), " but the manifest says ", hex(c.crc32c[block]),
+               ". The file is corrupt; nothing was loaded. Restore it or load an earlier checkpoint ('fsdp-ckpt "
+               "verify ",
+               m_.dir, "' lists every fault).");
   }
 }
 
@@ -213,8 +214,8 @@ void ShardReader::apply() {
       rows = at::empty(dst.sizes(), at::TensorOptions().dtype(type));
       std::memcpy(rows.data_ptr(), src, p.copy_bytes);
     }
-    TORCH_CHECK(static_cast<uint64_t>(rows.numel()) * rows.element_size() == p.copy_bytes, "tensor '", p.tensor->key,
-                "' rows ", p.row_begin, " to ", p.row_end, " do not fit their destination");
+    FSDP_CHECK(static_cast<uint64_t>(rows.numel()) * rows.element_size() == p.copy_bytes, "tensor '", p.tensor->key,
+               "' rows ", p.row_begin, " to ", p.row_end, " do not fit their destination");
     dst.copy_(rows);
   }
   for (Range& r : ranges_) r.data.reset();

@@ -1,4 +1,5 @@
 #include "checkpoint/internal/rng_state.h"
+#include "fsdp/internal/check.h"
 
 #include "checkpoint/internal/crc32c.h"
 
@@ -52,7 +53,7 @@ std::vector<std::pair<std::string, at::Tensor>> rng_states() {
 
 bool set_rng_state(const std::string& name, const at::Tensor& state) {
   if (name != "cpu") {
-    TORCH_CHECK(name.rfind("cuda:", 0) == 0, "fsdp::checkpoint: unknown generator '", name, "'.");
+    FSDP_CHECK(name.rfind("cuda:", 0) == 0, "fsdp::checkpoint: unknown generator '", name, "'.");
     if (std::stoi(name.substr(5)) >= cuda_devices()) return false;
   }
   at::Generator g = generator(name);

@@ -1,4 +1,5 @@
 #include "checkpoint/internal/safetensors_manifest.h"
+#include "fsdp/internal/check.h"
 
 #include "checkpoint/safetensors.h"
 
@@ -30,7 +31,7 @@ Manifest safetensors_manifest(const std::string& path, const std::set<std::strin
   }
   if (!index.empty()) {
     std::ifstream f(index);
-    TORCH_CHECK(f, "cannot open '", index, "'.");
+    FSDP_CHECK(f, "cannot open '", index, "'.");
     nlohmann::json j;
     try {
       j = nlohmann::json::parse(f);
@@ -38,7 +39,7 @@ Manifest safetensors_manifest(const std::string& path, const std::set<std::strin
       for (const auto& [name, file] : j.at("weight_map").items()) unique.insert(file.get<std::string>());
       files.assign(unique.begin(), unique.end());
     } catch (const nlohmann::json::exception& e) {
-      TORCH_CHECK(false, "'", index, "' is not a safetensors index (", e.what(), ").");
+      FSDP_CHECK(false, "'", index, "' is not a safetensors index (", e.what(), ").");
     }
     const size_t slash = index.find_last_of('/');
     dir = slash == std::string::npos ? "." : index.substr(0, slash);
@@ -49,7 +50,7 @@ Manifest safetensors_manifest(const std::string& path, const std::set<std::strin
   m.world_size = static_cast<int>(files.size());
   std::set<std::string> keys;
   for (size_t i = 0; i < files.size(); ++i) {
-    TORCH_CHECK(files[i].find('/') == std::string::npos, "'", files[i], "' is not a file name in '", dir, "'.");
+    FSDP_CHECK(files[i].find('/') == std::string::npos, "'", files[i], "' is not a file name in '", dir, "'.");
     const FileRecord rec = read_safetensors_header(dir + "/" + files[i]);
     m.files.push_back({files[i], static_cast<int>(i), rec.size});
     for (const TensorRecord& t : rec.tensors) {
@@ -57,8 +58,8 @@ Manifest safetensors_manifest(const std::string& path, const std::set<std::strin
       if (name.empty()) continue;
       ManifestTensor mt;
       mt.key = "model/" + name;
-      TORCH_CHECK(keys.insert(mt.key).second, "two tensors of '", path, "' are named '", name,
-                  "' (after the name map): one is in '", files[i], "'.");
+      FSDP_CHECK(keys.insert(mt.key).second, "two tensors of '", path, "' are named '", name,
+                 "' (after the name map): one is in '", files[i], "'.");
       mt.kind = buffers.count(name) != 0 ? "buffer" : "parameter";
       mt.dtype = t.dtype;
       mt.shape = t.shape;

@@ -1,4 +1,5 @@
 #include "checkpoint/internal/save_steps.h"
+#include "fsdp/internal/check.h"
 
 #include "checkpoint/commit.h"
 #include "checkpoint/internal/crash_point.h"
@@ -77,8 +78,8 @@ PreparedSave prepare_save(const std::string& root, const FSDPModule& model, cons
   p.rank = model.rank();
   p.world_size = model.world_size();
   p.options = options;
-  TORCH_CHECK(options.io_threads() >= 1, "SaveOptions::io_threads is ", options.io_threads(),
-              ": give at least 1 thread.");
+  FSDP_CHECK(options.io_threads() >= 1, "SaveOptions::io_threads is ", options.io_threads(),
+             ": give at least 1 thread.");
   // An optimizer the format cannot hold is refused before anything is on disk.
   const std::string type = opt != nullptr ? detail::optimizer_type(*opt, "fsdp::checkpoint::save") : "";
   auto add = [&](const std::string& key, int64_t b, int64_t e, const at::Tensor& data) {
@@ -102,16 +103,16 @@ PreparedSave prepare_save(const std::string& root, const FSDPModule& model, cons
     for (const auto& group : opt->param_groups()) {
       for (const auto& param : group.params()) {
         const auto it = index.find(param.unsafeGetTensorImpl());
-        TORCH_CHECK(it != index.end(), "the optimizer holds a parameter of shape ", param.sizes(),
-                    " that is not one of the wrapped model's: build the optimizer on the wrapped model's parameters "
-                    "(model->parameters() after fsdp::fully_shard).");
+        FSDP_CHECK(it != index.end(), "the optimizer holds a parameter of shape ", param.sizes(),
+                   " that is not one of the wrapped model's: build the optimizer on the wrapped model's parameters "
+                   "(model->parameters() after fsdp::fully_shard).");
         const ShardSpec& s = specs[it->second];
         detail::ParamState st = detail::param_state(*opt, type, param);
         for (const auto& [name, t] : st.tensors) {
-          TORCH_CHECK(t.sizes() == s.local.sizes() && t.scalar_type() == s.dtype && t.device() == s.local.device(),
-                      "the optimizer's '", name, "' of parameter '", s.name, "' is ", t.scalar_type(), " ", t.sizes(),
-                      " but this rank's rows of the parameter are ", s.dtype, " ", s.local.sizes(),
-                      ": it does not have the parameter's layout.");
+          FSDP_CHECK(t.sizes() == s.local.sizes() && t.scalar_type() == s.dtype && t.device() == s.local.device(),
+                     "the optimizer's '", name, "' of parameter '", s.name, "' is ", t.scalar_type(), " ", t.sizes(),
+                     " but this rank's rows of the parameter are ", s.dtype, " ", s.local.sizes(),
+                     ": it does not have the parameter's layout.");
         }
         if (st.step >= 0) p.steps[s.name] = st.step;
         states[it->second] = std::move(st);
@@ -206,8 +207,7 @@ SaveResult write_and_commit(PreparedSave& p, const Group& group, const std::stri
     part = mine.dump(rank);
   });
   detail::crash_point("agreed", rank);
-  const auto parts =
-      detail::gather_to_rank0(group.pg, part, group.timeout, "gathering the manifest's parts for " + where);
+  const auto parts = group.gather_to_rank0(part, "gathering the manifest's parts for " + where);
 
   phase("writing the manifest and committing", [&] {
     if (rank != 0) return;

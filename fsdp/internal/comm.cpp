@@ -1,11 +1,15 @@
 #include "fsdp/internal/comm.h"
+#include "fsdp/internal/check.h"
 
 #include "fsdp/env.h"
 
+#include "fsdp/internal/foreign_errors.h"
 #include "fsdp/internal/monitor.h"
 
 #include <ATen/core/ivalue.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
@@ -23,25 +27,9 @@ namespace {
 using clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 
-// The kinds in the call log and the cross-rank checks: Comm::Op's (1 to 3), and the broadcast.
-constexpr int64_t kBroadcast = 4;
-constexpr int64_t kMagic = 0x46534450434b31;  // "FSDPCK1": a check paired with anything else shows
-constexpr int64_t kCheckWords = 7;            // magic, six words of the call's code
-constexpr int64_t kCheckText = 4096;          // bytes of each rank's description, when the calls differ
-
-uint64_t fnv(uint64_t h, uint64_t v) {
-  for (int i = 0; i < 8; ++i) {
-    h ^= (v >> (8 * i)) & 0xff;
-    h *= 1099511628211ull;
-  }
-  return h;
-}
-
-int64_t hash_text(const std::string& s) {
-  uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : s) h = fnv(h, c);
-  return static_cast<int64_t>(h);
-}
+// An agreement's words per rank: magic, call, payload, vote.
+constexpr int64_t kMagic = 0x46534450434b32;  // "FSDPCK2": an agreement paired with anything else shows
+constexpr int64_t kAgreeWords = 4;
 
 struct Done {
   std::mutex mu;
@@ -91,15 +79,9 @@ std::string list_ranks(const std::vector<int>& ranks) {
 
 }  // namespace
 
-std::string error_text(const std::exception& e) {
-  if (const auto* c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
-  return e.what();
-}
-
-void CallLog::add(int64_t kind, int64_t numel, const std::string& what) {
+void CallLog::add(Call kind, int64_t numel, const std::string& what) {
   ++count;
-  hash = fnv(fnv(fnv(hash, static_cast<uint64_t>(kind)), static_cast<uint64_t>(numel)),
-             static_cast<uint64_t>(hash_text(what)));
+  hash.add(kind).add(numel).add(what);
   if (names.size() < kNames) names.push_back(what.substr(0, what.find(" (")));
 }
 
@@ -126,7 +108,7 @@ Comm::Comm(c10::intrusive_ptr<c10d::ProcessGroup> pg, milliseconds timeout, std:
       world_size_(pg_->getSize()),
       group_(std::move(group)),
       verify_(verify) {
-  TORCH_CHECK(timeout_.count() > 0, "fsdp: the collective timeout must be positive, not ", timeout_.count(), " ms");
+  FSDP_CHECK(timeout_.count() > 0, "fsdp: the collective timeout must be positive, not ", timeout_.count(), " ms");
   if (group_.global_ranks.empty()) {
     for (int r = 0; r < world_size_; ++r) group_.global_ranks.push_back(r);
   }
@@ -148,8 +130,8 @@ c10::intrusive_ptr<c10d::Backend> Comm::backend(const at::Tensor& t) const {
   try {
     return pg_->getBackend(t.device().type());
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "fsdp: ", where(), " has no communication backend for ", t.device(),
-                " tensors (Gloo serves CPU, NCCL serves CUDA when a GPU is present): ", error_text(e));
+    FSDP_CHECK(false, "fsdp: ", where(), " has no communication backend for ", t.device(),
+               " tensors (Gloo serves CPU, NCCL serves CUDA when a GPU is present): ", error_text(e));
   }
 }
 
@@ -182,7 +164,7 @@ void Comm::wait(Pending& pending) const {
     }
   } catch (const std::exception& e) {
     cause = error_text(e);
-    if (cause.rfind("Operation timed out!", 0) == 0) {
+    if (recognize_foreign_error(cause) == ForeignError::kTimeout) {
       cause = "it did not complete within the timeout (a peer did not take part in time)";
     }
   }
@@ -237,6 +219,14 @@ void Comm::wait_on_event(Pending& p) const {
        milliseconds(0));
 }
 
+ErrorContext Comm::error_context(const std::string& operation) const {
+  return ErrorContext()
+      .rank(global_rank_)
+      .operation(operation)
+      .group(group_.name == "world" ? "world"
+                                    : group_.name + " (global ranks " + list_ranks(group_.global_ranks) + ")");
+}
+
 void Comm::fail(const Pending& p, const std::string& cause, milliseconds waited) const {
   // Its worker threads may still be inside the collective: kept alive until exit, so that
   // neither this error nor destroying the process group waits for them.
@@ -247,14 +237,15 @@ void Comm::fail(const Pending& p, const std::string& cause, milliseconds waited)
   std::vector<int> everyone;
   everyone.reserve(static_cast<size_t>(group_.world_size));
   for (int r = 0; r < group_.world_size; ++r) everyone.push_back(r);
-  const std::string peers = diagnose_peers(everyone, global_rank_);
+  const PeerDiagnosis peers = diagnose_peers(everyone, global_rank_);
   std::string first_line = cause.substr(0, cause.find('\n'));
   const std::string group = group_.name == "world" ? " (group: all " + std::to_string(world_size_) + " ranks)" : "";
-  TORCH_CHECK(false, "fsdp: ", p.what, " failed on ", where(), group, " after ", waited.count(), " ms (timeout ",
-              timeout_.count(), " ms): ", first_line, peers.empty() ? "" : "\n", peers,
-              "\nThe ranks no longer agree on which collective comes next, so this model cannot be used again: exit "
-              "this process with a non-zero status and restart the job from its last checkpoint (torchrun "
-              "--max-restarts, or the scheduler's requeue). See docs/usage.md, 'When a collective fails'.");
+  FSDP_CHECK_IN(error_context(p.what).peer(peers.peer), false, "fsdp: ", p.what, " failed on ", where(), group,
+                " after ", waited.count(), " ms (timeout ", timeout_.count(), " ms): ", first_line,
+                peers.text.empty() ? "" : "\n", peers.text,
+                "\nThe ranks no longer agree on which collective comes next, so this model cannot be used again: exit "
+                "this process with a non-zero status and restart the job from its last checkpoint (torchrun "
+                "--max-restarts, or the scheduler's requeue). See docs/usage.md, 'When a collective fails'.");
 }
 
 Pending Comm::launch(const std::string& what, const at::Tensor& t, const Start& start,
@@ -284,39 +275,45 @@ std::unique_ptr<StreamEvent> Comm::on_side(const at::Device& device, SideStream 
   return nullptr;
 }
 
-void Comm::record(Op op, int64_t numel, const std::string& what) const {
+void Comm::record(Call op, int64_t numel, const std::string& what) const {
   switch (op) {
-    case Op::kAllGather:
+    case Call::kAllGather:
       ++stats().all_gathers;
       stats().elements += numel;
       break;
-    case Op::kReduceScatter:
+    case Call::kReduceScatter:
       ++stats().reduce_scatters;
       stats().elements += numel;
       break;
-    case Op::kAllReduce:
+    case Call::kAllReduce:
       ++stats().all_reduces;
       stats().elements += 2 * numel;
       break;
+    default:
+      TORCH_INTERNAL_ASSERT(false, "Comm::record of a call that is not a counted collective");
   }
-  log().add(static_cast<int64_t>(op), numel, what);
+  log().add(op, numel, what);
 }
 
-bool Comm::done_alone_or_checked(Op op, int64_t numel, at::Tensor& out, const at::Tensor& in, const std::string& what) {
+void Comm::verify_call(Call op, int64_t numel, const at::Tensor& t, const std::string& what, int64_t extra) {
+  if (!verify_) return;
+  agree(op, Fingerprint().add(numel).add(static_cast<int64_t>(t.scalar_type())).add(what).add(extra).value(), what);
+}
+
+bool Comm::done_alone_or_checked(Call op, int64_t numel, at::Tensor& out, const at::Tensor& in,
+                                 const std::string& what) {
   record(op, numel, what);
   if (world_size_ == 1 && !shared_->launch_alone) {  // alone: the collective is a copy
     out.copy_(in);
     return true;
   }
-  if (verify_) {
-    check_same_call({static_cast<int64_t>(op), numel, static_cast<int64_t>(in.scalar_type()), hash_text(what)}, what);
-  }
+  verify_call(op, numel, in, what);
   return false;
 }
 
 Pending Comm::all_gather_async(at::Tensor& out, at::Tensor& in, const std::string& what) {
   TORCH_INTERNAL_ASSERT(out.numel() == in.numel() * world_size_);
-  if (done_alone_or_checked(Op::kAllGather, out.numel(), out, in, what)) return {nullptr, what};
+  if (done_alone_or_checked(Call::kAllGather, out.numel(), out, in, what)) return {nullptr, what};
   return launch(
       what, in,
       [&](c10d::Backend& b, bool async_op) {
@@ -335,7 +332,7 @@ void Comm::all_gather(at::Tensor& out, at::Tensor& in, const std::string& what) 
 
 Pending Comm::reduce_scatter_sum_async(at::Tensor& out, at::Tensor& in, const std::string& what) {
   TORCH_INTERNAL_ASSERT(in.numel() == out.numel() * world_size_);
-  if (done_alone_or_checked(Op::kReduceScatter, in.numel(), out, in, what)) return {nullptr, what};
+  if (done_alone_or_checked(Call::kReduceScatter, in.numel(), out, in, what)) return {nullptr, what};
   return launch(
       what, in,
       [&](c10d::Backend& b, bool async_op) {
@@ -349,13 +346,9 @@ Pending Comm::reduce_scatter_sum_async(at::Tensor& out, at::Tensor& in, const st
 }
 
 Pending Comm::all_reduce_async(at::Tensor& t, c10d::ReduceOp op, const std::string& what) {
-  record(Op::kAllReduce, t.numel(), what);
+  record(Call::kAllReduce, t.numel(), what);
   if (world_size_ == 1 && !shared_->launch_alone) return {nullptr, what};
-  if (verify_) {
-    check_same_call({static_cast<int64_t>(Op::kAllReduce), t.numel(), static_cast<int64_t>(t.scalar_type()),
-                     hash_text(what), op.op_},
-                    what);
-  }
+  verify_call(Call::kAllReduce, t.numel(), t, what, static_cast<int64_t>(op.op_));
   return launch(
       what, t,
       [&](c10d::Backend& b, bool async_op) {
@@ -376,9 +369,9 @@ void Comm::all_reduce(at::Tensor& t, c10d::ReduceOp op, const std::string& what)
 
 void Comm::broadcast(const at::Tensor& t, int root, const std::string& what) {
   ++stats().broadcasts;
-  log().add(kBroadcast, t.numel(), what);
+  log().add(Call::kBroadcast, t.numel(), what);
   if (world_size_ == 1) return;
-  if (verify_) check_same_call({kBroadcast, t.numel(), static_cast<int64_t>(t.scalar_type()), hash_text(what)}, what);
+  verify_call(Call::kBroadcast, t.numel(), t, what);
   // The backend needs contiguous memory: a strided tensor goes through a copy, written back.
   at::Tensor buf = t.is_contiguous() ? t : t.contiguous();
   Pending p = launch(what, buf, [&](c10d::Backend& b, bool /*async_op*/) {
@@ -392,61 +385,115 @@ void Comm::broadcast(const at::Tensor& t, int root, const std::string& what) {
   if (!buf.is_same(t)) t.copy_(buf);
 }
 
-void Comm::check_same_call(const std::array<int64_t, 6>& code, const std::string& what,
-                           const std::function<std::string()>& details) {
-  if (world_size_ == 1) return;
-  ++stats().checks;
-  const int64_t W = world_size_;
-  at::Tensor mine = at::empty({kCheckWords}, at::kLong);
-  int64_t* m = mine.data_ptr<int64_t>();
-  m[0] = kMagic;
-  for (size_t i = 0; i < code.size(); ++i) m[1 + i] = code[i];
-  at::Tensor all = at::empty({W * kCheckWords}, at::kLong);
-  Pending p = launch("the cross-rank check before " + what, mine, [&](c10d::Backend& b, bool /*async_op*/) {
+void Comm::gather_small(at::Tensor& out, at::Tensor& in, const std::string& what) const {
+  Pending p = launch(what, in, [&](c10d::Backend& b, bool /*async_op*/) {
     c10d::AllgatherOptions opts;
     opts.timeout = timeout_;
-    return b._allgather_base(all, mine, opts);
+    return b._allgather_base(out, in, opts);
   });
   wait(p);
+}
+
+std::vector<int64_t> Comm::agree(Call call, uint64_t payload, const std::string& what, const Details& details,
+                                 int64_t vote, const Explain& explain) {
+  if (world_size_ == 1) return {vote};
+  ++stats().checks;
+  const int64_t W = world_size_;
+  at::Tensor mine = at::empty({kAgreeWords}, at::kLong);
+  int64_t* m = mine.data_ptr<int64_t>();
+  m[0] = kMagic;
+  m[1] = static_cast<int64_t>(call);
+  m[2] = static_cast<int64_t>(payload);
+  m[3] = vote;
+  at::Tensor all = at::empty({W * kAgreeWords}, at::kLong);
+  const std::string check = "the cross-rank check before " + what;
+  gather_small(all, mine, check);
   const int64_t* a = all.data_ptr<int64_t>();
-  bool same = true;
+  std::vector<int64_t> votes(static_cast<size_t>(W));
+  bool same = true, all_agreeing = true, same_call = true;
   for (int64_t q = 0; q < W; ++q) {
-    same = same && a[q * kCheckWords] == kMagic && std::equal(a + q * kCheckWords + 1, a + q * kCheckWords + 7, m + 1);
+    const int64_t* w = a + q * kAgreeWords;
+    all_agreeing = all_agreeing && w[0] == kMagic;
+    same_call = same_call && w[1] == m[1];
+    same = same && w[0] == kMagic && w[1] == m[1] && w[2] == m[2];
+    votes[static_cast<size_t>(q)] = w[3];
   }
-  if (same) return;
-  // Every rank saw the same gathered words, so every rank is here: one more all-gather (of the
-  // same size everywhere) brings each rank's description, for an error that says what each did.
-  // The details are put into words only now: the checks that agree, every step, cost no text.
-  const std::string description = details ? what + details() : what;
-  at::Tensor text = at::zeros({kCheckText}, at::kByte);
-  std::memcpy(text.data_ptr(), description.data(), std::min<size_t>(description.size(), kCheckText));
-  at::Tensor texts = at::empty({W * kCheckText}, at::kByte);
-  Pending t = launch(p.what, text, [&](c10d::Backend& b, bool /*async_op*/) {
-    c10d::AllgatherOptions opts;
-    opts.timeout = timeout_;
-    return b._allgather_base(texts, text, opts);
-  });
-  wait(t);
+  if (same) return votes;
+  const std::string advice =
+      "\nEvery rank must run the same sequence of forwards and backwards through the wrapped model and the same "
+      "library calls (the same micro-batches, gradient sync on or off alike, clipping on every rank or none).";
+  const std::string tip = verify_ ? "" : " For the first collective that differs, run with FSDP_VERIFY_COLLECTIVES=1.";
+  std::ostringstream os;
+  if (!all_agreeing) {
+    // A rank was inside another collective of the same size: a second exchange would not pair
+    // with what it does next, so this rank stops here, naming those ranks.
+    os << "\n  global ranks not at a cross-rank check of this library (inside another collective):";
+    for (int64_t q = 0; q < W; ++q) {
+      if (a[q * kAgreeWords] != kMagic) os << ' ' << group_.global_ranks[static_cast<size_t>(q)];
+    }
+    os << "\n  global rank " << global_rank_ << ": " << what;
+    FSDP_CHECK_IN(error_context(what), false, "fsdp: the ranks took different paths through the program (seen on ",
+                  where(), "; no collective of mismatched size was issued):", os.str(), advice, tip);
+  }
+  // Every rank saw the same gathered words, so every rank is here: one exchange brings each rank's
+  // description, for an error that says what each did. The details are put into words only now:
+  // the agreements that hold, every step, cost no text.
+  const std::vector<std::string> descriptions = exchange_strings(details ? what + details() : what, check);
+  if (same_call && explain) {
+    FSDP_CHECK_IN(error_context(what), false, explain(descriptions));
+  }
   std::map<std::string, std::vector<int>> by_call;
   std::vector<std::string> order;
-  const char* base = static_cast<const char*>(texts.data_ptr());
   for (int64_t q = 0; q < W; ++q) {
-    const char* d0 = base + q * kCheckText;
-    std::string d = a[q * kCheckWords] == kMagic
-                        ? std::string(d0, strnlen(d0, kCheckText))
-                        : std::string("something else (not a check of this library: another collective)");
+    const std::string& d = descriptions[static_cast<size_t>(q)];
     if (by_call.count(d) == 0) order.push_back(d);
-    by_call[d].push_back(group_.global_ranks[q]);
+    by_call[d].push_back(group_.global_ranks[static_cast<size_t>(q)]);
   }
-  std::ostringstream os;
   for (const auto& d : order)
     os << "\n  global rank" << (by_call[d].size() > 1 ? "s " : " ") << list_ranks(by_call[d]) << ": " << d;
-  TORCH_CHECK(false, "fsdp: the ranks took different paths through the program (seen on ", where(),
-              "; no collective of mismatched size was issued):", os.str(),
-              "\nEvery rank must run the same sequence of forwards and backwards through the wrapped model and the "
-              "same library calls (the same micro-batches, gradient sync on or off alike, clipping on every rank or "
-              "none).",
-              verify_ ? "" : " For the first collective that differs, run with FSDP_VERIFY_COLLECTIVES=1.");
+  FSDP_CHECK_IN(error_context(what), false, "fsdp: the ranks took different paths through the program (seen on ",
+                where(), "; no collective of mismatched size was issued):", os.str(), advice, tip);
+  TORCH_INTERNAL_ASSERT(false, "unreachable");
+}
+
+std::vector<std::string> Comm::exchange_strings(const std::string& text, const std::string& what, int root) {
+  if (world_size_ == 1) return {text};
+  const int64_t W = world_size_;
+  at::Tensor len = at::full({1}, static_cast<int64_t>(text.size()), at::kLong);
+  at::Tensor lens = at::empty({W}, at::kLong);
+  gather_small(lens, len, what);
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  const int64_t longest = std::max<int64_t>(1, *std::max_element(lp, lp + W));
+  at::Tensor mine = at::zeros({longest}, at::kByte);
+  std::memcpy(mine.data_ptr(), text.data(), text.size());
+  at::Tensor all;
+  if (root < 0) {
+    all = at::empty({W * longest}, at::kByte);
+    gather_small(all, mine, what);
+  } else {
+    // To one rank only (a checkpoint's manifest parts): the others receive nothing.
+    std::vector<std::vector<at::Tensor>> out(1);
+    if (rank_ == root) {
+      all = at::empty({W * longest}, at::kByte);
+      for (int64_t q = 0; q < W; ++q) out[0].push_back(all.narrow(0, q * longest, longest));
+    } else {
+      out.clear();
+    }
+    std::vector<at::Tensor> in{mine};
+    Pending p = launch(what, mine, [&](c10d::Backend& b, bool /*async_op*/) {
+      c10d::GatherOptions opts;
+      opts.rootRank = root;
+      opts.timeout = timeout_;
+      return b.gather(out, in, opts);
+    });
+    wait(p);
+    if (rank_ != root) return {};
+  }
+  std::vector<std::string> texts;
+  texts.reserve(static_cast<size_t>(W));
+  const char* base = static_cast<const char*>(all.data_ptr());
+  for (int64_t q = 0; q < W; ++q) texts.emplace_back(base + q * longest, static_cast<size_t>(lp[q]));
+  return texts;
 }
 
 std::chrono::milliseconds group_timeout(c10d::ProcessGroup& pg) {

@@ -1,9 +1,13 @@
-// The collectives the sharding core issues: their counts, a bounded wait on every one of them, the
-// cross-rank checks that keep ranks from pairing different collectives, and errors that name the
-// rank, the operation, the unit, the group and the peer. Internal to the library.
+// The communication context: the collectives the library issues, their counts, one bounded wait
+// for every one of them, the one cross-rank agreement ("every rank of this group is at the same
+// call") and the one exchange of strings between ranks, and errors that name the rank, the
+// operation, the unit, the group and the peer. The sharding core, the model check, fsdp::all_reduce,
+// clipping and the checkpoints all go through it. Internal to the library.
 #pragma once
 
 #include "fsdp/comm_stats.h"
+#include "fsdp/error.h"
+#include "fsdp/internal/calls.h"
 #include "fsdp/internal/cuda_backend.h"
 
 #include <ATen/core/Tensor.h>
@@ -35,11 +39,11 @@ struct GroupInfo {
 /// before the optimizer uses what they computed.
 struct CallLog {
   int64_t count = 0;
-  uint64_t hash = 1469598103934665603ull;  // FNV-1a offset basis
+  Fingerprint hash;
   /// The first collectives, by operation and unit ("all-gather of unit 'h.1'"), for messages.
   std::vector<std::string> names;
   static constexpr size_t kNames = 64;
-  void add(int64_t kind, int64_t numel, const std::string& what);
+  void add(Call kind, int64_t numel, const std::string& what);
   /// "all-gather of unit '<root>', all-gather of unit 'a', ..." (the first and last few).
   std::string summary() const;
   void reset() { *this = CallLog{}; }
@@ -99,12 +103,12 @@ class Comm {
   /// out = (sum over ranks of in)[rank * out.numel(), (rank + 1) * out.numel()).
   /// Gloo may implement this as an all-reduce; SUM is used because some versions turn AVG into SUM.
   Pending reduce_scatter_sum_async(at::Tensor& out, at::Tensor& in, const std::string& what);
-  /// Counts and logs a collective as issued (`numel`: the all-gather's output, the reduce-scatter's
-  /// input, the all-reduce's tensor). The collectives below do this themselves; a unit that skips
-  /// one over a one-rank group (its data already in place, see Unit::gather) calls it, so that the
-  /// statistics and the call log are the algorithm's at every group size.
-  enum class Op : int64_t { kAllGather = 1, kReduceScatter = 2, kAllReduce = 3 };
-  void record(Op op, int64_t numel, const std::string& what) const;
+  /// Counts and logs a collective as issued (`op`: kAllGather, kReduceScatter or kAllReduce;
+  /// `numel`: the all-gather's output, the reduce-scatter's input, the all-reduce's tensor). The
+  /// collectives below do this themselves; a unit that skips one over a one-rank group (its data
+  /// already in place, see Unit::gather) calls it, so that the statistics and the call log are the
+  /// algorithm's at every group size.
+  void record(Call op, int64_t numel, const std::string& what) const;
   /// Waits for a pending collective, at most the timeout whatever the backend does; throws naming
   /// the operation, the rank, the group and what is known of the peers on failure. On CUDA (NCCL)
   /// the CPU does not wait: the current stream is made to wait for the collective, and the
@@ -123,12 +127,26 @@ class Comm {
   std::unique_ptr<StreamEvent> on_side(const at::Device& device, SideStream side,
                                        const std::function<void()>& fn) const;
 
-  /// Fails every rank of the group alike unless all of them are at the same call: `code` (a kind
-  /// and up to five numbers) identifies the call and `what` says it in words, followed in the
-  /// error by `details()` (called only when the calls differ); one line per distinct call. One
-  /// small all-gather; nothing when alone.
-  void check_same_call(const std::array<int64_t, 6>& code, const std::string& what,
-                       const std::function<std::string()>& details = {});
+  /// The one cross-rank agreement: every rank of the group is at call `call` with the same
+  /// `payload` (a Fingerprint of what the call depends on), or every rank throws the same
+  /// fsdp::Error ("the ranks took different paths"), naming what each rank was doing: its `what`
+  /// followed by `details()`, put into words and exchanged only when the calls differ. `vote`: a
+  /// number each rank adds, not compared (a phase failed here, a busy saver); every rank's comes
+  /// back, in group-rank order. One all-gather of four numbers per rank; nothing when alone. Its
+  /// wait is every collective's (bounded by the timeout). `explain`, when the ranks are all at
+  /// `call` and only their payloads differ, gets every rank's description and says how they
+  /// differ instead of the list (the model check names the first differing parameter).
+  using Details = std::function<std::string()>;
+  using Explain = std::function<std::string(const std::vector<std::string>& descriptions)>;
+  std::vector<int64_t> agree(Call call, uint64_t payload, const std::string& what, const Details& details = {},
+                             int64_t vote = 0, const Explain& explain = {});
+  /// The one exchange of strings: every rank's `text`, in group-rank order, on every rank, or with
+  /// `root` >= 0 on that rank only (empty elsewhere, and only it receives them all). Two
+  /// collectives: the lengths, then the texts padded to the longest. Not counted in the statistics
+  /// (it serves checks and checkpoints, not training); `what` names it in errors.
+  std::vector<std::string> exchange_strings(const std::string& text, const std::string& what, int root = -1);
+  /// What an error raised here carries: this rank, `operation`, the group (fsdp/error.h).
+  ErrorContext error_context(const std::string& operation = "") const;
 
   /// The same group without the check before every collective: for the model check, which must
   /// pair up on every rank even when the ranks disagree about `verify` itself.
@@ -148,7 +166,7 @@ class Comm {
   c10::intrusive_ptr<c10d::Backend> backend(const at::Tensor& t) const;
   /// What an all-gather or reduce-scatter does first: counts it; alone, copies `in` to `out` and
   /// returns true (nothing to launch); otherwise checks the call across ranks when verifying.
-  bool done_alone_or_checked(Op op, int64_t numel, at::Tensor& out, const at::Tensor& in, const std::string& what);
+  bool done_alone_or_checked(Call op, int64_t numel, at::Tensor& out, const at::Tensor& in, const std::string& what);
   /// Starts a collective on `t`'s backend with `start(backend, async_op)`; a backend that throws
   /// fails like a wait. A CUDA tensor's collective goes to side stream `side` when given and the
   /// model uses side streams, started with async_op false (on the stream current then).
@@ -156,6 +174,10 @@ class Comm {
   Pending launch(const std::string& what, const at::Tensor& t, const Start& start,
                  std::optional<SideStream> side = std::nullopt) const;
   [[noreturn]] void fail(const Pending& p, const std::string& cause, std::chrono::milliseconds waited) const;
+  /// Before a collective under verify_collectives: the same call on every rank.
+  void verify_call(Call op, int64_t numel, const at::Tensor& t, const std::string& what, int64_t extra = 0);
+  /// An all-gather of `in` into `out` on the CPU backend (agreements, exchanges): not counted.
+  void gather_small(at::Tensor& out, at::Tensor& in, const std::string& what) const;
   /// wait() of a CUDA collective: the stream waits, the CPU checks for known failures.
   void wait_on_stream(Pending& p) const;
   /// wait() of a collective on a side stream: the current stream waits for its event; the
@@ -178,8 +200,7 @@ bool is_fake_backend(const c10d::Backend& backend);
 /// The timeout `pg`'s CPU backend was created with (init_process_group's), else default_timeout().
 std::chrono::milliseconds group_timeout(c10d::ProcessGroup& pg);
 
-/// The text of an exception without LibTorch's C++ backtrace.
-std::string error_text(const std::exception& e);
+using fsdp::error_text;
 
 }  // namespace detail
 }  // namespace fsdp

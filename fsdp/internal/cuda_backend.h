@@ -1,5 +1,7 @@
-// The CUDA-only pieces (NCCL backend, caching-allocator statistics), compiled where LibTorch has
-// CUDA; elsewhere they report "no CUDA".
+// The CUDA-only pieces, compiled where LibTorch has CUDA (cuda_backend_cuda.cpp; elsewhere
+// cuda_backend_none.cpp reports "no CUDA"): the NCCL backend, caching-allocator statistics, the
+// side streams collectives run on, the events (StreamEvent) and host syncs (HostSync) that order
+// them with the compute stream, and how NCCL's blocking wait is read.
 #pragma once
 
 #include "fsdp/process_group.h"

@@ -1,4 +1,5 @@
 // Built when LibTorch has no CUDA: there is no NCCL backend and no CUDA memory to report.
+#include "fsdp/internal/check.h"
 #include "fsdp/internal/cuda_backend.h"
 
 #include <c10/util/Exception.h>
@@ -22,11 +23,11 @@ bool nccl_blocking_wait() {
 }
 std::unique_ptr<StreamEvent> on_side_stream(SideStreams&, const c10::Device& device, SideStream,
                                             const std::function<void()>&) {
-  TORCH_CHECK(false, "fsdp: a collective on ", device, " tensors, but this build of LibTorch has no CUDA");
+  FSDP_CHECK(false, "fsdp: a collective on ", device, " tensors, but this build of LibTorch has no CUDA");
 }
 
 std::unique_ptr<HostSync> record_host_sync(const c10::Device& device) {
-  TORCH_CHECK(device.is_cpu(), "fsdp: a copy on ", device, ", but this build of LibTorch has no CUDA");
+  FSDP_CHECK(device.is_cpu(), "fsdp: a copy on ", device, ", but this build of LibTorch has no CUDA");
   return nullptr;
 }
 

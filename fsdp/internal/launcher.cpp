@@ -1,4 +1,5 @@
 #include "fsdp/internal/launcher.h"
+#include "fsdp/internal/check.h"
 #include "fsdp/internal/env.h"
 
 #include "fsdp/env.h"
@@ -29,14 +30,14 @@ void arm_parent_death_signal(const LaunchEnv& env) {
   } else if (setting == "KILL" || setting == "SIGKILL") {
     sig = SIGKILL;
   } else {
-    TORCH_CHECK(setting == "0", "fsdp::init_process_group: FSDP_PARENT_DEATH_SIGNAL='", setting,
-                "' must be TERM, KILL or 0 (off).");
+    FSDP_CHECK(setting == "0", "fsdp::init_process_group: FSDP_PARENT_DEATH_SIGNAL='", setting,
+               "' must be TERM, KILL or 0 (off).");
   }
   if (sig == 0) return;
 #ifdef __linux__
   // The signal comes when the thread that started this process exits: torchrun starts its workers
   // from its main thread, so that is when torchrun exits.
-  TORCH_CHECK(prctl(PR_SET_PDEATHSIG, sig) == 0, "fsdp::init_process_group: prctl(PR_SET_PDEATHSIG) failed");
+  FSDP_CHECK(prctl(PR_SET_PDEATHSIG, sig) == 0, "fsdp::init_process_group: prctl(PR_SET_PDEATHSIG) failed");
   // The launcher may have died before the call: then this process was already re-parented.
   if (getppid() == 1) std::raise(sig);
 #endif

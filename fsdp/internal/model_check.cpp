@@ -1,7 +1,6 @@
 #include "fsdp/internal/model_check.h"
+#include "fsdp/internal/check.h"
 
-#include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <c10/core/GradMode.h>
 
 #include <cstring>
@@ -107,29 +106,27 @@ std::string describe_buffers(torch::nn::Module& root) {
 
 void check_same_model_on_all_ranks(Comm& verified, const std::string& description) {
   Comm comm = verified.unverified();
-  const int W = comm.world_size();
-  if (W == 1) return;
-  const std::string what = "the model check of fsdp::fully_shard";
-  at::Tensor len = at::empty({1}, at::kLong);
-  len.fill_(static_cast<int64_t>(description.size()));
-  at::Tensor lens = at::empty({W}, at::kLong);
-  comm.all_gather(lens, len, what);
-  const int64_t max_len = std::max<int64_t>(1, lens.max().item<int64_t>());
-  at::Tensor mine = at::zeros({max_len}, at::kByte);
-  std::memcpy(mine.data_ptr(), description.data(), description.size());
-  at::Tensor all = at::empty({W * max_len}, at::kByte);
-  comm.all_gather(all, mine, what);
-  const char* base = static_cast<const char*>(all.data_ptr());
-  const int64_t* lp = lens.data_ptr<int64_t>();
-  auto ref = split_lines(base, static_cast<size_t>(lp[0]));
-  for (int q = 1; q < W; ++q) {
-    auto other = split_lines(base + q * max_len, static_cast<size_t>(lp[q]));
-    std::string diff = first_difference(ref, other, q);
-    TORCH_CHECK(diff.empty(), "fsdp::fully_shard (", comm.where(), "): the model differs between ranks: ", diff,
-                ". Every rank must build the same model (same code, same configuration) and wrap it with the same "
-                "options before fully_shard.");
-  }
-  // Every rank reaches the same verdict from the same gathered bytes, so none is left waiting.
+  // One agreement on the description's fingerprint; only when they differ are the descriptions
+  // exchanged, and every rank reaches the same verdict from the same bytes, so none is left waiting.
+  comm.agree(
+      Call::kModelCheck, Fingerprint().add(description).value(), "the model check of fsdp::fully_shard",
+      [&] { return "\n" + description; },
+      /*vote=*/0,
+      [&](const std::vector<std::string>& descriptions) {
+        auto lines_of = [](const std::string& d) {
+          const size_t body = d.find('\n');  // after "the model check of fsdp::fully_shard"
+          return body == std::string::npos ? std::vector<std::string>{}
+                                           : split_lines(d.data() + body + 1, d.size() - body - 1);
+        };
+        const auto ref = lines_of(descriptions[0]);
+        std::string diff;
+        for (size_t q = 1; q < descriptions.size() && diff.empty(); ++q) {
+          diff = first_difference(ref, lines_of(descriptions[q]), static_cast<int>(q));
+        }
+        return "fsdp::fully_shard (" + comm.where() + "): the model differs between ranks: " + diff +
+               ". Every rank must build the same model (same code, same configuration) and wrap it with the same "
+               "options before fully_shard.";
+      });
 }
 
 void broadcast_buffers(Comm& comm, torch::nn::Module& root) {

@@ -1,5 +1,8 @@
 #include "fsdp/internal/monitor.h"
 
+#include "fsdp/error.h"
+#include "fsdp/internal/foreign_errors.h"
+
 #include <c10/util/Exception.h>
 
 #include <unistd.h>
@@ -234,7 +237,7 @@ namespace {
 
 // The diagnosis itself; its store operations may block without end (c10d's TCPStore client waits
 // on its socket without a timeout, and a cut link makes that wait last as long as TCP retries).
-std::string diagnose_unbounded(const std::vector<int>& global_ranks, int self) {
+PeerDiagnosis diagnose_unbounded(const std::vector<int>& global_ranks, int self) {
   c10::intrusive_ptr<c10d::Store> store;
   std::string prefix;
   {
@@ -243,12 +246,12 @@ std::string diagnose_unbounded(const std::vector<int>& global_ranks, int self) {
     store = m.diag_store;
     prefix = m.prefix;
   }
-  if (!store) return "";
+  if (!store) return {};
   std::vector<int> peers;
   for (int r : global_ranks) {
     if (r != self) peers.push_back(r);
   }
-  if (peers.empty()) return "";
+  if (peers.empty()) return {};
 
   std::string store_error;
   auto read = [&](std::map<int, PeerBeat>& out) {
@@ -268,7 +271,7 @@ std::string diagnose_unbounded(const std::vector<int>& global_ranks, int self) {
       }
       return true;
     } catch (const std::exception& e) {
-      store_error = e.what();
+      store_error = error_text(e);
       store_error = store_error.substr(0, store_error.find('\n'));
       return false;
     }
@@ -276,7 +279,7 @@ std::string diagnose_unbounded(const std::vector<int>& global_ranks, int self) {
 
   std::map<int, PeerBeat> first, second;
   if (!read(first)) {
-    return "The job's store did not answer the peer check (" + store_error + "): " + kStoreGone;
+    return {"The job's store did not answer the peer check (" + store_error + "): " + kStoreGone};
   }
   int64_t now = unix_ms();
   std::vector<int> stale;
@@ -289,7 +292,7 @@ std::string diagnose_unbounded(const std::vector<int>& global_ranks, int self) {
     // name the ones whose counter did not move.
     std::this_thread::sleep_for(kPeriod + kPeriod / 2);
     if (!read(second)) {
-      return "The job's store stopped answering during the peer check (" + store_error + "): " + kStoreGone;
+      return {"The job's store stopped answering during the peer check (" + store_error + "): " + kStoreGone};
     }
     now = unix_ms();
     for (int r : peers) {
@@ -300,6 +303,7 @@ std::string diagnose_unbounded(const std::vector<int>& global_ranks, int self) {
     }
   }
   std::ostringstream os;
+  int likely = -1;
   std::vector<int> missing;
   for (int r : peers) {
     if (first.count(r) == 0) missing.push_back(r);
@@ -309,6 +313,7 @@ std::string diagnose_unbounded(const std::vector<int>& global_ranks, int self) {
     // failed too (and then exited) follow.
     auto beat_of = [&](int r) -> const PeerBeat& { return second.count(r) ? second[r] : first[r]; };
     std::stable_partition(stale.begin(), stale.end(), [&](int r) { return beat_of(r).failure.empty(); });
+    likely = stale.front();
     for (size_t i = 0; i < stale.size() && i < 8; ++i) {
       const PeerBeat& b = beat_of(stale[i]);
       os << (i == 0 ? "" : " ") << "Peer rank " << stale[i] << " (" << b.who << ")";
@@ -337,41 +342,41 @@ std::string diagnose_unbounded(const std::vector<int>& global_ranks, int self) {
     for (size_t i = 0; i < missing.size() && i < 8; ++i) os << ' ' << missing[i];
     os << '.';
   }
-  return os.str();
+  return {os.str(), likely};
 }
 
 struct Diagnosis {
   std::mutex mu;
   std::condition_variable cv;
   bool done = false;
-  std::string text;
+  PeerDiagnosis found;
 };
 
 }  // namespace
 
-std::string diagnose_peers(const std::vector<int>& global_ranks, int self) {
+PeerDiagnosis diagnose_peers(const std::vector<int>& global_ranks, int self) {
   {
     Monitor& m = monitor();
     std::lock_guard<std::mutex> g(m.mu);
-    if (!m.diag_store) return "";
+    if (!m.diag_store) return {};
   }
   // On a thread of its own, so that a store that does not answer costs a bounded wait.
   auto d = std::make_shared<Diagnosis>();
   std::thread([d, global_ranks, self] {
-    std::string text;
+    PeerDiagnosis found;
     try {
-      text = diagnose_unbounded(global_ranks, self);
+      found = diagnose_unbounded(global_ranks, self);
     } catch (...) {
     }
     std::lock_guard<std::mutex> l(d->mu);
-    d->text = std::move(text);
+    d->found = std::move(found);
     d->done = true;
     d->cv.notify_all();
   }).detach();
   std::unique_lock<std::mutex> l(d->mu);
-  if (d->cv.wait_for(l, kDiagnosisBudget, [&] { return d->done; })) return d->text;
-  return "The job's store did not answer the peer check within " + seconds(kDiagnosisBudget.count()) + ": " +
-         kStoreGone;
+  if (d->cv.wait_for(l, kDiagnosisBudget, [&] { return d->done; })) return d->found;
+  return {"The job's store did not answer the peer check within " + seconds(kDiagnosisBudget.count()) + ": " +
+          kStoreGone};
 }
 
 namespace {
@@ -384,7 +389,7 @@ void terminate_with_explanation() {
       std::rethrow_exception(e);
     } catch (const std::exception& ex) {
       const std::string what = ex.what();
-      if (what.find("collective mismatch") != std::string::npos || what.find("preamble") != std::string::npos) {
+      if (recognize_foreign_error(what) == ForeignError::kCollectiveMismatch) {
         std::fprintf(stderr,
                      "fsdp: Gloo aborts this process (rank %d): a peer sent a collective of another size than this "
                      "rank expected, so the ranks issued different collectives inside a forward or backward (a "

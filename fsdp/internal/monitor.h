@@ -41,11 +41,17 @@ class Activity {
 /// Records that this rank failed in `what` (published with the next heartbeats).
 void note_failure(const std::string& what);
 
+/// What a failed collective's rank found out about its peers.
+struct PeerDiagnosis {
+  std::string text;  ///< a sentence, or "" when nothing is known
+  int peer = -1;     ///< the global rank that most likely caused it (stopped answering first), or -1
+};
+
 /// After a collective failed: a sentence about the peers among `global_ranks` (not this rank) —
-/// which stopped answering and what they were last doing — or "" when nothing is known (no
+/// which stopped answering and what they were last doing — or nothing when nothing is known (no
 /// heartbeat in this process: a single rank, a process group not made by fsdp::init_process_group).
 /// Takes at most about 3 seconds.
-std::string diagnose_peers(const std::vector<int>& global_ranks, int self);
+PeerDiagnosis diagnose_peers(const std::vector<int>& global_ranks, int self);
 
 /// Installs (once) a std::terminate handler that, when Gloo's transport thread aborts the process
 /// on a collective of mismatched size (an exception thrown where nothing can catch it), first

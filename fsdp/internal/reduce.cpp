@@ -8,27 +8,6 @@
 
 namespace fsdp::detail {
 
-std::vector<Bucket> make_buckets(const std::vector<ParamSlot>& slots, int64_t cap) {
-  std::vector<Bucket> out;
-  size_t last = slots.size();
-  while (last > 0) {
-    Bucket b;
-    b.last = last;
-    b.first = last;
-    int64_t numel = 0;
-    // At least one parameter per bucket; then add earlier ones while the bucket stays under the cap.
-    do {
-      --b.first;
-      numel += slots[b.first].padded_numel();
-    } while (b.first > 0 && numel + slots[b.first - 1].padded_numel() <= cap);
-    b.offset = slots[b.first].offset;
-    b.numel = numel;
-    out.push_back(b);
-    last = b.first;
-  }
-  return out;
-}
-
 void pack_grads(const std::vector<ParamSlot>& slots, bool full_views, int64_t W, int64_t shard_numel,
                 const at::Tensor& packed, std::vector<bool>& has_grad) {
   // One copy into rank-major [W, shard_numel]: chunk-cat pads each parameter's W chunks.
@@ -59,21 +38,6 @@ void keep_local_grads(std::vector<ParamSlot>& slots, bool full_views, size_t fir
       g = std::move(full);  // what plain LibTorch's AccumulateGrad leaves on the parameter
     } else {
       g = alias_rows(full.contiguous(), 0, s.sharded.sizes());
-    }
-  }
-}
-
-void pack_bucket(const std::vector<ParamSlot>& slots, bool full_views, const Bucket& b, const at::Tensor& flat,
-                 std::vector<bool>& has_grad) {
-  for (size_t i = b.first; i < b.last; ++i) {
-    const auto& s = slots[i];
-    at::Tensor dst = flat.narrow(0, s.offset, s.padded_numel());
-    const at::Tensor& g = full_grad_of(s, full_views);
-    has_grad[i] = g.defined();
-    if (has_grad[i]) {
-      dst.view(s.shape).copy_(g);
-    } else {
-      dst.zero_();
     }
   }
 }

@@ -1,4 +1,5 @@
 #include "fsdp/internal/rendezvous.h"
+#include "fsdp/internal/check.h"
 #include "fsdp/internal/env.h"
 
 #include "fsdp/env.h"
@@ -89,10 +90,10 @@ c10::intrusive_ptr<c10d::Store> make_store(const LaunchEnv& env, const InitOptio
     return c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
   } catch (const std::exception& e) {
     if (so.isServer) {
-      TORCH_CHECK(false, "fsdp::init_process_group: ", where(env), " could not host the job's store on ",
-                  env.master_addr, ":", env.master_port, " (", error_text(e),
-                  "). Another process holds that port (an earlier job, or another service): choose a free "
-                  "MASTER_PORT.");
+      FSDP_CHECK(false, "fsdp::init_process_group: ", where(env), " could not host the job's store on ",
+                 env.master_addr, ":", env.master_port, " (", error_text(e),
+                 "). Another process holds that port (an earlier job, or another service): choose a free "
+                 "MASTER_PORT.");
     }
     throw;
   }
@@ -105,16 +106,16 @@ void claim(c10d::Store& store, const std::string& prefix, const LaunchEnv& env, 
   const std::string job =
       "job '" + (id.empty() ? std::string("(no id)") : id) + "' of " + std::to_string(env.world_size) + " ranks";
   const std::string owner = text(store.compareSet(prefix + "job", {}, bytes(job)));
-  TORCH_CHECK(owner == job, "fsdp::init_process_group: ", where(env), " (", job, ") reached ", at,
-              ", which belongs to another job (", owner,
-              "). Two jobs share MASTER_ADDR/MASTER_PORT: give each job its own MASTER_PORT (and each rank of one "
-              "job the same FSDP_JOB_ID, or none).");
+  FSDP_CHECK(owner == job, "fsdp::init_process_group: ", where(env), " (", job, ") reached ", at,
+             ", which belongs to another job (", owner,
+             "). Two jobs share MASTER_ADDR/MASTER_PORT: give each job its own MASTER_PORT (and each rank of one "
+             "job the same FSDP_JOB_ID, or none).");
   const std::string self = host_and_pid();
   const std::string holder = text(store.compareSet(prefix + "rank/" + std::to_string(env.rank), {}, bytes(self)));
-  TORCH_CHECK(holder == self, "fsdp::init_process_group: ", where(env), " (process ", self,
-              ") is already taken by process ", holder, " at ", at,
-              ". A second job was started on the same MASTER_ADDR/MASTER_PORT, or two processes were given the same "
-              "rank: give each job its own MASTER_PORT (a store file left by an earlier run must be deleted).");
+  FSDP_CHECK(holder == self, "fsdp::init_process_group: ", where(env), " (process ", self,
+             ") is already taken by process ", holder, " at ", at,
+             ". A second job was started on the same MASTER_ADDR/MASTER_PORT, or two processes were given the same "
+             "rank: give each job its own MASTER_PORT (a store file left by an earlier run must be deleted).");
 }
 
 // Waits until every rank has claimed its rank; at `deadline`, names the ones that did not.
@@ -133,11 +134,11 @@ void wait_for_ranks(c10d::Store& store, const std::string& prefix, const LaunchE
   std::ostringstream os;
   for (size_t i = 0; i < missing.size() && i < 16; ++i) os << (i ? ", " : "") << missing[i];
   if (missing.size() > 16) os << ", ... (" << missing.size() << " ranks)";
-  TORCH_CHECK(false, "fsdp::init_process_group: ", where(env), " waited for the other ranks at ", at,
-              " until its timeout (", timeout.count(), " ms); ", env.world_size - static_cast<int>(missing.size()),
-              " of ", env.world_size, " joined, missing: ", os.str(),
-              ". Check that every rank was started (the launcher's log), with the same WORLD_SIZE and MASTER_ADDR/"
-              "MASTER_PORT.");
+  FSDP_CHECK(false, "fsdp::init_process_group: ", where(env), " waited for the other ranks at ", at,
+             " until its timeout (", timeout.count(), " ms); ", env.world_size - static_cast<int>(missing.size()),
+             " of ", env.world_size, " joined, missing: ", os.str(),
+             ". Check that every rank was started (the launcher's log), with the same WORLD_SIZE and MASTER_ADDR/"
+             "MASTER_PORT.");
 }
 
 c10::intrusive_ptr<c10d::Backend> connect_gloo(const c10::intrusive_ptr<c10d::Store>& store, const LaunchEnv& env,
@@ -165,13 +166,16 @@ c10::intrusive_ptr<c10d::Backend> connect_gloo(const c10::intrusive_ptr<c10d::St
 
 }  // namespace
 
-std::string probe_endpoint(const std::string& host, int port, milliseconds budget) {
+Probe probe_endpoint(const std::string& host, int port, milliseconds budget) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
   addrinfo* res = nullptr;
   const int rc = getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res);
-  if (rc != 0) return std::string("the address '") + host + "' does not resolve (" + gai_strerror(rc) + ")";
+  if (rc != 0) {
+    // A name that does not resolve will not start resolving, unless the resolver said "try again".
+    return {std::string("the address '") + host + "' does not resolve (" + gai_strerror(rc) + ")", rc != EAI_AGAIN};
+  }
   std::string found = "no answer from " + host + ":" + std::to_string(port);
   const auto until = clock::now() + budget;
   for (addrinfo* a = res; a != nullptr; a = a->ai_next) {
@@ -194,9 +198,9 @@ std::string probe_endpoint(const std::string& host, int port, milliseconds budge
     close(fd);
     if (err == 0) {
       freeaddrinfo(res);
-      return "a service at " + host + ":" + std::to_string(port) +
-             " accepted the connection but did not answer as a c10d store: that port is probably used by another "
-             "service (Slurm's and c10d's default 29500 often is); choose a free MASTER_PORT";
+      return {"a service at " + host + ":" + std::to_string(port) +
+              " accepted the connection but did not answer as a c10d store: that port is probably used by another "
+              "service (Slurm's and c10d's default 29500 often is); choose a free MASTER_PORT"};
     }
     if (err == ECONNREFUSED) {
       found = "nothing listens on " + host + ":" + std::to_string(port) +
@@ -208,7 +212,7 @@ std::string probe_endpoint(const std::string& host, int port, milliseconds budge
     }
   }
   freeaddrinfo(res);
-  return found;
+  return {found};
 }
 
 Rendezvous rendezvous(const LaunchEnv& env, const InitOptions& options, milliseconds timeout) {
@@ -271,13 +275,10 @@ Rendezvous rendezvous(const LaunchEnv& env, const InitOptions& options, millisec
       if (progress->stage != "connecting to the job's store") continue;
       std::thread([progress, host = env.master_addr, port = env.master_port, deadline] {
         while (true) {
-          std::string found = probe_endpoint(host, port, std::min(milliseconds(1000), left(deadline)));
+          const Probe probe = probe_endpoint(host, port, std::min(milliseconds(1000), left(deadline)));
           std::unique_lock<std::mutex> g(progress->mu);
-          progress->found = found;
-          // A name that does not resolve will not start resolving: fail now.
-          if (found.find("does not resolve") != std::string::npos && found.find("Temporary") == std::string::npos) {
-            progress->fatal = true;
-          }
+          progress->found = probe.found;
+          if (probe.permanent) progress->fatal = true;  // fail now
           progress->cv.notify_all();
           if (progress->done || progress->fatal || clock::now() + milliseconds(1500) > deadline) return;
           progress->cv.wait_for(g, milliseconds(1000));
@@ -293,13 +294,10 @@ Rendezvous rendezvous(const LaunchEnv& env, const InitOptions& options, millisec
   if (progress->error) {
     try {
       std::rethrow_exception(progress->error);
-    } catch (const c10::Error& e) {
-      // Our own messages are complete; c10d's get this rank's context around them.
-      const std::string m = e.what_without_backtrace();
-      TORCH_CHECK(m.rfind("fsdp::", 0) != 0, m);
-      cause = m;
-    } catch (const std::exception& e) {
-      cause = e.what();
+    } catch (const fsdp::Error&) {
+      throw;  // the library's own message is complete
+    } catch (...) {
+      cause = error_text(std::current_exception());  // c10d's get this rank's context around them
     }
   }
   std::ostringstream os;
@@ -309,7 +307,7 @@ Rendezvous rendezvous(const LaunchEnv& env, const InitOptions& options, millisec
   if (!cause.empty())
     os << (progress->found.empty() ? ": " : ". The store client said: ") << cause.substr(0, cause.find('\n'));
   os << ". The timeout is InitOptions::timeout, else $FSDP_TIMEOUT seconds, else 10 minutes.";
-  TORCH_CHECK(false, os.str());
+  FSDP_CHECK(false, os.str());
 }
 
 }  // namespace fsdp::detail

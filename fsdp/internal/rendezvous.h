@@ -25,7 +25,12 @@ struct Rendezvous {
 Rendezvous rendezvous(const LaunchEnv& env, const InitOptions& options, std::chrono::milliseconds timeout);
 
 /// What answers at host:port within `budget`: a sentence for error messages (resolution failure,
-/// connection refused, no answer, or a service that accepted the connection).
-std::string probe_endpoint(const std::string& host, int port, std::chrono::milliseconds budget);
+/// connection refused, no answer, or a service that accepted the connection), and whether waiting
+/// longer cannot help (a name that does not resolve, and not for a temporary reason).
+struct Probe {
+  std::string found;
+  bool permanent = false;
+};
+Probe probe_endpoint(const std::string& host, int port, std::chrono::milliseconds budget);
 
 }  // namespace fsdp::detail

@@ -1,4 +1,5 @@
 #include "fsdp/internal/run_state.h"
+#include "fsdp/internal/check.h"
 
 #include "fsdp/internal/model_check.h"
 #include "fsdp/internal/unit.h"
@@ -34,9 +35,9 @@ void RunState::init_hybrid(int group_size) {
   if (shard_comm) return;
   const int W = comm.world_size();
   const int r = comm.rank();
-  TORCH_CHECK(group_size >= 1 && W % group_size == 0, "fsdp::fully_shard (rank ", r, " of ", W,
-              "): kHybridShard needs FullyShardOptions::shard_group_size to divide the world size, but it is ",
-              group_size, ". Set it to the ranks of one group, e.g. the processes of one node.");
+  FSDP_CHECK(group_size >= 1 && W % group_size == 0, "fsdp::fully_shard (rank ", r, " of ", W,
+             "): kHybridShard needs FullyShardOptions::shard_group_size to divide the world size, but it is ",
+             group_size, ". Set it to the ranks of one group, e.g. the processes of one node.");
   // A fresh name per model for the subgroups' store keys: rank 0's random id, broadcast (no
   // process-wide counter that would have to agree between ranks).
   at::Tensor id = at::empty({1}, at::kLong);
@@ -59,27 +60,29 @@ void RunState::init_hybrid(int group_size) {
       GroupInfo{"hybrid replicate group " + std::to_string(r % group_size), replicate_ranks, W}, comm.verify());
 }
 
-void RunState::check_boundary(Boundary b, int64_t a, int64_t c, const std::string& description) {
+std::vector<int64_t> RunState::check_boundary(Call call, Fingerprint args, const std::string& description,
+                                              int64_t vote) {
   CallLog& log = comm.log();
-  const std::array<int64_t, 6> code{static_cast<int64_t>(b), a, c, log.count, static_cast<int64_t>(log.hash), 0};
-  try {
-    comm.check_same_call(code, description, [&log] {
-      std::ostringstream os;
-      os << ", after " << log.count << " collective(s) of this model since the previous check";
-      if (log.count > 0) os << " (" << log.summary() << ")";
-      return os.str();
-    });
-  } catch (const std::exception& e) {
-    mark_broken(error_text(e));
-    throw;
-  }
+  std::vector<int64_t> votes;
+  breaks_on_failure([&] {
+    votes = comm.agree(
+        call, args.add(log.count).add(log.hash.value()).value(), description,
+        [&log] {
+          std::ostringstream os;
+          os << ", after " << log.count << " collective(s) of this model since the previous check";
+          if (log.count > 0) os << " (" << log.summary() << ")";
+          return os.str();
+        },
+        vote);
+  });
   log.reset();
+  return votes;
 }
 
 void RunState::on_backward_begin() {
   if (callback_queued_) return;
   ++backwards_;
-  check_boundary(Boundary::kBackwardBegin, backwards_, sync_gradients ? 1 : 0,
+  check_boundary(Call::kBackwardBegin, Fingerprint().add(backwards_).add(sync_gradients ? 1 : 0),
                  "the start of backward #" + std::to_string(backwards_) + " (gradient sync " +
                      (sync_gradients ? "on" : "off") + ")");
   callback_queued_ = true;
@@ -91,16 +94,32 @@ void RunState::on_backward_begin() {
 
 void RunState::finalize_backward() {
   callback_queued_ = false;
-  for (auto& w : groups) {
-    if (auto g = w.lock()) g->finalize_backward();
-  }
+  for_each_unit([](Unit& u) { u.finalize_backward(); });
   finish_reduces();
   // Offload: the gradients copied to the host are there before backward returns, and the shards'
   // copies to the device have passed, before an optimizer reads the one or writes the other.
   wait_host_copies();
   // Ranks whose backwards issued different collectives of equal sizes are stopped here, before an
   // optimizer uses what they reduced.
-  check_boundary(Boundary::kBackwardEnd, backwards_, 0, "the end of backward #" + std::to_string(backwards_));
+  check_boundary(Call::kBackwardEnd, Fingerprint().add(backwards_),
+                 "the end of backward #" + std::to_string(backwards_));
+  // What the program does with the gradients and parameters until the next forward (step_watch.h):
+  // the sharded gradients of units sharded over more than one rank (a replicated unit's gradient
+  // is whole, and a per-rank norm of it is the global one).
+  std::vector<at::Tensor> grads;
+  for_each_unit([&](const Unit& u) {
+    if (u.shard_world_size() < 2) return;
+    for (const auto& s : u.slots()) grads.push_back(u.shard_grad(s));
+  });
+  watch.after_backward(grads, parameters(), units_holding_unsynced_grads().first > 0);
+}
+
+std::vector<at::Tensor> RunState::parameters() const {
+  std::vector<at::Tensor> out;
+  for_each_unit([&](const Unit& u) {
+    for (const auto& s : u.slots()) out.push_back(s.param);
+  });
+  return out;
 }
 
 void RunState::end_forward() {
@@ -108,25 +127,29 @@ void RunState::end_forward() {
   recording_.clear();
   // A unit prefetched but skipped by this forward must not keep reading its shard (which the
   // optimizer may update next) nor hold its gathered buffer.
-  for (auto& w : groups) {
-    if (auto g = w.lock()) g->drop_prefetch();
-  }
+  for_each_unit([](Unit& u) { u.drop_prefetch(); });
   // Offload, no backward to come: the shards' copies to the device pass before the caller may
   // write the shards (with gradients, backward's end waits).
   if (!c10::GradMode::is_enabled()) wait_host_copies();
 }
 
+std::vector<std::string> RunState::units_not_run_in_this_forward() const {
+  std::vector<std::string> out;
+  for_each_unit([&](const Unit& u) {
+    const bool ran =
+        std::any_of(recording_.begin(), recording_.end(), [&](const auto& w) { return w.lock().get() == &u; });
+    if (!u.is_root() && !ran) out.push_back(u.label());
+  });
+  return out;
+}
+
 void RunState::wait_host_copies() {
-  for (auto& w : groups) {
-    if (auto g = w.lock()) g->wait_host_copies();
-  }
+  for_each_unit([](Unit& u) { u.wait_host_copies(); });
 }
 
 int64_t RunState::held_state_bytes() const {
   std::vector<at::Tensor> held;
-  for (const auto& w : groups) {
-    if (auto g = w.lock()) g->append_held_tensors(held);
-  }
+  for_each_unit([&](const Unit& u) { u.append_held_tensors(held); });
   // Shards alias their unit's flat buffer, ZeRO-1's shards and gradients alias the full ones:
   // each storage is counted once, at its allocated size (padding included).
   std::unordered_set<const c10::StorageImpl*> seen;
@@ -139,22 +162,26 @@ int64_t RunState::held_state_bytes() const {
   return bytes;
 }
 
-void RunState::check_no_unsynced_grads(const char* caller) const {
-  std::vector<std::string> units;
-  for (const auto& w : groups) {
-    auto g = w.lock();
-    if (g && g->holds_unsynced_grads()) units.push_back(g->is_root() ? "<root>" : g->name());
-  }
-  if (units.empty()) return;
+std::pair<size_t, std::string> RunState::units_holding_unsynced_grads() const {
+  std::vector<std::string> pending;
+  for_each_unit([&](const Unit& u) {
+    if (u.holds_unsynced_grads()) pending.push_back(u.label());
+  });
   std::ostringstream names;
-  for (size_t i = 0; i < units.size() && i < 3; ++i) names << (i ? ", '" : "'") << units[i] << "'";
-  if (units.size() > 3) names << " and " << units.size() - 3 << " more";
-  TORCH_CHECK(false, caller, " (", comm.where(), "): ", units.size(),
-              " unit(s) hold gradients accumulated with gradient sync off (", names.str(),
-              ") that were never reduced into the sharded gradients, so the optimizer cannot see them: those "
-              "micro-batches would train nothing. Turn sync back on before the backward of the last micro-batch "
-              "of each step: model.set_requires_gradient_sync(true); to drop them on purpose, call "
-              "model.discard_unsynced_gradients() (docs/usage.md, 'Gradient accumulation').");
+  for (size_t i = 0; i < pending.size() && i < 3; ++i) names << (i ? ", '" : "'") << pending[i] << "'";
+  if (pending.size() > 3) names << " and " << pending.size() - 3 << " more";
+  return {pending.size(), names.str()};
+}
+
+void RunState::check_no_unsynced_grads(const char* caller) const {
+  const auto [count, names] = units_holding_unsynced_grads();
+  if (count == 0) return;
+  FSDP_CHECK_IN(comm.error_context(caller), false, caller, " (", comm.where(), "): ", count,
+                " unit(s) hold gradients accumulated with gradient sync off (", names,
+                ") that were never reduced into the sharded gradients, so the optimizer cannot see them: those "
+                "micro-batches would train nothing. Turn sync back on before the backward of the last micro-batch "
+                "of each step: model.set_requires_gradient_sync(true); to drop them on purpose, call "
+                "model.discard_unsynced_gradients() (docs/usage.md, 'Gradient accumulation').");
 }
 
 void RunState::mark_broken(const std::string& why) {
@@ -162,11 +189,11 @@ void RunState::mark_broken(const std::string& why) {
 }
 
 void RunState::check_not_broken() const {
-  TORCH_CHECK(broken_.empty(), "fsdp (", comm.where(),
-              "): an earlier collective of this model failed, so the ranks no longer agree on which collective "
-              "comes next. Exit and restart the job from its last checkpoint (docs/usage.md, 'When a collective "
-              "fails'). The first failure was:\n",
-              broken_);
+  FSDP_CHECK_IN(comm.error_context("a step after a failed collective"), broken_.empty(), "fsdp (", comm.where(),
+                "): an earlier collective of this model failed, so the ranks no longer agree on which collective "
+                "comes next. Exit and restart the job from its last checkpoint (docs/usage.md, 'When a collective "
+                "fails'). The first failure was:\n",
+                broken_);
 }
 
 void RunState::after_unit_unsharded(Unit& unit, bool backward) {
@@ -208,18 +235,19 @@ void RunState::begin_forward() {
   check_not_broken();
   ++forwards_;
   const bool grad = c10::GradMode::is_enabled();
-  check_boundary(
-      Boundary::kForward, forwards_, grad ? 1 : 0,
-      "forward #" + std::to_string(forwards_) + " of the wrapped model (" + (grad ? "gradients on" : "no grad") + ")");
+  const auto [unsynced, names] = units_holding_unsynced_grads();
+  const std::vector<int64_t> votes = check_boundary(
+      Call::kForward, Fingerprint().add(forwards_).add(grad ? 1 : 0),
+      "forward #" + std::to_string(forwards_) + " of the wrapped model (" + (grad ? "gradients on" : "no grad") + ")",
+      watch.vote(parameters(), unsynced > 0));
+  watch.act(votes, comm.where(), std::to_string(unsynced) + " unit(s) (" + names + ")");
   recording_.clear();
-  for (auto& w : groups) {
-    if (auto g = w.lock()) g->drop_prefetch();  // left by a forward that threw
-  }
+  named_error = nullptr;
+  unit_output_dtypes = 0;
+  for_each_unit([](Unit& u) { u.drop_prefetch(); });  // left by a forward that threw
   if (!callback_queued_) return;
   callback_queued_ = false;
-  for (auto& w : groups) {
-    if (auto g = w.lock()) g->reset_after_failed_backward();
-  }
+  for_each_unit([](Unit& u) { u.reset_after_failed_backward(); });
 }
 
 }  // namespace fsdp::detail

@@ -4,12 +4,15 @@
 
 #include "fsdp/internal/buffer_pool.h"
 #include "fsdp/internal/comm.h"
+#include "fsdp/internal/step_watch.h"
 #include "fsdp/options.h"
 
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
 
 #include <algorithm>
+#include <exception>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -47,13 +50,31 @@ class RunState : public std::enable_shared_from_this<RunState> {
   int units_built = 0;
   bool in_root_forward = false;
   bool access_error_explained = false;  // the library's own error, raised under operator->, says enough
+  /// Within one root forward: the error a unit named last (an outer unit, and the root, leave it
+  /// as it is: the same exception object passes through them), and the floating-point dtypes of
+  /// the units' outputs (a bit per ScalarType), which the root's own layers then take.
+  const void* named_error = nullptr;
+  uint64_t unit_output_dtypes = 0;
   /// Throws, naming `caller`, when units hold gradients accumulated with gradient sync off and never
   /// reduced: zeroing them, clipping or stepping now would silently drop those micro-batches.
   void check_no_unsynced_grads(const char* caller) const;
+  /// The units holding gradients accumulated with sync off: how many, and "'h.0', 'h.1', 'h.2' and
+  /// 5 more" (empty if none).
+  std::pair<size_t, std::string> units_holding_unsynced_grads() const;
+  /// What the program does between a backward and the next forward (step_watch.h); the library's
+  /// own rescaling of the gradients (clipping, the scaler) tells it.
+  StepWatch watch;
 
   /// Every unit, root first then in module order. Units are owned by their modules (and the root
   /// unit by the FullyShardedModule handle); the state only observes them.
-  std::vector<std::weak_ptr<Unit>> groups;
+  std::vector<std::weak_ptr<Unit>> units;
+  /// Calls `fn` on every unit still alive, in that order.
+  template <typename Fn>
+  void for_each_unit(Fn&& fn) const {
+    for (const auto& w : units) {
+      if (auto u = w.lock()) fn(*u);
+    }
+  }
 
   /// Called by the first pre-backward hook of a backward pass: queues finalize_backward() on the
   /// autograd engine, so that backward() returns with every sharded gradient final.
@@ -62,21 +83,20 @@ class RunState : public std::enable_shared_from_this<RunState> {
   /// Called at the start of each root forward: if the last backward threw before its end (its
   /// queued callback then never runs), clear what it left half done.
   void begin_forward();
+  /// Every unit's parameters (the user's tensors), in unit order.
+  std::vector<at::Tensor> parameters() const;
   /// Called at the end of each root forward: the units' order of this forward is what prefetch
   /// follows next time (and in this step's backward, reversed).
   void end_forward();
+  /// The units (not the root) whose forward has not run in the root forward under way, by label.
+  std::vector<std::string> units_not_run_in_this_forward() const;
 
-  /// The cross-rank checks at the boundaries of the step (see docs/design.md, "Ranks on the same
-  /// path"): every rank must be at the same call, with the same collectives issued since the last
-  /// check. A difference fails every rank, names what each was doing, and marks the model broken.
-  enum class Boundary : int64_t {
-    kForward = 101,
-    kBackwardBegin = 102,
-    kBackwardEnd = 103,
-    kModelCollective = 104,
-    kFullStateDict = 105
-  };
-  void check_boundary(Boundary b, int64_t a, int64_t c, const std::string& description);
+  /// The cross-rank agreement at a boundary of the step (see docs/design.md, "Ranks on the same
+  /// path"): every rank must be at the same call (`call`, with `args` fingerprinting its
+  /// arguments), with the same collectives of this model issued since the last boundary (the call
+  /// log's count and hash). A difference fails every rank, names what each was doing, and marks the
+  /// model broken. `vote`: each rank's number, returned for every rank (Comm::agree).
+  std::vector<int64_t> check_boundary(Call call, Fingerprint args, const std::string& description, int64_t vote = 0);
   /// Records the unit's place in the forward order and issues the prefetch of the next units
   /// (forward order in forward, reverse order in backward), at most options.prefetch() of them.
   void after_unit_unsharded(Unit& unit, bool backward);
@@ -91,6 +111,21 @@ class RunState : public std::enable_shared_from_this<RunState> {
   /// forward refuses to run (instead of pairing mismatched collectives).
   void mark_broken(const std::string& why);
   void check_not_broken() const;
+  /// The one place where a failure marks the model broken: runs `fn`; if it throws, runs `undo`
+  /// (which drops what the failure left half done, such as buffers a collective may still write),
+  /// marks the model broken with the error's text and rethrows it (kNo: swallows it, for the
+  /// clean-up of a backward that failed already).
+  enum class Rethrow { kYes, kNo };
+  template <typename Fn>
+  void breaks_on_failure(Fn&& fn, const std::function<void()>& undo = {}, Rethrow rethrow = Rethrow::kYes) {
+    try {
+      fn();
+    } catch (...) {
+      if (undo) undo();
+      mark_broken(error_text(std::current_exception()));
+      if (rethrow == Rethrow::kYes) throw;
+    }
+  }
 
   /// Bytes of parameters and gradients all units hold now (each storage once); see
   /// FSDPModule::held_state_bytes.

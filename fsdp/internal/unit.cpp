@@ -1,4 +1,5 @@
 #include "fsdp/internal/unit.h"
+#include "fsdp/internal/check.h"
 
 #include "fsdp/internal/gather.h"
 #include "fsdp/internal/run_state.h"
@@ -45,11 +46,12 @@ Unit::Unit(std::string name, const std::vector<std::pair<std::string, at::Tensor
   for (const auto& [pname, p] : params) {
     if (!slots_.empty()) {
       const at::Tensor& first = slots_.front().param;
-      TORCH_CHECK(p.dtype() == first.dtype() && p.device() == first.device(), "fsdp::fully_shard (rank ",
-                  run_->comm.rank(), "): unit '", name_, "' mixes parameter '", slots_.front().name, "' (",
-                  first.dtype(), ", ", first.device(), ") with '", pname, "' (", p.dtype(), ", ", p.device(),
-                  "). A unit's parameters share one flat buffer: give them one dtype and device, or put them in "
-                  "separate fsdp::Sharded units.");
+      FSDP_CHECK_IN(error_context(), p.dtype() == first.dtype() && p.device() == first.device(),
+                    "fsdp::fully_shard (rank ", run_->comm.rank(), "): unit '", name_, "' mixes parameter '",
+                    slots_.front().name, "' (", first.dtype(), ", ", first.device(), ") with '", pname, "' (",
+                    p.dtype(), ", ", p.device(),
+                    "). A unit's parameters share one flat buffer: give them one dtype and device, or put them in "
+                    "separate fsdp::Sharded units.");
     }
     ParamSlot s;
     s.name = pname;
@@ -58,8 +60,8 @@ Unit::Unit(std::string name, const std::vector<std::pair<std::string, at::Tensor
     s.requires_grad = s.param.requires_grad();
     slots_.push_back(std::move(s));
   }
-  resolve_precision();  // unit_precision.cpp
-  resolve_offload();    // unit_offload.cpp
+  resolve_precision();  // unit_config.cpp
+  resolve_offload();
 }
 
 std::string Unit::describe(const char* op) const {
@@ -67,6 +69,10 @@ std::string Unit::describe(const char* op) const {
   os << op << " of unit '" << label() << "' (" << to_string(strategy_) << ", " << slots_.size() << " parameters, "
      << shard_numel() << " elements per rank)";
   return os.str();
+}
+
+ErrorContext Unit::error_context(const std::string& operation) const {
+  return run_->comm.error_context(operation).unit(label());
 }
 
 std::string Unit::label() const {
@@ -125,8 +131,11 @@ void Unit::init() {
     run_->pool.note_unit(S_ * shard_numel() * static_cast<int64_t>(buffers_.unsharded.element_size()));
   }
   if (buckets()) {
-    buckets_ =
-        make_buckets(slots_, std::max<int64_t>(1, run_->options.bucket_bytes() / buffers_.flat_shard.element_size()));
+    const int64_t cap = std::max<int64_t>(1, run_->options.bucket_bytes() / buffers_.flat_shard.element_size());
+    RunState* run = run_.get();
+    buckets_ = BucketReducer(make_buckets(slots_, cap),
+                             {&run_->comm, buffers_.flat_shard.options().dtype(reduce_dtype_), shard_numel(),
+                              world_size_ == 1 && !casts_grads(), [run] { run->sample_state(); }});
   }
 
   std::weak_ptr<Unit> self = weak_from_this();
@@ -142,78 +151,9 @@ void Unit::init() {
   }
   state_ = UnitState::kUnsharded;  // make_buffers pointed the parameters at their full views
   reshard();
-}
-
-bool Unit::needs_gather() const {
-  if (shard_numel() == 0 || traits_.shard_over == ShardOver::kNone) return false;
-  if (shards_are_rows_of_full()) {
-    // After a reduction the optimizer steps the shards, so every forward until the next backward
-    // gathers (the step may come after any of them). Never in backward: the unit is gathered
-    // already. The decision must be the same on every rank, so it rests on this flag, never on
-    // whether this rank's shards changed (a rank may own no rows, and torch::optim::SGD steps
-    // through .data(), which no version counter sees).
-    if (backward_ == BackwardPhase::kRunning || run_->in_backward()) return false;
-    return stale_;
-  }
-  return !memory_gathered();
-}
-
-void Unit::begin_unshard() {
-  if (state_ == UnitState::kGathering || state_ == UnitState::kUnsharded || !needs_gather()) return;
-  adopt_replaced_shards();  // the gather reads the shards
-  if (S_ == 1) {
-    // One rank: the unsharded storage is the shard's (or, ZeRO-1, the full parameters are the
-    // rows), so there is nothing to move; with mixed precision or offload a copy stands in for
-    // the gather. Counted as issued, as the algorithm has it.
-    shard_comm_->record(Comm::Op::kAllGather, shard_numel(), gather_what_);
-    if (casts_params() || offload_) copy_alone();  // unit_precision.cpp
-    enter(UnitState::kGathering);
-    return;
-  }
-  // Only the all-gather output is taken now; the unsharded storage when the gather is waited for,
-  // so a unit in flight costs its size once, not twice.
-  gathered_ = run_->pool.take(S_ * shard_numel(), buffers_.unsharded.options());
-  at::Tensor in = buffers_.flat_shard;
-  if (shards_are_rows_of_full() || casts_params() || offload_) {
-    // ZeRO-1's rows are packed; mixed precision casts the shard, so the all-gather moves
-    // param_dtype bytes; offload copies the host shard to the device.
-    gather_in_ = run_->pool.take(shard_numel(), buffers_.unsharded.options());
-    if (shards_are_rows_of_full()) {
-      pack_rows(slots_, gather_in_);
-    } else {
-      copy_shard_in(gather_in_);  // unit_offload.cpp
-    }
-    in = gather_in_;
-  }
-  gather_ = shard_comm_->all_gather_async(gathered_, in, gather_what_);
-  enter(UnitState::kGathering);
-}
-
-void Unit::unshard() {
-  if (slots_.empty() || state_ == UnitState::kUnsharded) return;
-  if (state_ != UnitState::kGathering) adopt_replaced_shards();
-  // Only empty parameters (shard_numel == 0, the same on every rank): nothing to gather.
-  if (shard_numel() > 0 && (state_ == UnitState::kGathering || needs_gather())) gather();
-  use_full_views();
-}
-
-void Unit::gather() {
-  begin_unshard();
-  if (S_ == 1) {  // nothing was moved (begin_unshard); with mixed precision a cast, with offload a copy
-    wait_shard_in();
-    return;
-  }
-  wait_gather();
-  wait_shard_in();  // offload: before the all-gather on the same side stream, so passed already
-  run_->pool.give_back(gather_in_);
-  if (kind_ == BufferKind::kShards) {
-    unsharded_memory_ = run_->pool.take(S_ * shard_numel(), buffers_.unsharded.options());
-    lend_memory(buffers_.unsharded, unsharded_memory_);
-  }
-  // One copy-out fills every parameter, and the output goes back to the pool right after, before
-  // any further prefetch is issued.
-  copy_out(gathered_, buffers_.unsharded, slots_, S_, shard_numel());
-  run_->pool.give_back(gathered_);
+  // kShardOptimizerState: the program may write the shards (this rank's rows of the full
+  // parameters) before the first forward, as between steps: that forward gathers them.
+  stale_ = shards_are_rows_of_full();
 }
 
 void Unit::reshard() {
@@ -226,34 +166,13 @@ void Unit::reshard() {
   enter(UnitState::kSharded);
 }
 
-void Unit::free_unsharded_memory() {
-  if (!unsharded_memory_.defined()) return;
-  take_memory_back(buffers_.unsharded);
-  run_->pool.give_back(unsharded_memory_);
-}
-
-void Unit::use_full_views() {
-  if (state_ == UnitState::kUnsharded) return;
-  point_at_full_views(slots_);
-  enter(UnitState::kUnsharded);
-}
-
-void Unit::use_shard_views() {
-  if (state_ == UnitState::kUnsharded) point_at_shards(slots_);
-}
-
-void Unit::adopt_replaced_shards() {
-  if (state_ == UnitState::kUnsharded) return;  // the parameters are the full views
-  if (adopt_replaced(slots_, shard_rank_, run_->comm.rank(), label())) mark_shards_written();
-}
-
 void Unit::pre_forward() {
   const bool direct = run_->direct_access > 0 && !run_->in_root_forward;
   run_->access_error_explained = direct;  // said here: no second hint as the error leaves the handle
-  TORCH_CHECK(!direct, "fsdp (rank ", run_->comm.rank(), "): unit '", label(),
-              "' ran its forward inside a call through the handle's operator-> (such as model->forward(x)), which "
-              "calls the module's own forward around the wrapper: the root's parameters stay sharded and nothing "
-              "is prepared for backward. Call the handle itself: model(x) or model.forward(x).");
+  FSDP_CHECK_IN(error_context(), !direct, "fsdp (rank ", run_->comm.rank(), "): unit '", label(),
+                "' ran its forward inside a call through the handle's operator-> (such as model->forward(x)), which "
+                "calls the module's own forward around the wrapper: the root's parameters stay sharded and nothing "
+                "is prepared for backward. Call the handle itself: model(x) or model.forward(x).");
   unshard();
   run_->after_unit_unsharded(*this, /*backward=*/false);
   run_->sample_state();
@@ -313,10 +232,10 @@ void Unit::pre_backward() {
 
 void Unit::on_grad_ready(size_t slot) {
   ParamSlot& s = slots_[slot];
-  TORCH_CHECK(backward_ == BackwardPhase::kRunning, "fsdp (rank ", run_->comm.rank(), "): parameter '", s.name,
-              "' received a gradient although the backward of its unit '", label(),
-              "' never began. Was the module called directly instead of through its fsdp::Sharded wrapper "
-              "(or the root through the handle fsdp::fully_shard returned)?");
+  FSDP_CHECK_IN(error_context(), backward_ == BackwardPhase::kRunning, "fsdp (rank ", run_->comm.rank(),
+                "): parameter '", s.name, "' received a gradient although the backward of its unit '", label(),
+                "' never began. Was the module called directly instead of through its fsdp::Sharded wrapper "
+                "(or the root through the handle fsdp::fully_shard returned)?");
   if (s.grad_ready) return;
   s.grad_ready = true;
   ++grads_ready_;
@@ -335,6 +254,63 @@ void Unit::on_grad_ready(size_t slot) {
   }
 }
 
+void Unit::finalize_backward() {
+  // Gradients not reduced yet: a unit only partly used in this backward, or one that accumulated
+  // without sync in earlier micro-batches and was not used in this one. (kShardOptimizerState
+  // keeps its full gradients after reducing them; those are not pending.)
+  if (!run_->sync_gradients) accumulate_unsynced();  // a unit partly used without sync
+  if (run_->sync_gradients && !holds_reduced_) {
+    // kNoShard: buckets launched while others wait for gradients that never came (unused
+    // parameters) are pending too; the rest go out now, with zeros for the missing ones.
+    if (buckets_.partly_launched() || holds_unsynced_grads()) reduce_grads();
+  }
+  backward_ = BackwardPhase::kIdle;
+  reshard();
+}
+
+void Unit::reset_after_failed_backward() {
+  // Reductions of the failed backward still in flight: waited for (the backend uses their
+  // buffers) and thrown away. This runs at the next forward, after the user's zero_grad(), which
+  // they must not undo.
+  if (reducing_ || buckets_.partly_launched()) {
+    reducing_ = false;
+    run_->breaks_on_failure(
+        [&] {
+          shard_comm_->wait(reduce_);
+          std::vector<bool> ignored;
+          buckets_.finish(ignored);
+        },
+        {}, RunState::Rethrow::kNo);
+    abandon_reduction();
+  }
+  // Offload: a gradient copy to the host may still be writing.
+  run_->breaks_on_failure([&] { wait_host_copies(); }, {}, RunState::Rethrow::kNo);
+  if (backward_ != BackwardPhase::kRunning) return;
+  backward_ = BackwardPhase::kIdle;
+  grads_ready_ = 0;
+  // The failed backward left the parameters full, with partial full gradients that the user saw
+  // (and may have zeroed) instead of the sharded ones, which wait aside. Those follow what the
+  // user did: kept if some partial gradient is still there and not zero, dropped otherwise (the
+  // documented recovery is zero_grad() before the next backward).
+  bool zeroed = true;
+  for (auto& s : slots_) {
+    const at::Tensor& g = full_grad(s);
+    zeroed = zeroed && (!g.defined() || !g.any().item<bool>());
+  }
+  for (auto& s : slots_) {
+    s.grad_ready = false;
+    if (zeroed && is_unsharded() && s.shard_grad.defined()) {
+      if (full_grad(s).defined()) {
+        s.shard_grad.zero_();  // zero_grad(set_to_none=false)
+      } else {
+        s.shard_grad = at::Tensor();
+      }
+    }
+    full_grad(s) = at::Tensor();
+  }
+  reshard();
+}
+
 void Unit::append_held_tensors(std::vector<at::Tensor>& out) const {
   for (const at::Tensor* t :
        {&buffers_.flat_shard, &buffers_.unsharded, &gathered_, &gather_in_, &reduce_in_, &reduce_out_}) {
@@ -344,32 +320,6 @@ void Unit::append_held_tensors(std::vector<at::Tensor>& out) const {
     for (const at::Tensor* t : {&s.param, &s.sharded, &s.shard_grad, &s.full_grad, &s.unsynced}) out.push_back(*t);
     out.push_back(s.param.grad());
   }
-}
-
-void Unit::wait_gather() {
-  try {
-    shard_comm_->wait(gather_);
-  } catch (const std::exception& e) {
-    // Ours is dropped so that nothing ever reads a gather that did not complete (Gloo and NCCL's
-    // own stream keep their reference; on a side stream the wait was queued before the error was
-    // seen), and the run state refuses further steps.
-    shard_in_.reset();  // the current stream waits for the copy before the buffers go
-    gathered_ = at::Tensor();
-    gather_in_ = at::Tensor();
-    enter(UnitState::kSharded);
-    run_->mark_broken(error_text(e));
-    throw;
-  }
-}
-
-void Unit::drop_prefetch() {
-  if (state_ != UnitState::kGathering) return;
-  if (S_ > 1) wait_gather();
-  wait_shard_in();
-  run_->pool.give_back(gathered_);
-  run_->pool.give_back(gather_in_);  // kShardOptimizerState: not copied out, so the unit stays due
-  free_unsharded_memory();           // over one rank: the copy made when the gather was issued
-  enter(UnitState::kSharded);
 }
 
 bool Unit::holds_unsynced_grads() const {
@@ -384,27 +334,14 @@ void Unit::check_conversion(const std::optional<at::Device>& device, const std::
   if (offload_ && device) {
     // Offload: the model is on its device although the shards are in host memory.
     const at::Device model = buffers_.unsharded.device();
-    TORCH_CHECK(is_on(model, *device), "fsdp (rank ", run_->comm.rank(), "): .to(", device->str(),
-                ") on the wrapped model: unit '", label(), "' is on ", model,
-                " with its shards offloaded to host memory (FullyShardOptions::offload_policy). A wrapped model's "
-                "device is fixed: wrap a model built on ",
-                *device, " without offload_policy instead.");
+    FSDP_CHECK_IN(error_context(), is_on(model, *device), "fsdp (rank ", run_->comm.rank(), "): .to(", device->str(),
+                  ") on the wrapped model: unit '", label(), "' is on ", model,
+                  " with its shards offloaded to host memory (FullyShardOptions::offload_policy). A wrapped model's "
+                  "device is fixed: wrap a model built on ",
+                  *device, " without offload_policy instead.");
   }
   // The device was checked above when offloading: the shards' (host) device is not the model's.
   detail::check_conversion(slots_, offload_ ? std::nullopt : device, dtype, run_->comm.rank(), label(), converting);
-}
-
-void Unit::gather_full(std::vector<at::Tensor>& out, const at::Device& device) {
-  TORCH_INTERNAL_ASSERT(state_ == UnitState::kSharded, "gather_full of unit '", label(), "' while it is ",
-                        to_string(state_));
-  adopt_replaced_shards();
-  try {
-    detail::gather_full(slots_, buffers_, shards_are_rows_of_full(), S_, *shard_comm_,
-                        describe("all-gather of full weights"), device, out);
-  } catch (const std::exception& e) {
-    run_->mark_broken(error_text(e));
-    throw;
-  }
 }
 
 }  // namespace fsdp::detail

@@ -1,10 +1,20 @@
 // One sharding unit: the parameters of a module marked fsdp::Sharded (or of the root, minus its
 // units) and their lifecycle: gathered before forward and backward, resharded after, gradients
-// reduced as soon as backward has produced them. Its buffers are in unit_buffers.h, what goes
-// into and out of its collectives in gather.h and reduce.h, its states in lifecycle.h, and what
-// differs between strategies in fsdp/strategy.h's traits.
+// reduced as soon as backward has produced them. Its code goes by direction, as FSDP2's
+// foreach_all_gather / foreach_reduce do, each path reading the strategy's traits
+// (fsdp/strategy.h):
+//   unit.cpp          the lifecycle: wrapping, forward and backward hooks, resharding;
+//   unit_config.cpp   what its strategy, mixed-precision policy and offload resolve to, and refuse;
+//   unit_unshard.cpp  the unshard path: the shard cast (mixed precision) and copied to the device
+//                     (offload), all-gathered, copied out into the parameters' full views;
+//   unit_reduce.cpp   the reduce path: gradients packed (cast), reduce-scattered (all-reduced in
+//                     buckets for kNoShard, bucket_reducer.h; across groups for hybrid), divided,
+//                     cast back and copied to the host (offload) as the sharded gradients.
+// Its buffers are in unit_buffers.h, what goes into and out of its collectives in gather.h and
+// reduce.h, its states in lifecycle.h.
 #pragma once
 
+#include "fsdp/internal/bucket_reducer.h"
 #include "fsdp/internal/comm.h"
 #include "fsdp/internal/cuda_backend.h"
 #include "fsdp/internal/lifecycle.h"
@@ -42,6 +52,8 @@ class Unit : public std::enable_shared_from_this<Unit> {
   /// Until rename: e.g. "BlockImpl #3 (built in a ShardingScope)".
   void set_built_label(std::string label) { built_label_ = std::move(label); }
   bool is_root() const { return is_root_; }
+  /// What an error about this unit carries: this rank, `operation`, the unit (fsdp/error.h).
+  ErrorContext error_context(const std::string& operation = "") const;
   ShardingStrategy strategy() const { return strategy_; }
   /// Its mixed-precision policy, and the dtypes it resolves to: the shards' (the master weights'),
   /// the gathered parameters' (forward and backward) and the reduction's.
@@ -135,6 +147,7 @@ class Unit : public std::enable_shared_from_this<Unit> {
   std::string describe(const char* op) const;
   void name_collectives();  // sets gather_what_ and reduce_what_ from the name and layout
   void enter(UnitState to) { transition(state_, to, label()); }
+  // What the strategy's traits say, for this unit.
   bool keeps_full_params() const { return !traits_.params_sharded; }
   /// kShardOptimizerState: full parameters kept, the shards are this rank's rows of them.
   bool shards_are_rows_of_full() const { return !traits_.params_sharded && traits_.shard_over != ShardOver::kNone; }
@@ -144,29 +157,16 @@ class Unit : public std::enable_shared_from_this<Unit> {
   bool casts_params() const { return param_dtype_ != master_dtype_; }
   /// The gradients go through a cast on their way to the shards (so even alone they are packed).
   bool casts_grads() const { return param_dtype_ != master_dtype_ || reduce_dtype_ != master_dtype_; }
-  /// Over one rank with mixed precision or offload: fills the unsharded storage with the shard,
-  /// cast (mixed precision) and copied to the device (offload), when the gather is issued (so a
-  /// prefetch overlaps the copy); gather() waits for it.
-  void copy_alone();
-  /// Sets the dtypes from the policy and the parameters; refuses what cannot be done (constructor).
+
+  // Configuration (unit_config.cpp), from the constructor.
+  /// Sets the dtypes from the policy and the parameters; refuses what cannot be done.
   void resolve_precision();
-  /// Offload: whether the unit offloads, and whether its strategy allows it (constructor).
+  /// Offload: whether the unit offloads, and whether its strategy allows it.
   void resolve_offload();
   /// Offload: the options of the shards' host memory.
   at::TensorOptions host_options(const at::TensorOptions& compute) const;
-  /// Offload: `shard` (the device's copy of the flat shard, param_dtype) is filled from the host
-  /// shard; asynchronous from pinned memory.
-  void copy_shard_in(const at::Tensor& shard);
-  /// The current stream waits for copy_shard_in's copy (before the gathered parameters are used).
-  void wait_shard_in();
-  /// Offload: the reduced gradients (on the device, master dtype) copied into a new host buffer,
-  /// which the sharded gradients then alias; asynchronous from pinned memory until wait_host_copies.
-  at::Tensor copy_grads_out(const at::Tensor& reduced);
-  /// Mixed precision, gradient sync off: moves this backward's full gradients (param_dtype) into
-  /// the slots' sums in the master dtype, so that micro-batches accumulate without bf16 rounding.
-  void accumulate_unsynced();
-  /// Before a reduction: the sums become the full gradients again, plus this backward's.
-  void merge_unsynced();
+
+  // The unshard path (unit_unshard.cpp).
   /// Whether the unsharded buffer holds the parameters now.
   bool memory_gathered() const {
     return keeps_full_params() || state_ == UnitState::kUnsharded || state_ == UnitState::kKeptForBackward;
@@ -174,6 +174,17 @@ class Unit : public std::enable_shared_from_this<Unit> {
   /// Whether an all-gather is due: sharded and not gathered, or (kShardOptimizerState) a shard
   /// was updated in place since the last gather.
   bool needs_gather() const;
+  /// The all-gather's input: the flat shard itself, or a buffer it is copied into first: ZeRO-1's
+  /// rows packed, the shard cast to param_dtype (mixed precision), copied to the device (offload).
+  at::Tensor gather_input();
+  /// Fills `dst` (on the device, param_dtype) from the flat shard: cast with mixed precision,
+  /// copied from the host with offload, on the all-gather's side stream when pinned.
+  void copy_shard_in(const at::Tensor& dst);
+  /// Over one rank with mixed precision or offload: the copy that stands in for the all-gather,
+  /// straight into the unsharded storage (when the gather is issued, so a prefetch overlaps it).
+  void copy_alone();
+  /// The current stream waits for copy_shard_in's copy (before the gathered parameters are used).
+  void wait_shard_in();
   void wait_gather();
   void gather();  // completes (or issues and completes) the all-gather into the unsharded storage
   void use_full_views();
@@ -183,10 +194,29 @@ class Unit : public std::enable_shared_from_this<Unit> {
   /// Between steps: a parameter whose storage was replaced (torch::load uses set_) is copied into
   /// its shard and pointed back at it; one of another shape, dtype or device is refused.
   void adopt_replaced_shards();
+
+  // The reduce path (unit_reduce.cpp).
   at::Tensor& full_grad(ParamSlot& s) { return full_grad_of(s, is_unsharded()); }
   at::Tensor& shard_grad(ParamSlot& s) { return shard_grad_of(s, is_unsharded()); }
-  void launch_buckets(bool all);
+  /// Packs the gradients and issues their reduction (or, kNoShard, the buckets still to go).
   void reduce_grads();
+  /// kNoShard: launches the buckets that are ready (`all`: every remaining one).
+  void launch_buckets(bool all);
+  /// The unit's reduction is in flight: the run state bounds how many are.
+  void reduction_issued();
+  /// The reduction's result, in reduce_dtype, becomes the sharded gradients: divided by the world
+  /// size, cast to the master dtype, copied to the host (offload), then added or aliased.
+  void place_reduced(at::Tensor reduced);
+  /// Offload: the reduced gradients (on the device, master dtype) copied into a new host buffer,
+  /// which the sharded gradients then alias; asynchronous from pinned memory until wait_host_copies.
+  at::Tensor copy_grads_out(const at::Tensor& reduced);
+  /// Drops a reduction of a failed backward (after waiting for it, or failing to).
+  void abandon_reduction();
+  /// Mixed precision, gradient sync off: moves this backward's full gradients (param_dtype) into
+  /// the slots' sums in the master dtype, so that micro-batches accumulate without bf16 rounding.
+  void accumulate_unsynced();
+  /// Before a reduction: the sums become the full gradients again, plus this backward's.
+  void merge_unsynced();
 
   std::string name_;
   std::string built_label_;
@@ -222,10 +252,12 @@ class Unit : public std::enable_shared_from_this<Unit> {
   at::Tensor reduce_in_, reduce_out_;
   std::vector<bool> reduce_has_grad_;
   bool reducing_ = false;
-  bool stale_ = false;           // kShardOptimizerState: reduced; gathered by forwards until the next backward
-  bool holds_reduced_ = false;   // kShardOptimizerState: the full gradients were reduced (or are being)
-  std::vector<Bucket> buckets_;  // kNoShard
-  size_t next_bucket_ = 0;
+  // kShardOptimizerState: the shards may hold values the full parameters do not (an optimizer's
+  // step after a reduction, a write before the first forward): forwards gather until the next
+  // backward. Set by init() (so that a write before the first forward is seen) and by a reduction.
+  bool stale_ = false;
+  bool holds_reduced_ = false;  // kShardOptimizerState: the full gradients were reduced (or are being)
+  BucketReducer buckets_;       // kNoShard
   size_t grads_expected_ = 0;
   size_t grads_ready_ = 0;
   // The collectives in flight, declared last so that they are destroyed first: a CUDA collective
@@ -233,7 +265,6 @@ class Unit : public std::enable_shared_from_this<Unit> {
   // above are freed.
   Pending gather_;
   Pending reduce_;
-  std::vector<Pending> bucket_work_;  // kNoShard
 };
 
 }  // namespace fsdp::detail

@@ -1,7 +1,7 @@
 // A unit's buffers: each parameter's slot (its shard, its full view, the gradient waiting aside),
 // the flat shard that holds this rank's rows of every parameter, the unsharded buffer whose storage
 // exists only while the unit is gathered, and the aliasing that ties the user's parameters to
-// them. With CPU offload the flat shard is in host memory (unit_offload.cpp).
+// them. With CPU offload the flat shard is in host memory (unit_config.cpp: host_options).
 #pragma once
 
 #include "fsdp/shard_layout.h"

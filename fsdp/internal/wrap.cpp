@@ -1,6 +1,10 @@
 #include "fsdp/internal/wrap.h"
+#include "fsdp/internal/check.h"
 
+#include "fsdp/internal/access.h"
+#include "fsdp/internal/check.h"
 #include "fsdp/internal/model_check.h"
+#include "fsdp/internal/options_check.h"
 #include "fsdp/internal/run_state.h"
 #include "fsdp/internal/unit.h"
 #include "fsdp/sharded.h"
@@ -74,19 +78,19 @@ void shard_on_construction(const std::shared_ptr<RunState>& state, torch::nn::Mo
                                       state->options.mixed_precision());
   group->set_built_label(built_label(module, ++state->units_built));
   group->init();
-  unit.fsdp_attach(group);
+  Access::attach(unit, group);
 }
 
 std::shared_ptr<Unit> shard_model(const std::shared_ptr<torch::nn::Module>& root,
                                   const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
                                   const FullyShardOptions& given_options,
                                   const std::shared_ptr<RunState>& scope_state) {
-  TORCH_CHECK(root != nullptr, "fsdp::fully_shard: the model is null");
+  FSDP_CHECK(root != nullptr, "fsdp::fully_shard: the model is null");
   check_options(scope_state ? scope_state->options : given_options, "fsdp::fully_shard");
-  TORCH_CHECK(pg, "fsdp::fully_shard: the process group is null; create one with fsdp::init_process_group()");
-  TORCH_CHECK(dynamic_cast<ShardedUnit*>(root.get()) == nullptr,
-              "fsdp::fully_shard: the root module is itself an fsdp::Sharded unit. Pass the plain root module: "
-              "fully_shard makes it the root unit and returns its handle.");
+  FSDP_CHECK(pg, "fsdp::fully_shard: the process group is null; create one with fsdp::init_process_group()");
+  FSDP_CHECK(dynamic_cast<ShardedUnit*>(root.get()) == nullptr,
+             "fsdp::fully_shard: the root module is itself an fsdp::Sharded unit. Pass the plain root module: "
+             "fully_shard makes it the root unit and returns its handle.");
   auto state = scope_state ? scope_state : std::make_shared<RunState>(pg, given_options);
   const FullyShardOptions& options = state->options;
   for (const auto& kv : root->named_parameters()) {  // the first says where the model is
@@ -108,53 +112,54 @@ std::shared_ptr<Unit> shard_model(const std::shared_ptr<torch::nn::Module>& root
   // Records which unit owns a parameter; a parameter met again must be in the same unit.
   auto claim = [&](const at::Tensor& p, const std::string& name, size_t unit) {
     auto [it, inserted] = owner.emplace(p.unsafeGetTensorImpl(), std::make_pair(name, unit));
-    TORCH_CHECK(inserted || it->second.second == unit, "fsdp::fully_shard (rank ", state->comm.rank(), "): parameter '",
-                it->second.first, "' is shared with '", name, "', which is in another unit ('",
-                found[it->second.second]->name, "' vs '", found[unit]->name,
-                "'). A shared parameter must live in one unit: move both modules into one fsdp::Sharded unit "
-                "or leave them in the root.");
+    FSDP_CHECK(inserted || it->second.second == unit, "fsdp::fully_shard (rank ", state->comm.rank(), "): parameter '",
+               it->second.first, "' is shared with '", name, "', which is in another unit ('",
+               found[it->second.second]->name, "' vs '", found[unit]->name,
+               "'). A shared parameter must live in one unit: move both modules into one fsdp::Sharded unit "
+               "or leave them in the root.");
     return inserted;  // false: shared inside one unit, sharded once
   };
 
   // `built`: inside a unit sharded while the model was built (ShardingScope), whose parameters
   // are in it already; only units nested in it remain to be found.
-  std::function<void(torch::nn::Module&, const std::string&, size_t, bool)> visit =
-      [&](torch::nn::Module& m, const std::string& prefix, size_t unit, bool built) {
-        if (!built) {
-          for (const auto& kv : m.named_parameters(/*recurse=*/false)) {
-            const std::string name = prefix.empty() ? kv.key() : prefix + "." + kv.key();
-            if (claim(kv.value(), name, unit)) found[unit]->params.emplace_back(name, kv.value());
-          }
+  std::function<void(torch::nn::Module&, const std::string&, size_t, bool)> visit = [&](torch::nn::Module& m,
+                                                                                        const std::string& prefix,
+                                                                                        size_t unit, bool built) {
+    if (!built) {
+      for (const auto& kv : m.named_parameters(/*recurse=*/false)) {
+        const std::string name = prefix.empty() ? kv.key() : prefix + "." + kv.key();
+        if (claim(kv.value(), name, unit)) found[unit]->params.emplace_back(name, kv.value());
+      }
+    }
+    for (const auto& kv : m.named_children()) {
+      const std::string name = prefix.empty() ? kv.key() : prefix + "." + kv.key();
+      size_t child_unit = unit;
+      auto* u = dynamic_cast<ShardedUnit*>(kv.value().get());
+      if (u != nullptr && u->is_sharded()) {
+        const std::shared_ptr<Unit>& sharded = Access::unit(*u);
+        FSDP_CHECK(scope_state != nullptr, "fsdp::fully_shard (rank ", state->comm.rank(), "): module '", name,
+                   "' is already sharded: either the model was wrapped before (wrap a model once) or it was "
+                   "built inside an fsdp::ShardingScope (then wrap it with fsdp::fully_shard(model, scope)).");
+        FSDP_CHECK(&sharded->state() == state.get(), "fsdp::fully_shard (rank ", state->comm.rank(), "): module '",
+                   name, "' was sharded by another ShardingScope or model; build and wrap a model within one scope.");
+        found.push_back(std::make_unique<Found>(Found{name, u, {}, sharded}));
+        for (const auto& s : sharded->slots()) {
+          claim(s.param, name + "." + s.name, found.size() - 1);
+          built_shape[s.param.unsafeGetTensorImpl()] = s.shape;
         }
-        for (const auto& kv : m.named_children()) {
-          const std::string name = prefix.empty() ? kv.key() : prefix + "." + kv.key();
-          size_t child_unit = unit;
-          auto* u = dynamic_cast<ShardedUnit*>(kv.value().get());
-          if (u != nullptr && u->fsdp_unit() != nullptr) {
-            TORCH_CHECK(scope_state != nullptr, "fsdp::fully_shard (rank ", state->comm.rank(), "): module '", name,
-                        "' is already sharded: either the model was wrapped before (wrap a model once) or it was "
-                        "built inside an fsdp::ShardingScope (then wrap it with fsdp::fully_shard(model, scope)).");
-            TORCH_CHECK(&u->fsdp_unit()->state() == state.get(), "fsdp::fully_shard (rank ", state->comm.rank(),
-                        "): module '", name,
-                        "' was sharded by another ShardingScope or model; build and wrap a model within one scope.");
-            found.push_back(std::make_unique<Found>(Found{name, u, {}, u->fsdp_unit()}));
-            for (const auto& s : u->fsdp_unit()->slots()) {
-              claim(s.param, name + "." + s.name, found.size() - 1);
-              built_shape[s.param.unsafeGetTensorImpl()] = s.shape;
-            }
-            visit(*kv.value(), name, found.size() - 1, /*built=*/true);
-            continue;
-          }
-          if (u != nullptr) {
-            TORCH_CHECK(!built, "fsdp::fully_shard (rank ", state->comm.rank(), "): unit '", name,
-                        "' was built outside the ShardingScope that sharded the unit containing it; build the whole "
-                        "model inside the scope.");
-            found.push_back(std::make_unique<Found>(Found{name, u, {}, nullptr}));
-            child_unit = found.size() - 1;
-          }
-          visit(*kv.value(), name, child_unit, built);
-        }
-      };
+        visit(*kv.value(), name, found.size() - 1, /*built=*/true);
+        continue;
+      }
+      if (u != nullptr) {
+        FSDP_CHECK(!built, "fsdp::fully_shard (rank ", state->comm.rank(), "): unit '", name,
+                   "' was built outside the ShardingScope that sharded the unit containing it; build the whole "
+                   "model inside the scope.");
+        found.push_back(std::make_unique<Found>(Found{name, u, {}, nullptr}));
+        child_unit = found.size() - 1;
+      }
+      visit(*kv.value(), name, child_unit, built);
+    }
+  };
   visit(*root, "", 0, /*built=*/false);
 
   // Everything that decides the collectives' sizes and order: names, shapes, dtypes, the unit
@@ -198,19 +203,19 @@ std::shared_ptr<Unit> shard_model(const std::shared_ptr<torch::nn::Module>& root
   if (hybrid) state->init_hybrid(options.shard_group_size());
 
   std::shared_ptr<Unit> root_group;
-  state->groups.clear();
+  state->units.clear();
   for (auto& f : found) {
     if (f->built) {
       f->built->rename(f->name);
-      state->groups.push_back(f->built);
+      state->units.push_back(f->built);
       continue;
     }
     auto g = std::make_shared<Unit>(f->name, std::move(f->params), state, f->unit == nullptr, strategy_of(*f),
                                     precision_of(*f));
     g->init();
-    state->groups.push_back(g);
+    state->units.push_back(g);
     if (f->unit != nullptr) {
-      f->unit->fsdp_attach(g);
+      Access::attach(*f->unit, g);
     } else {
       root_group = g;
     }
