@@ -200,6 +200,9 @@ bool is_fake_backend(const c10d::Backend& backend);
 /// The timeout `pg`'s CPU backend was created with (init_process_group's), else default_timeout().
 std::chrono::milliseconds group_timeout(c10d::ProcessGroup& pg);
 
+/// "0, 1, 2", or for many ranks the first six, the count and the last.
+std::string list_ranks(const std::vector<int>& ranks);
+
 using fsdp::error_text;
 
 }  // namespace detail
