@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 
 #include <arpa/inet.h>
+#include <errno.h>  // program_invocation_short_name (GNU)
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
@@ -21,9 +22,14 @@
 namespace bench {
 namespace {
 
+// This program's name, for its messages ("fsdp_bench", "ckpt_bench").
+const char* program() {
+  return program_invocation_short_name;
+}
+
 int free_port() {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  TORCH_CHECK(fd >= 0, "fsdp_bench: socket() failed");
+  TORCH_CHECK(fd >= 0, program(), ": socket() failed");
   sockaddr_in a{};
   a.sin_family = AF_INET;
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
@@ -32,7 +38,7 @@ int free_port() {
   const bool ok = bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
                   getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0;
   close(fd);
-  TORCH_CHECK(ok, "fsdp_bench: no free port on 127.0.0.1");
+  TORCH_CHECK(ok, program(), ": no free port on 127.0.0.1");
   return ntohs(a.sin_port);
 }
 
@@ -45,8 +51,9 @@ std::string tail(const std::string& path, size_t max_chars = 3000) {
 }
 
 std::string temp_dir() {
-  std::string tmpl = (std::getenv("TMPDIR") ? std::getenv("TMPDIR") : "/tmp") + std::string("/fsdp_bench.XXXXXX");
-  TORCH_CHECK(mkdtemp(tmpl.data()) != nullptr, "fsdp_bench: cannot create a directory under $TMPDIR or /tmp");
+  std::string tmpl =
+      (std::getenv("TMPDIR") ? std::getenv("TMPDIR") : "/tmp") + std::string("/") + program() + ".XXXXXX";
+  TORCH_CHECK(mkdtemp(tmpl.data()) != nullptr, program(), ": cannot create a directory under $TMPDIR or /tmp");
   return tmpl;
 }
 
@@ -55,21 +62,34 @@ std::string temp_dir() {
 std::string self_exe() {
   char buf[4096];
   const ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
-  TORCH_CHECK(n > 0, "fsdp_bench: cannot read /proc/self/exe");
+  TORCH_CHECK(n > 0, program(), ": cannot read /proc/self/exe");
   return std::string(buf, static_cast<size_t>(n));
 }
 
-std::vector<Report> launch(const Launch& l, const std::string& progress) {
-  const std::string dir = temp_dir();
+namespace {
+
+// One run's files: each rank's report ("{out}"), log (stderr, and stdout unless kept apart) and,
+// with `split_stdout`, stdout.
+struct RankFiles {
+  std::string dir;
+  std::vector<std::string> outs, logs, stdouts;
+};
+
+// Starts the ranks, waits for them under the deadline and throws (every rank stopped, its output
+// shown) when one fails; the files stay on disk for the caller to read and remove.
+RankFiles run_ranks(const Launch& l, const std::string& progress, bool split_stdout) {
+  RankFiles files;
+  files.dir = temp_dir();
   const std::string port = std::to_string(free_port());
   std::vector<pid_t> pids;
-  std::vector<std::string> outs, logs;
   for (int r = 0; r < l.world_size; ++r) {
-    outs.push_back(dir + "/rank" + std::to_string(r) + ".report");
-    logs.push_back(dir + "/rank" + std::to_string(r) + ".log");
+    const std::string base = files.dir + "/rank" + std::to_string(r);
+    files.outs.push_back(base + ".report");
+    files.logs.push_back(base + ".log");
+    if (split_stdout) files.stdouts.push_back(base + ".stdout");
     std::vector<std::string> args = l.argv;
     for (auto& a : args) {
-      if (a == "{out}") a = outs.back();
+      if (a == "{out}") a = files.outs.back();
     }
     const pid_t parent = getpid();
     const pid_t pid = fork();
@@ -78,7 +98,7 @@ std::vector<Report> launch(const Launch& l, const std::string& progress) {
         kill(p, SIGKILL);
         waitpid(p, nullptr, 0);
       }
-      TORCH_CHECK(false, "fsdp_bench: fork failed for rank ", r, " of ", l.label);
+      TORCH_CHECK(false, program(), ": fork failed for rank ", r, " of ", l.label);
     }
     if (pid == 0) {
       // A rank never outlives the driver (killed by a timeout, Ctrl-C): it would hold memory and ports.
@@ -90,10 +110,12 @@ std::vector<Report> launch(const Launch& l, const std::string& progress) {
       setenv("MASTER_ADDR", "127.0.0.1", 1);
       setenv("MASTER_PORT", port.c_str(), 1);
       setenv("OMP_NUM_THREADS", std::to_string(l.threads_per_rank).c_str(), 1);
-      // The rank's output goes to its log, never into the driver's stdout (the table or JSON).
-      const int fd = open(logs.back().c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-      if (fd < 0 || dup2(fd, 1) < 0 || dup2(fd, 2) < 0) _exit(126);
+      // The rank's output goes to its files, never into the driver's stdout (the table or JSON).
+      const int fd = open(files.logs.back().c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      const int out = split_stdout ? open(files.stdouts.back().c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644) : fd;
+      if (fd < 0 || out < 0 || dup2(out, 1) < 0 || dup2(fd, 2) < 0) _exit(126);
       close(fd);
+      if (out != fd) close(out);
       std::vector<char*> cargs;
       cargs.reserve(args.size() + 1);
       for (auto& a : args) cargs.push_back(a.data());
@@ -140,21 +162,47 @@ std::vector<Report> launch(const Launch& l, const std::string& progress) {
   if (!failure.empty()) {
     if (tty) std::fprintf(stderr, "\n");
     std::ostringstream msg;
-    msg << "fsdp_bench: " << l.label << ": " << failure << ". Output of each rank:\n";
-    for (int r = 0; r < l.world_size; ++r) msg << "--- rank " << r << " (" << logs[r] << ")\n" << tail(logs[r]) << "\n";
+    msg << program() << ": " << l.label << ": " << failure << ". Output of each rank:\n";
+    for (int r = 0; r < l.world_size; ++r) {
+      msg << "--- rank " << r << " (" << files.logs[r] << ")\n" << tail(files.logs[r]) << "\n";
+      if (split_stdout) msg << "--- rank " << r << " stdout\n" << tail(files.stdouts[r]) << "\n";
+    }
     TORCH_CHECK(false, msg.str());
   }
   std::fprintf(stderr, tty ? "\r%s %s  %6.1f s\n" : "%s %s done in %.1f s\n", progress.c_str(), l.label.c_str(),
                elapsed());
-  std::vector<Report> reports;
-  reports.reserve(outs.size());
-  for (const auto& o : outs) reports.push_back(read_report(o));
-  for (int r = 0; r < l.world_size; ++r) {
-    std::remove(outs[r].c_str());
-    std::remove(logs[r].c_str());
+  return files;
+}
+
+void remove_files(const RankFiles& files) {
+  for (const auto* list : {&files.outs, &files.logs, &files.stdouts}) {
+    for (const auto& f : *list) std::remove(f.c_str());
   }
-  rmdir(dir.c_str());
+  rmdir(files.dir.c_str());
+}
+
+}  // namespace
+
+std::vector<Report> launch(const Launch& l, const std::string& progress) {
+  const RankFiles files = run_ranks(l, progress, /*split_stdout=*/false);
+  std::vector<Report> reports;
+  reports.reserve(files.outs.size());
+  for (const auto& o : files.outs) reports.push_back(read_report(o));
+  remove_files(files);
   return reports;
+}
+
+std::vector<std::string> launch_stdout(const Launch& l, const std::string& progress) {
+  const RankFiles files = run_ranks(l, progress, /*split_stdout=*/true);
+  std::vector<std::string> outputs;
+  for (const auto& path : files.stdouts) {
+    std::ifstream f(path);
+    std::stringstream s;
+    s << f.rdbuf();
+    outputs.push_back(s.str());
+  }
+  remove_files(files);
+  return outputs;
 }
 
 }  // namespace bench

@@ -12,6 +12,7 @@
 #include "benchmarks/bench_launch.h"
 #include "benchmarks/bench_report.h"
 #include "benchmarks/bench_run.h"
+#include "benchmarks/fsdp_bench_flags.h"
 #include "examples/cli.h"
 #include "fsdp/fsdp.h"
 
@@ -24,14 +25,9 @@
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
-#include <optional>
-#include <sstream>
 #include <stdexcept>
 #include <thread>
 
-#ifndef FSDP_BENCH_PYTHON
-#define FSDP_BENCH_PYTHON ""
-#endif
 #ifndef FSDP_BENCH_FSDP2_SCRIPT
 #define FSDP_BENCH_FSDP2_SCRIPT "benchmarks/fsdp2_gpt.py"
 #endif
@@ -41,148 +37,8 @@
 
 namespace {
 
-struct Args {
-  bench::RunOptions run;
-  std::vector<int> world_sizes = {1, 2, 4};  // and 8 where it fits (8 cores or more, and memory)
-  bool world_sizes_given = false;
-  std::vector<std::string> strategies = {"full", "grad-op", "optimizer", "replicate", "hybrid"};
-  /// fp32, and mixed precision's param_dtype (bf16, fp16; fp32 master weights): each strategy at
-  /// each world size in each, side by side (strategies that refuse mixed precision are left out).
-  std::vector<std::string> precisions = {"fp32"};
-  bool precisions_given = false;
-  bool fsdp2 = true;
-  std::string python = FSDP_BENCH_PYTHON;
-  bool json = false;
-  std::string out, plot;
-  int run_timeout_s = 0;  // wall clock per run; 0: 900 s, or 3600 s simulated (70B at 1024 ranks: 29 minutes here)
-  bool simulate = false;
-  std::vector<std::string> sim_models = {"7b", "70b"};
-  std::vector<int> sim_world_sizes = {8, 64, 1024};
-  std::string worker;  // "" | "rank" | "sim": this process is one rank of a run
-  std::string report;  // worker: where to write the report
-};
-
-[[noreturn]] void usage(const std::string& error) {
-  std::cerr
-      << "fsdp_bench: " << error << "\n"
-      << "usage: fsdp_bench [--json] [--out FILE.json] [--plot FILE.svg] [--world-sizes 1,2,4]\n"
-      << "                  [--strategies full,grad-op,optimizer,replicate,hybrid] [--shard-group-size S]\n"
-      << "                  [--precisions fp32,bf16,fp16 | --mixed-precision bf16]\n"
-      << "                  [--n-layer 16] [--n-head 8] [--n-embd 512] [--block-size 64] [--batch-size 8]\n"
-      << "                  [--steps 4] [--seed 1] [--prefetch 1] [--bucket-mb 25] [--build-sharded]\n"
-      << "                  [--no-fsdp2] [--python PYTHON] [--run-timeout SECONDS] [--timeout SECONDS]\n"
-      << "       fsdp_bench --simulate [--sim-models 7b,70b] [--sim-world-sizes 8,64,1024] [--json] [--out FILE]\n"
-      << "  Every strategy at every world size (ranks on this machine, Gloo over loopback), then PyTorch's FSDP2\n"
-      << "  (fully_shard, the same model) at the same world sizes (default 1,2,4, and 8 with 8 cores or more\n"
-      << "  where memory allows). --batch-size is global (rows of --block-size\n"
-      << "  tokens); the first of --steps warms up. --json prints the rows as JSON instead of the table.\n"
-      << "  --simulate: rank 0 of N over a process group that communicates nothing; per-rank memory of large\n"
-      << "  GPTs where it fits this machine, the formulas alone where it does not.\n"
-      << "  --run-timeout: wall-clock limit of each run (default 900 s, 3600 s with --simulate), then its ranks\n"
-      << "  are stopped. --timeout: every rank's collective timeout, fractions allowed (default: the library's,\n"
-      << "  $FSDP_TIMEOUT or 600 s; PyTorch's for FSDP2).\n";
-  std::exit(2);
-}
-
-template <typename T>
-std::vector<T> split(const std::string& v, T (*conv)(const std::string&)) {
-  std::vector<T> out;
-  std::stringstream s(v);
-  std::string item;
-  while (std::getline(s, item, ',')) out.push_back(conv(item));
-  if (out.empty()) throw std::invalid_argument("empty list");
-  return out;
-}
-int to_int(const std::string& s) {
-  return std::stoi(s);
-}
-std::string to_str(const std::string& s) {
-  return s;
-}
-
-Args parse(int argc, char** argv) {
-  Args a;
-  // The default model: about 50M parameters, so that every run fits this 2-core machine.
-  a.run.model.n_layer = 16;
-  a.run.model.n_head = 8;
-  a.run.model.n_embd = 512;
-  a.run.batch_size = 8;
-  a.run.steps = 4;
-  a.run.seed = 1;
-  for (int i = 1; i < argc; ++i) {
-    const std::string k = argv[i];
-    if (k == "--help" || k == "-h") usage("help");
-    if (k == "--json" || k == "--no-fsdp2" || k == "--simulate") {
-      (k == "--json" ? a.json : k == "--simulate" ? a.simulate : a.fsdp2) = k != "--no-fsdp2";
-      continue;
-    }
-    // The value of a flag; never the next flag (a negative number has one dash).
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc || std::string(argv[i + 1]).rfind("--", 0) == 0) usage("missing value after " + k);
-      return argv[++i];
-    };
-    try {
-      // The flags shared with train_gpt: examples/run_flags.h.
-      if (cli::parse_run_flag(k, value, a.run)) continue;
-      if (k == "--world-sizes")
-        a.world_sizes = split<int>(value(), to_int), a.world_sizes_given = true;
-      else if (k == "--strategies")
-        a.strategies = split<std::string>(value(), to_str);
-      else if (k == "--precisions")
-        a.precisions = split<std::string>(value(), to_str), a.precisions_given = true;
-      else if (k == "--python")
-        a.python = value();
-      else if (k == "--out")
-        a.out = value();
-      else if (k == "--plot")
-        a.plot = value();
-      else if (k == "--run-timeout")
-        a.run_timeout_s = static_cast<int>(cli::parse_int(k, value(), 1, int64_t{30} * 86400));
-      else if (k == "--sim-models")
-        a.sim_models = split<std::string>(value(), to_str);
-      else if (k == "--sim-world-sizes")
-        a.sim_world_sizes = split<int>(value(), to_int);
-      else if (k == "--worker")
-        a.worker = value();
-      else if (k == "--report")
-        a.report = value();
-      else
-        usage("unknown flag " + k);
-    } catch (const std::logic_error&) {
-      usage("bad value for " + k);
-    } catch (const cli::InputError& e) {
-      usage(e.what());
-    }
-  }
-  for (const auto& s : a.strategies) {
-    if (gpt::strategy_flags().count(s) == 0) usage("unknown strategy '" + s + "' in --strategies");
-  }
-  // --mixed-precision (train_gpt's flag) is one precision; --precisions several.
-  if (!a.precisions_given && !a.run.mixed_precision.empty()) a.precisions = {a.run.mixed_precision};
-  for (const auto& p : a.precisions) {
-    if (p != "fp32" && p != "bf16" && p != "fp16")
-      usage("unknown precision '" + p + "' in --precisions (fp32, bf16, fp16)");
-  }
-  for (int n : a.world_sizes) {
-    if (n < 1) usage("--world-sizes must be positive");
-    const int S = a.run.shard_group_size;
-    if (S > 0 && std::count(a.strategies.begin(), a.strategies.end(), "hybrid") > 0 && n % std::min(S, n) != 0) {
-      usage("--shard-group-size " + std::to_string(S) + " does not divide world size " + std::to_string(n) +
-            " (hybrid's groups must tile the ranks)");
-    }
-  }
-  for (int n : a.sim_world_sizes) {
-    if (n < 1) usage("--sim-world-sizes must be positive");
-  }
-  if (a.run_timeout_s == 0) a.run_timeout_s = a.simulate ? 3600 : 900;
-  try {
-    cli::check_run_flags(a.run);
-  } catch (const cli::InputError& e) {
-    usage(e.what());
-  }
-  if (a.run.steps < 2 && a.worker.empty()) usage("--steps must be at least 2 (the first warms up)");
-  return a;
-}
+using bench::Args;
+using bench::usage;
 
 /// Model arguments shared by both workers (the C++ worker takes the run's own flags too).
 std::vector<std::string> model_args(const Args& a) {
@@ -474,7 +330,7 @@ int run_worker(const Args& a) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const Args a = parse(argc, argv);
+  const Args a = bench::parse(argc, argv);
   try {
     if (!a.worker.empty()) return run_worker(a);
     std::vector<bench::Row> rows;

@@ -1,5 +1,5 @@
-// Command-line helpers shared by train_gpt and fsdp_bench: strict number parsing (the whole string,
-// a range, finite), the exit statuses, and JSON numbers that stay JSON when they are not finite.
+// Command-line helpers shared by train_gpt and the benchmarks: strict number parsing (the whole
+// string, a range, finite), the exit statuses, and JSON numbers that stay JSON when they are not finite.
 #pragma once
 
 #include <cerrno>
@@ -10,6 +10,7 @@
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace cli {
 
@@ -41,6 +42,21 @@ inline int64_t parse_int(const std::string& flag, const std::string& v, int64_t 
   const long long n = std::strtoll(v.c_str(), &end, 10);
   if (errno != 0 || *end != '\0' || n < lo || n > hi) bad_value(flag, v, expected);
   return n;
+}
+
+/// A comma-separated list of whole numbers, each as parse_int takes it ("1,2,4"); never empty, no
+/// empty item.
+inline std::vector<int64_t> parse_int_list(const std::string& flag, const std::string& v, int64_t lo,
+                                           int64_t hi = std::numeric_limits<int64_t>::max()) {
+  std::vector<int64_t> out;
+  for (size_t at = 0;;) {
+    const size_t comma = v.find(',', at);
+    const std::string item = v.substr(at, comma == std::string::npos ? std::string::npos : comma - at);
+    if (item.empty()) bad_value(flag, v, "a comma-separated list of whole numbers");
+    out.push_back(parse_int(flag, item, lo, hi));
+    if (comma == std::string::npos) return out;
+    at = comma + 1;
+  }
 }
 
 /// A whole non-negative decimal integer up to 2^64 - 1 (a seed).

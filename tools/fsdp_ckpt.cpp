@@ -169,11 +169,22 @@ int consolidate_command(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  const char* const usage =
+      "usage: fsdp-ckpt inspect DIR | fsdp-ckpt verify DIR |\n"
+      "       fsdp-ckpt consolidate DIR OUT [--max-shard-bytes N] [--optimizer]\n"
+      "  inspect: what was saved; verify: every file and checksum (exit status 1 on any fault);\n"
+      "  consolidate: Hugging Face-style safetensors files in the new directory OUT.\n"
+      "  DIR is a checkpoint directory, or a root with a `latest` pointer.\n";
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--help" || std::string(argv[i]) == "-h") {
+      std::cout << usage;
+      return 0;
+    }
+  }
   const std::string cmd = argc > 1 ? argv[1] : "";
   const bool ok = (argc == 3 && (cmd == "inspect" || cmd == "verify")) || (argc >= 4 && cmd == "consolidate");
   if (!ok) {
-    std::cerr << "usage: fsdp-ckpt inspect DIR | fsdp-ckpt verify DIR |\n"
-                 "       fsdp-ckpt consolidate DIR OUT [--max-shard-bytes N] [--optimizer]\n";
+    std::cerr << usage;
     return kUsage;
   }
   try {
