@@ -32,7 +32,9 @@ using Metadata = std::map<std::string, std::string>;
 struct SaveOptions {
   /// The training step, recorded in the manifest; the default name is step_name(step).
   TORCH_ARG(int64_t, step) = 0;
-  /// The checkpoint's directory name under the root (default "step-NNNNNN"). Must not exist yet.
+  /// The checkpoint's directory name under the root (default "step-NNNNNN"). A committed checkpoint
+  /// of that name is refused while `latest` names it, and replaced otherwise (a resumed job saving
+  /// a step again; docs/checkpoint-format.md, "Commit").
   TORCH_ARG(std::string, name) = "";
   /// Keep only the newest K committed checkpoints under the root after this one (0: keep all).
   TORCH_ARG(int, keep_last) = 0;

@@ -52,10 +52,9 @@ std::vector<std::string> entries(const std::string& dir) {
   return out;
 }
 
-void remove_tree(const std::string& path) {
-  auto rm = [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); };
-  FSDP_CHECK(::nftw(path.c_str(), rm, 16, FTW_DEPTH | FTW_PHYS) == 0 || errno == ENOENT,
-             "fsdp::checkpoint: cannot remove '", path, "': ", system_error());
+// remove_tree, or an error naming the path.
+void remove_or_throw(const std::string& path) {
+  FSDP_CHECK(remove_tree(path), "fsdp::checkpoint: cannot remove '", path, "': ", system_error());
 }
 
 void make_dirs(const std::string& path) {
@@ -101,7 +100,7 @@ std::string begin_staging(const std::string& root, const std::string& name) {
   for (const auto& e : entries(root)) {
     if (e.rfind(kStagingPrefix, 0) == 0 || e.rfind(kReplacedPrefix, 0) == 0 ||
         e == std::string(".") + kLatest + ".tmp") {
-      remove_tree(root + "/" + e);
+      remove_or_throw(root + "/" + e);
     }
   }
   // A committed checkpoint of this name that `latest` names is refused; one it does not name (a
@@ -166,7 +165,7 @@ std::string commit(const std::string& root, const std::string& staging, const st
   fsync_path(root);
   detail::crash_point("directory-renamed", 0);
   write_atomically(root, kLatest, name + "\n");
-  if (replacing) remove_tree(replaced);
+  if (replacing) remove_or_throw(replaced);
   return final_dir;
 }
 
@@ -213,9 +212,14 @@ void keep_last(const std::string& root, int keep) {
   auto all = committed_checkpoints(root);
   const auto excess = static_cast<int64_t>(all.size()) - keep;
   for (int64_t i = 0; i < excess; ++i) {
-    if (all[i] != latest) remove_tree(all[i]);
+    if (all[i] != latest) remove_or_throw(all[i]);
   }
   if (!all.empty()) fsync_path(root);
+}
+
+bool remove_tree(const std::string& path) {
+  auto rm = [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); };
+  return ::nftw(path.c_str(), rm, 16, FTW_DEPTH | FTW_PHYS) == 0 || errno == ENOENT;
 }
 
 }  // namespace fsdp::checkpoint

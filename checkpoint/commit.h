@@ -53,6 +53,11 @@ std::vector<std::string> committed_checkpoints(const std::string& root);
 /// Removes committed checkpoints beyond the newest `keep` (never the one `latest` names).
 void keep_last(const std::string& root, int keep);
 
+/// Removes `path` and everything below it, links as links; nothing if it is missing. False (errno
+/// set) when something could not be removed. (Not std::filesystem::remove_all: the torch wheel's
+/// libtorch.so exports a copy of it that crashed when the loader bound that one.)
+bool remove_tree(const std::string& path);
+
 /// "step-000100": the default name of the checkpoint of a step.
 std::string step_name(int64_t step);
 

@@ -53,12 +53,6 @@ std::string shard_name(const std::string& kind, size_t i, size_t n) {
   return buf;
 }
 
-void remove_tree(const std::string& path) {
-  ::nftw(
-      path.c_str(), [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); }, 16,
-      FTW_DEPTH | FTW_PHYS);
-}
-
 class Consolidator {
  public:
   Consolidator(const Manifest& m) : m_(m), fds_(m.files.size(), -1), buf_(new uint8_t[kPiece]) {}
@@ -181,7 +175,7 @@ ConsolidateResult consolidate(const std::string& checkpoint, const std::string& 
     fsync_path(parent);
     for (const auto& n : names) result.files.push_back(out + "/" + n);
   } catch (...) {
-    remove_tree(tmp);
+    (void)remove_tree(tmp);  // the error being thrown says more than a failed clean-up
     throw;
   }
   return result;

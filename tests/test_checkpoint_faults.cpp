@@ -254,7 +254,7 @@ void check_faults(Rank& r) {
         << staging;
   }
   barrier();
-  if (r.rank == 0) remove_tree(root);
+  if (r.rank == 0) ASSERT_TRUE(remove_tree(root));
 }
 
 TEST(CheckpointLoad, EachFaultItsOwnErrorOnEveryRankAndTheModelUntouched) {

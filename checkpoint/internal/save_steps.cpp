@@ -80,6 +80,11 @@ PreparedSave prepare_save(const std::string& root, const FSDPModule& model, cons
   p.options = options;
   FSDP_CHECK(options.io_threads() >= 1, "SaveOptions::io_threads is ", options.io_threads(),
              ": give at least 1 thread.");
+  FSDP_CHECK(options.block_bytes() > 0,
+             "SaveOptions::block_bytes is 0: each tensor's checksum is taken per block "
+             "of that many bytes; give a positive size (the default is 1 MiB).");
+  FSDP_CHECK(options.keep_last() >= 0, "SaveOptions::keep_last is ", options.keep_last(),
+             ": give the number of newest checkpoints to keep, or 0 to keep all.");
   // An optimizer the format cannot hold is refused before anything is on disk.
   const std::string type = opt != nullptr ? detail::optimizer_type(*opt, "fsdp::checkpoint::save") : "";
   auto add = [&](const std::string& key, int64_t b, int64_t e, const at::Tensor& data) {
