@@ -180,7 +180,9 @@ std::vector<ShardSpec> FSDPModule::shard_specs() const {
   state.for_each_unit([&](const detail::Unit& g) {
     FSDP_CHECK_IN(g.error_context("fsdp::shard_specs"), !g.is_unsharded(), "fsdp::shard_specs (", state.comm.where(),
                   "): unit '", g.label(),
-                  "' is unsharded (inside its forward or backward); ask for the shard contract between steps.");
+                  "' is unsharded (inside its forward or backward); ask for the shard contract between steps. (A "
+                  "backward that threw leaves its units so until the next forward of the model, which clears what it "
+                  "left: run one, or restart from the last checkpoint.)");
     const int S = static_cast<int>(g.shard_world_size());
     for (const auto& s : g.slots()) {
       ShardSpec p;

@@ -111,11 +111,11 @@ void refuse_when_sharded(const std::shared_ptr<detail::Unit>& unit, const std::s
                          const char* setting) {
   if (!unit) return;
   detail::explained_check(*unit, [&] {
-    FSDP_CHECK(false, "fsdp (rank ", unit->state().comm.rank(), "): ", call, " on unit '", unit->label(),
-               "', which is sharded already (", has,
-               "). Call it before fsdp::fully_shard; a unit built inside an fsdp::ShardingScope is sharded as it "
-               "is built: give the ",
-               setting, " to the scope's options.");
+    FSDP_CHECK_IN(unit->error_context(call), false, "fsdp (rank ", unit->state().comm.rank(), "): ", call, " on unit '",
+                  unit->label(), "', which is sharded already (", has,
+                  "). Call it before fsdp::fully_shard; a unit built inside an fsdp::ShardingScope is sharded as it "
+                  "is built: give the ",
+                  setting, " to the scope's options.");
   });
 }
 }  // namespace

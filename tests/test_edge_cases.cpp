@@ -162,6 +162,18 @@ TEST(EdgeCases, BlockCalledAroundItsWrapper) {
     EXPECT_NE(msg.find("Call the handle itself: model(x)"), std::string::npos) << msg;
     // The handle still works, with nothing left half done by the refused call.
     EXPECT_EQ(model(idx).sizes(), (std::vector<int64_t>{2, kCfg.block_size, kCfg.vocab_size}));
+    // The module given to fully_shard, called itself (the program kept its pointer): refused at
+    // its first unit, under NoGradGuard too (it would compute on the root's shards).
+    auto held = std::make_shared<UnevenMLPImpl<true>>();
+    auto wrapped = fsdp::fully_shard(held, r.pg, test_options());
+    const auto in = torch::randn({2, 7});
+    {
+      torch::NoGradGuard no_grad;
+      msg = error_of([&] { held->forward(in); });
+    }
+    EXPECT_NE(msg.find("unit 'fc1' ran its forward outside the wrapped model's forward"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("Call the handle itself: model(x)"), std::string::npos) << msg;
+    EXPECT_EQ(wrapped(in).sizes(), (std::vector<int64_t>{2, 3}));
     // The model's forward calls ln->LayerNormImpl::forward: LibTorch's error on the shard's shape,
     // with the library's hint naming the unit and the remedy.
     auto direct = fsdp::fully_shard(std::make_shared<CallsImplForwardImpl>(), r.pg, test_options());

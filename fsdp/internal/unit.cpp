@@ -167,12 +167,18 @@ void Unit::reshard() {
 }
 
 void Unit::pre_forward() {
-  const bool direct = run_->direct_access > 0 && !run_->in_root_forward;
+  // A unit's forward belongs inside the handle's: called around it, the root's own parameters are
+  // its shards (a silently wrong result under NoGradGuard) and nothing is prepared for backward.
+  const bool outside = !run_->in_root_forward;
+  const bool direct = outside && run_->direct_access > 0;
   run_->access_error_explained = direct;  // said here: no second hint as the error leaves the handle
-  FSDP_CHECK_IN(error_context(), !direct, "fsdp (rank ", run_->comm.rank(), "): unit '", label(),
-                "' ran its forward inside a call through the handle's operator-> (such as model->forward(x)), which "
-                "calls the module's own forward around the wrapper: the root's parameters stay sharded and nothing "
-                "is prepared for backward. Call the handle itself: model(x) or model.forward(x).");
+  FSDP_CHECK_IN(error_context(), !outside, "fsdp (rank ", run_->comm.rank(), "): unit '", label(), "' ran its forward ",
+                direct ? "inside a call through the handle's operator-> (such as model->forward(x)), which calls the "
+                         "module's own forward around the wrapper"
+                       : "outside the wrapped model's forward: the module given to fsdp::fully_shard (or one of its "
+                         "units) was called itself, net(x), net->forward(x) or (*model).forward(x), around the wrapper",
+                ": the root's parameters stay sharded and nothing is prepared for backward. Call the handle itself: "
+                "model(x) or model.forward(x).");
   unshard();
   run_->after_unit_unsharded(*this, /*backward=*/false);
   run_->sample_state();

@@ -137,9 +137,10 @@ std::shared_ptr<Unit> shard_model(const std::shared_ptr<torch::nn::Module>& root
       auto* u = dynamic_cast<ShardedUnit*>(kv.value().get());
       if (u != nullptr && u->is_sharded()) {
         const std::shared_ptr<Unit>& sharded = Access::unit(*u);
-        FSDP_CHECK(scope_state != nullptr, "fsdp::fully_shard (rank ", state->comm.rank(), "): module '", name,
-                   "' is already sharded: either the model was wrapped before (wrap a model once) or it was "
-                   "built inside an fsdp::ShardingScope (then wrap it with fsdp::fully_shard(model, scope)).");
+        FSDP_CHECK_IN(state->comm.error_context("fsdp::fully_shard").unit(name), scope_state != nullptr,
+                      "fsdp::fully_shard (rank ", state->comm.rank(), "): module '", name,
+                      "' is already sharded: either the model was wrapped before (wrap a model once) or it was "
+                      "built inside an fsdp::ShardingScope (then wrap it with fsdp::fully_shard(model, scope)).");
         FSDP_CHECK(&sharded->state() == state.get(), "fsdp::fully_shard (rank ", state->comm.rank(), "): module '",
                    name, "' was sharded by another ShardingScope or model; build and wrap a model within one scope.");
         found.push_back(std::make_unique<Found>(Found{name, u, {}, sharded}));
