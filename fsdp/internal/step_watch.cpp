@@ -2,44 +2,53 @@
 
 #include "fsdp/internal/check.h"
 
-#include <ATen/ops/cat.h>
-#include <ATen/ops/isnan.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cstring>
 
 namespace fsdp::detail {
 namespace {
 
 constexpr int64_t kSample = 16;  // values of the watched gradient compared
 
-// The first `n` values of `t`, copied.
-at::Tensor sample_of(const at::Tensor& t, int64_t n = kSample) {
-  const at::Tensor flat = t.detach().reshape({-1});
-  return flat.narrow(0, 0, std::min<int64_t>(n, flat.numel())).clone();
-}
-
-// The first values of every parameter with elements on this rank, in one tensor.
-at::Tensor sample_of(const std::vector<at::Tensor>& params) {
-  std::vector<at::Tensor> parts;
-  for (const auto& p : params) {
-    if (p.numel() > 0) parts.push_back(sample_of(p, 4).to(at::kFloat));
+// The bytes of the first `n` elements of `t`, appended to `out`: read in place from a contiguous
+// CPU tensor, else through a small host copy.
+void append_bytes(const at::Tensor& t, int64_t n, std::vector<uint8_t>& out) {
+  const int64_t k = std::min<int64_t>(n, t.numel());
+  if (k <= 0) return;
+  const size_t bytes = static_cast<size_t>(k) * t.element_size();
+  const size_t at = out.size();
+  out.resize(at + bytes);
+  if (t.is_cpu() && t.is_contiguous()) {
+    std::memcpy(out.data() + at, t.data_ptr(), bytes);
+  } else {
+    const at::Tensor host = t.detach().reshape({-1}).narrow(0, 0, k).contiguous().cpu();
+    std::memcpy(out.data() + at, host.data_ptr(), bytes);
   }
-  return parts.empty() ? at::Tensor() : at::cat(parts);
 }
 
-// Bit for bit the same values (NaN for NaN).
-bool same_values(const at::Tensor& a, const at::Tensor& b) {
-  return (a.eq(b) | (a.isnan() & b.isnan())).all().item<bool>();
+std::vector<uint8_t> sample_of(const at::Tensor& grad) {
+  std::vector<uint8_t> out;
+  append_bytes(grad, kSample, out);
+  return out;
+}
+
+// The first values of every parameter with elements on this rank.
+std::vector<uint8_t> sample_of(const std::vector<at::Tensor>& params) {
+  std::vector<uint8_t> out;
+  for (const auto& p : params) append_bytes(p, 4, out);
+  return out;
 }
 
 }  // namespace
 
 void StepWatch::after_backward(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params,
                                bool holds_unsynced_grads) {
-  params_ = holds_unsynced_grads ? sample_of(params) : at::Tensor();
+  params_.reset();
+  if (holds_unsynced_grads) params_ = sample_of(params);
   grad_ = at::Tensor();
-  sample_ = at::Tensor();
+  sample_.clear();
   if (warned_ || watched_ >= kWatchedSteps) return;
   const at::Tensor* smallest = nullptr;
   for (const auto& g : grads) {
@@ -59,14 +68,15 @@ void StepWatch::rescaled_by_library() {
 int64_t StepWatch::vote(const std::vector<at::Tensor>& params, bool holds_unsynced_grads) {
   int64_t v = 0;
   if (grad_.defined()) {
-    const at::Tensor now = sample_of(grad_);
-    // Zeroed in place (zero_grad(false)) is no rescaling.
-    if (!same_values(now, sample_) && now.any().item<bool>()) v |= kRescaled;
+    const std::vector<uint8_t> now = sample_of(grad_);
+    // Bit for bit (a NaN stays equal to itself); zeroed in place (zero_grad(false)) is no rescaling.
+    const bool zeroed = std::all_of(now.begin(), now.end(), [](uint8_t b) { return b == 0; });
+    if (now != sample_ && !zeroed) v |= kRescaled;
     grad_ = at::Tensor();
-    sample_ = at::Tensor();
+    sample_.clear();
   }
-  if (holds_unsynced_grads && params_.defined() && !same_values(sample_of(params), params_)) v |= kSteppedUnsynced;
-  params_ = at::Tensor();
+  if (holds_unsynced_grads && params_ && sample_of(params) != *params_) v |= kSteppedUnsynced;
+  params_.reset();
   return v;
 }
 

@@ -18,6 +18,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -47,8 +48,12 @@ class StepWatch {
   static constexpr int kWatchedSteps = 16;
 
  private:
-  at::Tensor grad_, sample_;  // the watched gradient and a copy of its first values
-  at::Tensor params_;         // unsynced gradients wait: the first values of every parameter
+  // Samples are host bytes, not tensors: taking them allocates nothing through the CPU allocator
+  // whose counts the memory statistics and their tests read.
+  using Bytes = std::vector<uint8_t>;
+  at::Tensor grad_;              // the watched gradient
+  Bytes sample_;                 // ... its first values
+  std::optional<Bytes> params_;  // unsynced gradients wait: the first values of every parameter
   int watched_ = 0;
   bool warned_ = false;
 };
