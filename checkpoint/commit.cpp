@@ -1,7 +1,7 @@
 #include "checkpoint/commit.h"
-#include "fsdp/internal/check.h"
 
 #include "checkpoint/internal/crash_point.h"
+#include "fsdp/internal/check.h"
 
 #include <c10/util/Exception.h>
 

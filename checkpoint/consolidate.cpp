@@ -1,9 +1,9 @@
 #include "checkpoint/consolidate.h"
-#include "fsdp/internal/check.h"
 
 #include "checkpoint/commit.h"
 #include "checkpoint/manifest.h"
 #include "checkpoint/safetensors.h"
+#include "fsdp/internal/check.h"
 
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>

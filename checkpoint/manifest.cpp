@@ -1,10 +1,10 @@
 #include "checkpoint/manifest.h"
-#include "fsdp/internal/check.h"
 
 #include "checkpoint/commit.h"
 #include "checkpoint/internal/crc32c.h"
 #include "checkpoint/internal/manifest_builder.h"
 #include "checkpoint/safetensors.h"
+#include "fsdp/internal/check.h"
 
 #include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>

@@ -1,10 +1,10 @@
 #include "checkpoint/safetensors.h"
-#include "fsdp/internal/check.h"
 
 #include "checkpoint/commit.h"
 #include "checkpoint/internal/crash_point.h"
 #include "checkpoint/internal/crc32c.h"
 #include "checkpoint/internal/parallel_io.h"
+#include "fsdp/internal/check.h"
 
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>

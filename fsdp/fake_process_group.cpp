@@ -1,7 +1,7 @@
 #include "fsdp/fake_process_group.h"
-#include "fsdp/internal/check.h"
 
 #include "fsdp/env.h"
+#include "fsdp/internal/check.h"
 #include "fsdp/internal/comm.h"
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>

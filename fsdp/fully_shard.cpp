@@ -1,7 +1,7 @@
 #include "fsdp/fully_shard.h"
-#include "fsdp/internal/check.h"
 
 #include "fsdp/internal/access.h"
+#include "fsdp/internal/check.h"
 #include "fsdp/internal/run_state.h"
 #include "fsdp/internal/unit.h"
 #include "fsdp/internal/wrap.h"

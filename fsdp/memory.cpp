@@ -1,6 +1,6 @@
 #include "fsdp/memory.h"
-#include "fsdp/internal/check.h"
 
+#include "fsdp/internal/check.h"
 #include "fsdp/internal/cuda_backend.h"
 
 #include <c10/core/Allocator.h>

@@ -1,6 +1,6 @@
 #include "fsdp/sharded.h"
-#include "fsdp/internal/check.h"
 
+#include "fsdp/internal/check.h"
 #include "fsdp/internal/run_state.h"
 #include "fsdp/internal/unit.h"
 

@@ -1,7 +1,7 @@
 #include "fsdp/sharding_scope.h"
-#include "fsdp/internal/check.h"
 
 #include "fsdp/internal/access.h"
+#include "fsdp/internal/check.h"
 #include "fsdp/internal/options_check.h"
 #include "fsdp/internal/wrap.h"
 

@@ -1,7 +1,7 @@
 #include "checkpoint/internal/manifest_builder.h"
-#include "fsdp/internal/check.h"
 
 #include "checkpoint/manifest.h"
+#include "fsdp/internal/check.h"
 #include "fsdp_version.h"
 
 #include <c10/util/Exception.h>

@@ -1,8 +1,8 @@
 #include "checkpoint/internal/parallel_io.h"
-#include "fsdp/internal/check.h"
 
 #include "checkpoint/internal/crash_point.h"
 #include "checkpoint/safetensors.h"
+#include "fsdp/internal/check.h"
 
 #include <c10/util/Exception.h>
 

@@ -1,7 +1,7 @@
 #include "checkpoint/internal/reader.h"
-#include "fsdp/internal/check.h"
 
 #include "checkpoint/internal/parallel_io.h"
+#include "fsdp/internal/check.h"
 
 #include "checkpoint/safetensors.h"
 

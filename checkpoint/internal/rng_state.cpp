@@ -1,7 +1,7 @@
 #include "checkpoint/internal/rng_state.h"
-#include "fsdp/internal/check.h"
 
 #include "checkpoint/internal/crc32c.h"
+#include "fsdp/internal/check.h"
 
 #include <ATen/Context.h>
 #include <ATen/core/Generator.h>

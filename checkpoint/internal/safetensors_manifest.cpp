@@ -1,7 +1,7 @@
 #include "checkpoint/internal/safetensors_manifest.h"
-#include "fsdp/internal/check.h"
 
 #include "checkpoint/safetensors.h"
+#include "fsdp/internal/check.h"
 
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>

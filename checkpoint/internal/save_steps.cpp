@@ -1,5 +1,4 @@
 #include "checkpoint/internal/save_steps.h"
-#include "fsdp/internal/check.h"
 
 #include "checkpoint/commit.h"
 #include "checkpoint/internal/crash_point.h"
@@ -9,6 +8,7 @@
 #include "checkpoint/manifest.h"
 #include "checkpoint/plan.h"
 #include "checkpoint/safetensors.h"
+#include "fsdp/internal/check.h"
 
 #include <c10/util/Exception.h>
 

@@ -1,7 +1,7 @@
 #include "fsdp/internal/comm.h"
-#include "fsdp/internal/check.h"
 
 #include "fsdp/env.h"
+#include "fsdp/internal/check.h"
 
 #include "fsdp/internal/foreign_errors.h"
 #include "fsdp/internal/monitor.h"

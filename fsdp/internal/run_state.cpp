@@ -1,6 +1,6 @@
 #include "fsdp/internal/run_state.h"
-#include "fsdp/internal/check.h"
 
+#include "fsdp/internal/check.h"
 #include "fsdp/internal/model_check.h"
 #include "fsdp/internal/unit.h"
 #include "fsdp/process_group.h"

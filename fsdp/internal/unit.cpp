@@ -1,6 +1,6 @@
 #include "fsdp/internal/unit.h"
-#include "fsdp/internal/check.h"
 
+#include "fsdp/internal/check.h"
 #include "fsdp/internal/gather.h"
 #include "fsdp/internal/run_state.h"
 

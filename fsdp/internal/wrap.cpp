@@ -1,5 +1,4 @@
 #include "fsdp/internal/wrap.h"
-#include "fsdp/internal/check.h"
 
 #include "fsdp/internal/access.h"
 #include "fsdp/internal/check.h"
