@@ -47,9 +47,8 @@ struct AsyncSaver::Impl {
   // waits for before it reads the snapshot.
   std::shared_ptr<c10::Event> copied;
   std::thread worker;
-  bool started = false;  // a save was started and wait()/save() has not collected it
-  std::string what;      // "the save of 'root/name'", for errors
-  bool report = true;    // false: its error was thrown by save() already (a failed preparation)
+  std::string what;    // "the save of 'root/name'", for errors
+  bool report = true;  // false: its error was thrown by save() already (a failed preparation)
   std::exception_ptr error;
   SaveResult result;
   std::atomic<bool> done{false};  // the background thread has ended
@@ -70,7 +69,6 @@ struct AsyncSaver::Impl {
   // Waits for the save in flight; returns its error (reported or not), leaving none behind.
   std::exception_ptr collect(bool& reportable) {
     if (worker.joinable()) worker.join();
-    started = false;
     reportable = report;
     std::exception_ptr e = error;
     error = nullptr;
@@ -88,13 +86,13 @@ struct AsyncSaver::Impl {
       // rank's previous save is still being written is agreed on the caller's thread, over the
       // model's group (where this call sits between steps, like a synchronous save).
       const bool busy = detail::Group::of(model).agree(
-          "fsdp::checkpoint::AsyncSaver::save: is a save still being written", started && running());
-      FSDP_CHECK(!busy, who, ": ", started ? what : std::string("the previous save"),
+          "fsdp::checkpoint::AsyncSaver::save: is a save still being written", running());
+      FSDP_CHECK(!busy, who, ": ", started() ? what : std::string("the previous save"),
                  " is still being written on this rank or another, and this saver does not wait "
                  "(AsyncSaveOptions::wait_if_busy(false)): nothing was started on any rank; call save() again "
                  "later, or wait() first.");
     }
-    if (started) {
+    if (started()) {
       bool reportable = true;
       const std::exception_ptr e = collect(reportable);
       out.waited_seconds = since(t0);
@@ -115,7 +113,6 @@ struct AsyncSaver::Impl {
     what = "the save of '" + root + "/" + p->name + "'";
     result = SaveResult();  // wait() returns this save's result, never an earlier one
     report = failed == nullptr;
-    started = true;
     done = false;
     worker = std::thread([this, p, failed, copied = copied] {
       try {
@@ -189,14 +186,16 @@ struct AsyncSaver::Impl {
     }
   }
 
-  bool running() const { return worker.joinable() && !done.load(); }
+  // A save was started and wait() or save() has not collected it (joined its thread).
+  bool started() const { return worker.joinable(); }
+  bool running() const { return started() && !done.load(); }
 };
 
 AsyncSaver::AsyncSaver(const FSDPModule& model, const AsyncSaveOptions& options)
     : impl_(std::make_unique<Impl>(model, options)) {}
 
 AsyncSaver::~AsyncSaver() {
-  if (!impl_ || !impl_->started) return;
+  if (!impl_ || !impl_->started()) return;
   bool reportable = true;
   const std::exception_ptr e = impl_->collect(reportable);
   if (e && reportable) {
@@ -215,7 +214,7 @@ AsyncSaveStarted AsyncSaver::save(const std::string& root, const torch::optim::O
 }
 
 SaveResult AsyncSaver::wait() {
-  if (impl_->started) {
+  if (impl_->started()) {
     bool reportable = true;
     const std::exception_ptr e = impl_->collect(reportable);
     FSDP_CHECK(!e || !reportable, "fsdp::checkpoint::AsyncSaver::wait (rank ", impl_->model.rank(), " of ",
@@ -225,7 +224,7 @@ SaveResult AsyncSaver::wait() {
 }
 
 bool AsyncSaver::in_flight() const {
-  return impl_->started;
+  return impl_->started();
 }
 
 bool AsyncSaver::writing() const {

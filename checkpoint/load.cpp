@@ -133,7 +133,7 @@ struct OptimizerPlan {
 
 // Checks the saved optimizer against `opt` (type, param groups by parameter name, state names)
 // and adds the state tensors to `wanted`. Nothing of the optimizer changes.
-OptimizerPlan plan_optimizer(const Manifest& m, const FSDPModule& model, const torch::optim::Optimizer& opt,
+OptimizerPlan plan_optimizer(const Manifest& m, const std::vector<ShardSpec>& specs, const torch::optim::Optimizer& opt,
                              std::vector<Wanted>& wanted) {
   OptimizerPlan plan;
   plan.type = detail::optimizer_type(opt, "fsdp::checkpoint::load");
@@ -141,7 +141,6 @@ OptimizerPlan plan_optimizer(const Manifest& m, const FSDPModule& model, const t
              "' was saved without an optimizer: load the model alone (fsdp::checkpoint::load(path, model)).");
   FSDP_CHECK(m.optimizer.type == plan.type, "checkpoint '", m.dir, "' holds ", m.optimizer.type,
              " state, but the optimizer is ", plan.type, ": load it into the optimizer type it was saved from.");
-  const auto specs = model.shard_specs();
   std::map<const void*, const ShardSpec*> by_param;
   for (const auto& s : specs) by_param[s.local.unsafeGetTensorImpl()] = &s;
   const auto& groups = opt.param_groups();
@@ -286,7 +285,8 @@ LoadResult load_checkpoint(const std::string& path, FSDPModule& model, torch::op
       m = read_manifest(resolve_checkpoint(path));
     }
     std::vector<Wanted> wanted;
-    for (const ShardSpec& s : model.shard_specs()) {
+    const std::vector<ShardSpec> specs = model.shard_specs();  // the model's and the optimizer's
+    for (const ShardSpec& s : specs) {
       wanted.push_back({"model/" + s.name, "parameter", s.dtype, s.global_shape, s.row_begin, s.row_end, s.local});
     }
     for (const auto& kv : model.named_buffers()) {
@@ -297,7 +297,7 @@ LoadResult load_checkpoint(const std::string& path, FSDPModule& model, torch::op
     // The model first: a different model is reported as one, not as its optimizer's groups.
     auto targets = match(m, wanted, options.strict(), "");
     std::vector<Wanted> more;
-    if (opt != nullptr) optim = plan_optimizer(m, model, *opt, more);
+    if (opt != nullptr) optim = plan_optimizer(m, specs, *opt, more);
     if (options.rng_states()) rng = plan_rng(m, rank, more);
     for (auto& t : match(m, more, /*strict=*/false, "")) targets.push_back(std::move(t));
     reader = std::make_unique<detail::ShardReader>(m, std::move(targets));

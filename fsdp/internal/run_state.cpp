@@ -106,12 +106,22 @@ void RunState::finalize_backward() {
   // What the program does with the gradients and parameters until the next forward (step_watch.h):
   // the sharded gradients of units sharded over more than one rank (a replicated unit's gradient
   // is whole, and a per-rank norm of it is the global one).
-  std::vector<at::Tensor> grads;
-  for_each_unit([&](const Unit& u) {
-    if (u.shard_world_size() < 2) return;
-    for (const auto& s : u.slots()) grads.push_back(u.shard_grad(s));
-  });
-  watch.after_backward(grads, parameters(), units_holding_unsynced_grads().first > 0);
+  auto sharded_grads = [this] {
+    std::vector<at::Tensor> grads;
+    for_each_unit([&](const Unit& u) {
+      if (u.shard_world_size() < 2) return;
+      for (const auto& s : u.slots()) grads.push_back(u.shard_grad(s));
+    });
+    return grads;
+  };
+  watch.after_backward(
+      sharded_grads, [this] { return parameters(); }, holds_unsynced_grads());
+}
+
+bool RunState::holds_unsynced_grads() const {
+  bool any = false;
+  for_each_unit([&](const Unit& u) { any = any || u.holds_unsynced_grads(); });
+  return any;
 }
 
 std::vector<at::Tensor> RunState::parameters() const {
@@ -235,12 +245,14 @@ void RunState::begin_forward() {
   check_not_broken();
   ++forwards_;
   const bool grad = c10::GradMode::is_enabled();
-  const auto [unsynced, names] = units_holding_unsynced_grads();
   const std::vector<int64_t> votes = check_boundary(
       Call::kForward, Fingerprint().add(forwards_).add(grad ? 1 : 0),
       "forward #" + std::to_string(forwards_) + " of the wrapped model (" + (grad ? "gradients on" : "no grad") + ")",
-      watch.vote(parameters(), unsynced > 0));
-  watch.act(votes, comm.where(), std::to_string(unsynced) + " unit(s) (" + names + ")");
+      watch.vote([this] { return parameters(); }, holds_unsynced_grads()));
+  watch.act(votes, comm.where(), [this] {
+    const auto [count, names] = units_holding_unsynced_grads();
+    return std::to_string(count) + " unit(s) (" + names + ")";
+  });
   recording_.clear();
   named_error = nullptr;
   unit_output_dtypes = 0;

@@ -61,6 +61,8 @@ class RunState : public std::enable_shared_from_this<RunState> {
   /// The units holding gradients accumulated with sync off: how many, and "'h.0', 'h.1', 'h.2' and
   /// 5 more" (empty if none).
   std::pair<size_t, std::string> units_holding_unsynced_grads() const;
+  /// Whether any unit holds them (no names: for every step's checks).
+  bool holds_unsynced_grads() const;
   /// What the program does between a backward and the next forward (step_watch.h); the library's
   /// own rescaling of the gradients (clipping, the scaler) tells it.
   StepWatch watch;

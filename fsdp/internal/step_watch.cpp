@@ -43,15 +43,15 @@ std::vector<uint8_t> sample_of(const std::vector<at::Tensor>& params) {
 
 }  // namespace
 
-void StepWatch::after_backward(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params,
-                               bool holds_unsynced_grads) {
+void StepWatch::after_backward(const Tensors& grads, const Tensors& params, bool holds_unsynced_grads) {
   params_.reset();
-  if (holds_unsynced_grads) params_ = sample_of(params);
+  if (holds_unsynced_grads) params_ = sample_of(params());
   grad_ = at::Tensor();
   sample_.clear();
   if (warned_ || watched_ >= kWatchedSteps) return;
+  const std::vector<at::Tensor> sharded = grads();
   const at::Tensor* smallest = nullptr;
-  for (const auto& g : grads) {
+  for (const auto& g : sharded) {
     if (!g.defined() || g.numel() == 0 || !g.has_storage()) continue;
     if (smallest == nullptr || g.storage().nbytes() < smallest->storage().nbytes()) smallest = &g;
   }
@@ -65,7 +65,7 @@ void StepWatch::rescaled_by_library() {
   if (grad_.defined()) sample_ = sample_of(grad_);
 }
 
-int64_t StepWatch::vote(const std::vector<at::Tensor>& params, bool holds_unsynced_grads) {
+int64_t StepWatch::vote(const Tensors& params, bool holds_unsynced_grads) {
   int64_t v = 0;
   if (grad_.defined()) {
     const std::vector<uint8_t> now = sample_of(grad_);
@@ -75,12 +75,13 @@ int64_t StepWatch::vote(const std::vector<at::Tensor>& params, bool holds_unsync
     grad_ = at::Tensor();
     sample_.clear();
   }
-  if (holds_unsynced_grads && params_ && sample_of(params) != *params_) v |= kSteppedUnsynced;
+  if (holds_unsynced_grads && params_ && sample_of(params()) != *params_) v |= kSteppedUnsynced;
   params_.reset();
   return v;
 }
 
-void StepWatch::act(const std::vector<int64_t>& votes, const std::string& where, const std::string& pending) {
+void StepWatch::act(const std::vector<int64_t>& votes, const std::string& where,
+                    const std::function<std::string()>& pending) {
   int64_t all = 0;
   std::string rescaled_on;
   for (size_t r = 0; r < votes.size(); ++r) {
@@ -97,8 +98,9 @@ void StepWatch::act(const std::vector<int64_t>& votes, const std::string& where,
                "fsdp::optim::clip_grad_norm(model, max_norm), which computes the global norm over every rank ",
                "(docs/usage.md, 'Clipping'). Warned once.");
   }
-  FSDP_CHECK((all & kSteppedUnsynced) == 0, "fsdp (", where, "): the parameters were written (an optimizer step?) ",
-             "after a backward with gradient sync off, while ", pending,
+  if ((all & kSteppedUnsynced) == 0) return;
+  FSDP_CHECK(false, "fsdp (", where, "): the parameters were written (an optimizer step?) ",
+             "after a backward with gradient sync off, while ", pending(),
              " hold gradients accumulated without sync and never reduced: the step did not see those micro-batches. "
              "Turn sync back on before the backward of the last micro-batch of each step: "
              "model.set_requires_gradient_sync(true); to drop them on purpose, call "

@@ -30,18 +30,21 @@ class StepWatch {
   static constexpr int64_t kRescaled = 1;         ///< a gradient was rescaled in place by the program
   static constexpr int64_t kSteppedUnsynced = 2;  ///< parameters written while unsynced gradients wait
 
+  /// Lists of tensors, asked for only when they are read: most steps watch nothing, and a step's
+  /// hot path should not build them.
+  using Tensors = std::function<std::vector<at::Tensor>()>;
+
   /// At the end of a backward: `grads`, the sharded gradients that exist now (one is watched: the one
   /// whose storage is smallest, so that keeping it until the next forward costs least), and, when
   /// units hold unsynced gradients, a few values of each of `params`.
-  void after_backward(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params,
-                      bool holds_unsynced_grads);
+  void after_backward(const Tensors& grads, const Tensors& params, bool holds_unsynced_grads);
   /// The library rescaled the gradients on purpose (clipping, the scaler's unscale_).
   void rescaled_by_library();
   /// At the next forward, before its agreement: this rank's votes. Lets go of the watched gradient.
-  int64_t vote(const std::vector<at::Tensor>& params, bool holds_unsynced_grads);
+  int64_t vote(const Tensors& params, bool holds_unsynced_grads);
   /// After the agreement, with every rank's votes: warns once (kRescaled) or throws (kSteppedUnsynced),
-  /// naming `where` (this rank) and `pending` (the units holding unsynced gradients).
-  void act(const std::vector<int64_t>& votes, const std::string& where, const std::string& pending);
+  /// naming `where` (this rank) and `pending()` (the units holding unsynced gradients).
+  void act(const std::vector<int64_t>& votes, const std::string& where, const std::function<std::string()>& pending);
 
   /// Steps watched for the first habit: its sample is compared at the next forward, which on a
   /// GPU waits for the device, so only the first steps are (a loop clips from its first step).
