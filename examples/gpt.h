@@ -24,12 +24,18 @@ struct Config {
   int64_t n_layer = 4;
   int64_t n_head = 4;
   int64_t n_embd = 128;
-  bool bias = true;  // biases in the blocks' Linear layers (nanoGPT's `bias`)
+  bool bias = true;      // biases in the blocks' Linear layers (nanoGPT's `bias`)
+  double dropout = 0.0;  // on the attention weights and on each residual branch, in training (nanoGPT's)
+  /// Activation checkpointing of every k-th block (k, 2k, ...; 0: none): GPT<true> sets it on the
+  /// units (fsdp::ShardedUnit::set_activation_checkpointing), GPT<false> calls
+  /// fsdp::activation_checkpoint itself, so both compute the same.
+  int64_t checkpoint_every = 0;
 };
 
 struct CausalSelfAttentionImpl : torch::nn::Module {
   explicit CausalSelfAttentionImpl(const Config& c)
       : n_head(c.n_head),
+        dropout(c.dropout),
         c_attn(register_module("c_attn",
                                torch::nn::Linear(torch::nn::LinearOptions(c.n_embd, 3 * c.n_embd).bias(c.bias)))),
         c_proj(
@@ -43,11 +49,13 @@ struct CausalSelfAttentionImpl : torch::nn::Module {
     auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hs)));
     auto mask = torch::ones({T, T}, torch::kBool).tril();
     att = att.masked_fill(mask.logical_not(), -std::numeric_limits<float>::infinity()).softmax(-1);
+    if (dropout > 0) att = torch::dropout(att, dropout, is_training());
     auto y = torch::matmul(att, v).transpose(1, 2).contiguous().view({B, T, C});
     return c_proj(y);
   }
 
   int64_t n_head;
+  double dropout;
   torch::nn::Linear c_attn, c_proj;
 };
 TORCH_MODULE(CausalSelfAttention);
@@ -67,15 +75,18 @@ struct BlockImpl : torch::nn::Module {
       : ln_1(register_module("ln_1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd})))),
         attn(register_module("attn", CausalSelfAttention(c))),
         ln_2(register_module("ln_2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd})))),
-        mlp(register_module("mlp", MLP(c))) {}
+        mlp(register_module("mlp", MLP(c))),
+        dropout(c.dropout) {}
   torch::Tensor forward(torch::Tensor x) {
-    x = x + attn(ln_1(x));
-    return x + mlp(ln_2(x));
+    x = x + residual(attn(ln_1(x)));
+    return x + residual(mlp(ln_2(x)));
   }
+  torch::Tensor residual(const torch::Tensor& y) { return dropout > 0 ? torch::dropout(y, dropout, is_training()) : y; }
   torch::nn::LayerNorm ln_1;
   CausalSelfAttention attn;
   torch::nn::LayerNorm ln_2;
   MLP mlp;
+  double dropout;
 };
 TORCH_MODULE(Block);
 
@@ -94,14 +105,29 @@ struct GPTImpl : torch::nn::Module {
     for (int64_t i = 0; i < c.n_layer; ++i) {
       blocks.emplace_back(c);
       h->push_back(blocks.back().ptr());  // registered as h.<i>; called through `blocks`
+      if constexpr (kSharded) {
+        if (checkpointed(i)) blocks.back()->set_activation_checkpointing(true);
+      }
     }
+  }
+  bool checkpointed(int64_t block) const {
+    return config.checkpoint_every > 0 && (block + 1) % config.checkpoint_every == 0;
   }
 
   /// idx: [B, T] token ids -> logits [B, T, vocab]
   torch::Tensor forward(const torch::Tensor& idx) {
     const int64_t T = idx.size(1);
     auto x = wte(idx) + wpe(torch::arange(T, idx.options()));
-    for (auto& b : blocks) x = b(x);
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      auto& b = blocks[i];
+      if constexpr (!kSharded) {
+        if (checkpointed(static_cast<int64_t>(i)) && is_training()) {
+          x = fsdp::activation_checkpoint([b](const torch::Tensor& in) mutable { return b(in); }, x);
+          continue;
+        }
+      }
+      x = b(x);
+    }
     return lm_head(ln_f(x));
   }
 

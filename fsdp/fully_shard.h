@@ -162,9 +162,7 @@ class FullyShardedModule : public FSDPModule {
       return detail::forward_with_casts(*impl_, casts, std::index_sequence_for<Args...>(), std::forward<Args>(args)...);
     });
     detail::cast_output(out, casts.output);  // mixed precision (fsdp/mixed_precision.h)
-    std::vector<at::Tensor> tensors;
-    detail::collect_tensors(out, tensors);
-    root_post_forward(tensors);
+    root_post_forward(detail::tensors_of(out));
     return out;
   }
   template <typename... Args>

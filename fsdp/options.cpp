@@ -20,6 +20,9 @@ void check_options(const FullyShardOptions& o, const char* caller) {
   FSDP_CHECK_IN(context, o.bucket_bytes() > 0, caller, ": FullyShardOptions::bucket_bytes is ", o.bucket_bytes(),
                 "; replicated units all-reduce their gradients in buckets of that many bytes, so it must be "
                 "positive (PyTorch DDP's default is 25 MiB).");
+  FSDP_CHECK_IN(context, o.activation_checkpointing_every() >= 0, caller,
+                ": FullyShardOptions::activation_checkpointing_every is ", o.activation_checkpointing_every(),
+                "; it checkpoints every k-th unit, so it is 0 (none) or more (1: every unit).");
   FSDP_CHECK_IN(context, o.timeout().count() > 0, caller, ": FullyShardOptions::timeout is ", o.timeout().count(),
                 " ms; it bounds every wait for a collective, so it must be positive (the default is 10 minutes).");
 }

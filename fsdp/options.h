@@ -76,6 +76,13 @@ struct FullyShardOptions {
   /// for each on a CUDA event, the CPU never does. False: every collective on NCCL's own stream
   /// (one queue). Ignored on CPU.
   TORCH_ARG(bool, comm_streams) = true;
+  /// Activation checkpointing (fsdp/activation_checkpoint.h) of every k-th unit: the units that
+  /// contain no other unit, counted in module order from 1, checkpoint when their number is a
+  /// multiple of k (1: every one; 2: the 2nd, 4th, ...). 0 (default): none. A unit's own
+  /// ShardedUnit::set_activation_checkpointing overrides it. A checkpointed unit's forward keeps
+  /// only its inputs and runs again in backward, while the unit is gathered for its backward: the
+  /// collectives stay the same, activation memory drops, each step costs one more forward of it.
+  TORCH_ARG(int, activation_checkpointing_every) = 0;
 
  public:
   /// Before every collective, all ranks first exchange a fingerprint of it (operation, unit, size)

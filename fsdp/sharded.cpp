@@ -40,6 +40,10 @@ void unit_post_forward(Unit& unit, const std::vector<at::Tensor>& outputs) {
   unit.post_forward(outputs);
 }
 
+bool unit_checkpoints_activations(const Unit& unit) {
+  return unit.checkpoints_activations();
+}
+
 void name_unit_in_error(const Unit& unit, const ForwardCasts& casts, c10::Error& e) {
   if (dynamic_cast<const fsdp::Error*>(&e) != nullptr) return;  // the library's own says enough
   RunState& state = unit.state();
@@ -136,6 +140,15 @@ void ShardedUnit::set_mixed_precision(const MixedPrecisionPolicy& policy) {
                         "with " + to_string(fsdp_unit_->mixed_precision()), "policy");
   }
   mixed_precision_ = policy;
+}
+
+void ShardedUnit::set_activation_checkpointing(bool on) {
+  if (fsdp_unit_) {
+    refuse_when_sharded(fsdp_unit_, std::string("set_activation_checkpointing(") + (on ? "true" : "false") + ")",
+                        fsdp_unit_->checkpoints_activations() ? "checkpointed" : "not checkpointed",
+                        "activation_checkpointing_every");
+  }
+  activation_checkpointing_ = on;
 }
 
 }  // namespace fsdp

@@ -12,8 +12,10 @@
 // Before fsdp::fully_shard has seen the model, a ShardedImpl behaves exactly like Impl.
 #pragma once
 
+#include "fsdp/activation_checkpoint.h"
 #include "fsdp/mixed_precision.h"
 #include "fsdp/options.h"
+#include "fsdp/tensor_tree.h"
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
@@ -31,29 +33,10 @@ namespace fsdp {
 
 namespace detail {
 
-// Collects the tensors of a forward's output, to hook the ones that need gradients.
-inline void collect_tensors(const at::Tensor& t, std::vector<at::Tensor>& out) {
-  out.push_back(t);
-}
-inline void collect_tensors(const std::vector<at::Tensor>& ts, std::vector<at::Tensor>& out) {
-  out.insert(out.end(), ts.begin(), ts.end());
-}
-template <typename A, typename B>
-void collect_tensors(const std::pair<A, B>& p, std::vector<at::Tensor>& out);
-template <typename... Ts>
-void collect_tensors(const std::tuple<Ts...>& t, std::vector<at::Tensor>& out) {
-  std::apply([&](const auto&... e) { (collect_tensors(e, out), ...); }, t);
-}
-template <typename A, typename B>
-void collect_tensors(const std::pair<A, B>& p, std::vector<at::Tensor>& out) {
-  collect_tensors(p.first, out);
-  collect_tensors(p.second, out);
-}
-template <typename T, typename = std::enable_if_t<std::is_arithmetic_v<T>>>
-void collect_tensors(const T&, std::vector<at::Tensor>&) {}
-
 class Unit;
 ForwardCasts unit_pre_forward(Unit& unit);
+/// Whether fully_shard made the unit checkpoint its activations.
+bool unit_checkpoints_activations(const Unit& unit);
 void unit_post_forward(Unit& unit, const std::vector<at::Tensor>& outputs);
 /// Adds to an error raised in the unit's forward by LibTorch's operators or the user's code (not
 /// by the library: an fsdp::Error says enough) which unit, rank and dtypes it was, unless an inner
@@ -92,29 +75,50 @@ class ShardedUnit {
   ///   blocks.back()->set_mixed_precision(fsdp::MixedPrecisionPolicy().param_dtype(torch::kBFloat16));
   void set_mixed_precision(const MixedPrecisionPolicy& policy);
   const std::optional<MixedPrecisionPolicy>& mixed_precision() const { return mixed_precision_; }
+  /// Activation checkpointing of this unit (fsdp/activation_checkpoint.h), overriding
+  /// FullyShardOptions::activation_checkpointing_every: its forward keeps no activations and runs
+  /// again in backward, while the unit is gathered for its backward (no extra all-gather). Only
+  /// in training with gradients on (eval and torch::NoGradGuard run it plainly). Set before
+  /// fsdp::fully_shard; before it (or in a model never wrapped) the module checkpoints itself too.
+  /// A unit that contains other units cannot be checkpointed (their forwards would run again in
+  /// backward): checkpoint the inner ones.
+  void set_activation_checkpointing(bool on);
+  const std::optional<bool>& activation_checkpointing() const { return activation_checkpointing_; }
 
  protected:
-  /// Runs `forward` between the unit's pre- and post-forward steps.
-  /// `forward(casts)` casts its floating-point tensor arguments to casts.input (when set).
-  template <typename Fn>
-  auto run_unit(Fn&& forward) {
+  /// Runs `forward(casts, args...)` between the unit's pre- and post-forward steps, checkpointed
+  /// when the unit is (and `training`, with gradients on). `forward` casts its floating-point
+  /// tensor arguments to casts.input (when set).
+  template <typename Fn, typename... Args>
+  auto run_unit(bool training, Fn&& forward, Args&&... args) {
     detail::ForwardCasts casts;
-    if (!fsdp_unit_) return forward(casts);
+    const bool checkpoint = training && c10::GradMode::is_enabled() && checkpoints_activations();
+    auto run = [&] {
+      using Out = std::decay_t<decltype(forward(casts, args...))>;
+      if (!checkpoint) return Out(forward(casts, std::forward<Args>(args)...));
+      // The casts are the recompute's too: copied, as everything the recompute runs.
+      return Out(activation_checkpoint([forward, casts](auto&... a) mutable { return forward(casts, a...); },
+                                       std::forward<Args>(args)...));
+    };
+    if (!fsdp_unit_) return run();
     casts = detail::unit_pre_forward(*fsdp_unit_);
-    auto out = detail::forward_naming_unit(*fsdp_unit_, casts, [&] { return forward(casts); });
+    auto out = detail::forward_naming_unit(*fsdp_unit_, casts, run);
     detail::cast_output(out, casts.output);
-    std::vector<at::Tensor> tensors;
-    detail::collect_tensors(out, tensors);
-    detail::unit_post_forward(*fsdp_unit_, tensors);
+    detail::unit_post_forward(*fsdp_unit_, detail::tensors_of(out));
     return out;
   }
 
   std::shared_ptr<detail::Unit> fsdp_unit_;  // null until sharded (set through detail::Access)
   std::optional<ShardingStrategy> strategy_;
   std::optional<MixedPrecisionPolicy> mixed_precision_;
+  std::optional<bool> activation_checkpointing_;
 
  private:
   friend struct detail::Access;
+  /// Once sharded, what fully_shard resolved for the unit; before, this module's own setting.
+  bool checkpoints_activations() const {
+    return fsdp_unit_ ? detail::unit_checkpoints_activations(*fsdp_unit_) : activation_checkpointing_.value_or(false);
+  }
 };
 
 namespace detail {
@@ -168,11 +172,14 @@ class ShardedImpl : public detail::UnitModule<Impl> {
   using detail::UnitModule<Impl>::UnitModule;
   template <typename... Args>
   auto forward(Args&&... args) {
-    return this->run_unit([&](detail::ForwardCasts& casts) {
-      // Through Impl&: Impl's own forward, not this wrapper's.
-      return detail::forward_with_casts(static_cast<Impl&>(*this), casts, std::index_sequence_for<Args...>(),
-                                        std::forward<Args>(args)...);
-    });
+    return this->run_unit(
+        this->is_training(),
+        [this](detail::ForwardCasts& casts, auto&&... a) {
+          // Through Impl&: Impl's own forward, not this wrapper's.
+          return detail::forward_with_casts(static_cast<Impl&>(*this), casts, std::index_sequence_for<Args...>(),
+                                            std::forward<decltype(a)>(a)...);
+        },
+        std::forward<Args>(args)...);
   }
 };
 
@@ -181,9 +188,12 @@ class ShardedImpl<Impl, R (C::*)(A...)> : public detail::UnitModule<Impl> {
  public:
   using detail::UnitModule<Impl>::UnitModule;
   R forward(A... args) {
-    return this->run_unit([&](detail::ForwardCasts& casts) -> R {
-      return Impl::forward(detail::cast_input<A>(std::forward<A>(args), casts)...);
-    });
+    return this->run_unit(
+        this->is_training(),
+        [this](detail::ForwardCasts& casts, auto&&... a) -> R {
+          return this->Impl::forward(detail::cast_input<A>(std::forward<decltype(a)>(a), casts)...);
+        },
+        std::forward<A>(args)...);
   }
 };
 

@@ -1,5 +1,6 @@
 #include "fsdp/internal/unit.h"
 
+#include "fsdp/activation_checkpoint.h"
 #include "fsdp/internal/check.h"
 #include "fsdp/internal/gather.h"
 #include "fsdp/internal/run_state.h"
@@ -167,6 +168,13 @@ void Unit::reshard() {
 }
 
 void Unit::pre_forward() {
+  // A unit called inside fsdp::activation_checkpoint runs again in backward, where its forward
+  // hooks would gather it a second time outside any forward: the unit itself must be checkpointed.
+  FSDP_CHECK_IN(error_context(), !in_activation_recompute(), "fsdp (rank ", run_->comm.rank(), "): unit '", label(),
+                "' ran its forward in the recompute of an fsdp::activation_checkpoint (in backward). A sharded unit "
+                "cannot be called inside fsdp::activation_checkpoint: checkpoint the unit instead, "
+                "unit->set_activation_checkpointing(true) or FullyShardOptions::activation_checkpointing_every, "
+                "which recomputes it while it is gathered for its backward.");
   // A unit's forward belongs inside the handle's: called around it, the root's own parameters are
   // its shards (a silently wrong result under NoGradGuard) and nothing is prepared for backward.
   const bool outside = !run_->in_root_forward;

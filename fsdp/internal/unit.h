@@ -52,6 +52,10 @@ class Unit : public std::enable_shared_from_this<Unit> {
   /// Until rename: e.g. "BlockImpl #3 (built in a ShardingScope)".
   void set_built_label(std::string label) { built_label_ = std::move(label); }
   bool is_root() const { return is_root_; }
+  /// Activation checkpointing (fsdp/activation_checkpoint.h): its forward keeps no activations and
+  /// is recomputed in backward, once pre_backward has gathered it. Decided by fully_shard.
+  bool checkpoints_activations() const { return checkpoints_activations_; }
+  void set_checkpoints_activations(bool on) { checkpoints_activations_ = on; }
   /// What an error about this unit carries: this rank, `operation`, the unit (fsdp/error.h).
   ErrorContext error_context(const std::string& operation = "") const;
   ShardingStrategy strategy() const { return strategy_; }
@@ -223,6 +227,7 @@ class Unit : public std::enable_shared_from_this<Unit> {
   std::vector<ParamSlot> slots_;
   std::shared_ptr<RunState> run_;
   bool is_root_;
+  bool checkpoints_activations_ = false;
   ShardingStrategy strategy_;
   const StrategyTraits& traits_;
   MixedPrecisionPolicy mp_;

@@ -102,6 +102,7 @@ std::shared_ptr<Unit> shard_model(const std::shared_ptr<torch::nn::Module>& root
     ShardedUnit* unit;
     std::vector<std::pair<std::string, at::Tensor>> params;
     std::shared_ptr<Unit> built;  // sharded while the model was built (ShardingScope)
+    size_t parent = 0;            // the unit containing it (the root: itself)
   };
   std::vector<std::unique_ptr<Found>> found;
   found.push_back(std::make_unique<Found>(Found{"", nullptr, {}, nullptr}));
@@ -142,7 +143,7 @@ std::shared_ptr<Unit> shard_model(const std::shared_ptr<torch::nn::Module>& root
                       "built inside an fsdp::ShardingScope (then wrap it with fsdp::fully_shard(model, scope)).");
         FSDP_CHECK(&sharded->state() == state.get(), "fsdp::fully_shard (rank ", state->comm.rank(), "): module '",
                    name, "' was sharded by another ShardingScope or model; build and wrap a model within one scope.");
-        found.push_back(std::make_unique<Found>(Found{name, u, {}, sharded}));
+        found.push_back(std::make_unique<Found>(Found{name, u, {}, sharded, unit}));
         for (const auto& s : sharded->slots()) {
           claim(s.param, name + "." + s.name, found.size() - 1);
           built_shape[s.param.unsafeGetTensorImpl()] = s.shape;
@@ -154,7 +155,7 @@ std::shared_ptr<Unit> shard_model(const std::shared_ptr<torch::nn::Module>& root
         FSDP_CHECK(!built, "fsdp::fully_shard (rank ", state->comm.rank(), "): unit '", name,
                    "' was built outside the ShardingScope that sharded the unit containing it; build the whole "
                    "model inside the scope.");
-        found.push_back(std::make_unique<Found>(Found{name, u, {}, nullptr}));
+        found.push_back(std::make_unique<Found>(Found{name, u, {}, nullptr, unit}));
         child_unit = found.size() - 1;
       }
       visit(*kv.value(), name, child_unit, built);
@@ -202,16 +203,35 @@ std::shared_ptr<Unit> shard_model(const std::shared_ptr<torch::nn::Module>& root
   if (options.sync_module_states()) broadcast_buffers(state->comm, *root);
   if (hybrid) state->init_hybrid(options.shard_group_size());
 
+  // Activation checkpointing: a unit's own setting, else every k-th unit that contains no other
+  // (a recompute in backward must not run another unit's forward), in module order.
+  std::vector<bool> contains_units(found.size(), false), checkpointed(found.size(), false);
+  for (size_t i = 1; i < found.size(); ++i) contains_units[found[i]->parent] = true;
+  const int every = options.activation_checkpointing_every();
+  int leaf = 0;
+  for (size_t i = 1; i < found.size(); ++i) {
+    const std::optional<bool>& own = found[i]->unit->activation_checkpointing();
+    const bool counted = !contains_units[i] && every > 0 && ++leaf % every == 0;
+    checkpointed[i] = own.value_or(counted);
+    FSDP_CHECK_IN(state->comm.error_context("fsdp::fully_shard").unit(found[i]->name),
+                  !checkpointed[i] || !contains_units[i], "fsdp::fully_shard (rank ", state->comm.rank(), "): unit '",
+                  found[i]->name,
+                  "' has set_activation_checkpointing(true) but contains other units: its recompute in backward "
+                  "would run their forwards again. Checkpoint the units inside it instead.");
+  }
   std::shared_ptr<Unit> root_group;
   state->units.clear();
   for (auto& f : found) {
+    const bool checkpoints = checkpointed[state->units.size()];
     if (f->built) {
       f->built->rename(f->name);
+      f->built->set_checkpoints_activations(checkpoints);
       state->units.push_back(f->built);
       continue;
     }
     auto g = std::make_shared<Unit>(f->name, std::move(f->params), state, f->unit == nullptr, strategy_of(*f),
                                     precision_of(*f));
+    g->set_checkpoints_activations(checkpoints);
     g->init();
     state->units.push_back(g);
     if (f->unit != nullptr) {
