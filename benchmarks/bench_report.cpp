@@ -151,8 +151,9 @@ std::string to_json(const std::vector<Row>& rows) {
       << ", \"construction_peak_bytes\": " << val(r.construction_peak_bytes)
       << ",\n  \"state_bytes_at_step\": " << val(r.state_bytes_at_step)
       << ", \"state_bytes_peak\": " << val(r.state_bytes_peak) << ", \"cached_bytes\": " << val(r.cached_bytes)
-      << ", \"cached_cap_bytes\": " << val(r.cached_cap_bytes) << ", \"formula_at_step\": " << val(r.formula_at_step)
-      << ", \"formula_peak\": " << val(r.formula_peak)
+      << ", \"cached_cap_bytes\": " << val(r.cached_cap_bytes) << ", \"other_bytes_peak\": " << val(r.other_bytes_peak)
+      << ", \"activation_checkpointing\": " << r.activation_checkpointing
+      << ", \"formula_at_step\": " << val(r.formula_at_step) << ", \"formula_peak\": " << val(r.formula_peak)
       << ", \"formula_at_step_text\": " << str(formula_text(r.strategy, false))
       << ", \"formula_peak_text\": " << str(formula_text(r.strategy, true, r.precision))
       << ", \"precision\": " << str(r.precision) << ",\n  \"step_ms\": " << val(r.step_ms)

@@ -29,6 +29,11 @@ struct Row {
   double comm_elements = -1, comm_formula = 0, comm_expected = -1;
   double loss = 0;
   double collective_timeout_s = -1;  ///< the ranks' collective timeout (fsdp_bench --timeout), largest
+  /// --activation-checkpointing K (every K-th block; 0: none), the same for every row of a run.
+  int activation_checkpointing = 0;
+  /// The step's peak minus the model state's peak and the library's buffers: a lower bound of the
+  /// activations and temporaries at the peak (the state may be below its own peak then).
+  double other_bytes_peak = -1;
 };
 
 void print_table(const std::vector<Row>& rows);

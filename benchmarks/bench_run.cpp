@@ -152,6 +152,9 @@ Report run_rank(const RunOptions& o, const c10::intrusive_ptr<c10d::ProcessGroup
   r["cached_bytes"] = cached;
   r["cached_cap_bytes"] = static_cast<double>(model.buffer_cache_stats().cap_bytes);
   r["peak_rss_bytes"] = static_cast<double>(peak_rss_bytes());
+  // What is neither model state nor the library's buffers: activations and temporaries (at least).
+  r["other_bytes_peak"] = peak - state_peak - cached;
+  r["activation_checkpointing"] = static_cast<double>(o.model.checkpoint_every);
   return r;
 }
 

@@ -107,6 +107,8 @@ def main():
     for k, v in [("n-layer", 16), ("n-head", 8), ("n-embd", 512), ("block-size", 64), ("vocab-size", 256),
                  ("batch-size", 8), ("steps", 4), ("seed", 1)]:
         ap.add_argument("--" + k, type=int, default=v)
+    ap.add_argument("--activation-checkpointing", type=int, default=0,
+                    help="torch.utils.checkpoint (non-reentrant) on every K-th block; 0: none")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--reshard-after-forward", type=int, default=1)
     ap.add_argument("--counting-lib")
@@ -137,6 +139,14 @@ def main():
     if a.mixed_precision:
         mp = MixedPrecisionPolicy(param_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[a.mixed_precision],
                                   reduce_dtype=torch.float32)
+    # Activation checkpointing as torchtitan applies it: blocks k, 2k, ... wrapped in the
+    # non-reentrant torch.utils.checkpoint before fully_shard (the wrapper is the FSDP unit).
+    k = a.activation_checkpointing
+    if k > 0:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+        for i in range(len(model.h)):
+            if (i + 1) % k == 0:
+                model.h[i] = checkpoint_wrapper(model.h[i])
     for block in model.h:
         fully_shard(block, mesh=mesh, reshard_after_forward=bool(a.reshard_after_forward), mp_policy=mp)
     fully_shard(model, mesh=mesh, reshard_after_forward=bool(a.reshard_after_forward), mp_policy=mp)
@@ -178,7 +188,7 @@ def main():
     report = {
         "params": psi, "step_ms": sum(times) / len(times), "peak_bytes": max(peaks),
         "peak_rss_bytes": status_bytes("VmHWM"), "base_rss_bytes": base_rss, "state_bytes_at_step": state,
-        "loss": loss.item(),
+        "loss": loss.item(), "activation_checkpointing": a.activation_checkpointing,
         "collective_timeout_s": (timeout or default_pg_timeout).total_seconds(),
     }
     with open(a.report, "w") as f:  # fsdp_bench's report format: one "name value" line each

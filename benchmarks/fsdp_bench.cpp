@@ -43,10 +43,16 @@ using bench::usage;
 /// Model arguments shared by both workers (the C++ worker takes the run's own flags too).
 std::vector<std::string> model_args(const Args& a) {
   const auto& m = a.run.model;
-  return {"--n-layer",    std::to_string(m.n_layer),        "--n-head",     std::to_string(m.n_head),
-          "--n-embd",     std::to_string(m.n_embd),         "--block-size", std::to_string(m.block_size),
-          "--batch-size", std::to_string(a.run.batch_size), "--steps",      std::to_string(a.run.steps),
-          "--seed",       std::to_string(a.run.seed)};
+  std::vector<std::string> out = {
+      "--n-layer",    std::to_string(m.n_layer),        "--n-head",     std::to_string(m.n_head),
+      "--n-embd",     std::to_string(m.n_embd),         "--block-size", std::to_string(m.block_size),
+      "--batch-size", std::to_string(a.run.batch_size), "--steps",      std::to_string(a.run.steps),
+      "--seed",       std::to_string(a.run.seed)};
+  if (m.checkpoint_every > 0) {  // C++ and FSDP2 alike: every K-th block
+    out.emplace_back("--activation-checkpointing");
+    out.push_back(std::to_string(m.checkpoint_every));
+  }
+  return out;
 }
 
 /// --timeout for the ranks, C++ and Python alike, when one was given.
@@ -90,6 +96,8 @@ bench::Row aggregate(const std::string& impl, const std::string& strategy, const
   r.comm_expected = largest("comm_expected");
   r.loss = reports.front().count("loss") ? reports.front().at("loss") : 0;
   r.collective_timeout_s = largest("collective_timeout_s");
+  r.other_bytes_peak = largest("other_bytes_peak");
+  r.activation_checkpointing = static_cast<int>(std::max(0.0, largest("activation_checkpointing")));
   const double param_bytes = precision == "fp32" ? 4 : 2;
   r.formula_at_step = bench::formula_at_step(strategy, m, N, S);
   r.formula_peak = bench::formula_peak(strategy, m, N, S, param_bytes);

@@ -19,6 +19,7 @@ const char* const kUsage =
     "                  [--precisions fp32,bf16,fp16 | --mixed-precision bf16]\n"
     "                  [--n-layer 16] [--n-head 8] [--n-embd 512] [--block-size 64] [--batch-size 8]\n"
     "                  [--steps 4] [--seed 1] [--prefetch 1] [--bucket-mb 25] [--build-sharded]\n"
+    "                  [--activation-checkpointing [K]]\n"
     "                  [--no-fsdp2] [--python PYTHON] [--run-timeout SECONDS] [--timeout SECONDS]\n"
     "       fsdp_bench --simulate [--sim-models 7b,70b] [--sim-world-sizes 8,64,1024] [--json] [--out FILE]\n"
     "  Every strategy at every world size (ranks on this machine, Gloo over loopback), then PyTorch's FSDP2\n"
@@ -30,6 +31,8 @@ const char* const kUsage =
     "  --run-timeout: wall-clock limit of each run (default 900 s, 3600 s with --simulate), then its ranks\n"
     "  are stopped. --timeout: every rank's collective timeout, fractions allowed (default: the library's,\n"
     "  $FSDP_TIMEOUT or 600 s; PyTorch's for FSDP2).\n"
+    "  --activation-checkpointing [K]: every K-th block (default every one) recomputes its forward in\n"
+    "  backward; FSDP2 gets torch.utils.checkpoint (non-reentrant) on the same blocks.\n"
     "  Exit status: 0 done, 2 bad flags, 1 a run that failed.\n";
 
 // A comma-separated list of world sizes.
@@ -83,7 +86,8 @@ Args parse(int argc, char** argv) {
     };
     try {
       // The flags shared with train_gpt: examples/run_flags.h.
-      if (cli::parse_run_flag(k, value, a.run)) continue;
+      auto has_value = [&] { return i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0; };
+      if (cli::parse_run_flag(k, value, a.run, has_value)) continue;
       if (k == "--world-sizes")
         a.world_sizes = int_list(k, value()), a.world_sizes_given = true;
       else if (k == "--strategies")

@@ -28,6 +28,7 @@ struct RunFlags {
   bool build_sharded = false;       // shard each block while it is built (fsdp::ShardingScope)
   std::optional<double> timeout_s;  // collective timeout; unset: the library's default
   std::string mixed_precision;      // "" (fp32), "bf16" or "fp16": the units' param_dtype, fp32 master weights
+  // --activation-checkpointing [K]: every K-th block recomputes its forward in backward (model.checkpoint_every).
 };
 
 /// The policy --mixed-precision names (fsdp/mixed_precision.h): compute and all-gather in bf16 or
@@ -40,12 +41,17 @@ inline fsdp::MixedPrecisionPolicy mixed_precision_policy(const RunFlags& f) {
 }
 
 /// Takes `flag` when it is one of RunFlags' (its value from `value()`, which the program gives;
-/// --build-sharded takes none) and returns true; false for any other flag.
-inline bool parse_run_flag(const std::string& flag, const std::function<std::string()>& value, RunFlags& f) {
+/// --build-sharded takes none, --activation-checkpointing an optional one: `has_value()` says
+/// whether the next argument is a value) and returns true; false for any other flag.
+inline bool parse_run_flag(
+    const std::string& flag, const std::function<std::string()>& value, RunFlags& f,
+    const std::function<bool()>& has_value = [] { return false; }) {
   constexpr int64_t kIntMax = INT_MAX;
   const std::string& k = flag;
   if (k == "--build-sharded") {
     f.build_sharded = true;
+  } else if (k == "--activation-checkpointing") {
+    f.model.checkpoint_every = has_value() ? parse_int(k, value(), 1, kIntMax) : 1;
   } else if (k == "--steps") {
     f.steps = parse_int(k, value(), 1);
   } else if (k == "--batch-size") {

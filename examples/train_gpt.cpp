@@ -72,10 +72,11 @@ const char* const kUsage =
     "                 [--no-sync] [--clip MAX_NORM] [--fused] [--json] [--timeout SECONDS]\n"
     "                 [--strategy full|grad-op|optimizer|replicate|hybrid] [--shard-group-size S]\n"
     "                 [--bucket-mb MB] [--build-sharded] [--save-dir DIR [--save-every K] [--resume]]\n"
-    "                 [--mixed-precision bf16|fp16]\n"
+    "                 [--mixed-precision bf16|fp16] [--activation-checkpointing [K]]\n"
     "  --strategy: full sharding (ZeRO-3), SHARD_GRAD_OP (ZeRO-2), optimizer state only (ZeRO-1),\n"
     "  replicated (DDP), or hybrid: full sharding inside groups of S consecutive ranks (default N/2).\n"
     "  --build-sharded: shard each block while the model is built (a model larger than one rank).\n"
+    "  --activation-checkpointing [K]: blocks K, 2K, ... (default every one) recompute their forward in backward.\n"
     "  --batch-size is the global batch: each of the N ranks takes B/N rows of it, in M micro-batches\n"
     "  with --grad-accum M (--no-sync: reduce gradients only after the last one).\n"
     "  --data: a regular file of at most --max-data-mb MiB (default 64), each byte a token.\n"
@@ -120,7 +121,8 @@ Args parse(int argc, char** argv) {
       if (i + 1 >= argc || std::string(argv[i + 1]).rfind("--", 0) == 0) usage_error("missing value after " + k);
       return argv[++i];
     };
-    if (cli::parse_run_flag(k, value, a)) continue;
+    if (cli::parse_run_flag(k, value, a, [&] { return i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0; }))
+      continue;
     if (k == "--lr")
       a.lr = cli::parse_double(k, value(), 0, false);
     else if (k == "--weight-decay")
@@ -328,6 +330,9 @@ int run(const Args& args) {
               << ", strategy " << fsdp::to_string(strategy)
               << (strategy == fsdp::ShardingStrategy::kHybridShard ? " (groups of " + std::to_string(group) + ")" : "")
               << (args.mixed_precision.empty() ? "" : ", mixed precision " + args.mixed_precision + " (fp32 master)")
+              << (args.model.checkpoint_every > 0
+                      ? ", activation checkpointing every " + std::to_string(args.model.checkpoint_every) + " block(s)"
+                      : "")
               << (timeout ? ", timeout " + std::to_string(timeout->count()) + " ms" : "") << "\n";
   }
 
