@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -117,6 +118,24 @@ inline std::string json_string(const std::string& s) {
     }
   }
   return out + "\"";
+}
+
+/// `what` without C++ backtraces: an error that wraps another (c10d's, say) may carry the inner
+/// one's "Exception raised from ..." block of frames; the user needs the message, not the frames.
+inline std::string without_backtrace(const std::string& what) {
+  std::istringstream in(what);
+  std::string line, out;
+  bool frames = false;
+  while (std::getline(in, line)) {
+    if (line.rfind("Exception raised from ", 0) == 0) {
+      frames = true;
+      continue;
+    }
+    if (frames && (line.rfind("frame #", 0) == 0 || line.empty())) continue;
+    frames = false;
+    out += (out.empty() ? "" : "\n") + line;
+  }
+  return out;
 }
 
 }  // namespace cli

@@ -5,7 +5,9 @@
 //
 // Every rank takes its share of each global batch, so the data seen (and the losses printed) do
 // not depend on the number of ranks. --json prints one JSON object per step on rank 0, then one
-// summary object with every rank's memory and mean step time.
+// summary object with every rank's memory and mean step time. A step's peak is split into the model
+// state at its own peak (state_peak_bytes), the library's buffers (buffer_bytes) and the rest
+// (other_bytes: activations and temporaries, at least), each the largest over ranks.
 //
 // Exit status: 0 trained; 2 a bad flag or --data file (nothing trained); 1 anything else, such as
 // a loss or gradient norm that is no longer finite, or an error from the library (a collective
@@ -211,24 +213,6 @@ torch::Tensor load_corpus(const Args& a) {
   return bytes.to(torch::kLong);  // byte-level tokens, vocabulary 256
 }
 
-/// `what` without C++ backtraces: an error that wraps another (c10d's, say) may carry the inner
-/// one's "Exception raised from ..." block of frames; the user needs the message, not the frames.
-std::string without_backtrace(const std::string& what) {
-  std::istringstream in(what);
-  std::string line, out;
-  bool frames = false;
-  while (std::getline(in, line)) {
-    if (line.rfind("Exception raised from ", 0) == 0) {
-      frames = true;
-      continue;
-    }
-    if (frames && (line.rfind("frame #", 0) == 0 || line.empty())) continue;
-    frames = false;
-    out += (out.empty() ? "" : "\n") + line;
-  }
-  return out;
-}
-
 std::string mib(int64_t b) {
   char buf[32];
   std::snprintf(buf, sizeof(buf), "%.2f MiB", static_cast<double>(b) / (1024.0 * 1024.0));
@@ -341,6 +325,7 @@ int run(const Args& args) {
   for (int64_t step = first_step; step < args.steps; ++step) {
     opt->zero_grad();
     fsdp::memory::reset_peak();
+    model.track_state_peak(true);
     const auto t0 = std::chrono::steady_clock::now();
 
     // The global batch of this step, the same on every rank; this rank takes its rows.
@@ -369,14 +354,19 @@ int run(const Args& args) {
     scaler.update();
 
     // Model state at the optimizer step: sharded parameters, gradients, optimizer state.
-    const int64_t state = fsdp::optim::state_bytes(model.parameters(), opt.get()).total();
-    const int64_t peak = fsdp::memory::stats().peak_bytes;
+    const auto at_step = fsdp::optim::state_bytes(model.parameters(), opt.get());
+    const int64_t state = at_step.total(), peak = fsdp::memory::stats().peak_bytes;
+    // The peak split: model state at its own peak, the library's buffers, the rest (activations
+    // and temporaries; a lower bound, as the state may be below its peak at the peak's moment).
+    const int64_t state_peak = std::max(model.state_peak_bytes() + at_step.optimizer, state);
+    const int64_t buffers = model.buffer_cache_stats().cached_bytes;
+    model.track_state_peak(false);
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     if (step > first_step) total_ms += ms;
 
     auto global_loss = loss.detach().to(torch::kDouble).reshape({1});
     fsdp::all_reduce(pg, global_loss);
-    auto mem = torch::tensor({peak, state}, torch::kLong);
+    auto mem = torch::tensor({peak, state, state_peak, buffers, peak - state_peak - buffers}, torch::kLong);
     fsdp::all_reduce(pg, mem, c10d::ReduceOp::MAX);
     last_peak = peak;
     last_state = state;
@@ -384,11 +374,14 @@ int run(const Args& args) {
     if (rank == 0) {
       if (args.json) {
         std::printf(
-            "{\"step\": %lld, \"loss\": %s, \"peak_bytes\": %lld, \"state_bytes\": %lld, "
-            "\"step_ms\": %s, \"world_size\": %d, \"params\": %lld, \"grad_norm\": %s}\n",
+            "{\"step\": %lld, \"loss\": %s, \"peak_bytes\": %lld, \"state_bytes\": %lld, \"state_peak_bytes\": "
+            "%lld, \"buffer_bytes\": %lld, \"other_bytes\": %lld, \"step_ms\": %s, \"world_size\": %d, \"params\": "
+            "%lld, \"grad_norm\": %s}\n",
             static_cast<long long>(step), cli::json_number(l).c_str(), static_cast<long long>(mem[0].item<int64_t>()),
-            static_cast<long long>(mem[1].item<int64_t>()), cli::json_number(ms, "%.3f").c_str(), world,
-            static_cast<long long>(n_params), cli::json_number(grad_norm).c_str());
+            static_cast<long long>(mem[1].item<int64_t>()), static_cast<long long>(mem[2].item<int64_t>()),
+            static_cast<long long>(mem[3].item<int64_t>()), static_cast<long long>(mem[4].item<int64_t>()),
+            cli::json_number(ms, "%.3f").c_str(), world, static_cast<long long>(n_params),
+            cli::json_number(grad_norm).c_str());
       } else {
         std::printf("step %4lld | loss %.4f | grad norm %.4g | %8.1f ms | peak %s | state %s (max over ranks)\n",
                     static_cast<long long>(step), l, grad_norm, ms, mib(mem[0].item<int64_t>()).c_str(),
@@ -489,9 +482,9 @@ int main(int argc, char** argv) {
     if (e.show_usage) std::cerr << kUsage;
     return cli::kUsageExit;
   } catch (const c10::Error& e) {
-    report_error(without_backtrace(e.what_without_backtrace()));
+    report_error(cli::without_backtrace(e.what_without_backtrace()));
   } catch (const std::exception& e) {
-    report_error(without_backtrace(e.what()));
+    report_error(cli::without_backtrace(e.what()));
   } catch (...) {
     report_error("stopped by an unknown exception");
   }
