@@ -3,7 +3,7 @@
 //
 //   build/benchmarks/overhead_bench [--sizes small,1m,4m,350m] [--rounds 20] [--batch-size 4] [--json]
 //                                   [--device cpu|cuda] [--mixed-precision bf16] [--prefetch K]
-//                                   [--peak-tflops F] [--offload]
+//                                   [--peak-tflops F] [--offload] [--activation-checkpointing [K]]
 //
 // --mixed-precision bf16: the wrapped model gathers and computes in bf16 with fp32 master weights
 // (fsdp::MixedPrecisionPolicy); plain LibTorch runs the same fp32 model under autocast to bf16
@@ -73,17 +73,23 @@ int main(int argc, char** argv) try {
   std::string device_name = "cpu", precision = "fp32";
   int prefetch = 1;
   double peak_tflops = 0;
+  int64_t checkpoint_every = 0;  // --activation-checkpointing [K]: plain and wrapped alike
   bool offload = false;
   for (int i = 1; i < argc; ++i) {
     const std::string k = argv[i];
     if (k == "--help" || k == "-h") {
       std::cout << "usage: overhead_bench [--sizes small,1m,4m,350m] [--rounds N] [--batch-size B] [--json]\n"
                    "                      [--device cpu|cuda] [--mixed-precision bf16] [--prefetch K]\n"
-                   "                      [--peak-tflops F] [--offload (cuda)]\n";
+                   "                      [--peak-tflops F] [--offload (cuda)] [--activation-checkpointing [K]]\n";
       return 0;
     }
     if (k == "--json" || k == "--offload") {
       (k == "--json" ? json : offload) = true;
+      continue;
+    }
+    if (k == "--activation-checkpointing") {  // every K-th block, K optional (default every one)
+      const bool value = i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0;
+      checkpoint_every = value ? cli::parse_int(k, argv[++i], 1, 1 << 20) : 1;
       continue;
     }
     if (i + 1 >= argc) throw cli::InputError("missing value after " + k, true);
@@ -130,7 +136,8 @@ int main(int argc, char** argv) try {
   auto pg = fsdp::init_process_group();
   if (json) std::printf("[\n");
   for (size_t n = 0; n < sizes.size(); ++n) {
-    const gpt::Config& cfg = kSizes.at(sizes[n]);
+    gpt::Config cfg = kSizes.at(sizes[n]);
+    cfg.checkpoint_every = checkpoint_every;
     torch::manual_seed(0);
     auto plain = gpt::make_gpt<false>(cfg);
     plain->to(device);
@@ -236,13 +243,13 @@ int main(int argc, char** argv) try {
           "\"wrapped_phases_ms\": [%.4f, %.4f, %.4f], \"plain_tflops\": %.6g, \"wrapped_tflops\": %.6g, "
           "\"plain_mfu\": %s, \"wrapped_mfu\": %s, \"mfu_ratio\": %.4f, \"plain_state_bytes\": %lld, "
           "\"wrapped_state_bytes\": %lld, \"plain_step_peak_bytes\": %lld, \"wrapped_step_peak_bytes\": %lld, "
-          "\"offload\": %s, \"wrapped_device_bytes_between_steps\": %lld}%s\n",
+          "\"offload\": %s, \"wrapped_device_bytes_between_steps\": %lld, \"activation_checkpointing\": %lld}%s\n",
           sizes[n].c_str(), params, rounds, device_name.c_str(), precision.c_str(), prefetch, mp, mf, mf / mp, mf - mp,
           ph[0][0], ph[0][1], ph[0][2], ph[1][0], ph[1][1], ph[1][2], tflops_plain, tflops_wrapped,
           cli::json_number(mfu_plain, "%.4f").c_str(), cli::json_number(mfu_wrapped, "%.4f").c_str(),
           tflops_wrapped / tflops_plain, plain_state, wrapped_state, static_cast<long long>(step_peak[0]),
           static_cast<long long>(step_peak[1]), offload ? "true" : "false", wrapped_device_bytes,
-          n + 1 < sizes.size() ? "," : "");
+          static_cast<long long>(checkpoint_every), n + 1 < sizes.size() ? "," : "");
     } else {
       std::printf(
           "%-6s %9lld params: plain %8.3f ms/step, wrapped %8.3f ms/step, ratio %.3f, %+.3f ms (forward/backward/"

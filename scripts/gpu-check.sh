@@ -17,6 +17,8 @@
 #                     collectives on the side streams and on NCCL's stream, CPU offload against none
 #   2 overhead        a 406M-parameter GPT, wrapped vs plain LibTorch, fp32 and bf16 (ratio, MFU)
 #   3 prefetch        the same in bf16 with prefetch 0 and 1 (step time ratio)
+#   3b checkpointed   the same in bf16 with every block's activations checkpointed (peak and step
+#                     time against overhead_bf16, where nothing is checkpointed)
 #   4 simulated       rank 0 of 8, 64 and 1024 for a 7B model over the fake process group, against the formulas
 #   5 offload         the same GPT in bf16 with CPUOffloadPolicy and FusedAdamW on the CPU: step time
 #                     against plain LibTorch on the GPU, device bytes between steps, step peak
@@ -85,6 +87,9 @@ part overhead_bf16 300 "$BUILD/benchmarks/overhead_bench" --device $DEVICE --siz
 # shellcheck disable=SC2086
 part prefetch0_bf16 300 "$BUILD/benchmarks/overhead_bench" --device $DEVICE --sizes $SIZE --rounds $ROUNDS --json \
   --mixed-precision bf16 --prefetch 0 $PEAK
+# shellcheck disable=SC2086
+part checkpointed_bf16 300 "$BUILD/benchmarks/overhead_bench" --device $DEVICE --sizes $SIZE --rounds $ROUNDS --json \
+  --mixed-precision bf16 --activation-checkpointing $PEAK
 if [ "$GPU" = 1 ] && [ "$QUICK" = 0 ]; then
   part simulated 600 "$BUILD/benchmarks/fsdp_bench" --simulate --sim-models 7b --sim-world-sizes 8,64,1024 --json
 else
@@ -145,6 +150,15 @@ if bf16 and pf0:
                            "off_over_on": pf0[0]["wrapped_ms"] / bf16[0]["wrapped_ms"]}
     if not gpu:
         summary["prefetch"]["note"] = "no GPU: two separate CPU runs of a few rounds, not comparable"
+ck = rows("checkpointed_bf16")
+if bf16 and ck:
+    summary["activation_checkpointing"] = {
+        "params": ck[0]["params"], "step_ms_off": bf16[0]["wrapped_ms"], "step_ms_every_block": ck[0]["wrapped_ms"],
+        "step_on_over_off": ck[0]["wrapped_ms"] / bf16[0]["wrapped_ms"],
+        "step_peak_bytes_off": bf16[0]["wrapped_step_peak_bytes"],
+        "step_peak_bytes_every_block": ck[0]["wrapped_step_peak_bytes"],
+        "peak_on_over_off": ck[0]["wrapped_step_peak_bytes"] / max(bf16[0]["wrapped_step_peak_bytes"], 1),
+        "plain_libtorch_peak_on_over_off": ck[0]["plain_step_peak_bytes"] / max(bf16[0]["plain_step_peak_bytes"], 1)}
 off = rows("offload")
 if off:
     r = off[0]
