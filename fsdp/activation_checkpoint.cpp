@@ -19,6 +19,8 @@
 #include <torch/csrc/autograd/engine.h>
 
 #include <mutex>
+#include <sstream>
+#include <string>
 #include <utility>
 
 namespace fsdp::detail {
@@ -72,6 +74,7 @@ struct Recompute : torch::CustomClassHolder {
   RandomState random;
   AutocastState autocast;
   std::vector<std::vector<int64_t>> output_shapes;
+  std::string label;  // how errors name it: "fsdp::activation_checkpoint" or "... of unit 'h.0'"
   bool done = false;
 };
 
@@ -105,16 +108,16 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     auto recompute = c10::static_intrusive_pointer_cast<Recompute>(ctx->saved_data["recompute"].toCapsule());
-    FSDP_CHECK(!recompute->done,
-               "fsdp::activation_checkpoint: a second backward through a checkpointed forward (retain_graph=true). "
+    FSDP_CHECK(!recompute->done, recompute->label,
+               ": a second backward through a checkpointed forward (retain_graph=true). "
                "Its recompute's graph is freed by the first backward; run the forward again for each backward, or "
                "do not checkpoint this part.");
-    FSDP_CHECK(torch::autograd::Engine::get_default_engine().is_checkpoint_valid(),
-               "fsdp::activation_checkpoint: torch::autograd::grad, or backward with `inputs`, over a checkpointed "
+    FSDP_CHECK(torch::autograd::Engine::get_default_engine().is_checkpoint_valid(), recompute->label,
+               ": torch::autograd::grad, or backward with `inputs`, over a checkpointed "
                "forward. The recompute's backward accumulates into the parameters' .grad, which those calls must "
                "not touch; use tensor.backward() (or torch::autograd::backward without inputs).");
-    FSDP_CHECK(!c10::GradMode::is_enabled(),
-               "fsdp::activation_checkpoint: backward with create_graph=true (double backward) through a "
+    FSDP_CHECK(!c10::GradMode::is_enabled(), recompute->label,
+               ": backward with create_graph=true (double backward) through a "
                "checkpointed forward is not supported; do not checkpoint this part.");
     recompute->done = true;
 
@@ -143,13 +146,19 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
       torch::AutoGradMode grad(true);
       outputs = recompute->body->run(inputs);
     }
-    bool same = outputs.size() == recompute->output_shapes.size();
-    for (size_t i = 0; same && i < outputs.size(); ++i) {
-      same =
-          (outputs[i].defined() ? outputs[i].sizes().vec() : std::vector<int64_t>{-1}) == recompute->output_shapes[i];
-    }
-    FSDP_CHECK(same, "fsdp::activation_checkpoint: the recompute in backward returned ", outputs.size(),
-               " tensors of other shapes than the forward's ", recompute->output_shapes.size(),
+    auto shapes = [](const std::vector<std::vector<int64_t>>& list) {
+      std::ostringstream os;
+      for (size_t i = 0; i < list.size(); ++i) {
+        os << (i ? ", " : "")
+           << (list[i] == std::vector<int64_t>{-1} ? "undefined" : c10::str(c10::IntArrayRef(list[i])));
+      }
+      return os.str();
+    };
+    std::vector<std::vector<int64_t>> got;
+    for (const auto& t : outputs) got.push_back(t.defined() ? t.sizes().vec() : std::vector<int64_t>{-1});
+    FSDP_CHECK(got == recompute->output_shapes, recompute->label, ": the recompute in backward returned ", got.size(),
+               " tensor(s) of shapes ", shapes(got), " where the forward returned ", recompute->output_shapes.size(),
+               " of shapes ", shapes(recompute->output_shapes),
                ". The checkpointed function must depend only on its arguments, its parameters and the random "
                "state; pass what else it reads as an argument.");
     variable_list roots, grads;
@@ -171,14 +180,15 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
 
 }  // namespace
 
-std::vector<at::Tensor> run_checkpointed(const c10::intrusive_ptr<CheckpointBody>& body,
-                                         std::vector<at::Tensor> inputs) {
+std::vector<at::Tensor> run_checkpointed(const c10::intrusive_ptr<CheckpointBody>& body, std::vector<at::Tensor> inputs,
+                                         std::string label) {
   const auto body_inputs = static_cast<int64_t>(inputs.size());
   bool any = false;
   for (const auto& t : inputs) any = any || (t.defined() && t.requires_grad());
   if (!any) inputs.push_back(at::empty({0}).requires_grad_());
   auto recompute = c10::make_intrusive<Recompute>();
   recompute->body = body;
+  recompute->label = std::move(label);
   // As a TensorList, so that autograd sees each tensor as an input (a std::vector would be one
   // opaque argument).
   return CheckpointFunction::apply(recompute, at::TensorList(inputs), body_inputs);

@@ -20,8 +20,10 @@
 //   - arguments: tensors, and tensors in std::vector, std::optional, std::pair and std::tuple, are
 //     the inputs; every other argument is copied and given again to the recompute (`fn` receives
 //     lvalues: a non-const reference parameter sees a copy). A tensor hidden inside another type
-//     (a struct) is not seen as an input: its gradient would not flow; pass it as an argument.
-//   - outputs: a tensor, or tensors in vectors, optionals, pairs and tuples, with anything else.
+//     (a struct) is not an input: the recompute's own backward reaches it as a captured tensor
+//     (twice, and then fails, if the loss also reaches it another way); pass it as an argument.
+//   - outputs: a tensor, or tensors in vectors, optionals, pairs and tuples, with numbers and
+//     strings; another type does not compile (a struct's tensors would lose their gradients).
 //   - with gradients off (torch::NoGradGuard, inference) it is fn(args...): nothing is recomputed.
 // What it refuses, with an fsdp::Error: a second backward through it (retain_graph=true; the
 // recompute's graph is freed by the first), torch::autograd::grad or backward with `inputs` over
@@ -38,6 +40,7 @@
 #include <c10/core/GradMode.h>
 
 #include <optional>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -55,9 +58,9 @@ class CheckpointBody : public torch::CustomClassHolder {
 };
 
 /// Runs `body` once with gradients off inside an autograd node that recomputes it in backward;
-/// returns the node's outputs (one per tensor the body returned).
-std::vector<at::Tensor> run_checkpointed(const c10::intrusive_ptr<CheckpointBody>& body,
-                                         std::vector<at::Tensor> inputs);
+/// returns the node's outputs (one per tensor the body returned). `label` starts its errors.
+std::vector<at::Tensor> run_checkpointed(const c10::intrusive_ptr<CheckpointBody>& body, std::vector<at::Tensor> inputs,
+                                         std::string label);
 
 /// Whether this thread is recomputing a checkpointed forward (inside a backward).
 bool in_activation_recompute();
@@ -67,6 +70,11 @@ class TypedCheckpointBody final : public CheckpointBody {
  public:
   using Stored = std::tuple<std::decay_t<Args>...>;
   using Out = std::decay_t<std::invoke_result_t<std::decay_t<Fn>&, std::decay_t<Args>&...>>;
+  static_assert(!std::is_void_v<Out>, "fsdp::activation_checkpoint: the function returns nothing; return its tensors");
+  static_assert(is_tensor_tree<Out>::value,
+                "fsdp::activation_checkpoint: the function returns a type whose tensors cannot be seen (a struct, "
+                "array or map holding tensors would lose their gradients): return a tensor, a std::vector or "
+                "std::optional of tensors, or a std::tuple / std::pair of those, numbers and strings");
 
   TypedCheckpointBody(Fn&& fn, Args&&... args) : fn_(std::forward<Fn>(fn)), args_(std::forward<Args>(args)...) {}
 
@@ -106,16 +114,25 @@ class TypedCheckpointBody final : public CheckpointBody {
 
 }  // namespace detail
 
+namespace detail {
+/// activation_checkpoint with its errors starting with `label` (a checkpointed unit names itself).
+template <typename Fn, typename... Args>
+auto activation_checkpoint_labelled(std::string label, Fn&& fn, Args&&... args) {
+  using Body = TypedCheckpointBody<Fn, Args...>;
+  // Gradients off: nothing to keep, nothing to recompute (fn gets lvalues, as in the recompute).
+  if (!c10::GradMode::is_enabled()) return typename Body::Out(fn(args...));
+  auto body = c10::make_intrusive<Body>(std::forward<Fn>(fn), std::forward<Args>(args)...);
+  std::vector<at::Tensor> outputs = run_checkpointed(body, body->take_inputs(), std::move(label));
+  return body->output(outputs);
+}
+}  // namespace detail
+
 /// Runs fn(args...) without keeping its activations, recomputing them in backward (see above).
 /// `fn` is kept until backward: capture what it uses by value (or `this`), not locals by reference.
 template <typename Fn, typename... Args>
 auto activation_checkpoint(Fn&& fn, Args&&... args) {
-  using Body = detail::TypedCheckpointBody<Fn, Args...>;
-  // Gradients off: nothing to keep, nothing to recompute (fn gets lvalues, as in the recompute).
-  if (!c10::GradMode::is_enabled()) return typename Body::Out(fn(args...));
-  auto body = c10::make_intrusive<Body>(std::forward<Fn>(fn), std::forward<Args>(args)...);
-  std::vector<at::Tensor> outputs = detail::run_checkpointed(body, body->take_inputs());
-  return body->output(outputs);
+  return detail::activation_checkpoint_labelled("fsdp::activation_checkpoint", std::forward<Fn>(fn),
+                                                std::forward<Args>(args)...);
 }
 
 }  // namespace fsdp

@@ -11,6 +11,8 @@
 // of a unit exists only while it is gathered. fp16 needs loss scaling: fsdp::optim::ShardedGradScaler.
 #pragma once
 
+#include "fsdp/tensor_tree.h"
+
 #include <ATen/core/Tensor.h>
 #include <torch/arg.h>
 
@@ -121,26 +123,12 @@ decltype(auto) forward_with_casts(Impl& impl, ForwardCasts& casts, std::index_se
   return impl.forward(cast_input<std::tuple_element_t<I, Ps>>(std::forward<Args>(args), casts)...);
 }
 
-/// An output: tensors, and tensors in vectors, pairs and tuples, are cast in place.
-inline void cast_output(at::Tensor& t, std::optional<at::ScalarType> dtype) {
-  t = cast_floating(t, dtype);
-}
-inline void cast_output(std::vector<at::Tensor>& ts, std::optional<at::ScalarType> dtype) {
-  for (auto& t : ts) cast_output(t, dtype);
-}
-template <typename A, typename B>
-void cast_output(std::pair<A, B>& p, std::optional<at::ScalarType> dtype);
-template <typename... Ts>
-void cast_output(std::tuple<Ts...>& t, std::optional<at::ScalarType> dtype) {
-  std::apply([&](auto&... e) { (cast_output(e, dtype), ...); }, t);
-}
-template <typename A, typename B>
-void cast_output(std::pair<A, B>& p, std::optional<at::ScalarType> dtype) {
-  cast_output(p.first, dtype);
-  cast_output(p.second, dtype);
-}
+/// An output: its tensors (fsdp/tensor_tree.h: also in vectors, optionals, pairs and tuples) are
+/// cast in place.
 template <typename T>
-void cast_output(T&, std::optional<at::ScalarType>) {}
+void cast_output(T& out, std::optional<at::ScalarType> dtype) {
+  visit_tensors(out, [&](at::Tensor& t) { t = cast_floating(t, dtype); });
+}
 
 }  // namespace detail
 }  // namespace fsdp

@@ -44,6 +44,21 @@ bool unit_checkpoints_activations(const Unit& unit) {
   return unit.checkpoints_activations();
 }
 
+std::string checkpoint_label(const Unit* unit) {
+  if (unit == nullptr) return "fsdp::activation_checkpoint of an fsdp::Sharded module";
+  return "fsdp::activation_checkpoint of unit '" + unit->label() + "'";
+}
+
+void refuse_checkpointed_output(const Unit* unit) {
+  const std::string where = unit != nullptr ? "unit '" + unit->label() + "'" : std::string("an fsdp::Sharded module");
+  const ErrorContext context = unit != nullptr ? unit->error_context("activation checkpointing") : ErrorContext();
+  FSDP_CHECK_IN(context, false, "fsdp: ", where,
+                " is checkpointed but its forward returns a type whose tensors the checkpoint cannot see (a struct, "
+                "array or map: their gradients would be lost). Return a tensor, a std::vector or std::optional of "
+                "tensors, or a std::tuple / std::pair of those, numbers and strings; or do not checkpoint this unit.");
+  TORCH_INTERNAL_ASSERT(false);
+}
+
 void name_unit_in_error(const Unit& unit, const ForwardCasts& casts, c10::Error& e) {
   if (dynamic_cast<const fsdp::Error*>(&e) != nullptr) return;  // the library's own says enough
   RunState& state = unit.state();

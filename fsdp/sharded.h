@@ -24,6 +24,7 @@
 
 #include <memory>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -37,6 +38,11 @@ class Unit;
 ForwardCasts unit_pre_forward(Unit& unit);
 /// Whether fully_shard made the unit checkpoint its activations.
 bool unit_checkpoints_activations(const Unit& unit);
+/// How a checkpointed unit's errors name it: "fsdp::activation_checkpoint of unit 'h.0'" (null:
+/// a unit not sharded yet).
+std::string checkpoint_label(const Unit* unit);
+/// A checkpointed unit whose forward returns a type whose tensors cannot be seen: refused.
+[[noreturn]] void refuse_checkpointed_output(const Unit* unit);
 void unit_post_forward(Unit& unit, const std::vector<at::Tensor>& outputs);
 /// Adds to an error raised in the unit's forward by LibTorch's operators or the user's code (not
 /// by the library: an fsdp::Error says enough) which unit, rank and dtypes it was, unless an inner
@@ -95,10 +101,16 @@ class ShardedUnit {
     const bool checkpoint = training && c10::GradMode::is_enabled() && checkpoints_activations();
     auto run = [&] {
       using Out = std::decay_t<decltype(forward(casts, args...))>;
-      if (!checkpoint) return Out(forward(casts, std::forward<Args>(args)...));
-      // The casts are the recompute's too: copied, as everything the recompute runs.
-      return Out(activation_checkpoint([forward, casts](auto&... a) mutable { return forward(casts, a...); },
-                                       std::forward<Args>(args)...));
+      if constexpr (!detail::is_tensor_tree<Out>::value) {  // its output's tensors cannot be seen
+        if (checkpoint) detail::refuse_checkpointed_output(fsdp_unit_.get());
+        return Out(forward(casts, std::forward<Args>(args)...));
+      } else {
+        if (!checkpoint) return Out(forward(casts, std::forward<Args>(args)...));
+        // The casts are the recompute's too: copied, as everything the recompute runs.
+        return Out(detail::activation_checkpoint_labelled(
+            detail::checkpoint_label(fsdp_unit_.get()),
+            [forward, casts](auto&... a) mutable { return forward(casts, a...); }, std::forward<Args>(args)...));
+      }
     };
     if (!fsdp_unit_) return run();
     casts = detail::unit_pre_forward(*fsdp_unit_);

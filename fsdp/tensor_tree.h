@@ -7,11 +7,18 @@
 #include <ATen/core/Tensor.h>
 
 #include <optional>
+#include <string>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 namespace fsdp::detail {
+
+/// Anything else (numbers, strings, options structs): no tensor. Declared first, so that the
+/// tuple and pair overloads below find it for their non-tensor elements.
+template <typename T, typename F>
+void visit_tensors(T&, F&&) {}
 
 template <typename F>
 void visit_tensors(at::Tensor& t, F&& f) {
@@ -36,9 +43,18 @@ void visit_tensors(std::pair<A, B>& p, F&& f) {
   visit_tensors(p.first, f);
   visit_tensors(p.second, f);
 }
-/// Anything else (numbers, strings, options structs): no tensor.
-template <typename T, typename F>
-void visit_tensors(T&, F&&) {}
+/// Whether every tensor a value of type T holds is one visit_tensors sees: T is a tensor, a vector
+/// or optional of tensors, a number, an enum or a string, or a pair or tuple of such. A struct,
+/// array or map of tensors is not (its tensors would be invisible).
+template <typename T>
+struct is_tensor_tree
+    : std::bool_constant<std::is_arithmetic_v<T> || std::is_enum_v<T> || std::is_same_v<T, std::string> ||
+                         std::is_same_v<T, at::Tensor> || std::is_same_v<T, std::vector<at::Tensor>> ||
+                         std::is_same_v<T, std::optional<at::Tensor>>> {};
+template <typename A, typename B>
+struct is_tensor_tree<std::pair<A, B>> : std::bool_constant<is_tensor_tree<A>::value && is_tensor_tree<B>::value> {};
+template <typename... Ts>
+struct is_tensor_tree<std::tuple<Ts...>> : std::bool_constant<(is_tensor_tree<Ts>::value && ...)> {};
 
 /// The tensors of `x`, in order.
 template <typename T>

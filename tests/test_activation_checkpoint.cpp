@@ -8,6 +8,7 @@
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+#include <array>
 
 namespace fsdp::testing {
 namespace {
@@ -145,6 +146,18 @@ TEST(ActivationCheckpoint, NoGradAndEvalDoNotRecompute) {
   EXPECT_EQ(calls, 4);
   EXPECT_TRUE(torch::allclose(fc->weight.grad(), plain, 0, 0));
 }
+
+// The outputs the checkpoint accepts: what its walk over tensors sees entirely. A struct holding
+// tensors is refused at compile time (its tensors would come back without gradients).
+struct Holder {
+  at::Tensor h;
+};
+static_assert(detail::is_tensor_tree<std::tuple<at::Tensor, std::vector<at::Tensor>, int64_t, std::string>>::value);
+static_assert(detail::is_tensor_tree<std::pair<std::optional<at::Tensor>, double>>::value);
+static_assert(!detail::is_tensor_tree<Holder>::value);
+static_assert(!detail::is_tensor_tree<std::pair<at::Tensor, Holder>>::value);
+static_assert(!detail::is_tensor_tree<std::vector<std::vector<at::Tensor>>>::value);
+static_assert(!detail::is_tensor_tree<std::array<at::Tensor, 2>>::value);
 
 TEST(ActivationCheckpoint, RefusesWhatItCannotDo) {
   torch::nn::Linear fc(3, 3);

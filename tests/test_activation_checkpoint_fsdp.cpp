@@ -111,9 +111,9 @@ void check_bit_exact(Rank& r, const Case& c) {
 // A unit returning two tensors, the second one used by the next unit only through the loss.
 struct TwoOutImpl : torch::nn::Module {
   TwoOutImpl() : fc(register_module("fc", torch::nn::Linear(6, 6))) {}
-  std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x) {
+  std::tuple<at::Tensor, at::Tensor, int64_t> forward(const at::Tensor& x) {
     auto h = torch::dropout(torch::tanh(fc(x)), 0.25, is_training());
-    return {h, h.pow(2).sum(-1)};
+    return {h, h.pow(2).sum(-1), x.size(0)};
   }
   torch::nn::Linear fc;
 };
@@ -121,9 +121,9 @@ struct TwoOutNetImpl : torch::nn::Module {
   TwoOutNetImpl()
       : a(register_module("a", fsdp::Sharded<TwoOutImpl>())), b(register_module("b", fsdp::Sharded<TwoOutImpl>())) {}
   at::Tensor forward(const at::Tensor& x) {
-    auto [h1, s1] = a(x);
-    auto [h2, s2] = b(h1);
-    return h2.sum() + s1.sum() * 0.5 + s2.sum();
+    auto [h1, s1, n1] = a(x);
+    auto [h2, s2, n2] = b(h1);
+    return h2.sum() + s1.sum() * 0.5 + s2.sum() * static_cast<double>(n1 + n2);
   }
   fsdp::Sharded<TwoOutImpl> a, b;
 };
@@ -147,19 +147,23 @@ void check_two_outputs_eval_and_refusal(Rank& r) {
   };
   expect_same_tensors(run(true), run(false), "gradient or eval output", "two outputs, rank " + std::to_string(r.rank));
 
-  // A second backward through a checkpointed unit is refused, on every rank, by the checkpoint.
-  torch::manual_seed(4);
-  auto net = std::make_shared<TwoOutNetImpl>();
-  net->b->set_activation_checkpointing(true);
-  auto model = fsdp::fully_shard(net, r.pg, test_options());
-  auto loss = model(torch::randn({4, 6}));
-  loss.backward({}, /*retain_graph=*/true);
-  try {
-    loss.backward();
-    ADD_FAILURE() << "a second backward was not refused";
-  } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("a second backward through a checkpointed forward"), std::string::npos)
-        << e.what();
+  // A second backward through a wrapped model (retain_graph) is refused on every rank, naming the
+  // unit whose output's hook met it first (the root's: the loss is its output), with or without
+  // checkpointing (LibTorch alone would fail on the freed parameters' storage).
+  for (bool ckpt : {true, false}) {
+    torch::manual_seed(4);
+    auto net = std::make_shared<TwoOutNetImpl>();
+    net->b->set_activation_checkpointing(ckpt);
+    auto model = fsdp::fully_shard(net, r.pg, test_options());
+    auto loss = model(torch::randn({4, 6}));
+    loss.backward({}, /*retain_graph=*/true);
+    try {
+      loss.backward();
+      ADD_FAILURE() << "a second backward was not refused";
+    } catch (const fsdp::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("a second backward through the forward of unit '<root>'"), std::string::npos)
+          << e.what();
+    }
   }
 }
 
@@ -182,10 +186,35 @@ void check_refusals(Rank& r) {
     EXPECT_NE(std::string(e.what()).find("cannot be called inside fsdp::activation_checkpoint"), std::string::npos)
         << e.what();
   }
+  // A checkpointed unit whose output is a struct (its tensors unseen): refused in its forward.
+  struct Out {
+    at::Tensor y;
+  };
+  struct StructOutImpl : torch::nn::Module {
+    StructOutImpl() : fc(register_module("fc", torch::nn::Linear(6, 6))) {}
+    Out forward(const at::Tensor& x) { return {fc(x)}; }
+    torch::nn::Linear fc;
+  };
+  struct StructNet : torch::nn::Module {
+    StructNet() : u(register_module("u", fsdp::Sharded<StructOutImpl>())) {}
+    at::Tensor forward(const at::Tensor& x) { return u(x).y.sum(); }
+    fsdp::Sharded<StructOutImpl> u;
+  };
+  auto struct_net = std::make_shared<StructNet>();
+  struct_net->u->set_activation_checkpointing(true);
+  auto struct_model = fsdp::fully_shard(struct_net, r.pg, test_options());
+  try {
+    struct_model(torch::randn({2, 6}));
+    ADD_FAILURE() << "a checkpointed unit returning a struct was not refused";
+  } catch (const fsdp::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("unit 'u' is checkpointed but its forward returns a type whose tensors"),
+              std::string::npos)
+        << e.what();
+  }
   // A unit containing units cannot be checkpointed; a negative k is refused.
   struct Outer : torch::nn::Module {
     Outer() : inner(register_module("inner", fsdp::Sharded<TwoOutImpl>())) {}
-    std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x) { return inner(x); }
+    std::tuple<at::Tensor, at::Tensor, int64_t> forward(const at::Tensor& x) { return inner(x); }
     fsdp::Sharded<TwoOutImpl> inner;
   };
   struct Nested : torch::nn::Module {

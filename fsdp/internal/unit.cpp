@@ -12,6 +12,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
+#include <memory>
 #include <sstream>
 #include <utility>
 
@@ -199,9 +200,20 @@ void Unit::post_forward(const std::vector<at::Tensor>& outputs) {
     for (const auto& t : outputs) {
       if (!t.defined() || !t.requires_grad()) continue;
       // Fires when the gradient w.r.t. this output is complete, i.e. right before this unit's
-      // backward: the unit's pre-backward.
-      const_cast<at::Tensor&>(t).register_hook([self](const at::Tensor&) {
-        if (auto u = self.lock()) u->pre_backward();
+      // backward: the unit's pre-backward. It fires once per backward: a second time is a second
+      // backward through this forward (retain_graph), whose gathered parameters the first freed
+      // (LibTorch would fail on their empty storage, saying nothing of why): refused here.
+      auto fired = std::make_shared<bool>(false);
+      const_cast<at::Tensor&>(t).register_hook([self, fired](const at::Tensor&) {
+        auto u = self.lock();
+        if (!u) return;
+        FSDP_CHECK_IN(u->error_context("backward"), !*fired, "fsdp (rank ", u->state().comm.rank(),
+                      "): a second backward through the forward of unit '", u->label(),
+                      "' (retain_graph=true, or torch::autograd::grad after a backward): the first backward "
+                      "freed its gathered parameters and reduced its gradients. Run the forward again for each "
+                      "backward; to use one loss twice, add the losses and call backward once.");
+        *fired = true;
+        u->pre_backward();
       });
       backward_ = BackwardPhase::kAwaiting;
     }
