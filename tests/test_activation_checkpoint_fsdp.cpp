@@ -2,7 +2,7 @@
 // without accumulation, checkpointing every unit and every 2nd unit gives the losses, gradients
 // and parameters of the run without it, bit for bit, at the same world size, with the same
 // collectives (counts and volume); without dropout it keeps parity with plain LibTorch using the
-// same checkpoint call; a frozen embedding (the first unit's input needs no gradient), a unit with
+// same checkpoint call; with CPU offload; a frozen embedding (the first unit's input needs no gradient), a unit with
 // two outputs, eval and no-grad forwards; a second backward refused; and the memory it saves.
 // Each world size is one launch that runs every case.
 #include "tests/parity.h"
@@ -20,13 +20,15 @@ struct Case {
   int micro = 1;           // micro-batches per step
   bool sync_every = true;  // with micro > 1: reduce every micro-batch, or only the last
   bool frozen_embedding = false;
+  bool offload = false;  // CPUOffloadPolicy through the CPU test seam (FSDP_TEST_OFFLOAD_ON_CPU=1)
 };
 
 std::string describe(const Case& c, int every) {
   std::ostringstream os;
   os << to_string(c.strategy) << (c.bf16 ? " bf16" : " fp32") << ", " << c.micro << " micro-batches"
      << (c.micro > 1 ? (c.sync_every ? " (sync every)" : " (sync last)") : "")
-     << (c.frozen_embedding ? ", frozen embedding" : "") << ", checkpoint every " << every;
+     << (c.frozen_embedding ? ", frozen embedding" : "") << (c.offload ? ", offload" : "") << ", checkpoint every "
+     << every;
   return os.str();
 }
 
@@ -48,6 +50,7 @@ Trace train(Rank& r, const Case& c, int every) {
     options.mixed_precision(gathers ? MixedPrecisionPolicy().param_dtype(torch::kBFloat16)
                                     : MixedPrecisionPolicy().reduce_dtype(torch::kBFloat16));
   }
+  if (c.offload) options.offload_policy(CPUOffloadPolicy());
   torch::manual_seed(0);
   auto net = gpt::make_gpt<true>(kConfig);
   if (c.frozen_embedding) {
@@ -260,6 +263,21 @@ void run_all(Rank& r) {
   }
   check_two_outputs_eval_and_refusal(r);
   check_refusals(r);
+}
+
+// CPU offload (through its CPU seam: the shards and sharded gradients in separate host buffers,
+// every copy and pointer switch of the CUDA path), with and without bf16 and accumulation.
+TEST(ActivationCheckpointOffload, BitExactAgainstOffWithTheSameCollectives) {
+  RunOptions o;
+  o.env["FSDP_TEST_OFFLOAD_ON_CPU"] = "1";
+  run_ranks(
+      2,
+      [](Rank& r) {
+        check_bit_exact(r, {kFull, false, 1, true, false, /*offload=*/true});
+        check_bit_exact(r, {kFull, true, 2, false, false, true});
+        check_bit_exact(r, {ShardingStrategy::kShardGradOp, false, 1, true, false, true});
+      },
+      o);
 }
 
 class ActivationCheckpointFSDP : public ::testing::TestWithParam<int> {};
