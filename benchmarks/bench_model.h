@@ -19,14 +19,17 @@ struct ModelShape {
   int64_t largest_unit = 0;
 };
 
-/// examples/gpt.h's GPT: the root holds the embeddings, the final LayerNorm and the head; each
-/// block is a unit.
+/// examples/gpt.h's GPT. Wrap::kBlocks: each block is a unit, the root holds the embeddings, the
+/// final LayerNorm and the head. Wrap::kTorchtitan: the token embedding, each block, and the final
+/// LayerNorm with the head are units; the root holds the position embedding.
 inline ModelShape gpt_shape(const gpt::Config& c) {
   const int64_t C = c.n_embd, b = c.bias ? 1 : 0;
   const int64_t block =
       2 * 2 * C + (3 * C * C + 3 * C * b) + (C * C + C * b) + (4 * C * C + 4 * C * b) + (4 * C * C + C * b);
-  const int64_t root = c.vocab_size * C + c.block_size * C + 2 * C + C * c.vocab_size;
-  return {root + c.n_layer * block, root, block};
+  const int64_t wte = c.vocab_size * C, wpe = c.block_size * C, norm_head = 2 * C + C * c.vocab_size;
+  const int64_t psi = wte + wpe + norm_head + c.n_layer * block;
+  if (c.wrap == gpt::Wrap::kTorchtitan) return {psi, wpe, std::max({block, wte, norm_head})};
+  return {psi, wte + wpe + norm_head, block};
 }
 
 /// The formulas' inputs for `strategy` (a flag name) at N ranks, hybrid groups of S.
@@ -78,10 +81,8 @@ inline double activation_bytes(const gpt::Config& c, int64_t rows) {
 /// (unless built sharded) or the step's peak state, plus activations and the process's own footprint.
 inline double rank_need_bytes(const std::string& strategy, const ModelShape& m, const gpt::Config& c, int N, int S,
                               int64_t rows, bool build_sharded) {
-  const double unit = 4.0 * static_cast<double>(m.largest_unit), root = 4.0 * static_cast<double>(m.root);
-  // Beyond the formula: the root's full gradients, and the gradients of the unit that finished its
-  // backward with their packed copy for the reduce-scatter.
-  const double state = formula_peak(strategy, m, N, S) + root + 2 * unit;
+  const double unit = 4.0 * static_cast<double>(m.largest_unit);
+  const double state = formula_peak(strategy, m, N, S);  // gradients not yet reduced included
   const double build = build_sharded ? 4.0 * static_cast<double>(m.psi) / N + unit : 4.0 * static_cast<double>(m.psi);
   constexpr double kProcess = 600.0 * 1024 * 1024;  // LibTorch (or Python with torch) loaded
   return std::max(state + activation_bytes(c, rows), build) + kProcess;

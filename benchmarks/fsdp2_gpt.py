@@ -109,6 +109,9 @@ def main():
         ap.add_argument("--" + k, type=int, default=v)
     ap.add_argument("--activation-checkpointing", type=int, default=0,
                     help="torch.utils.checkpoint (non-reentrant) on every K-th block; 0: none")
+    ap.add_argument("--wrap", choices=["blocks", "torchtitan"], default="blocks",
+                    help="units: the blocks (the root keeps the rest), or torchtitan's: the token embedding, "
+                         "each block, and the final norm with the head")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--reshard-after-forward", type=int, default=1)
     ap.add_argument("--counting-lib")
@@ -147,8 +150,13 @@ def main():
         for i in range(len(model.h)):
             if (i + 1) % k == 0:
                 model.h[i] = checkpoint_wrapper(model.h[i])
+    rf = bool(a.reshard_after_forward)
+    if a.wrap == "torchtitan":  # parallelize_llama's order: embedding, blocks, [norm, output]
+        fully_shard(model.wte, mesh=mesh, reshard_after_forward=rf, mp_policy=mp)
     for block in model.h:
-        fully_shard(block, mesh=mesh, reshard_after_forward=bool(a.reshard_after_forward), mp_policy=mp)
+        fully_shard(block, mesh=mesh, reshard_after_forward=rf, mp_policy=mp)
+    if a.wrap == "torchtitan":
+        fully_shard([model.ln_f, model.lm_head], mesh=mesh, reshard_after_forward=rf, mp_policy=mp)
     fully_shard(model, mesh=mesh, reshard_after_forward=bool(a.reshard_after_forward), mp_policy=mp)
     scaler = None
     if a.mixed_precision == "fp16":

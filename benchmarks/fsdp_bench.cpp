@@ -48,11 +48,21 @@ std::vector<std::string> model_args(const Args& a) {
       "--n-embd",     std::to_string(m.n_embd),         "--block-size", std::to_string(m.block_size),
       "--batch-size", std::to_string(a.run.batch_size), "--steps",      std::to_string(a.run.steps),
       "--seed",       std::to_string(a.run.seed)};
+  if (!a.run.wrap.empty()) {  // C++ and FSDP2 alike
+    out.emplace_back("--wrap");
+    out.push_back(a.run.wrap);
+  }
   if (m.checkpoint_every > 0) {  // C++ and FSDP2 alike: every K-th block
     out.emplace_back("--activation-checkpointing");
     out.push_back(std::to_string(m.checkpoint_every));
   }
   return out;
+}
+
+/// --wrap for a simulated rank, when given.
+std::vector<std::string> wrap_args(const Args& a) {
+  if (a.run.wrap.empty()) return {};
+  return {"--wrap", a.run.wrap};
 }
 
 /// --timeout for the ranks, C++ and Python alike, when one was given.
@@ -130,7 +140,8 @@ std::vector<bench::Row> simulate(const Args& a) {
   int k = 0;
   const int total = static_cast<int>(a.sim_models.size() * a.sim_world_sizes.size());
   for (const auto& name : a.sim_models) {
-    const gpt::Config c = sim_model(name);
+    gpt::Config c = sim_model(name);
+    c.wrap = cli::wrap_of(a.run, gpt::Wrap::kTorchtitan);
     const bench::ModelShape m = bench::gpt_shape(c);
     for (int N : a.sim_world_sizes) {
       ++k;
@@ -173,6 +184,7 @@ std::vector<bench::Row> simulate(const Args& a) {
                 "--sim-models",
                 name};
       for (auto& x : timeout_args(a)) l.argv.push_back(x);
+      for (auto& x : wrap_args(a)) l.argv.push_back(x);
       l.threads_per_rank = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
       l.run_timeout_s = a.run_timeout_s;
       char progress[32];
@@ -318,6 +330,7 @@ int run_worker(const Args& a) {
   if (a.worker == "sim") {
     bench::RunOptions o;
     o.model = sim_model(a.sim_models.at(0));
+    o.model.wrap = cli::wrap_of(a.run, gpt::Wrap::kTorchtitan);
     o.strategy = "full";
     const int N = a.sim_world_sizes.at(0);
     o.batch_size = N;  // one row on this rank

@@ -19,9 +19,10 @@ const char* const kUsage =
     "                  [--precisions fp32,bf16,fp16 | --mixed-precision bf16]\n"
     "                  [--n-layer 16] [--n-head 8] [--n-embd 512] [--block-size 64] [--batch-size 8]\n"
     "                  [--steps 4] [--seed 1] [--prefetch 1] [--bucket-mb 25] [--build-sharded]\n"
-    "                  [--activation-checkpointing [K]]\n"
+    "                  [--activation-checkpointing [K]] [--wrap blocks|torchtitan]\n"
     "                  [--no-fsdp2] [--python PYTHON] [--run-timeout SECONDS] [--timeout SECONDS]\n"
     "       fsdp_bench --simulate [--sim-models 7b,70b] [--sim-world-sizes 8,64,1024] [--json] [--out FILE]\n"
+    "                  [--wrap torchtitan|blocks]\n"
     "  Every strategy at every world size (ranks on this machine, Gloo over loopback), then PyTorch's FSDP2\n"
     "  (fully_shard, the same model) at the same world sizes (default 1,2,4, and 8 with 8 cores or more\n"
     "  where memory allows). --batch-size is global (rows of --block-size\n"
@@ -33,6 +34,8 @@ const char* const kUsage =
     "  $FSDP_TIMEOUT or 600 s; PyTorch's for FSDP2).\n"
     "  --activation-checkpointing [K]: every K-th block (default every one) recomputes its forward in\n"
     "  backward; FSDP2 gets torch.utils.checkpoint (non-reentrant) on the same blocks.\n"
+    "  --wrap: the units, for both implementations: the blocks (the root keeps embeddings, final norm and\n"
+    "  head; default), or torchtitan's (token embedding, each block, final norm with head; --simulate's default).\n"
     "  Exit status: 0 done, 2 bad flags, 1 a run that failed.\n";
 
 // A comma-separated list of world sizes.
@@ -135,6 +138,7 @@ Args parse(int argc, char** argv) {
   if (a.run_timeout_s == 0) a.run_timeout_s = a.simulate ? 3600 : 900;
   try {
     cli::check_run_flags(a.run);
+    a.run.model.wrap = cli::wrap_of(a.run, gpt::Wrap::kBlocks);  // --simulate: torchtitan's (fsdp_bench.cpp)
   } catch (const cli::InputError& e) {
     usage(e.what());
   }

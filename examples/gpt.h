@@ -1,12 +1,15 @@
 // A small GPT (nanoGPT's layout): token and position embeddings, N transformer blocks, a final
-// LayerNorm and an untied head. GPT<true> marks each block as an fsdp::Sharded unit; GPT<false> is
-// the same model in plain LibTorch (the reference the tests compare against). Parameter names are
-// the same in both: wte.weight, h.0.attn.c_attn.weight, ..., lm_head.weight.
+// LayerNorm and an untied head. GPT<true> marks each block as an fsdp::Sharded unit, and with
+// Config::wrap = kTorchtitan also the token embedding and the final norm with the head (one unit
+// over the two, fsdp::ShardedUnit::share_unit_with); GPT<false> is the same model in plain LibTorch
+// (the reference the tests compare against). Parameter names are the same in all: wte.weight,
+// h.0.attn.c_attn.weight, ..., lm_head.weight.
 #pragma once
 
 #include "fsdp/sharded.h"
 
 #include <torch/nn/module.h>
+#include <torch/nn/modules/container/any.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
@@ -17,6 +20,12 @@
 #include <vector>
 
 namespace gpt {
+
+/// How GPT<true> is cut into units. kBlocks: each block; the root keeps the embeddings, the final
+/// norm and the head. kTorchtitan (torchtitan's parallelize_llama): the token embedding, each
+/// block, and the final norm with the head are units; the root keeps the position embedding, so
+/// that every unit reduces its gradients as soon as they are ready.
+enum class Wrap { kBlocks, kTorchtitan };
 
 struct Config {
   int64_t vocab_size = 256;  // bytes
@@ -30,7 +39,16 @@ struct Config {
   /// units (fsdp::ShardedUnit::set_activation_checkpointing), GPT<false> calls
   /// fsdp::activation_checkpoint itself, so both compute the same.
   int64_t checkpoint_every = 0;
+  Wrap wrap = Wrap::kBlocks;  // GPT<true> only: GPT<false> has no units
 };
+
+/// A module built as Impl(args...), an fsdp::Sharded unit when `unit` (sharded as it is built inside
+/// an fsdp::ShardingScope), held as an AnyModule so that one model type serves both.
+template <typename Impl, typename... Args>
+torch::nn::AnyModule unit_if(bool unit, Args&&... args) {
+  if (unit) return torch::nn::AnyModule(fsdp::Sharded<Impl>(std::forward<Args>(args)...).ptr());
+  return torch::nn::AnyModule(std::make_shared<Impl>(std::forward<Args>(args)...));
+}
 
 struct CausalSelfAttentionImpl : torch::nn::Module {
   explicit CausalSelfAttentionImpl(const Config& c)
@@ -96,12 +114,14 @@ struct GPTImpl : torch::nn::Module {
 
   explicit GPTImpl(const Config& c)
       : config(c),
-        wte(register_module("wte", torch::nn::Embedding(c.vocab_size, c.n_embd))),
+        wte(registered("wte", unit_if<torch::nn::EmbeddingImpl>(titan(), c.vocab_size, c.n_embd))),
         wpe(register_module("wpe", torch::nn::Embedding(c.block_size, c.n_embd))),
         h(register_module("h", torch::nn::ModuleList())),
-        ln_f(register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd})))),
-        lm_head(register_module("lm_head",
-                                torch::nn::Linear(torch::nn::LinearOptions(c.n_embd, c.vocab_size).bias(false)))) {
+        ln_f(registered("ln_f", unit_if<torch::nn::LayerNormImpl>(titan(), torch::nn::LayerNormOptions({c.n_embd})))),
+        lm_head(registered("lm_head", unit_if<torch::nn::LinearImpl>(
+                                          titan(), torch::nn::LinearOptions(c.n_embd, c.vocab_size).bias(false)))) {
+    // FSDP2's fully_shard([norm, output]): the head's unit is the final norm's, names unchanged.
+    if (titan()) fsdp::as_unit(lm_head.ptr()).share_unit_with(fsdp::as_unit(ln_f.ptr()));
     for (int64_t i = 0; i < c.n_layer; ++i) {
       blocks.emplace_back(c);
       h->push_back(blocks.back().ptr());  // registered as h.<i>; called through `blocks`
@@ -110,6 +130,11 @@ struct GPTImpl : torch::nn::Module {
       }
     }
   }
+  torch::nn::AnyModule registered(const std::string& name, torch::nn::AnyModule m) {
+    register_module(name, m.ptr());
+    return m;
+  }
+  bool titan() const { return kSharded && config.wrap == Wrap::kTorchtitan; }
   bool checkpointed(int64_t block) const {
     return config.checkpoint_every > 0 && (block + 1) % config.checkpoint_every == 0;
   }
@@ -117,7 +142,7 @@ struct GPTImpl : torch::nn::Module {
   /// idx: [B, T] token ids -> logits [B, T, vocab]
   torch::Tensor forward(const torch::Tensor& idx) {
     const int64_t T = idx.size(1);
-    auto x = wte(idx) + wpe(torch::arange(T, idx.options()));
+    auto x = wte.forward(idx) + wpe(torch::arange(T, idx.options()));
     for (size_t i = 0; i < blocks.size(); ++i) {
       auto& b = blocks[i];
       if constexpr (!kSharded) {
@@ -128,15 +153,15 @@ struct GPTImpl : torch::nn::Module {
       }
       x = b(x);
     }
-    return lm_head(ln_f(x));
+    return lm_head.forward(ln_f.forward(x));
   }
 
   Config config;
-  torch::nn::Embedding wte, wpe;
+  torch::nn::AnyModule wte;  // Embedding
+  torch::nn::Embedding wpe;
   torch::nn::ModuleList h;
   std::vector<BlockHolder> blocks;
-  torch::nn::LayerNorm ln_f;
-  torch::nn::Linear lm_head;
+  torch::nn::AnyModule ln_f, lm_head;  // LayerNorm, Linear
 };
 
 template <bool kSharded>

@@ -29,7 +29,14 @@ struct RunFlags {
   std::optional<double> timeout_s;  // collective timeout; unset: the library's default
   std::string mixed_precision;      // "" (fp32), "bf16" or "fp16": the units' param_dtype, fp32 master weights
   // --activation-checkpointing [K]: every K-th block recomputes its forward in backward (model.checkpoint_every).
+  std::string wrap;  // "blocks", "torchtitan" (gpt::Wrap), or "" for the program's default
 };
+
+/// The wrapping --wrap names, or `fallback` (the program's default) without the flag.
+inline gpt::Wrap wrap_of(const RunFlags& f, gpt::Wrap fallback) {
+  if (f.wrap.empty()) return fallback;
+  return f.wrap == "torchtitan" ? gpt::Wrap::kTorchtitan : gpt::Wrap::kBlocks;
+}
 
 /// The policy --mixed-precision names (fsdp/mixed_precision.h): compute and all-gather in bf16 or
 /// fp16, gradients reduced in fp32; none for "".
@@ -78,6 +85,8 @@ inline bool parse_run_flag(
     f.timeout_s = parse_double(k, value(), 0, false, 365 * 86400.0);
   } else if (k == "--mixed-precision") {
     f.mixed_precision = value();
+  } else if (k == "--wrap") {
+    f.wrap = value();
   } else {
     return false;
   }
@@ -93,6 +102,9 @@ inline void check_run_flags(const RunFlags& f) {
   }
   if (!f.mixed_precision.empty() && f.mixed_precision != "bf16" && f.mixed_precision != "fp16") {
     throw InputError("--mixed-precision must be bf16 or fp16, not '" + f.mixed_precision + "'", true);
+  }
+  if (!f.wrap.empty() && f.wrap != "blocks" && f.wrap != "torchtitan") {
+    throw InputError("--wrap must be blocks or torchtitan, not '" + f.wrap + "'", true);
   }
   if (gpt::strategy_flags().count(f.strategy) == 0) {
     throw InputError("--strategy must be full, grad-op, optimizer, replicate or hybrid, not '" + f.strategy + "'",

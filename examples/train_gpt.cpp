@@ -74,11 +74,13 @@ const char* const kUsage =
     "                 [--no-sync] [--clip MAX_NORM] [--fused] [--json] [--timeout SECONDS]\n"
     "                 [--strategy full|grad-op|optimizer|replicate|hybrid] [--shard-group-size S]\n"
     "                 [--bucket-mb MB] [--build-sharded] [--save-dir DIR [--save-every K] [--resume]]\n"
-    "                 [--mixed-precision bf16|fp16] [--activation-checkpointing [K]]\n"
+    "                 [--mixed-precision bf16|fp16] [--activation-checkpointing [K]] [--wrap torchtitan|blocks]\n"
     "  --strategy: full sharding (ZeRO-3), SHARD_GRAD_OP (ZeRO-2), optimizer state only (ZeRO-1),\n"
     "  replicated (DDP), or hybrid: full sharding inside groups of S consecutive ranks (default N/2).\n"
     "  --build-sharded: shard each block while the model is built (a model larger than one rank).\n"
     "  --activation-checkpointing [K]: blocks K, 2K, ... (default every one) recompute their forward in backward.\n"
+    "  --wrap: units are the token embedding, each block, the final norm with the head (torchtitan, default),\n"
+    "  or the blocks alone (the root keeping the rest).\n"
     "  --batch-size is the global batch: each of the N ranks takes B/N rows of it, in M micro-batches\n"
     "  with --grad-accum M (--no-sync: reduce gradients only after the last one).\n"
     "  --data: a regular file of at most --max-data-mb MiB (default 64), each byte a token.\n"
@@ -148,6 +150,7 @@ Args parse(int argc, char** argv) {
   }
   if (a.optimizer != "adamw" && a.optimizer != "sgd") usage_error("--optimizer must be adamw or sgd");
   cli::check_run_flags(a);
+  a.model.wrap = cli::wrap_of(a, gpt::Wrap::kTorchtitan);
   if (a.fused && a.optimizer != "adamw") usage_error("--fused is an AdamW; it cannot be used with --optimizer sgd");
   if (a.save_dir.empty() && (a.save_every > 0 || a.resume)) {
     usage_error(std::string(a.resume ? "--resume" : "--save-every") + " needs --save-dir DIR");

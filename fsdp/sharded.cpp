@@ -3,6 +3,7 @@
 #include "fsdp/internal/check.h"
 #include "fsdp/internal/run_state.h"
 #include "fsdp/internal/unit.h"
+#include "fsdp/internal/wrap.h"
 
 #include <c10/util/Exception.h>
 
@@ -22,8 +23,8 @@ ShardedUnit& as_unit(const std::shared_ptr<torch::nn::Module>& module) {
 
 namespace detail {
 
-ForwardCasts unit_pre_forward(Unit& unit) {
-  unit.pre_forward();
+ForwardCasts unit_pre_forward(Unit& unit, int member) {
+  unit.pre_forward(member);
   ForwardCasts casts;
   casts.input = unit.input_cast();
   casts.output = unit.output_cast();
@@ -31,13 +32,13 @@ ForwardCasts unit_pre_forward(Unit& unit) {
   return casts;
 }
 
-void unit_post_forward(Unit& unit, const std::vector<at::Tensor>& outputs) {
+void unit_post_forward(Unit& unit, int member, const std::vector<at::Tensor>& outputs) {
   for (const auto& t : outputs) {
     if (t.defined() && t.is_floating_point()) {
       unit.state().unit_output_dtypes |= uint64_t{1} << static_cast<int>(t.scalar_type());
     }
   }
-  unit.post_forward(outputs);
+  unit.post_forward(outputs, member);
 }
 
 bool unit_checkpoints_activations(const Unit& unit) {
@@ -164,6 +165,41 @@ void ShardedUnit::set_activation_checkpointing(bool on) {
                         "activation_checkpointing_every");
   }
   activation_checkpointing_ = on;
+}
+
+void ShardedUnit::share_unit_with(ShardedUnit& first) {
+  auto* self = dynamic_cast<torch::nn::Module*>(this);
+  auto* other = dynamic_cast<torch::nn::Module*>(&first);
+  TORCH_INTERNAL_ASSERT(self != nullptr && other != nullptr, "an fsdp::ShardedUnit that is not a module");
+  const std::string me = detail::module_type(*self), them = detail::module_type(*other);
+  FSDP_CHECK(&first != this, "fsdp::ShardedUnit::share_unit_with: a ", me,
+             " module was given itself; give it the module whose unit it joins.");
+  ShardedUnit* lead = &first;
+  for (int hops = 0; lead->shares_unit_of() != nullptr && hops < 4096; ++hops) lead = lead->shares_unit_of();
+  FSDP_CHECK(lead != this, "fsdp::ShardedUnit::share_unit_with: the ", them, " module given to a ", me,
+             " module already shares that module's unit (share_unit_with in both directions); call it on one of them.");
+  const ShardedUnit* current = shares_unit_of();
+  FSDP_CHECK(current == nullptr || current == &first, "fsdp::ShardedUnit::share_unit_with: this ", me,
+             " module shares the unit of another module already; a module is in one unit.");
+  std::shared_ptr<torch::nn::Module> held;
+  try {
+    held = other->shared_from_this();
+  } catch (const std::bad_weak_ptr&) {
+    FSDP_CHECK(false, "fsdp::ShardedUnit::share_unit_with: the ", them,
+               " module given is not held by a std::shared_ptr; build it as fsdp::Sharded<", them, ">(...).");
+  }
+  if (is_sharded() || first.is_sharded()) {  // built in an fsdp::ShardingScope (or wrapped already)
+    FSDP_CHECK(is_sharded() && first.is_sharded(), "fsdp::ShardedUnit::share_unit_with: the ", is_sharded() ? me : them,
+               " module is sharded but the ", is_sharded() ? them : me,
+               " module is not: build both inside the fsdp::ShardingScope, or both outside it.");
+    detail::merge_built_units(*lead, *this);
+  }
+  unit_of_ = held;
+}
+
+ShardedUnit* ShardedUnit::shares_unit_of() const {
+  auto held = unit_of_.lock();
+  return held ? dynamic_cast<ShardedUnit*>(held.get()) : nullptr;
 }
 
 }  // namespace fsdp

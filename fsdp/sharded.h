@@ -35,7 +35,8 @@ namespace fsdp {
 namespace detail {
 
 class Unit;
-ForwardCasts unit_pre_forward(Unit& unit);
+/// `member`: which of the unit's modules runs (0 unless modules share the unit, share_unit_with).
+ForwardCasts unit_pre_forward(Unit& unit, int member);
 /// Whether fully_shard made the unit checkpoint its activations.
 bool unit_checkpoints_activations(const Unit& unit);
 /// How a checkpointed unit's errors name it: "fsdp::activation_checkpoint of unit 'h.0'" (null:
@@ -43,7 +44,7 @@ bool unit_checkpoints_activations(const Unit& unit);
 std::string checkpoint_label(const Unit* unit);
 /// A checkpointed unit whose forward returns a type whose tensors cannot be seen: refused.
 [[noreturn]] void refuse_checkpointed_output(const Unit* unit);
-void unit_post_forward(Unit& unit, const std::vector<at::Tensor>& outputs);
+void unit_post_forward(Unit& unit, int member, const std::vector<at::Tensor>& outputs);
 /// Adds to an error raised in the unit's forward by LibTorch's operators or the user's code (not
 /// by the library: an fsdp::Error says enough) which unit, rank and dtypes it was, unless an inner
 /// unit did already, and the remedy when the forward saw a dtype its unit does not compute in.
@@ -90,6 +91,19 @@ class ShardedUnit {
   /// backward): checkpoint the inner ones.
   void set_activation_checkpointing(bool on);
   const std::optional<bool>& activation_checkpointing() const { return activation_checkpointing_; }
+  /// Makes this module part of the unit of `first`: one unit over sibling modules, as FSDP2's
+  /// fully_shard([norm, output]), gathered once before the first of them runs in a forward and
+  /// resharded after the last has run; each parameter keeps its module's name. The way to make a
+  /// model's final norm and head one unit, or a tied embedding and head (a parameter shared by two
+  /// units is refused):
+  ///   lm_head->share_unit_with(*ln_f);
+  /// Call before fsdp::fully_shard, on modules of the same model; in an fsdp::ShardingScope, once
+  /// both are built (their shards are then gathered once and sharded again as one unit). The
+  /// unit's settings (strategy, mixed precision, activation checkpointing) are its modules': set
+  /// them on one, or the same on each.
+  void share_unit_with(ShardedUnit& first);
+  /// The module whose unit this one joined (share_unit_with), or null.
+  ShardedUnit* shares_unit_of() const;
 
  protected:
   /// Runs `forward(casts, args...)` between the unit's pre- and post-forward steps, checkpointed
@@ -113,20 +127,22 @@ class ShardedUnit {
       }
     };
     if (!fsdp_unit_) return run();
-    casts = detail::unit_pre_forward(*fsdp_unit_);
+    casts = detail::unit_pre_forward(*fsdp_unit_, fsdp_member_);
     auto out = detail::forward_naming_unit(*fsdp_unit_, casts, run);
     detail::cast_output(out, casts.output);
-    detail::unit_post_forward(*fsdp_unit_, detail::tensors_of(out));
+    detail::unit_post_forward(*fsdp_unit_, fsdp_member_, detail::tensors_of(out));
     return out;
   }
 
   std::shared_ptr<detail::Unit> fsdp_unit_;  // null until sharded (set through detail::Access)
+  int fsdp_member_ = 0;                      // this module's index among its unit's modules
   std::optional<ShardingStrategy> strategy_;
   std::optional<MixedPrecisionPolicy> mixed_precision_;
   std::optional<bool> activation_checkpointing_;
 
  private:
   friend struct detail::Access;
+  std::weak_ptr<torch::nn::Module> unit_of_;  // share_unit_with's `first`
   /// Once sharded, what fully_shard resolved for the unit; before, this module's own setting.
   bool checkpoints_activations() const {
     return fsdp_unit_ ? detail::unit_checkpoints_activations(*fsdp_unit_) : activation_checkpointing_.value_or(false);

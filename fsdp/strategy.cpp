@@ -44,7 +44,11 @@ double state_bytes_peak(ShardingStrategy s, const FormulaInputs& in) {
   // A sharded strategy's full term is its gathered parameters (kShardGradOp's, kept from forward
   // to backward); the others' full parameters and gradients are the model's dtype (no cast copy).
   if (t.params_sharded) c.full *= in.param_bytes / 4.0;
-  return bytes(c, in.psi, divisor(t, in)) + gathered;
+  // Sharded gradients: before their reduction, the root's and the computing unit's full gradients,
+  // and one unit's packed (or in flight). Other strategies count full gradients in their 4Ψ already.
+  const double grads =
+      t.grads_sharded ? in.param_bytes * (in.root + in.largest_unit) + in.reduce_bytes * in.largest_unit : 0.0;
+  return bytes(c, in.psi, divisor(t, in)) + gathered + grads;
 }
 
 double comm_elements(ShardingStrategy s, const FormulaInputs& in) {

@@ -100,6 +100,10 @@ struct StrategyTraits {
   /// parameter + 4 gradient + 8 optimizer bytes per parameter). `peak_adds_gathered`: the peak also
   /// holds the units gathered at once (the root, kept from its forward into backward, and two of
   /// the largest other units: the one computing and the one prefetched), 4 bytes per parameter.
+  /// With sharded gradients the peak in backward also holds full gradients before their reduction:
+  /// the root's (an upper bound: all of them, though an embedding's arrives last), the unit's that
+  /// backward is computing, and one unit's gradients packed for the reduce-scatter or in flight
+  /// (a unit finishes the previous reduction before packing its own), in reduce_dtype.
   StateCoefficients at_step;
   StateCoefficients peak;
   bool peak_adds_gathered;
@@ -124,10 +128,11 @@ inline constexpr std::array<StrategyTraits, 5> kStrategies{{
   {ShardingStrategy::kFullShard, "full-shard", "ZeRO-3, FULL_SHARD / FSDP2 reshard_after_forward=True",
    ShardOver::kWorld, kParamsSharded | kReshardAfterForward | kGradsSharded | kOptimizerSharded | kPeakAddsGathered,
    GradReduction::kReduceScatter, {0, 16}, {0, 16}, 3,
-   {"16Ψ/N", "16Ψ/N + 4(Ψr + 2Ψu)", "3Ψ", "16Ψ/N + 2(Ψr + 2Ψu)"}},
+   {"16Ψ/N", "16Ψ/N + 4(2Ψr + 4Ψu)", "3Ψ", "16Ψ/N + 2(2Ψr + 3Ψu) + 4Ψu"}},
   {ShardingStrategy::kShardGradOp, "shard-grad-op", "ZeRO-2, SHARD_GRAD_OP / FSDP2 reshard_after_forward=False",
    ShardOver::kWorld, kParamsSharded | kGradsSharded | kOptimizerSharded,
-   GradReduction::kReduceScatter, {0, 16}, {4, 12}, 2, {"16Ψ/N", "4Ψ + 12Ψ/N", "2Ψ", "2Ψ + 12Ψ/N"}},
+   GradReduction::kReduceScatter, {0, 16}, {4, 12}, 2,
+   {"16Ψ/N", "4Ψ + 12Ψ/N + 4(Ψr + 2Ψu)", "2Ψ", "2Ψ + 12Ψ/N + 2(Ψr + Ψu) + 4Ψu"}},
   {ShardingStrategy::kShardOptimizerState, "shard-optimizer-state", "ZeRO-1 (llm.c's pattern)",
    ShardOver::kWorld, kOptimizerSharded, GradReduction::kReduceScatter, {8, 8}, {8, 8}, 2,
    {"8Ψ + 8Ψ/N", "8Ψ + 8Ψ/N", "2Ψ", ""}},
@@ -137,7 +142,7 @@ inline constexpr std::array<StrategyTraits, 5> kStrategies{{
    ShardOver::kGroup,
    kParamsSharded | kReshardAfterForward | kGradsSharded | kOptimizerSharded | kPeakAddsGathered | kCommAcrossGroups,
    GradReduction::kReduceScatterAllReduce, {0, 16}, {0, 16}, 3,
-   {"16Ψ/S", "16Ψ/S + 4(Ψr + 2Ψu)", "3Ψ + 2Ψ/S", "16Ψ/S + 2(Ψr + 2Ψu)"}},
+   {"16Ψ/S", "16Ψ/S + 4(2Ψr + 4Ψu)", "3Ψ + 2Ψ/S", "16Ψ/S + 2(2Ψr + 3Ψu) + 4Ψu"}},
 }};
 // clang-format on
 
@@ -167,13 +172,17 @@ struct FormulaInputs {
   /// Bytes of a gathered parameter element: 4 (fp32), or 2 with a bf16/fp16 mixed-precision
   /// param_dtype. The master shards, gradients and moments stay fp32 either way.
   double param_bytes = 4;
+  /// Bytes of a gradient element packed for the reduction: reduce_dtype's (4 unless set).
+  double reduce_bytes = 4;
 };
 
 /// Model-state bytes per rank at the optimizer step (traits.at_step).
 double state_bytes_at_step(ShardingStrategy s, const FormulaInputs& in);
-/// Model-state bytes per rank at their peak during the step (traits.peak, plus the gathered units).
-/// With param_bytes < 4 (mixed precision), what a sharded strategy holds gathered scales with it:
-/// kShardGradOp's full parameters and the gathered units of the others.
+/// Model-state bytes per rank at their peak during the step (traits.peak, plus the gathered units
+/// and, with sharded gradients, the full gradients of the root and of one unit and one unit's packed
+/// gradients). With param_bytes < 4 (mixed precision), what a sharded strategy holds gathered
+/// scales with it (kShardGradOp's full parameters, the gathered units of the others), and so do
+/// the full gradients (autograd computes them in param_dtype); the packed ones are reduce_bytes.
 double state_bytes_peak(ShardingStrategy s, const FormulaInputs& in);
 /// Elements communicated per step (traits.comm_psi and comm_across_groups).
 double comm_elements(ShardingStrategy s, const FormulaInputs& in);

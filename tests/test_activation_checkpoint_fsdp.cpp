@@ -54,7 +54,7 @@ Trace train(Rank& r, const Case& c, int every) {
   torch::manual_seed(0);
   auto net = gpt::make_gpt<true>(kConfig);
   if (c.frozen_embedding) {
-    net->wte->weight.requires_grad_(false);
+    net->wte.ptr()->named_parameters()["weight"].requires_grad_(false);
     net->wpe->weight.requires_grad_(false);
   }
   auto model = fsdp::fully_shard(net, r.pg, options);

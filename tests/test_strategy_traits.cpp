@@ -22,18 +22,23 @@ TEST(StrategyTraits, FormulasByHand) {
   EXPECT_DOUBLE_EQ(state_bytes_at_step(ShardingStrategy::kNoShard, in), 16.0 * 1000);
   EXPECT_DOUBLE_EQ(state_bytes_at_step(ShardingStrategy::kHybridShard, in), 16.0 * 1000 / 2);
   // Peaks: the gathered root and two units (4 bytes each) for full and hybrid; grad-op's whole
-  // gathered model.
-  EXPECT_DOUBLE_EQ(state_bytes_peak(ShardingStrategy::kFullShard, in), 4000 + 4.0 * (100 + 2 * 200));
-  EXPECT_DOUBLE_EQ(state_bytes_peak(ShardingStrategy::kHybridShard, in), 8000 + 4.0 * (100 + 2 * 200));
-  EXPECT_DOUBLE_EQ(state_bytes_peak(ShardingStrategy::kShardGradOp, in), 4.0 * 1000 + 12.0 * 1000 / 4);
+  // gathered model; and with sharded gradients the root's and a unit's full gradients plus a
+  // unit's packed ones (4 bytes each).
+  const double grads = 4.0 * (100 + 200) + 4.0 * 200;
+  EXPECT_DOUBLE_EQ(state_bytes_peak(ShardingStrategy::kFullShard, in), 4000 + 4.0 * (100 + 2 * 200) + grads);
+  EXPECT_DOUBLE_EQ(state_bytes_peak(ShardingStrategy::kHybridShard, in), 8000 + 4.0 * (100 + 2 * 200) + grads);
+  EXPECT_DOUBLE_EQ(state_bytes_peak(ShardingStrategy::kShardGradOp, in), 4.0 * 1000 + 12.0 * 1000 / 4 + grads);
+  EXPECT_DOUBLE_EQ(state_bytes_peak(ShardingStrategy::kShardOptimizerState, in), 8.0 * 1000 + 8.0 * 1000 / 4);
   EXPECT_DOUBLE_EQ(state_bytes_peak(ShardingStrategy::kNoShard, in), 16000);
   // Mixed precision (2-byte param_dtype): the same state at the step; what is gathered halves.
   FormulaInputs mixed = in;
   mixed.param_bytes = 2;
   EXPECT_DOUBLE_EQ(state_bytes_at_step(ShardingStrategy::kFullShard, mixed), 16.0 * 1000 / 4);
-  EXPECT_DOUBLE_EQ(state_bytes_peak(ShardingStrategy::kFullShard, mixed), 4000 + 2.0 * (100 + 2 * 200));
-  EXPECT_DOUBLE_EQ(state_bytes_peak(ShardingStrategy::kHybridShard, mixed), 8000 + 2.0 * (100 + 2 * 200));
-  EXPECT_DOUBLE_EQ(state_bytes_peak(ShardingStrategy::kShardGradOp, mixed), 2.0 * 1000 + 12.0 * 1000 / 4);
+  // The full gradients are param_dtype too; the packed ones reduce_dtype (fp32 here).
+  const double mixed_grads = 2.0 * (100 + 200) + 4.0 * 200;
+  EXPECT_DOUBLE_EQ(state_bytes_peak(ShardingStrategy::kFullShard, mixed), 4000 + 2.0 * (100 + 2 * 200) + mixed_grads);
+  EXPECT_DOUBLE_EQ(state_bytes_peak(ShardingStrategy::kHybridShard, mixed), 8000 + 2.0 * (100 + 2 * 200) + mixed_grads);
+  EXPECT_DOUBLE_EQ(state_bytes_peak(ShardingStrategy::kShardGradOp, mixed), 2.0 * 1000 + 12.0 * 1000 / 4 + mixed_grads);
   // Communication: 3Ψ when gathered twice, 2Ψ otherwise; hybrid adds 2Ψ/S across its groups, only
   // when there are several groups.
   EXPECT_DOUBLE_EQ(comm_elements(ShardingStrategy::kFullShard, in), 3000);

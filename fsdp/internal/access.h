@@ -25,7 +25,12 @@ struct Access {
   static RunState& state(const FSDPModule& model);
   /// The unit of a module marked fsdp::Sharded (null before it is sharded), and attaching one.
   static const std::shared_ptr<Unit>& unit(const ShardedUnit& module) { return module.fsdp_unit_; }
-  static void attach(ShardedUnit& module, std::shared_ptr<Unit> unit) { module.fsdp_unit_ = std::move(unit); }
+  /// `member`: the module's index among the unit's modules (ShardedUnit::share_unit_with).
+  static void attach(ShardedUnit& module, std::shared_ptr<Unit> unit, int member = 0) {
+    module.fsdp_unit_ = std::move(unit);
+    module.fsdp_member_ = member;
+  }
+  static int member(const ShardedUnit& module) { return module.fsdp_member_; }
   /// The state a scope's units, and then the model built in it, share.
   static const std::shared_ptr<RunState>& state(const ShardingScope& scope) { return scope.state_; }
 };

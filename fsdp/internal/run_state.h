@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <exception>
 #include <functional>
+#include <map>
 #include <memory>
 #include <vector>
 
@@ -48,6 +49,9 @@ class RunState : public std::enable_shared_from_this<RunState> {
   int direct_access = 0;
   /// Units sharded while they were built (ShardingScope), to name them until fully_shard does.
   int units_built = 0;
+  /// Units built in a ShardingScope that modules share (ShardedUnit::share_unit_with): their
+  /// modules, by member index, for a later merge to attach them all again.
+  std::map<const Unit*, std::vector<ShardedUnit*>> shared_built_units;
   bool in_root_forward = false;
   bool access_error_explained = false;  // the library's own error, raised under operator->, says enough
   /// Within one root forward: the error a unit named last (an outer unit, and the root, leave it

@@ -12,6 +12,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
+#include <bitset>
 #include <memory>
 #include <sstream>
 #include <utility>
@@ -82,10 +83,22 @@ std::string Unit::label() const {
   return name_.empty() && !built_label_.empty() ? built_label_ : name_;
 }
 
-void Unit::rename(const std::string& path) {
-  if (path.empty() || name_ == path) return;
-  name_ = path;
-  for (auto& s : slots_) s.name = path + "." + s.name;
+void Unit::set_members(int count, std::vector<int> slot_member) {
+  TORCH_INTERNAL_ASSERT(count >= 1 && count <= 64 && (slot_member.empty() || slot_member.size() == slots_.size()));
+  members_ = count;
+  slot_member_ = std::move(slot_member);
+}
+
+void Unit::rename(const std::vector<std::string>& member_paths) {
+  TORCH_INTERNAL_ASSERT(static_cast<int>(member_paths.size()) == members_);
+  std::string name;
+  for (const auto& p : member_paths) name += (name.empty() ? "" : "+") + p;
+  if (name.empty() || name_ == name) return;
+  name_ = name;
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    const std::string& path = member_paths[slot_member_.empty() ? 0 : slot_member_[i]];
+    if (!path.empty()) slots_[i].name = path + "." + slots_[i].name;
+  }
   name_collectives();
 }
 
@@ -159,6 +172,7 @@ void Unit::init() {
 }
 
 void Unit::reshard() {
+  members_run_ = 0;
   if (state_ == UnitState::kGathering) {  // prefetched but not used: Gloo may still be writing into the buffer
     drop_prefetch();
     return;
@@ -168,7 +182,7 @@ void Unit::reshard() {
   enter(UnitState::kSharded);
 }
 
-void Unit::pre_forward() {
+void Unit::pre_forward(int member) {
   // A unit called inside fsdp::activation_checkpoint runs again in backward, where its forward
   // hooks would gather it a second time outside any forward: the unit itself must be checkpointed.
   FSDP_CHECK_IN(error_context(), !in_activation_recompute(), "fsdp (rank ", run_->comm.rank(), "): unit '", label(),
@@ -188,12 +202,16 @@ void Unit::pre_forward() {
                          "units) was called itself, net(x), net->forward(x) or (*model).forward(x), around the wrapper",
                 ": the root's parameters stay sharded and nothing is prepared for backward. Call the handle itself: "
                 "model(x) or model.forward(x).");
+  // Modules sharing the unit: the first of them to run gathers it; the others find it gathered.
+  const bool first = members_run_ == 0;
+  members_run_ |= uint64_t{1} << member;
+  if (!first && state_ == UnitState::kUnsharded) return;
   unshard();
   run_->after_unit_unsharded(*this, /*backward=*/false);
   run_->sample_state();
 }
 
-void Unit::post_forward(const std::vector<at::Tensor>& outputs) {
+void Unit::post_forward(const std::vector<at::Tensor>& outputs, int member) {
   const bool grad = c10::GradMode::is_enabled();
   if (grad) {
     std::weak_ptr<Unit> self = weak_from_this();
@@ -218,6 +236,10 @@ void Unit::post_forward(const std::vector<at::Tensor>& outputs) {
       backward_ = BackwardPhase::kAwaiting;
     }
   }
+  // Modules sharing the unit: it stays gathered until each has run (one that never runs in this
+  // forward leaves it gathered until the end of backward, or the next forward).
+  if (static_cast<int>(std::bitset<64>(members_run_ | (uint64_t{1} << member)).count()) < members_) return;
+  members_run_ = 0;
   // The root keeps its gathered memory into its backward (it is the first to need it again).
   if (!grad || (!is_root_ && traits_.reshard_after_forward)) {
     reshard();

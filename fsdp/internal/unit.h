@@ -47,8 +47,19 @@ class Unit : public std::enable_shared_from_this<Unit> {
   /// How messages name the unit: its module path, "<root>", or, for a unit sharded while it was
   /// built and not yet given its place by fully_shard, what set_built_label gave.
   std::string label() const;
-  /// Gives a unit sharded while it was built its place in the model: module path and parameter names.
-  void rename(const std::string& path);
+  /// Gives a unit sharded while it was built its place in the model: the paths of its modules (one
+  /// unless modules share it), which prefix their parameters' names; the unit is named by them
+  /// joined with '+' ("ln_f+lm_head").
+  void rename(const std::vector<std::string>& member_paths);
+  /// Modules sharing this unit (ShardedUnit::share_unit_with): how many, and which one each slot's
+  /// parameter came from (empty: all from module 0). Before init().
+  void set_members(int count, std::vector<int> slot_member);
+  int members() const { return members_; }
+  /// Which module slot `i`'s parameter came from.
+  int slot_member(size_t i) const { return slot_member_.empty() ? 0 : slot_member_[i]; }
+  /// The device of the gathered parameters (with offload, not the shards').
+  at::Device compute_device() const { return buffers_.unsharded.device(); }
+  const std::shared_ptr<RunState>& run_state() const { return run_; }
   /// Until rename: e.g. "BlockImpl #3 (built in a ShardingScope)".
   void set_built_label(std::string label) { built_label_ = std::move(label); }
   bool is_root() const { return is_root_; }
@@ -126,9 +137,11 @@ class Unit : public std::enable_shared_from_this<Unit> {
   void reshard();
 
   // Forward: unshard before, reshard after (or keep the memory for backward) and hook the
-  // outputs so the unit is gathered again when its backward begins.
-  void pre_forward();
-  void post_forward(const std::vector<at::Tensor>& outputs);
+  // outputs so the unit is gathered again when its backward begins. `member`: which of the unit's
+  // modules runs; a unit of several is gathered before the first of them and resharded after the
+  // last (each counted once), as FSDP2's group forward hooks do.
+  void pre_forward(int member = 0);
+  void post_forward(const std::vector<at::Tensor>& outputs, int member = 0);
 
   // Backward.
   void pre_backward();
@@ -228,6 +241,9 @@ class Unit : public std::enable_shared_from_this<Unit> {
   std::shared_ptr<RunState> run_;
   bool is_root_;
   bool checkpoints_activations_ = false;
+  int members_ = 1;
+  std::vector<int> slot_member_;  // empty: every slot from module 0
+  uint64_t members_run_ = 0;      // bit m: module m ran its forward since the unit was gathered
   ShardingStrategy strategy_;
   const StrategyTraits& traits_;
   MixedPrecisionPolicy mp_;

@@ -8,6 +8,9 @@
 #include "fsdp/internal/unit.h"
 #include "fsdp/sharded.h"
 
+#include <ATen/core/grad_mode.h>
+
+#include <algorithm>
 #include <functional>
 #include <sstream>
 #include <unordered_map>
@@ -31,6 +34,17 @@ void unit_parameters(torch::nn::Module& m, const std::string& prefix,
 // "BlockImpl #3 (built in a ShardingScope)": the unit's Impl type and its order of construction,
 // until fully_shard gives it its module path.
 std::string built_label(const torch::nn::Module& module, int index) {
+  return module_type(module) + " #" + std::to_string(index) + " (built in a ShardingScope)";
+}
+
+// The module share_unit_with joined, followed to the one that joined none (the group's key).
+ShardedUnit* group_lead(ShardedUnit* u) {
+  for (int hops = 0; u->shares_unit_of() != nullptr && hops < 4096; ++hops) u = u->shares_unit_of();
+  return u;
+}
+}  // namespace
+
+std::string module_type(const torch::nn::Module& module) {
   std::string type = module.name();  // "fsdp::ShardedImpl<BlockImpl, ...>" unless Impl named itself
   const std::string wrapper = "fsdp::ShardedImpl<";
   if (type.rfind(wrapper, 0) == 0) {
@@ -44,9 +58,8 @@ std::string built_label(const torch::nn::Module& module, int index) {
     }
     type = type.substr(0, end);
   }
-  return type + " #" + std::to_string(index) + " (built in a ShardingScope)";
+  return type;
 }
-}  // namespace
 
 void shard_on_construction(const std::shared_ptr<RunState>& state, torch::nn::Module& module, ShardedUnit& unit) {
   std::vector<std::pair<std::string, at::Tensor>> params;
@@ -80,6 +93,60 @@ void shard_on_construction(const std::shared_ptr<RunState>& state, torch::nn::Mo
   Access::attach(unit, group);
 }
 
+void merge_built_units(ShardedUnit& first, ShardedUnit& other) {
+  const std::shared_ptr<Unit> a = Access::unit(first), b = Access::unit(other);
+  if (a == b) return;
+  RunState& state = a->state();
+  const std::string what = "share_unit_with: '" + b->label() + "' joins '" + a->label() + "'";
+  FSDP_CHECK_IN(state.comm.error_context("fsdp::ShardedUnit::share_unit_with"), &b->state() == &state,
+                "fsdp::ShardedUnit::share_unit_with (rank ", state.comm.rank(), "): '", b->label(), "' and '",
+                a->label(), "' were sharded by different ShardingScopes; build the model within one scope.");
+  const bool wrapped = std::any_of(state.units.begin(), state.units.end(), [&](const std::weak_ptr<Unit>& w) {
+    auto u = w.lock();
+    return u == a || u == b;
+  });
+  FSDP_CHECK_IN(state.comm.error_context("fsdp::ShardedUnit::share_unit_with"), !wrapped,
+                "fsdp::ShardedUnit::share_unit_with (rank ", state.comm.rank(), "): ", what,
+                ", but the model is wrapped already: units are fixed by fsdp::fully_shard. Call share_unit_with "
+                "before it (in the model's constructor).");
+  // The gathers below pair up only if every rank merges the same units now.
+  check_same_model_on_all_ranks(state.comm, what + "\n");
+  // Each unit's full parameters gathered once (a unit's size, as while it was built), then sharded
+  // again as one unit: its parameters keep their tensors (and so the model's references to them).
+  std::vector<std::pair<std::string, at::Tensor>> params;
+  std::vector<int> slot_member;
+  std::unordered_map<const c10::TensorImpl*, bool> seen;
+  std::vector<ShardedUnit*> modules;
+  for (const auto& [unit, module] : {std::make_pair(a, &first), std::make_pair(b, &other)}) {
+    auto listed = state.shared_built_units.find(unit.get());
+    const std::vector<ShardedUnit*> own =
+        listed != state.shared_built_units.end() ? listed->second : std::vector<ShardedUnit*>{module};
+    const int offset = static_cast<int>(modules.size());
+    modules.insert(modules.end(), own.begin(), own.end());
+    if (unit->slots().empty()) continue;
+    std::vector<at::Tensor> full;
+    unit->gather_full(full, unit->compute_device());
+    at::NoGradGuard no_grad;
+    for (size_t i = 0; i < full.size(); ++i) {
+      const ParamSlot& slot = unit->slots()[i];
+      at::Tensor param = slot.param;
+      if (!seen.emplace(param.unsafeGetTensorImpl(), true).second) continue;  // tied across the two: once
+      param.set_data(full[i]);
+      params.emplace_back(slot.name, param);
+      slot_member.push_back(offset + unit->slot_member(i));
+    }
+  }
+  auto merged = std::make_shared<Unit>("", std::move(params), a->run_state(), /*is_root=*/false, a->strategy(),
+                                       a->mixed_precision());
+  merged->set_members(static_cast<int>(modules.size()), std::move(slot_member));
+  merged->set_built_label(a->label() + " + " + b->label());
+  merged->init();
+  state.shared_built_units.erase(a.get());
+  state.shared_built_units.erase(b.get());
+  for (size_t m = 0; m < modules.size(); ++m) Access::attach(*modules[m], merged, static_cast<int>(m));
+  state.shared_built_units[merged.get()] = std::move(modules);
+}
+
 std::shared_ptr<Unit> shard_model(const std::shared_ptr<torch::nn::Module>& root,
                                   const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
                                   const FullyShardOptions& given_options,
@@ -99,13 +166,32 @@ std::shared_ptr<Unit> shard_model(const std::shared_ptr<torch::nn::Module>& root
 
   struct Found {
     std::string name;
-    ShardedUnit* unit;
+    ShardedUnit* unit;  // its first module (null: the root)
     std::vector<std::pair<std::string, at::Tensor>> params;
     std::shared_ptr<Unit> built;  // sharded while the model was built (ShardingScope)
     size_t parent = 0;            // the unit containing it (the root: itself)
+    // Its modules (more than one: ShardedUnit::share_unit_with), their paths, and the module each
+    // parameter came from.
+    std::vector<ShardedUnit*> members;
+    std::vector<std::string> member_paths;
+    std::vector<int> slot_member;
   };
   std::vector<std::unique_ptr<Found>> found;
   found.push_back(std::make_unique<Found>(Found{"", nullptr, {}, nullptr}));
+  std::unordered_map<const ShardedUnit*, size_t> group_of;  // group lead -> its unit (share_unit_with)
+  std::unordered_map<const Unit*, size_t> built_at;         // a unit sharded while built -> its entry
+  // A module sharing a unit: a sibling of the unit's first module (both directly in one unit).
+  auto join = [&](size_t g, ShardedUnit* u, const std::string& name, size_t enclosing) {
+    Found& f = *found[g];
+    FSDP_CHECK_IN(state->comm.error_context("fsdp::fully_shard").unit(name), f.parent == enclosing,
+                  "fsdp::fully_shard (rank ", state->comm.rank(), "): module '", name, "' shares the unit of '",
+                  f.member_paths.front(),
+                  "' (share_unit_with) but they are not siblings: one is inside a unit the other is not in. Modules "
+                  "sharing a unit must sit directly in the same unit (the root, or one fsdp::Sharded module).");
+    f.members.push_back(u);
+    f.member_paths.push_back(name);
+    return static_cast<int>(f.members.size()) - 1;
+  };
   std::unordered_map<const c10::TensorImpl*, std::vector<int64_t>> built_shape;      // of parameters sharded already
   std::unordered_map<const c10::TensorImpl*, std::pair<std::string, size_t>> owner;  // -> name, unit
 
@@ -122,54 +208,128 @@ std::shared_ptr<Unit> shard_model(const std::shared_ptr<torch::nn::Module>& root
 
   // `built`: inside a unit sharded while the model was built (ShardingScope), whose parameters
   // are in it already; only units nested in it remain to be found.
-  std::function<void(torch::nn::Module&, const std::string&, size_t, bool)> visit = [&](torch::nn::Module& m,
-                                                                                        const std::string& prefix,
-                                                                                        size_t unit, bool built) {
-    if (!built) {
-      for (const auto& kv : m.named_parameters(/*recurse=*/false)) {
-        const std::string name = prefix.empty() ? kv.key() : prefix + "." + kv.key();
-        if (claim(kv.value(), name, unit)) found[unit]->params.emplace_back(name, kv.value());
-      }
-    }
-    for (const auto& kv : m.named_children()) {
-      const std::string name = prefix.empty() ? kv.key() : prefix + "." + kv.key();
-      size_t child_unit = unit;
-      auto* u = dynamic_cast<ShardedUnit*>(kv.value().get());
-      if (u != nullptr && u->is_sharded()) {
-        const std::shared_ptr<Unit>& sharded = Access::unit(*u);
-        FSDP_CHECK_IN(state->comm.error_context("fsdp::fully_shard").unit(name), scope_state != nullptr,
-                      "fsdp::fully_shard (rank ", state->comm.rank(), "): module '", name,
-                      "' is already sharded: either the model was wrapped before (wrap a model once) or it was "
-                      "built inside an fsdp::ShardingScope (then wrap it with fsdp::fully_shard(model, scope)).");
-        FSDP_CHECK(&sharded->state() == state.get(), "fsdp::fully_shard (rank ", state->comm.rank(), "): module '",
-                   name, "' was sharded by another ShardingScope or model; build and wrap a model within one scope.");
-        found.push_back(std::make_unique<Found>(Found{name, u, {}, sharded, unit}));
-        for (const auto& s : sharded->slots()) {
-          claim(s.param, name + "." + s.name, found.size() - 1);
-          built_shape[s.param.unsafeGetTensorImpl()] = s.shape;
+  // `member`: which of the unit's modules `m` is in.
+  std::function<void(torch::nn::Module&, const std::string&, size_t, bool, int)> visit =
+      [&](torch::nn::Module& m, const std::string& prefix, size_t unit, bool built, int member) {
+        if (!built) {
+          for (const auto& kv : m.named_parameters(/*recurse=*/false)) {
+            const std::string name = prefix.empty() ? kv.key() : prefix + "." + kv.key();
+            if (claim(kv.value(), name, unit)) {
+              found[unit]->params.emplace_back(name, kv.value());
+              found[unit]->slot_member.push_back(member);
+            }
+          }
         }
-        visit(*kv.value(), name, found.size() - 1, /*built=*/true);
-        continue;
-      }
-      if (u != nullptr) {
-        FSDP_CHECK(!built, "fsdp::fully_shard (rank ", state->comm.rank(), "): unit '", name,
-                   "' was built outside the ShardingScope that sharded the unit containing it; build the whole "
-                   "model inside the scope.");
-        found.push_back(std::make_unique<Found>(Found{name, u, {}, nullptr, unit}));
-        child_unit = found.size() - 1;
-      }
-      visit(*kv.value(), name, child_unit, built);
+        for (const auto& kv : m.named_children()) {
+          const std::string name = prefix.empty() ? kv.key() : prefix + "." + kv.key();
+          size_t child_unit = unit;
+          int child_member = member;
+          auto* u = dynamic_cast<ShardedUnit*>(kv.value().get());
+          if (u != nullptr && u->is_sharded()) {
+            const std::shared_ptr<Unit>& sharded = Access::unit(*u);
+            auto joined = built_at.find(sharded.get());
+            if (joined != built_at.end()) {  // another module of a unit met already (share_unit_with)
+              Found& f = *found[joined->second];
+              FSDP_CHECK_IN(state->comm.error_context("fsdp::fully_shard").unit(name), f.parent == unit,
+                            "fsdp::fully_shard (rank ", state->comm.rank(), "): module '", name,
+                            "' shares a unit with modules that are not its siblings; modules sharing a unit must sit "
+                            "directly in the same unit.");
+              f.member_paths[Access::member(*u)] = name;
+              visit(*kv.value(), name, joined->second, /*built=*/true, Access::member(*u));
+              continue;
+            }
+            FSDP_CHECK_IN(state->comm.error_context("fsdp::fully_shard").unit(name), scope_state != nullptr,
+                          "fsdp::fully_shard (rank ", state->comm.rank(), "): module '", name,
+                          "' is already sharded: either the model was wrapped before (wrap a model once) or it was "
+                          "built inside an fsdp::ShardingScope (then wrap it with fsdp::fully_shard(model, scope)).");
+            FSDP_CHECK(&sharded->state() == state.get(), "fsdp::fully_shard (rank ", state->comm.rank(), "): module '",
+                       name,
+                       "' was sharded by another ShardingScope or model; build and wrap a model within one scope.");
+            found.push_back(std::make_unique<Found>(Found{name, u, {}, sharded, unit}));
+            found.back()->member_paths.resize(sharded->members());
+            found.back()->member_paths[Access::member(*u)] = name;
+            built_at[sharded.get()] = found.size() - 1;
+            for (const auto& s : sharded->slots()) {
+              claim(s.param, name + "." + s.name, found.size() - 1);
+              built_shape[s.param.unsafeGetTensorImpl()] = s.shape;
+            }
+            visit(*kv.value(), name, found.size() - 1, /*built=*/true, Access::member(*u));
+            continue;
+          }
+          if (u != nullptr) {
+            FSDP_CHECK(!built, "fsdp::fully_shard (rank ", state->comm.rank(), "): unit '", name,
+                       "' was built outside the ShardingScope that sharded the unit containing it; build the whole "
+                       "model inside the scope.");
+            const ShardedUnit* lead = group_lead(u);
+            auto group = group_of.find(lead);
+            if (group != group_of.end()) {
+              child_unit = group->second;
+              child_member = join(child_unit, u, name, unit);
+            } else {
+              found.push_back(std::make_unique<Found>(Found{name, u, {}, nullptr, unit}));
+              child_unit = found.size() - 1;
+              found.back()->members = {u};
+              found.back()->member_paths = {name};
+              child_member = 0;
+              group_of[lead] = child_unit;
+            }
+          }
+          visit(*kv.value(), name, child_unit, built, child_member);
+        }
+      };
+  visit(*root, "", 0, /*built=*/false, 0);
+  // Every module a unit's module joined (share_unit_with) must be in the model, in that unit.
+  for (const auto& f : found) {
+    for (size_t m = 0; m < f->member_paths.size(); ++m) {
+      FSDP_CHECK_IN(state->comm.error_context("fsdp::fully_shard").unit(f->name), !f->member_paths[m].empty(),
+                    "fsdp::fully_shard (rank ", state->comm.rank(), "): unit '", f->name,
+                    "' was joined (share_unit_with) ",
+                    "with a module that is not part of this model. Share units among modules of the model you wrap.");
     }
-  };
-  visit(*root, "", 0, /*built=*/false);
+    for (ShardedUnit* u : f->members) {
+      ShardedUnit* lead = u->shares_unit_of();
+      const bool in_group =
+          lead == nullptr || std::find(f->members.begin(), f->members.end(), lead) != f->members.end();
+      FSDP_CHECK_IN(state->comm.error_context("fsdp::fully_shard").unit(f->name), in_group, "fsdp::fully_shard (rank ",
+                    state->comm.rank(), "): module '",
+                    f->member_paths[std::find(f->members.begin(), f->members.end(), u) - f->members.begin()],
+                    "' shares the unit of a module (share_unit_with) that is not part of this model. Share units "
+                    "among modules of the model you wrap.");
+    }
+    if (f->members.size() > 1) {
+      std::string name;
+      for (const auto& p : f->member_paths) name += (name.empty() ? "" : "+") + p;
+      f->name = name;
+    }
+  }
 
   // Everything that decides the collectives' sizes and order: names, shapes, dtypes, the unit
   // each parameter is in, whether it trains, its device type.
+  // A unit's own setting: its modules', which must agree where more than one set it.
+  auto setting_of = [&](const Found& f, auto get, const char* what, auto same) {
+    std::decay_t<decltype(get(*f.unit))> out;
+    for (size_t m = 0; m < f.members.size(); ++m) {
+      const auto& own = get(*f.members[m]);
+      if (!own) continue;
+      FSDP_CHECK_IN(state->comm.error_context("fsdp::fully_shard").unit(f.name), !out || same(*out, *own),
+                    "fsdp::fully_shard (rank ", state->comm.rank(), "): the modules sharing unit '", f.name,
+                    "' (share_unit_with) set different ", what, "; set it on one of them, or the same on each.");
+      out = own;
+    }
+    return out;
+  };
   auto strategy_of = [&](const Found& f) {
-    return f.unit && f.unit->sharding_strategy() ? *f.unit->sharding_strategy() : options.strategy();
+    return setting_of(
+               f, [](const ShardedUnit& u) { return u.sharding_strategy(); }, "sharding strategies", std::equal_to<>())
+        .value_or(options.strategy());
   };
   auto precision_of = [&](const Found& f) {
-    return f.unit && f.unit->mixed_precision() ? *f.unit->mixed_precision() : options.mixed_precision();
+    return setting_of(
+               f, [](const ShardedUnit& u) { return u.mixed_precision(); }, "mixed-precision policies",
+               [](const MixedPrecisionPolicy& x, const MixedPrecisionPolicy& y) {
+                 return to_string(x) == to_string(y);
+               })
+        .value_or(options.mixed_precision());
   };
   std::unordered_map<const c10::TensorImpl*, std::string> unit_of;
   for (const auto& f : found) {
@@ -210,7 +370,11 @@ std::shared_ptr<Unit> shard_model(const std::shared_ptr<torch::nn::Module>& root
   const int every = options.activation_checkpointing_every();
   int leaf = 0;
   for (size_t i = 1; i < found.size(); ++i) {
-    const std::optional<bool>& own = found[i]->unit->activation_checkpointing();
+    const std::optional<bool> own =
+        found[i]->built ? found[i]->unit->activation_checkpointing()
+                        : setting_of(
+                              *found[i], [](const ShardedUnit& u) { return u.activation_checkpointing(); },
+                              "activation checkpointing", std::equal_to<>());
     const bool counted = !contains_units[i] && every > 0 && ++leaf % every == 0;
     checkpointed[i] = own.value_or(counted);
     FSDP_CHECK_IN(state->comm.error_context("fsdp::fully_shard").unit(found[i]->name),
@@ -224,18 +388,19 @@ std::shared_ptr<Unit> shard_model(const std::shared_ptr<torch::nn::Module>& root
   for (auto& f : found) {
     const bool checkpoints = checkpointed[state->units.size()];
     if (f->built) {
-      f->built->rename(f->name);
+      f->built->rename(f->member_paths);
       f->built->set_checkpoints_activations(checkpoints);
       state->units.push_back(f->built);
       continue;
     }
     auto g = std::make_shared<Unit>(f->name, std::move(f->params), state, f->unit == nullptr, strategy_of(*f),
                                     precision_of(*f));
+    if (f->members.size() > 1) g->set_members(static_cast<int>(f->members.size()), std::move(f->slot_member));
     g->set_checkpoints_activations(checkpoints);
     g->init();
     state->units.push_back(g);
     if (f->unit != nullptr) {
-      Access::attach(*f->unit, g);
+      for (size_t m = 0; m < f->members.size(); ++m) Access::attach(*f->members[m], g, static_cast<int>(m));
     } else {
       root_group = g;
     }

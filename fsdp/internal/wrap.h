@@ -9,6 +9,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <memory>
+#include <string>
 
 namespace fsdp {
 class ShardedUnit;
@@ -30,6 +31,13 @@ std::shared_ptr<Unit> shard_model(const std::shared_ptr<torch::nn::Module>& root
 
 /// Shards one unit right after its constructor returned (inside an fsdp::ShardingScope): checks
 /// that every rank built the same unit, shards it with the scope's options and attaches it.
+/// Inside an fsdp::ShardingScope, ShardedUnit::share_unit_with on two units sharded already: their
+/// parameters gathered and sharded again as one unit, which every module of both then shares.
+void merge_built_units(ShardedUnit& first, ShardedUnit& other);
+
+/// A module's type as messages name it: "BlockImpl" for an fsdp::ShardedImpl<BlockImpl, ...>.
+std::string module_type(const torch::nn::Module& module);
+
 void shard_on_construction(const std::shared_ptr<RunState>& state, torch::nn::Module& module, ShardedUnit& unit);
 
 }  // namespace fsdp::detail
