@@ -5,14 +5,15 @@
 # fsdp_bench's GPT (4 blocks x 128 wide) at sequence 256, global batch 16, full sharding, 10 measured steps, at 1 and
 # 2 ranks, each run beside PyTorch FSDP2 on the same model and wrapping: checkpointing off, every
 # block, every 2nd block (FSDP2: torch.utils.checkpoint, non-reentrant, on the same blocks). Then
-# the ratios against "off" and against FSDP2, from the JSON rows above them.
+# the ratios against "off" and against FSDP2, from the JSON rows above them. Extra arguments go to
+# every fsdp_bench run (e.g. --wrap torchtitan: both implementations then wrap as torchtitan does).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$("$root/scripts/setup.sh" | tail -n 1)"
 bench="$root/build/benchmarks/fsdp_bench"
 out="$(mktemp -d /tmp/ac-figures-XXXXXX)"
 model=(--strategies full --world-sizes 1,2 --n-layer 4 --n-head 4 --n-embd 128 --block-size 256 --batch-size 16
-  --steps 11)
+  --steps 11 "$@")
 echo "# $(date -u +%FT%TZ) $(git -C "$root" rev-parse --short HEAD) $(nproc --all) cores"
 for mode in off 1 2; do
   flags=()

@@ -87,6 +87,7 @@ inline bool parse_run_flag(
     f.mixed_precision = value();
   } else if (k == "--wrap") {
     f.wrap = value();
+    if (f.wrap.empty()) throw InputError("--wrap must be blocks or torchtitan, not ''", true);
   } else {
     return false;
   }

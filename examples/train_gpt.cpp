@@ -310,7 +310,9 @@ int run(const Args& args) {
 
   if (rank == 0 && !args.json) {
     std::cout << "train_gpt: " << world << " rank(s), " << n_params << " parameters, " << args.model.n_layer
-              << " sharded blocks, global batch " << args.batch_size << " x " << T << " tokens (" << local_batch
+              << (args.model.wrap == gpt::Wrap::kTorchtitan ? " blocks (units: wte, each block, ln_f+lm_head)"
+                                                            : " blocks (units: each block)")
+              << ", global batch " << args.batch_size << " x " << T << " tokens (" << local_batch
               << " rows per rank per micro-batch, " << K << " micro-batch(es)" << (args.no_sync ? ", no sync" : "")
               << "), " << (args.fused ? "fused " : "") << args.optimizer << " lr " << args.lr
               << (args.clip > 0 ? ", clip " + std::to_string(args.clip) : "") << ", prefetch " << args.prefetch

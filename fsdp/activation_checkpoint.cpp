@@ -75,6 +75,7 @@ struct Recompute : torch::CustomClassHolder {
   AutocastState autocast;
   std::vector<std::vector<int64_t>> output_shapes;
   std::string label;  // how errors name it: "fsdp::activation_checkpoint" or "... of unit 'h.0'"
+  std::function<void()> after_backward;
   bool done = false;
 };
 
@@ -169,6 +170,10 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
       }
     }
     if (!roots.empty()) torch::autograd::backward(roots, grads);
+    // The nested backward ran its parameters' gradient hooks; an FSDP unit whose forward was
+    // checkpointed more than once (modules sharing it, a tied weight) waits for each recompute
+    // before it takes its gradients as complete.
+    if (recompute->after_backward) recompute->after_backward();
 
     // One gradient per argument of forward: the capsule, each input (the tail tensor too), the count.
     variable_list out{at::Tensor()};
@@ -181,7 +186,7 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
 }  // namespace
 
 std::vector<at::Tensor> run_checkpointed(const c10::intrusive_ptr<CheckpointBody>& body, std::vector<at::Tensor> inputs,
-                                         std::string label) {
+                                         std::string label, std::function<void()> after_backward) {
   const auto body_inputs = static_cast<int64_t>(inputs.size());
   bool any = false;
   for (const auto& t : inputs) any = any || (t.defined() && t.requires_grad());
@@ -189,6 +194,7 @@ std::vector<at::Tensor> run_checkpointed(const c10::intrusive_ptr<CheckpointBody
   auto recompute = c10::make_intrusive<Recompute>();
   recompute->body = body;
   recompute->label = std::move(label);
+  recompute->after_backward = std::move(after_backward);
   // As a TensorList, so that autograd sees each tensor as an input (a std::vector would be one
   // opaque argument).
   return CheckpointFunction::apply(recompute, at::TensorList(inputs), body_inputs);

@@ -39,6 +39,7 @@
 #include <ATen/core/ivalue.h>
 #include <c10/core/GradMode.h>
 
+#include <functional>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -58,9 +59,10 @@ class CheckpointBody : public torch::CustomClassHolder {
 };
 
 /// Runs `body` once with gradients off inside an autograd node that recomputes it in backward;
-/// returns the node's outputs (one per tensor the body returned). `label` starts its errors.
+/// returns the node's outputs (one per tensor the body returned). `label` starts its errors;
+/// `after_backward` runs at the end of the node's backward (an FSDP unit counts its recomputes).
 std::vector<at::Tensor> run_checkpointed(const c10::intrusive_ptr<CheckpointBody>& body, std::vector<at::Tensor> inputs,
-                                         std::string label);
+                                         std::string label, std::function<void()> after_backward = nullptr);
 
 /// Whether this thread is recomputing a checkpointed forward (inside a backward).
 bool in_activation_recompute();
@@ -115,14 +117,16 @@ class TypedCheckpointBody final : public CheckpointBody {
 }  // namespace detail
 
 namespace detail {
-/// activation_checkpoint with its errors starting with `label` (a checkpointed unit names itself).
+/// activation_checkpoint with its errors starting with `label` (a checkpointed unit names itself);
+/// `after_backward` (if set) runs once the recompute's backward has accumulated its gradients.
 template <typename Fn, typename... Args>
-auto activation_checkpoint_labelled(std::string label, Fn&& fn, Args&&... args) {
+auto activation_checkpoint_labelled(std::string label, std::function<void()> after_backward, Fn&& fn, Args&&... args) {
   using Body = TypedCheckpointBody<Fn, Args...>;
   // Gradients off: nothing to keep, nothing to recompute (fn gets lvalues, as in the recompute).
   if (!c10::GradMode::is_enabled()) return typename Body::Out(fn(args...));
   auto body = c10::make_intrusive<Body>(std::forward<Fn>(fn), std::forward<Args>(args)...);
-  std::vector<at::Tensor> outputs = run_checkpointed(body, body->take_inputs(), std::move(label));
+  std::vector<at::Tensor> outputs =
+      run_checkpointed(body, body->take_inputs(), std::move(label), std::move(after_backward));
   return body->output(outputs);
 }
 }  // namespace detail
@@ -131,7 +135,7 @@ auto activation_checkpoint_labelled(std::string label, Fn&& fn, Args&&... args) 
 /// `fn` is kept until backward: capture what it uses by value (or `this`), not locals by reference.
 template <typename Fn, typename... Args>
 auto activation_checkpoint(Fn&& fn, Args&&... args) {
-  return detail::activation_checkpoint_labelled("fsdp::activation_checkpoint", std::forward<Fn>(fn),
+  return detail::activation_checkpoint_labelled("fsdp::activation_checkpoint", nullptr, std::forward<Fn>(fn),
                                                 std::forward<Args>(args)...);
 }
 

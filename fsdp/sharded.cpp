@@ -7,6 +7,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <sstream>
 #include <string>
 
@@ -48,6 +49,14 @@ bool unit_checkpoints_activations(const Unit& unit) {
 std::string checkpoint_label(const Unit* unit) {
   if (unit == nullptr) return "fsdp::activation_checkpoint of an fsdp::Sharded module";
   return "fsdp::activation_checkpoint of unit '" + unit->label() + "'";
+}
+
+std::function<void()> unit_checkpoint_began(Unit* unit) {
+  if (unit == nullptr) return nullptr;
+  unit->checkpoint_began();
+  return [weak = std::weak_ptr<Unit>(unit->shared_from_this())] {
+    if (auto u = weak.lock()) u->checkpoint_backward_done();
+  };
 }
 
 void refuse_checkpointed_output(const Unit* unit) {
@@ -159,7 +168,11 @@ void ShardedUnit::set_mixed_precision(const MixedPrecisionPolicy& policy) {
 }
 
 void ShardedUnit::set_activation_checkpointing(bool on) {
-  if (fsdp_unit_) {
+  // A unit sharded as it was built (ShardingScope) takes it until fully_shard, which decides it.
+  const auto& units = fsdp_unit_ ? fsdp_unit_->state().units : std::vector<std::weak_ptr<detail::Unit>>{};
+  const bool wrapped = std::any_of(units.begin(), units.end(),
+                                   [&](const std::weak_ptr<detail::Unit>& w) { return w.lock() == fsdp_unit_; });
+  if (wrapped) {
     refuse_when_sharded(fsdp_unit_, std::string("set_activation_checkpointing(") + (on ? "true" : "false") + ")",
                         fsdp_unit_->checkpoints_activations() ? "checkpointed" : "not checkpointed",
                         "activation_checkpointing_every");

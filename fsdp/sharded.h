@@ -22,6 +22,7 @@
 
 #include <torch/nn/pimpl.h>
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -44,6 +45,9 @@ bool unit_checkpoints_activations(const Unit& unit);
 std::string checkpoint_label(const Unit* unit);
 /// A checkpointed unit whose forward returns a type whose tensors cannot be seen: refused.
 [[noreturn]] void refuse_checkpointed_output(const Unit* unit);
+/// A checkpointed forward of `unit` begins (null: a module not sharded yet): what its recompute's
+/// backward calls when it has accumulated its gradients (null for none).
+std::function<void()> unit_checkpoint_began(Unit* unit);
 void unit_post_forward(Unit& unit, int member, const std::vector<at::Tensor>& outputs);
 /// Adds to an error raised in the unit's forward by LibTorch's operators or the user's code (not
 /// by the library: an fsdp::Error says enough) which unit, rank and dtypes it was, unless an inner
@@ -122,7 +126,7 @@ class ShardedUnit {
         if (!checkpoint) return Out(forward(casts, std::forward<Args>(args)...));
         // The casts are the recompute's too: copied, as everything the recompute runs.
         return Out(detail::activation_checkpoint_labelled(
-            detail::checkpoint_label(fsdp_unit_.get()),
+            detail::checkpoint_label(fsdp_unit_.get()), detail::unit_checkpoint_began(fsdp_unit_.get()),
             [forward, casts](auto&... a) mutable { return forward(casts, a...); }, std::forward<Args>(args)...));
       }
     };

@@ -3,8 +3,8 @@
 // embedding, each block, and the final norm with the head as units): parity with plain LibTorch
 // for every strategy, the parameter names unchanged, the unit gathered once per forward and once
 // per backward (collective counts from shapes), built in a ShardingScope too, a tied embedding and
-// head as one unit, activation checkpointing of the shared unit bit-exact against off, and the
-// refusals. Each world size is one launch that runs every case.
+// head as one unit (checkpointed too), activation checkpointing of the shared unit bit-exact
+// against off, and the refusals. Each world size is one launch that runs every case.
 #include "tests/parity.h"
 
 #include "fsdp/sharding_scope.h"
@@ -150,11 +150,17 @@ std::vector<at::Tensor> unique_params(torch::nn::Module& m) {
   return out;
 }
 
-void check_tied(Rank& r) {
+// `checkpoint`: the tied unit checkpointed; its weight then gets its gradient in two recomputes'
+// backwards (one per module), and the unit must wait for both before it reduces and reshards (it
+// failed with an index out of range, the embedding recomputed on its shard, before it did).
+void check_tied(Rank& r, ShardingStrategy strategy, bool checkpoint) {
+  SCOPED_TRACE(std::string("tied, ") + to_string(strategy) + (checkpoint ? ", checkpointed" : ""));
   torch::manual_seed(3);
   auto ref = std::make_shared<TiedNetImpl<false>>();
   torch::manual_seed(3);
-  auto model = fsdp::fully_shard(std::make_shared<TiedNetImpl<true>>(), r.pg, test_options());
+  auto net = std::make_shared<TiedNetImpl<true>>();
+  if (checkpoint) net->head->set_activation_checkpointing(true);
+  auto model = fsdp::fully_shard(net, r.pg, test_options(strategy, 0));
   ASSERT_EQ(model.units().size(), 3u);
   EXPECT_EQ(model.units()[1].name, "wte+head");
   EXPECT_EQ(model.units()[1].params, (std::vector<std::string>{"wte.weight"}));  // the tied weight once
@@ -174,7 +180,10 @@ void check_tied(Rank& r) {
     auto loss = gpt_loss(model(local_rows(idx, r.rank, r.world_size)), local_rows(target, r.rank, r.world_size));
     loss.backward();
     // The tied unit: gathered before wte, kept until head has run, once more for its backward.
-    EXPECT_EQ(model.comm_stats().all_gathers, 2 + 2);  // the root holds no parameter: no gather
+    if (strategy == ShardingStrategy::kFullShard) {
+      EXPECT_EQ(model.comm_stats().all_gathers, 2 + 2);  // the root holds no parameter: no gather
+      EXPECT_EQ(model.comm_stats().reduce_scatters, 2);
+    }
     opt.step();
     auto global = loss.detach().clone();
     all_reduce_sum(r, global);
@@ -237,6 +246,23 @@ void check_refusals(Rank& r) {
   auto wrapped = std::make_shared<PairImpl>();
   auto model = fsdp::fully_shard(wrapped, r.pg, test_options());
   expect_error([&] { wrapped->b->share_unit_with(*wrapped->a); }, "wrapped already");
+  // A weight tied across modules built in a ShardingScope would be sharded twice.
+  expect_error(
+      [&] {
+        ShardingScope scope(r.pg, test_options());
+        std::make_shared<TiedNetImpl<true>>();
+      },
+      "was sharded already, by");
+  // Activation checkpointing set on a unit built in a scope, before fully_shard: taken.
+  {
+    ShardingScope scope(r.pg, test_options());
+    auto built = std::make_shared<PairImpl>();
+    built->b->set_activation_checkpointing(true);
+    auto wrapped_built = fsdp::fully_shard(built, scope);
+    // Once wrapped, the setting is fixed and the refusal says what fully_shard made of it.
+    expect_error([&] { built->b->set_activation_checkpointing(false); }, "sharded already (checkpointed)");
+    expect_error([&] { built->a->set_activation_checkpointing(true); }, "sharded already (not checkpointed)");
+  }
   // One setting on either module serves the unit.
   auto one = std::make_shared<PairImpl>();
   one->b->share_unit_with(*one->a);
@@ -252,7 +278,9 @@ void run_all(Rank& r) {
   check_parity_and_counts(r);
   check_built_in_scope(r);
   check_checkpointed(r);
-  check_tied(r);
+  check_tied(r, ShardingStrategy::kFullShard, false);
+  check_tied(r, ShardingStrategy::kFullShard, true);
+  check_tied(r, ShardingStrategy::kNoShard, true);  // buckets wait for both recomputes too
   check_refusals(r);
 }
 

@@ -52,6 +52,9 @@ class RunState : public std::enable_shared_from_this<RunState> {
   /// Units built in a ShardingScope that modules share (ShardedUnit::share_unit_with): their
   /// modules, by member index, for a later merge to attach them all again.
   std::map<const Unit*, std::vector<ShardedUnit*>> shared_built_units;
+  /// The parameters units built in a ShardingScope sharded (TensorImpl), and which unit: one met
+  /// again in a later unit (a tie across units) is refused instead of sharded twice.
+  std::map<const void*, std::string> built_params;
   bool in_root_forward = false;
   bool access_error_explained = false;  // the library's own error, raised under operator->, says enough
   /// Within one root forward: the error a unit named last (an outer unit, and the root, leave it

@@ -289,17 +289,26 @@ void Unit::on_grad_ready(size_t slot) {
   ++grads_ready_;
   // Replicated: each bucket goes out as soon as its gradients are complete (all of them are out
   // once the unit's last gradient arrives).
-  if (buckets() && run_->sync_gradients) launch_buckets(/*all=*/false);
-  if (grads_ready_ == grads_expected_) {
-    // Without gradient sync (all but the last micro-batch of an accumulation) the unsharded
-    // gradients keep accumulating beside the parameters; nothing is communicated.
-    if (run_->sync_gradients && !buckets()) reduce_grads();
-    if (!run_->sync_gradients) accumulate_unsynced();
-    backward_ = BackwardPhase::kIdle;
-    // A frozen parameter's last reader may still be ahead in the graph (autograd runs gradient
-    // accumulation as soon as it can): such a unit stays gathered until the end of backward.
-    if (grads_expected_ == slots_.size()) reshard();
-  }
+  if (buckets() && run_->sync_gradients && checkpoints_pending_ == 0) launch_buckets(/*all=*/false);
+  if (grads_ready_ == grads_expected_ && checkpoints_pending_ == 0) grads_complete();
+}
+
+void Unit::checkpoint_backward_done() {
+  if (checkpoints_pending_ > 0) --checkpoints_pending_;
+  if (checkpoints_pending_ > 0 || backward_ != BackwardPhase::kRunning) return;
+  if (buckets() && run_->sync_gradients) launch_buckets(/*all=*/false);  // held back by the recomputes
+  if (grads_ready_ == grads_expected_) grads_complete();
+}
+
+void Unit::grads_complete() {
+  // Without gradient sync (all but the last micro-batch of an accumulation) the unsharded
+  // gradients keep accumulating beside the parameters; nothing is communicated.
+  if (run_->sync_gradients && !buckets()) reduce_grads();
+  if (!run_->sync_gradients) accumulate_unsynced();
+  backward_ = BackwardPhase::kIdle;
+  // A frozen parameter's last reader may still be ahead in the graph (autograd runs gradient
+  // accumulation as soon as it can): such a unit stays gathered until the end of backward.
+  if (grads_expected_ == slots_.size()) reshard();
 }
 
 void Unit::finalize_backward() {
@@ -313,10 +322,12 @@ void Unit::finalize_backward() {
     if (buckets_.partly_launched() || holds_unsynced_grads()) reduce_grads();
   }
   backward_ = BackwardPhase::kIdle;
+  checkpoints_pending_ = 0;  // a checkpointed forward whose output backward never reached
   reshard();
 }
 
 void Unit::reset_after_failed_backward() {
+  checkpoints_pending_ = 0;
   // Reductions of the failed backward still in flight: waited for (the backend uses their
   // buffers) and thrown away. This runs at the next forward, after the user's zero_grad(), which
   // they must not undo.

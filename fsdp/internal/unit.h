@@ -146,6 +146,12 @@ class Unit : public std::enable_shared_from_this<Unit> {
   // Backward.
   void pre_backward();
   void on_grad_ready(size_t slot);
+  /// Activation checkpointing: a checkpointed forward of this unit ran; its recompute's backward
+  /// ended. Gradients count as complete only once every recompute of this backward has run (a
+  /// reentrant recompute accumulates in a nested backward of its own, so a weight used by two
+  /// checkpointed forwards sees its gradient hook fire once per forward).
+  void checkpoint_began() { ++checkpoints_pending_; }
+  void checkpoint_backward_done();
   /// At the end of backward: reduce what a partly used unit has, reshard, clear the flags.
   void finalize_backward();
   /// A backward that threw never reached its end: drop its half-done state (next forward).
@@ -232,6 +238,9 @@ class Unit : public std::enable_shared_from_this<Unit> {
   /// Mixed precision, gradient sync off: moves this backward's full gradients (param_dtype) into
   /// the slots' sums in the master dtype, so that micro-batches accumulate without bf16 rounding.
   void accumulate_unsynced();
+  /// Every gradient is there (and every recompute done): reduce (or accumulate without sync), and
+  /// reshard unless a frozen parameter's reader may still be ahead.
+  void grads_complete();
   /// Before a reduction: the sums become the full gradients again, plus this backward's.
   void merge_unsynced();
 
@@ -281,6 +290,7 @@ class Unit : public std::enable_shared_from_this<Unit> {
   BucketReducer buckets_;       // kNoShard
   size_t grads_expected_ = 0;
   size_t grads_ready_ = 0;
+  int checkpoints_pending_ = 0;  // checkpointed forwards whose recompute's backward has not ended
   // The collectives in flight, declared last so that they are destroyed first: a CUDA collective
   // dropped without its wait makes the current stream wait for it as it goes, before its buffers
   // above are freed.

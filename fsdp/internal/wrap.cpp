@@ -70,6 +70,17 @@ void shard_on_construction(const std::shared_ptr<RunState>& state, torch::nn::Mo
   for (auto& np : params) {
     if (seen.emplace(np.second.unsafeGetTensorImpl(), true).second) unique.push_back(std::move(np));
   }
+  // Before the check that every rank built the same unit: a tied shard has this rank's shape.
+  const std::string label = built_label(module, state->units_built + 1);
+  for (const auto& [name, p] : unique) {
+    auto earlier = state->built_params.find(p.unsafeGetTensorImpl());
+    FSDP_CHECK_IN(state->comm.error_context("fsdp::ShardingScope").unit(label), earlier == state->built_params.end(),
+                  "fsdp::ShardingScope (rank ", state->comm.rank(), "): parameter '", name, "' of ", label,
+                  " was sharded already, by ", earlier->second,
+                  ": a weight shared by two modules built in a ShardingScope (a tied embedding and head) would be "
+                  "sharded twice. Build the modules that share it outside the scope and make them one unit "
+                  "(share_unit_with), or make them one fsdp::Sharded module.");
+  }
   if (!unique.empty())
     check_offload(state->options, unique.front().first, unique.front().second.device(), state->comm.rank());
   const ShardingStrategy strategy = state->options.strategy();
@@ -88,7 +99,9 @@ void shard_on_construction(const std::shared_ptr<RunState>& state, torch::nn::Mo
   if (traits(strategy).shard_over == ShardOver::kGroup) state->init_hybrid(state->options.shard_group_size());
   auto group = std::make_shared<Unit>("", std::move(unique), state, /*is_root=*/false, strategy,
                                       state->options.mixed_precision());
-  group->set_built_label(built_label(module, ++state->units_built));
+  group->set_built_label(label);
+  ++state->units_built;
+  for (const auto& s : group->slots()) state->built_params[s.param.unsafeGetTensorImpl()] = label;
   group->init();
   Access::attach(unit, group);
 }
@@ -184,10 +197,10 @@ std::shared_ptr<Unit> shard_model(const std::shared_ptr<torch::nn::Module>& root
   auto join = [&](size_t g, ShardedUnit* u, const std::string& name, size_t enclosing) {
     Found& f = *found[g];
     FSDP_CHECK_IN(state->comm.error_context("fsdp::fully_shard").unit(name), f.parent == enclosing,
-                  "fsdp::fully_shard (rank ", state->comm.rank(), "): module '", name, "' shares the unit of '",
-                  f.member_paths.front(),
-                  "' (share_unit_with) but they are not siblings: one is inside a unit the other is not in. Modules "
-                  "sharing a unit must sit directly in the same unit (the root, or one fsdp::Sharded module).");
+                  "fsdp::fully_shard (rank ", state->comm.rank(), "): modules '", f.member_paths.front(), "' and '",
+                  name,
+                  "' share a unit (share_unit_with) but are not siblings: one is inside a unit the other is not in. "
+                  "Modules sharing a unit must sit directly in the same unit (the root, or one fsdp::Sharded module).");
     f.members.push_back(u);
     f.member_paths.push_back(name);
     return static_cast<int>(f.members.size()) - 1;
