@@ -54,7 +54,9 @@ class RunState : public std::enable_shared_from_this<RunState> {
   std::map<const Unit*, std::vector<ShardedUnit*>> shared_built_units;
   /// The parameters units built in a ShardingScope sharded (TensorImpl), and which unit: one met
   /// again in a later unit (a tie across units) is refused instead of sharded twice.
-  std::map<const void*, std::string> built_params;
+  /// Weak: a parameter freed since (a model dropped) must not match a new one at its address.
+  std::map<const void*, std::pair<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>, std::string>>
+      built_params;
   bool in_root_forward = false;
   bool access_error_explained = false;  // the library's own error, raised under operator->, says enough
   /// Within one root forward: the error a unit named last (an outer unit, and the root, leave it

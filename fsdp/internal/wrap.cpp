@@ -74,9 +74,10 @@ void shard_on_construction(const std::shared_ptr<RunState>& state, torch::nn::Mo
   const std::string label = built_label(module, state->units_built + 1);
   for (const auto& [name, p] : unique) {
     auto earlier = state->built_params.find(p.unsafeGetTensorImpl());
-    FSDP_CHECK_IN(state->comm.error_context("fsdp::ShardingScope").unit(label), earlier == state->built_params.end(),
+    const bool seen_before = earlier != state->built_params.end() && !earlier->second.first.expired();
+    FSDP_CHECK_IN(state->comm.error_context("fsdp::ShardingScope").unit(label), !seen_before,
                   "fsdp::ShardingScope (rank ", state->comm.rank(), "): parameter '", name, "' of ", label,
-                  " was sharded already, by ", earlier->second,
+                  " was sharded already, by ", earlier->second.second,
                   ": a weight shared by two modules built in a ShardingScope (a tied embedding and head) would be "
                   "sharded twice. Build the modules that share it outside the scope and make them one unit "
                   "(share_unit_with), or make them one fsdp::Sharded module.");
@@ -101,7 +102,12 @@ void shard_on_construction(const std::shared_ptr<RunState>& state, torch::nn::Mo
                                       state->options.mixed_precision());
   group->set_built_label(label);
   ++state->units_built;
-  for (const auto& s : group->slots()) state->built_params[s.param.unsafeGetTensorImpl()] = label;
+  for (const auto& s : group->slots()) {
+    state->built_params.insert_or_assign(
+        s.param.unsafeGetTensorImpl(),
+        std::make_pair(c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(s.param.getIntrusivePtr()),
+                       label));
+  }
   group->init();
   Access::attach(unit, group);
 }
