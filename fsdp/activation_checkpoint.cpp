@@ -74,9 +74,13 @@ struct Recompute : torch::CustomClassHolder {
   RandomState random;
   AutocastState autocast;
   std::vector<std::vector<int64_t>> output_shapes;
-  std::string label;  // how errors name it: "fsdp::activation_checkpoint" or "... of unit 'h.0'"
-  std::function<void()> after_backward;
+  std::string label;                 // how errors name it: "fsdp::activation_checkpoint" or "... of unit 'h.0'"
+  std::function<void(bool)> on_end;  // true: after the backward; false: freed without one
   bool done = false;
+  bool ended = false;
+  ~Recompute() override {
+    if (on_end && !ended) on_end(false);
+  }
 };
 
 using torch::autograd::AutogradContext;
@@ -173,7 +177,8 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
     // The nested backward ran its parameters' gradient hooks; an FSDP unit whose forward was
     // checkpointed more than once (modules sharing it, a tied weight) waits for each recompute
     // before it takes its gradients as complete.
-    if (recompute->after_backward) recompute->after_backward();
+    recompute->ended = true;
+    if (recompute->on_end) recompute->on_end(true);
 
     // One gradient per argument of forward: the capsule, each input (the tail tensor too), the count.
     variable_list out{at::Tensor()};
@@ -186,7 +191,7 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
 }  // namespace
 
 std::vector<at::Tensor> run_checkpointed(const c10::intrusive_ptr<CheckpointBody>& body, std::vector<at::Tensor> inputs,
-                                         std::string label, std::function<void()> after_backward) {
+                                         std::string label, std::function<void(bool)> on_end) {
   const auto body_inputs = static_cast<int64_t>(inputs.size());
   bool any = false;
   for (const auto& t : inputs) any = any || (t.defined() && t.requires_grad());
@@ -194,7 +199,7 @@ std::vector<at::Tensor> run_checkpointed(const c10::intrusive_ptr<CheckpointBody
   auto recompute = c10::make_intrusive<Recompute>();
   recompute->body = body;
   recompute->label = std::move(label);
-  recompute->after_backward = std::move(after_backward);
+  recompute->on_end = std::move(on_end);
   // As a TensorList, so that autograd sees each tensor as an input (a std::vector would be one
   // opaque argument).
   return CheckpointFunction::apply(recompute, at::TensorList(inputs), body_inputs);

@@ -60,9 +60,10 @@ class CheckpointBody : public torch::CustomClassHolder {
 
 /// Runs `body` once with gradients off inside an autograd node that recomputes it in backward;
 /// returns the node's outputs (one per tensor the body returned). `label` starts its errors;
-/// `after_backward` runs at the end of the node's backward (an FSDP unit counts its recomputes).
+/// `on_end(true)` runs at the end of the node's backward, `on_end(false)` when the node is freed
+/// without its backward having run (an FSDP unit counts its recomputes).
 std::vector<at::Tensor> run_checkpointed(const c10::intrusive_ptr<CheckpointBody>& body, std::vector<at::Tensor> inputs,
-                                         std::string label, std::function<void()> after_backward = nullptr);
+                                         std::string label, std::function<void(bool)> on_end = nullptr);
 
 /// Whether this thread is recomputing a checkpointed forward (inside a backward).
 bool in_activation_recompute();
@@ -118,15 +119,14 @@ class TypedCheckpointBody final : public CheckpointBody {
 
 namespace detail {
 /// activation_checkpoint with its errors starting with `label` (a checkpointed unit names itself);
-/// `after_backward` (if set) runs once the recompute's backward has accumulated its gradients.
+/// `on_end` (if set): see run_checkpointed.
 template <typename Fn, typename... Args>
-auto activation_checkpoint_labelled(std::string label, std::function<void()> after_backward, Fn&& fn, Args&&... args) {
+auto activation_checkpoint_labelled(std::string label, std::function<void(bool)> on_end, Fn&& fn, Args&&... args) {
   using Body = TypedCheckpointBody<Fn, Args...>;
   // Gradients off: nothing to keep, nothing to recompute (fn gets lvalues, as in the recompute).
   if (!c10::GradMode::is_enabled()) return typename Body::Out(fn(args...));
   auto body = c10::make_intrusive<Body>(std::forward<Fn>(fn), std::forward<Args>(args)...);
-  std::vector<at::Tensor> outputs =
-      run_checkpointed(body, body->take_inputs(), std::move(label), std::move(after_backward));
+  std::vector<at::Tensor> outputs = run_checkpointed(body, body->take_inputs(), std::move(label), std::move(on_end));
   return body->output(outputs);
 }
 }  // namespace detail

@@ -51,11 +51,17 @@ std::string checkpoint_label(const Unit* unit) {
   return "fsdp::activation_checkpoint of unit '" + unit->label() + "'";
 }
 
-std::function<void()> unit_checkpoint_began(Unit* unit) {
+std::function<void(bool)> unit_checkpoint_began(Unit* unit) {
   if (unit == nullptr) return nullptr;
   unit->checkpoint_began();
-  return [weak = std::weak_ptr<Unit>(unit->shared_from_this())] {
-    if (auto u = weak.lock()) u->checkpoint_backward_done();
+  return [weak = std::weak_ptr<Unit>(unit->shared_from_this())](bool backward_ran) {
+    auto u = weak.lock();
+    if (!u) return;
+    if (backward_ran) {
+      u->checkpoint_backward_done();
+    } else {
+      u->checkpoint_dropped();
+    }
   };
 }
 

@@ -45,9 +45,10 @@ bool unit_checkpoints_activations(const Unit& unit);
 std::string checkpoint_label(const Unit* unit);
 /// A checkpointed unit whose forward returns a type whose tensors cannot be seen: refused.
 [[noreturn]] void refuse_checkpointed_output(const Unit* unit);
-/// A checkpointed forward of `unit` begins (null: a module not sharded yet): what its recompute's
-/// backward calls when it has accumulated its gradients (null for none).
-std::function<void()> unit_checkpoint_began(Unit* unit);
+/// A checkpointed forward of `unit` begins (null: a module not sharded yet): what its checkpoint
+/// calls when its recompute's backward has accumulated its gradients, or when it is freed without
+/// one (null for none).
+std::function<void(bool)> unit_checkpoint_began(Unit* unit);
 void unit_post_forward(Unit& unit, int member, const std::vector<at::Tensor>& outputs);
 /// Adds to an error raised in the unit's forward by LibTorch's operators or the user's code (not
 /// by the library: an fsdp::Error says enough) which unit, rank and dtypes it was, unless an inner

@@ -263,6 +263,19 @@ void check_refusals(Rank& r) {
     expect_error([&] { built->b->set_activation_checkpointing(false); }, "sharded already (checkpointed)");
     expect_error([&] { built->a->set_activation_checkpointing(true); }, "sharded already (not checkpointed)");
   }
+  // A module registered twice.
+  auto twice = std::make_shared<PairImpl>();
+  twice->register_module("again", twice->a.ptr());
+  expect_error([&] { fsdp::fully_shard(twice, r.pg, test_options()); }, "is registered twice");
+  // In a scope, the setting of the module that joined counts too.
+  {
+    ShardingScope scope(r.pg, test_options());
+    auto built = std::make_shared<PairImpl>();
+    built->b->share_unit_with(*built->a);
+    built->b->set_activation_checkpointing(true);
+    auto wrapped_built = fsdp::fully_shard(built, scope);
+    expect_error([&] { built->a->set_activation_checkpointing(false); }, "sharded already (checkpointed)");
+  }
   // One setting on either module serves the unit.
   auto one = std::make_shared<PairImpl>();
   one->b->share_unit_with(*one->a);
@@ -271,6 +284,49 @@ void check_refusals(Rank& r) {
   ASSERT_EQ(m.units().size(), 2u);
   EXPECT_EQ(m.units()[1].name, "a+b");
   EXPECT_EQ(m.units()[1].strategy, ShardingStrategy::kShardGradOp);
+}
+
+// A module that does not run in a forward: the unit is finished at the end of the model's forward
+// (resharded), not left gathered; a checkpointed forward thrown away does not hold back the next
+// backward's reductions (its recompute will not come: the step's state peak is the same).
+struct MaybeImpl : torch::nn::Module {
+  MaybeImpl()
+      : a(register_module("a", fsdp::Sharded<torch::nn::LinearImpl>(4, 4))),
+        b(register_module("b", fsdp::Sharded<torch::nn::LinearImpl>(4, 4))) {}
+  at::Tensor forward(const at::Tensor& x) { return skip_b ? a(x) : b(a(x)); }
+  fsdp::Sharded<torch::nn::LinearImpl> a, b;
+  bool skip_b = false;
+};
+
+void check_unrun_member_and_dropped_forward(Rank& r) {
+  auto net = std::make_shared<MaybeImpl>();
+  net->b->share_unit_with(*net->a);
+  auto model = fsdp::fully_shard(net, r.pg, test_options());
+  net->skip_b = true;
+  {
+    torch::NoGradGuard no_grad;
+    model(torch::randn({2, 4}));
+  }
+  for (const auto& u : model.units()) EXPECT_FALSE(u.unsharded) << "unit '" << u.name << "' left gathered";
+  model(torch::randn({2, 4})).sum().backward();  // with gradients, b not run: a's gradient only
+  for (const auto& u : model.units()) EXPECT_FALSE(u.unsharded) << "unit '" << u.name << "' after backward";
+  net->skip_b = false;
+
+  gpt::Config cfg = titan_config();
+  torch::manual_seed(0);
+  auto gpt_model = fsdp::fully_shard(gpt::make_gpt<true>(cfg), r.pg, test_options().activation_checkpointing_every(1));
+  auto [x, y] = gpt_batch(cfg, 31);
+  auto mine_x = local_rows(x, r.rank, r.world_size), mine_y = local_rows(y, r.rank, r.world_size);
+  auto step_peak = [&] {
+    gpt_model.track_state_peak(true);
+    gpt_loss(gpt_model(mine_x), mine_y).backward();
+    gpt_model.track_state_peak(false);
+    return gpt_model.state_peak_bytes();
+  };
+  step_peak();  // the first step allocates the sharded gradients the later ones add to
+  const int64_t plain = step_peak();
+  gpt_model(mine_x);  // thrown away: its checkpoints' graphs are freed without a backward
+  EXPECT_EQ(step_peak(), plain) << "a dropped checkpointed forward held the next backward's reductions back";
 }
 
 void run_all(Rank& r) {
@@ -282,6 +338,7 @@ void run_all(Rank& r) {
   check_tied(r, ShardingStrategy::kFullShard, true);
   check_tied(r, ShardingStrategy::kNoShard, true);  // buckets wait for both recomputes too
   check_refusals(r);
+  check_unrun_member_and_dropped_forward(r);
 }
 
 }  // namespace

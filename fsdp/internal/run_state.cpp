@@ -133,6 +133,10 @@ std::vector<at::Tensor> RunState::parameters() const {
 }
 
 void RunState::end_forward() {
+  // A unit shared by modules some of which did not run: finished now, not left gathered.
+  for_each_unit([](Unit& u) {
+    if (u.forward_unfinished()) u.finish_forward();
+  });
   if (!recording_.empty()) order_ = std::move(recording_);
   recording_.clear();
   // A unit prefetched but skipped by this forward must not keep reading its shard (which the

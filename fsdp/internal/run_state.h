@@ -51,7 +51,11 @@ class RunState : public std::enable_shared_from_this<RunState> {
   int units_built = 0;
   /// Units built in a ShardingScope that modules share (ShardedUnit::share_unit_with): their
   /// modules, by member index, for a later merge to attach them all again.
-  std::map<const Unit*, std::vector<ShardedUnit*>> shared_built_units;
+  struct SharedBuiltUnit {
+    std::weak_ptr<Unit> unit;
+    std::vector<std::weak_ptr<torch::nn::Module>> modules;  // by member index
+  };
+  std::vector<SharedBuiltUnit> shared_built_units;
   /// The parameters units built in a ShardingScope sharded (TensorImpl), and which unit: one met
   /// again in a later unit (a tie across units) is refused instead of sharded twice.
   /// Weak: a parameter freed since (a model dropped) must not match a new one at its address.

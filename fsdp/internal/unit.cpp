@@ -84,7 +84,11 @@ std::string Unit::label() const {
 }
 
 void Unit::set_members(int count, std::vector<int> slot_member) {
-  TORCH_INTERNAL_ASSERT(count >= 1 && count <= 64 && (slot_member.empty() || slot_member.size() == slots_.size()));
+  FSDP_CHECK_IN(error_context("fsdp::fully_shard"), count <= 64, "fsdp::fully_shard (rank ", run_->comm.rank(),
+                "): unit '", name_, "' has ", count,
+                " modules (share_unit_with); a unit can have at most 64. Join fewer modules, or make their parent "
+                "the unit.");
+  TORCH_INTERNAL_ASSERT(count >= 1 && (slot_member.empty() || slot_member.size() == slots_.size()));
   members_ = count;
   slot_member_ = std::move(slot_member);
 }
@@ -237,9 +241,14 @@ void Unit::post_forward(const std::vector<at::Tensor>& outputs, int member) {
     }
   }
   // Modules sharing the unit: it stays gathered until each has run (one that never runs in this
-  // forward leaves it gathered until the end of backward, or the next forward).
+  // forward: until the end of the model's forward, RunState::end_forward).
   if (static_cast<int>(std::bitset<64>(members_run_ | (uint64_t{1} << member)).count()) < members_) return;
+  finish_forward();
+}
+
+void Unit::finish_forward() {
   members_run_ = 0;
+  const bool grad = c10::GradMode::is_enabled();
   // The root keeps its gathered memory into its backward (it is the first to need it again).
   if (!grad || (!is_root_ && traits_.reshard_after_forward)) {
     reshard();

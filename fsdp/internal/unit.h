@@ -142,6 +142,10 @@ class Unit : public std::enable_shared_from_this<Unit> {
   // last (each counted once), as FSDP2's group forward hooks do.
   void pre_forward(int member = 0);
   void post_forward(const std::vector<at::Tensor>& outputs, int member = 0);
+  /// A unit some of whose modules did not run in this forward (post_forward waits for all of
+  /// them): finished at the end of the model's forward as after its last module.
+  bool forward_unfinished() const { return members_run_ != 0; }
+  void finish_forward();
 
   // Backward.
   void pre_backward();
@@ -152,6 +156,11 @@ class Unit : public std::enable_shared_from_this<Unit> {
   /// checkpointed forwards sees its gradient hook fire once per forward).
   void checkpoint_began() { ++checkpoints_pending_; }
   void checkpoint_backward_done();
+  /// A checkpointed forward whose graph was dropped before its backward (a forward thrown away):
+  /// its recompute will not come.
+  void checkpoint_dropped() {
+    if (checkpoints_pending_ > 0) --checkpoints_pending_;
+  }
   /// At the end of backward: reduce what a partly used unit has, reshard, clear the flags.
   void finalize_backward();
   /// A backward that threw never reached its end: drop its half-done state (next forward).

@@ -117,53 +117,90 @@ void merge_built_units(ShardedUnit& first, ShardedUnit& other) {
   if (a == b) return;
   RunState& state = a->state();
   const std::string what = "share_unit_with: '" + b->label() + "' joins '" + a->label() + "'";
-  FSDP_CHECK_IN(state.comm.error_context("fsdp::ShardedUnit::share_unit_with"), &b->state() == &state,
-                "fsdp::ShardedUnit::share_unit_with (rank ", state.comm.rank(), "): '", b->label(), "' and '",
-                a->label(), "' were sharded by different ShardingScopes; build the model within one scope.");
+  const ErrorContext context = state.comm.error_context("fsdp::ShardedUnit::share_unit_with");
+  FSDP_CHECK_IN(context, &b->state() == &state, "fsdp::ShardedUnit::share_unit_with (rank ", state.comm.rank(), "): '",
+                b->label(), "' and '", a->label(),
+                "' were sharded by different ShardingScopes; build the model within one scope.");
   const bool wrapped = std::any_of(state.units.begin(), state.units.end(), [&](const std::weak_ptr<Unit>& w) {
     auto u = w.lock();
     return u == a || u == b;
   });
-  FSDP_CHECK_IN(state.comm.error_context("fsdp::ShardedUnit::share_unit_with"), !wrapped,
-                "fsdp::ShardedUnit::share_unit_with (rank ", state.comm.rank(), "): ", what,
+  FSDP_CHECK_IN(context, !wrapped, "fsdp::ShardedUnit::share_unit_with (rank ", state.comm.rank(), "): ", what,
                 ", but the model is wrapped already: units are fixed by fsdp::fully_shard. Call share_unit_with "
                 "before it (in the model's constructor).");
+  if (!a->slots().empty() && !b->slots().empty()) {  // one flat buffer: checked before anything moves
+    const at::Tensor& pa = a->slots().front().param;
+    const at::Tensor& pb = b->slots().front().param;
+    FSDP_CHECK_IN(context, pa.dtype() == pb.dtype() && pa.device() == pb.device(),
+                  "fsdp::ShardedUnit::share_unit_with (rank ", state.comm.rank(), "): ", what,
+                  ", but their parameters are ", pa.dtype(), " on ", pa.device(), " and ", pb.dtype(), " on ",
+                  pb.device(),
+                  ": a unit's parameters share one flat buffer. Give them one dtype and device, or keep two units.");
+  }
   // The gathers below pair up only if every rank merges the same units now.
   check_same_model_on_all_ranks(state.comm, what + "\n");
+  // Each unit's modules, by member index (a unit merged before lists them all).
+  auto modules_of = [&](const std::shared_ptr<Unit>& unit, ShardedUnit& module) {
+    std::vector<std::shared_ptr<torch::nn::Module>> out;
+    for (const auto& e : state.shared_built_units) {
+      if (e.unit.lock() != unit) continue;
+      for (const auto& m : e.modules) out.push_back(m.lock());
+      return out;
+    }
+    out.push_back(dynamic_cast<torch::nn::Module&>(module).shared_from_this());
+    return out;
+  };
+  std::vector<std::shared_ptr<torch::nn::Module>> modules = modules_of(a, first);
+  const auto more = modules_of(b, other);
+  const int b_offset = static_cast<int>(modules.size());
+  modules.insert(modules.end(), more.begin(), more.end());
   // Each unit's full parameters gathered once (a unit's size, as while it was built), then sharded
   // again as one unit: its parameters keep their tensors (and so the model's references to them).
+  // Until the merged unit is sharded, what each parameter pointed at is kept, to be put back.
+  std::vector<std::pair<at::Tensor, at::Tensor>> before;  // parameter, its shard view
   std::vector<std::pair<std::string, at::Tensor>> params;
   std::vector<int> slot_member;
   std::unordered_map<const c10::TensorImpl*, bool> seen;
-  std::vector<ShardedUnit*> modules;
-  for (const auto& [unit, module] : {std::make_pair(a, &first), std::make_pair(b, &other)}) {
-    auto listed = state.shared_built_units.find(unit.get());
-    const std::vector<ShardedUnit*> own =
-        listed != state.shared_built_units.end() ? listed->second : std::vector<ShardedUnit*>{module};
-    const int offset = static_cast<int>(modules.size());
-    modules.insert(modules.end(), own.begin(), own.end());
-    if (unit->slots().empty()) continue;
-    std::vector<at::Tensor> full;
-    unit->gather_full(full, unit->compute_device());
-    at::NoGradGuard no_grad;
-    for (size_t i = 0; i < full.size(); ++i) {
-      const ParamSlot& slot = unit->slots()[i];
-      at::Tensor param = slot.param;
-      if (!seen.emplace(param.unsafeGetTensorImpl(), true).second) continue;  // tied across the two: once
-      param.set_data(full[i]);
-      params.emplace_back(slot.name, param);
-      slot_member.push_back(offset + unit->slot_member(i));
+  std::shared_ptr<Unit> merged;
+  try {
+    for (const auto& [unit, offset] : {std::make_pair(a, 0), std::make_pair(b, b_offset)}) {
+      if (unit->slots().empty()) continue;
+      std::vector<at::Tensor> full;
+      unit->gather_full(full, unit->compute_device());
+      at::NoGradGuard no_grad;
+      for (size_t i = 0; i < full.size(); ++i) {
+        const ParamSlot& slot = unit->slots()[i];
+        at::Tensor param = slot.param;
+        if (!seen.emplace(param.unsafeGetTensorImpl(), true).second) continue;  // tied across the two: once
+        before.emplace_back(param, param.detach());
+        param.set_data(full[i]);
+        params.emplace_back(slot.name, param);
+        slot_member.push_back(offset + unit->slot_member(i));
+      }
     }
+    merged = std::make_shared<Unit>("", std::move(params), a->run_state(), /*is_root=*/false, a->strategy(),
+                                    a->mixed_precision());
+    merged->set_members(static_cast<int>(modules.size()), std::move(slot_member));
+    merged->set_built_label(a->label() + " + " + b->label());
+    merged->init();
+  } catch (...) {
+    at::NoGradGuard no_grad;
+    for (auto& [param, shard] : before) param.set_data(shard);  // the two units stay as they were
+    throw;
   }
-  auto merged = std::make_shared<Unit>("", std::move(params), a->run_state(), /*is_root=*/false, a->strategy(),
-                                       a->mixed_precision());
-  merged->set_members(static_cast<int>(modules.size()), std::move(slot_member));
-  merged->set_built_label(a->label() + " + " + b->label());
-  merged->init();
-  state.shared_built_units.erase(a.get());
-  state.shared_built_units.erase(b.get());
-  for (size_t m = 0; m < modules.size(); ++m) Access::attach(*modules[m], merged, static_cast<int>(m));
-  state.shared_built_units[merged.get()] = std::move(modules);
+  std::vector<std::weak_ptr<torch::nn::Module>> held;
+  for (size_t m = 0; m < modules.size(); ++m) {
+    held.push_back(modules[m]);
+    if (auto* u = dynamic_cast<ShardedUnit*>(modules[m].get())) Access::attach(*u, merged, static_cast<int>(m));
+  }
+  auto& list = state.shared_built_units;
+  list.erase(std::remove_if(list.begin(), list.end(),
+                            [&](const RunState::SharedBuiltUnit& e) {
+                              auto u = e.unit.lock();
+                              return !u || u == a || u == b;
+                            }),
+             list.end());
+  list.push_back({merged, std::move(held)});
 }
 
 std::shared_ptr<Unit> shard_model(const std::shared_ptr<torch::nn::Module>& root,
@@ -202,6 +239,12 @@ std::shared_ptr<Unit> shard_model(const std::shared_ptr<torch::nn::Module>& root
   // A module sharing a unit: a sibling of the unit's first module (both directly in one unit).
   auto join = [&](size_t g, ShardedUnit* u, const std::string& name, size_t enclosing) {
     Found& f = *found[g];
+    const auto again = std::find(f.members.begin(), f.members.end(), u);
+    FSDP_CHECK_IN(state->comm.error_context("fsdp::fully_shard").unit(name), again == f.members.end(),
+                  "fsdp::fully_shard (rank ", state->comm.rank(), "): module '", name,
+                  "' is registered twice, also as '",
+                  again == f.members.end() ? std::string() : f.member_paths[again - f.members.begin()],
+                  "'. Register a module once; hold it under another name without register_module.");
     FSDP_CHECK_IN(state->comm.error_context("fsdp::fully_shard").unit(name), f.parent == enclosing,
                   "fsdp::fully_shard (rank ", state->comm.rank(), "): modules '", f.member_paths.front(), "' and '",
                   name,
@@ -253,7 +296,12 @@ std::shared_ptr<Unit> shard_model(const std::shared_ptr<torch::nn::Module>& root
                             "fsdp::fully_shard (rank ", state->comm.rank(), "): module '", name,
                             "' shares a unit with modules that are not its siblings; modules sharing a unit must sit "
                             "directly in the same unit.");
+              FSDP_CHECK_IN(state->comm.error_context("fsdp::fully_shard").unit(name),
+                            f.member_paths[Access::member(*u)].empty(), "fsdp::fully_shard (rank ", state->comm.rank(),
+                            "): module '", name, "' is registered twice, also as '", f.member_paths[Access::member(*u)],
+                            "'. Register a module once; hold it under another name without register_module.");
               f.member_paths[Access::member(*u)] = name;
+              f.members.push_back(u);
               visit(*kv.value(), name, joined->second, /*built=*/true, Access::member(*u));
               continue;
             }
@@ -267,6 +315,7 @@ std::shared_ptr<Unit> shard_model(const std::shared_ptr<torch::nn::Module>& root
             found.push_back(std::make_unique<Found>(Found{name, u, {}, sharded, unit}));
             found.back()->member_paths.resize(sharded->members());
             found.back()->member_paths[Access::member(*u)] = name;
+            found.back()->members = {u};
             built_at[sharded.get()] = found.size() - 1;
             for (const auto& s : sharded->slots()) {
               claim(s.param, name + "." + s.name, found.size() - 1);
@@ -389,11 +438,9 @@ std::shared_ptr<Unit> shard_model(const std::shared_ptr<torch::nn::Module>& root
   const int every = options.activation_checkpointing_every();
   int leaf = 0;
   for (size_t i = 1; i < found.size(); ++i) {
-    const std::optional<bool> own =
-        found[i]->built ? found[i]->unit->activation_checkpointing()
-                        : setting_of(
-                              *found[i], [](const ShardedUnit& u) { return u.activation_checkpointing(); },
-                              "activation checkpointing", std::equal_to<>());
+    const std::optional<bool> own = setting_of(
+        *found[i], [](const ShardedUnit& u) { return u.activation_checkpointing(); }, "activation checkpointing",
+        std::equal_to<>());
     const bool counted = !contains_units[i] && every > 0 && ++leaf % every == 0;
     checkpointed[i] = own.value_or(counted);
     FSDP_CHECK_IN(state->comm.error_context("fsdp::fully_shard").unit(found[i]->name),
