@@ -40,6 +40,12 @@ namespace {
 using bench::Args;
 using bench::usage;
 
+/// --wrap for the ranks (C++, FSDP2's script, a simulated rank), when given.
+std::vector<std::string> wrap_args(const Args& a) {
+  if (a.run.wrap.empty()) return {};
+  return {"--wrap", a.run.wrap};
+}
+
 /// Model arguments shared by both workers (the C++ worker takes the run's own flags too).
 std::vector<std::string> model_args(const Args& a) {
   const auto& m = a.run.model;
@@ -48,21 +54,12 @@ std::vector<std::string> model_args(const Args& a) {
       "--n-embd",     std::to_string(m.n_embd),         "--block-size", std::to_string(m.block_size),
       "--batch-size", std::to_string(a.run.batch_size), "--steps",      std::to_string(a.run.steps),
       "--seed",       std::to_string(a.run.seed)};
-  if (!a.run.wrap.empty()) {  // C++ and FSDP2 alike
-    out.emplace_back("--wrap");
-    out.push_back(a.run.wrap);
-  }
+  for (auto& x : wrap_args(a)) out.push_back(x);
   if (m.checkpoint_every > 0) {  // C++ and FSDP2 alike: every K-th block
     out.emplace_back("--activation-checkpointing");
     out.push_back(std::to_string(m.checkpoint_every));
   }
   return out;
-}
-
-/// --wrap for a simulated rank, when given.
-std::vector<std::string> wrap_args(const Args& a) {
-  if (a.run.wrap.empty()) return {};
-  return {"--wrap", a.run.wrap};
 }
 
 /// --timeout for the ranks, C++ and Python alike, when one was given.

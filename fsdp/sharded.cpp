@@ -175,10 +175,7 @@ void ShardedUnit::set_mixed_precision(const MixedPrecisionPolicy& policy) {
 
 void ShardedUnit::set_activation_checkpointing(bool on) {
   // A unit sharded as it was built (ShardingScope) takes it until fully_shard, which decides it.
-  const auto& units = fsdp_unit_ ? fsdp_unit_->state().units : std::vector<std::weak_ptr<detail::Unit>>{};
-  const bool wrapped = std::any_of(units.begin(), units.end(),
-                                   [&](const std::weak_ptr<detail::Unit>& w) { return w.lock() == fsdp_unit_; });
-  if (wrapped) {
+  if (fsdp_unit_ && fsdp_unit_->wrapped()) {
     refuse_when_sharded(fsdp_unit_, std::string("set_activation_checkpointing(") + (on ? "true" : "false") + ")",
                         fsdp_unit_->checkpoints_activations() ? "checkpointed" : "not checkpointed",
                         "activation_checkpointing_every");
@@ -193,8 +190,7 @@ void ShardedUnit::share_unit_with(ShardedUnit& first) {
   const std::string me = detail::module_type(*self), them = detail::module_type(*other);
   FSDP_CHECK(&first != this, "fsdp::ShardedUnit::share_unit_with: a ", me,
              " module was given itself; give it the module whose unit it joins.");
-  ShardedUnit* lead = &first;
-  for (int hops = 0; lead->shares_unit_of() != nullptr && hops < 4096; ++hops) lead = lead->shares_unit_of();
+  ShardedUnit* lead = detail::group_lead(&first);
   FSDP_CHECK(lead != this, "fsdp::ShardedUnit::share_unit_with: the ", them, " module given to a ", me,
              " module already shares that module's unit (share_unit_with in both directions); call it on one of them.");
   const ShardedUnit* current = shares_unit_of();

@@ -83,6 +83,17 @@ std::string Unit::label() const {
   return name_.empty() && !built_label_.empty() ? built_label_ : name_;
 }
 
+std::string unit_name(const std::vector<std::string>& member_paths) {
+  std::string name;
+  for (const auto& p : member_paths) name += (name.empty() ? "" : "+") + p;
+  return name;
+}
+
+bool Unit::wrapped() const {
+  return std::any_of(run_->units.begin(), run_->units.end(),
+                     [&](const std::weak_ptr<Unit>& w) { return w.lock().get() == this; });
+}
+
 void Unit::set_members(int count, std::vector<int> slot_member) {
   FSDP_CHECK_IN(error_context("fsdp::fully_shard"), count <= 64, "fsdp::fully_shard (rank ", run_->comm.rank(),
                 "): unit '", name_, "' has ", count,
@@ -95,8 +106,7 @@ void Unit::set_members(int count, std::vector<int> slot_member) {
 
 void Unit::rename(const std::vector<std::string>& member_paths) {
   TORCH_INTERNAL_ASSERT(static_cast<int>(member_paths.size()) == members_);
-  std::string name;
-  for (const auto& p : member_paths) name += (name.empty() ? "" : "+") + p;
+  const std::string name = unit_name(member_paths);
   if (name.empty() || name_ == name) return;
   name_ = name;
   for (size_t i = 0; i < slots_.size(); ++i) {
@@ -296,16 +306,19 @@ void Unit::on_grad_ready(size_t slot) {
   if (s.grad_ready) return;
   s.grad_ready = true;
   ++grads_ready_;
-  // Replicated: each bucket goes out as soon as its gradients are complete (all of them are out
-  // once the unit's last gradient arrives).
-  if (buckets() && run_->sync_gradients && checkpoints_pending_ == 0) launch_buckets(/*all=*/false);
-  if (grads_ready_ == grads_expected_ && checkpoints_pending_ == 0) grads_complete();
+  advance_backward();
 }
 
 void Unit::checkpoint_backward_done() {
   if (checkpoints_pending_ > 0) --checkpoints_pending_;
-  if (checkpoints_pending_ > 0 || backward_ != BackwardPhase::kRunning) return;
-  if (buckets() && run_->sync_gradients) launch_buckets(/*all=*/false);  // held back by the recomputes
+  if (backward_ == BackwardPhase::kRunning) advance_backward();  // what the recomputes held back
+}
+
+void Unit::advance_backward() {
+  if (checkpoints_pending_ > 0) return;  // a recompute to come may add to any gradient
+  // Replicated: each bucket goes out as soon as its gradients are complete (all of them are out
+  // once the unit's last gradient arrives).
+  if (buckets() && run_->sync_gradients) launch_buckets(/*all=*/false);
   if (grads_ready_ == grads_expected_) grads_complete();
 }
 

@@ -34,6 +34,9 @@ namespace fsdp::detail {
 
 class RunState;
 
+/// The name of a unit of several modules: their paths joined with '+' ("ln_f+lm_head").
+std::string unit_name(const std::vector<std::string>& member_paths);
+
 class Unit : public std::enable_shared_from_this<Unit> {
  public:
   Unit(std::string name, const std::vector<std::pair<std::string, at::Tensor>>& params, std::shared_ptr<RunState> run,
@@ -156,6 +159,8 @@ class Unit : public std::enable_shared_from_this<Unit> {
   /// checkpointed forwards sees its gradient hook fire once per forward).
   void checkpoint_began() { ++checkpoints_pending_; }
   void checkpoint_backward_done();
+  /// Whether fsdp::fully_shard made this unit part of a model (its settings are then fixed).
+  bool wrapped() const;
   /// A checkpointed forward whose graph was dropped before its backward (a forward thrown away):
   /// its recompute will not come.
   void checkpoint_dropped() {
@@ -250,6 +255,9 @@ class Unit : public std::enable_shared_from_this<Unit> {
   /// Every gradient is there (and every recompute done): reduce (or accumulate without sync), and
   /// reshard unless a frozen parameter's reader may still be ahead.
   void grads_complete();
+  /// After a gradient or a recompute: launches kNoShard's ready buckets and completes the unit's
+  /// gradients once all are in, unless a recompute is still to come.
+  void advance_backward();
   /// Before a reduction: the sums become the full gradients again, plus this backward's.
   void merge_unsynced();
 

@@ -37,12 +37,12 @@ std::string built_label(const torch::nn::Module& module, int index) {
   return module_type(module) + " #" + std::to_string(index) + " (built in a ShardingScope)";
 }
 
-// The module share_unit_with joined, followed to the one that joined none (the group's key).
+}  // namespace
+
 ShardedUnit* group_lead(ShardedUnit* u) {
   for (int hops = 0; u->shares_unit_of() != nullptr && hops < 4096; ++hops) u = u->shares_unit_of();
   return u;
 }
-}  // namespace
 
 std::string module_type(const torch::nn::Module& module) {
   std::string type = module.name();  // "fsdp::ShardedImpl<BlockImpl, ...>" unless Impl named itself
@@ -121,11 +121,8 @@ void merge_built_units(ShardedUnit& first, ShardedUnit& other) {
   FSDP_CHECK_IN(context, &b->state() == &state, "fsdp::ShardedUnit::share_unit_with (rank ", state.comm.rank(), "): '",
                 b->label(), "' and '", a->label(),
                 "' were sharded by different ShardingScopes; build the model within one scope.");
-  const bool wrapped = std::any_of(state.units.begin(), state.units.end(), [&](const std::weak_ptr<Unit>& w) {
-    auto u = w.lock();
-    return u == a || u == b;
-  });
-  FSDP_CHECK_IN(context, !wrapped, "fsdp::ShardedUnit::share_unit_with (rank ", state.comm.rank(), "): ", what,
+  FSDP_CHECK_IN(context, !a->wrapped() && !b->wrapped(), "fsdp::ShardedUnit::share_unit_with (rank ", state.comm.rank(),
+                "): ", what,
                 ", but the model is wrapped already: units are fixed by fsdp::fully_shard. Call share_unit_with "
                 "before it (in the model's constructor).");
   if (!a->slots().empty() && !b->slots().empty()) {  // one flat buffer: checked before anything moves
@@ -236,20 +233,23 @@ std::shared_ptr<Unit> shard_model(const std::shared_ptr<torch::nn::Module>& root
   found.push_back(std::make_unique<Found>(Found{"", nullptr, {}, nullptr}));
   std::unordered_map<const ShardedUnit*, size_t> group_of;  // group lead -> its unit (share_unit_with)
   std::unordered_map<const Unit*, size_t> built_at;         // a unit sharded while built -> its entry
-  // A module sharing a unit: a sibling of the unit's first module (both directly in one unit).
+  // A module joining the unit of entry `f` (share_unit_with): met once (`earlier`: the path it was
+  // met under before, if any), and a sibling of the unit's first module (both directly in one unit).
+  auto check_join = [&](const Found& f, const std::string& name, size_t enclosing, const std::string& earlier) {
+    FSDP_CHECK_IN(state->comm.error_context("fsdp::fully_shard").unit(name), earlier.empty(),
+                  "fsdp::fully_shard (rank ", state->comm.rank(), "): module '", name,
+                  "' is registered twice, also as '", earlier,
+                  "'. Register a module once; hold it under another name without register_module.");
+    FSDP_CHECK_IN(state->comm.error_context("fsdp::fully_shard").unit(name), f.parent == enclosing,
+                  "fsdp::fully_shard (rank ", state->comm.rank(), "): modules '", f.name, "' and '", name,
+                  "' share a unit (share_unit_with) but are not siblings: one is inside a unit the other is not in. "
+                  "Modules sharing a unit must sit directly in the same unit (the root, or one fsdp::Sharded module).");
+  };
   auto join = [&](size_t g, ShardedUnit* u, const std::string& name, size_t enclosing) {
     Found& f = *found[g];
     const auto again = std::find(f.members.begin(), f.members.end(), u);
-    FSDP_CHECK_IN(state->comm.error_context("fsdp::fully_shard").unit(name), again == f.members.end(),
-                  "fsdp::fully_shard (rank ", state->comm.rank(), "): module '", name,
-                  "' is registered twice, also as '",
-                  again == f.members.end() ? std::string() : f.member_paths[again - f.members.begin()],
-                  "'. Register a module once; hold it under another name without register_module.");
-    FSDP_CHECK_IN(state->comm.error_context("fsdp::fully_shard").unit(name), f.parent == enclosing,
-                  "fsdp::fully_shard (rank ", state->comm.rank(), "): modules '", f.member_paths.front(), "' and '",
-                  name,
-                  "' share a unit (share_unit_with) but are not siblings: one is inside a unit the other is not in. "
-                  "Modules sharing a unit must sit directly in the same unit (the root, or one fsdp::Sharded module).");
+    check_join(f, name, enclosing,
+               again == f.members.end() ? std::string() : f.member_paths[again - f.members.begin()]);
     f.members.push_back(u);
     f.member_paths.push_back(name);
     return static_cast<int>(f.members.size()) - 1;
@@ -292,14 +292,7 @@ std::shared_ptr<Unit> shard_model(const std::shared_ptr<torch::nn::Module>& root
             auto joined = built_at.find(sharded.get());
             if (joined != built_at.end()) {  // another module of a unit met already (share_unit_with)
               Found& f = *found[joined->second];
-              FSDP_CHECK_IN(state->comm.error_context("fsdp::fully_shard").unit(name), f.parent == unit,
-                            "fsdp::fully_shard (rank ", state->comm.rank(), "): module '", name,
-                            "' shares a unit with modules that are not its siblings; modules sharing a unit must sit "
-                            "directly in the same unit.");
-              FSDP_CHECK_IN(state->comm.error_context("fsdp::fully_shard").unit(name),
-                            f.member_paths[Access::member(*u)].empty(), "fsdp::fully_shard (rank ", state->comm.rank(),
-                            "): module '", name, "' is registered twice, also as '", f.member_paths[Access::member(*u)],
-                            "'. Register a module once; hold it under another name without register_module.");
+              check_join(f, name, unit, f.member_paths[Access::member(*u)]);
               f.member_paths[Access::member(*u)] = name;
               f.members.push_back(u);
               visit(*kv.value(), name, joined->second, /*built=*/true, Access::member(*u));
@@ -364,11 +357,7 @@ std::shared_ptr<Unit> shard_model(const std::shared_ptr<torch::nn::Module>& root
                     "' shares the unit of a module (share_unit_with) that is not part of this model. Share units "
                     "among modules of the model you wrap.");
     }
-    if (f->members.size() > 1) {
-      std::string name;
-      for (const auto& p : f->member_paths) name += (name.empty() ? "" : "+") + p;
-      f->name = name;
-    }
+    if (f->members.size() > 1) f->name = unit_name(f->member_paths);
   }
 
   // Everything that decides the collectives' sizes and order: names, shapes, dtypes, the unit

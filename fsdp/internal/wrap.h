@@ -35,6 +35,10 @@ std::shared_ptr<Unit> shard_model(const std::shared_ptr<torch::nn::Module>& root
 /// parameters gathered and sharded again as one unit, which every module of both then shares.
 void merge_built_units(ShardedUnit& first, ShardedUnit& other);
 
+/// The module whose unit `u` shares (ShardedUnit::share_unit_with), its chain of joins followed to
+/// the end: the key of the group `u` is in (itself when it joined none).
+ShardedUnit* group_lead(ShardedUnit* u);
+
 /// A module's type as messages name it: "BlockImpl" for an fsdp::ShardedImpl<BlockImpl, ...>.
 std::string module_type(const torch::nn::Module& module);
 
