@@ -10,9 +10,10 @@
 //   fsdp::checkpoint::save("ckpts", model, optimizer, ...); fsdp::checkpoint::load("ckpts", model, optimizer);
 //
 // Saved and loaded: the model's parameters and buffers, the optimizer's state, each rank's random
-// number generators, the step and the user's metadata.
+// number generators, the step, the data sampler's state and the user's metadata.
 #pragma once
 
+#include "data/distributed_sampler.h"
 #include "fsdp/fully_shard.h"
 
 #include <torch/arg.h>
@@ -23,6 +24,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 
 namespace fsdp::checkpoint {
@@ -42,6 +44,11 @@ struct SaveOptions {
   TORCH_ARG(uint64_t, block_bytes) = uint64_t{1} << 20;
   /// The user's own key/values, kept in the manifest.
   TORCH_ARG(Metadata, metadata);
+  /// The data sampler's state, `sampler.state()` (fsdp/data/distributed_sampler.h), kept in the
+  /// manifest ("data") and restored by load with LoadOptions::sampler. A value taken at the call,
+  /// so an asynchronous save keeps the state of the step it saves. Every rank passes its own
+  /// sampler's; they must be equal (the save fails on every rank otherwise).
+  TORCH_ARG(std::optional<data::SamplerState>, sampler_state);
   /// Each rank's random number generator states (CPU, and each CUDA device's), which a load
   /// restores (see LoadOptions::rng_states).
   TORCH_ARG(bool, rng_states) = true;
@@ -87,6 +94,19 @@ struct LoadOptions {
   TORCH_ARG(bool, rng_states) = true;
   /// Threads issuing this rank's preads at once (each at most 8 MiB).
   TORCH_ARG(int, io_threads) = 1;
+  /// A data sampler to resume at the saved state (SaveOptions::sampler_state), on any number of
+  /// ranks. Checked with the model, before anything changes: the checkpoint must hold a sampler
+  /// state for the same dataset size, seed and shuffle (the message says which differs).
+
+ public:
+  LoadOptions& sampler(data::DistributedSampler* s) {
+    sampler_ = s;
+    return *this;
+  }
+  data::DistributedSampler* sampler() const { return sampler_; }
+
+ private:
+  data::DistributedSampler* sampler_ = nullptr;
 };
 
 struct LoadResult {
@@ -95,6 +115,9 @@ struct LoadResult {
   int64_t step = 0;
   int saved_world_size = 0;  ///< ranks that saved it
   Metadata metadata;         ///< the user's, as saved
+  /// The sampler state saved with it (SaveOptions::sampler_state), whether or not a sampler was
+  /// given to restore.
+  std::optional<data::SamplerState> sampler_state;
   /// Tensor bytes this rank needed and read (reads are whole checksum blocks, so read >= needed);
   /// the manifest (manifest_bytes, read by every rank) is counted apart.
   int64_t bytes_needed = 0, bytes_read = 0;

@@ -106,6 +106,7 @@ LoadResult result_of(const Manifest& m, const detail::ReadStats& s) {
   r.step = m.step;
   r.saved_world_size = m.world_size;
   r.metadata = m.metadata;
+  r.sampler_state = m.data;
   r.bytes_needed = r.bytes_needed_total = static_cast<int64_t>(s.bytes_needed);
   r.bytes_read = r.bytes_read_total = static_cast<int64_t>(s.bytes_read);
   r.manifest_bytes = file_bytes(m.dir + "/" + kManifest);
@@ -302,12 +303,20 @@ LoadResult load_checkpoint(const std::string& path, FSDPModule& model, torch::op
     for (auto& t : match(m, more, /*strict=*/false, "")) targets.push_back(std::move(t));
     reader = std::make_unique<detail::ShardReader>(m, std::move(targets));
     reader->open_files();
+    if (options.sampler() != nullptr) {
+      FSDP_CHECK(m.data.has_value(), "checkpoint '", m.dir,
+                 "' holds no data sampler state (it was saved without SaveOptions::sampler_state), but "
+                 "LoadOptions::sampler asks to restore one: save with the sampler's state, or load without it.");
+      data::DistributedSampler trial = *options.sampler();  // its checks, with the sampler unchanged
+      trial.load_state(*m.data);
+    }
   });
   phase("reading and verifying this rank's rows", [&] { reader->read(options.io_threads()); });
   // Every rank has its bytes, verified: now the model (and the optimizer) change.
   reader->apply();
   model.mark_shards_written();  // ZeRO-1: the full parameters are gathered again from the rows
   if (opt != nullptr) install(m, *opt, optim);
+  if (options.sampler() != nullptr) options.sampler()->load_state(*m.data);
   const std::string rng_outcome = options.rng_states() ? apply_rng(rng, rank) : "not loaded";
 
   LoadResult r = result_of(m, reader->stats());
@@ -333,6 +342,8 @@ LoadResult load(const std::string& path, FSDPModule& model, torch::optim::Optimi
 
 LoadResult load_safetensors(const std::string& path, FSDPModule& model, const LoadOptions& options,
                             const std::function<std::string(const std::string&)>& name_map) {
+  FSDP_CHECK(options.sampler() == nullptr, "fsdp::checkpoint::load_safetensors of '", path,
+             "': Hugging Face weights hold no data sampler state; pass LoadOptions without sampler.");
   LoadOptions o = options;
   o.rng_states(false);
   return load_checkpoint(path, model, nullptr, o, &name_map);
@@ -360,7 +371,15 @@ LoadResult load(const std::string& path, torch::nn::Module& module, const LoadOp
                                      " (A module wrapped by fsdp::fully_shard holds shards: pass the wrapped model.)"));
     reader.open_files();
     reader.read();
+    if (options.sampler() != nullptr) {
+      FSDP_CHECK(m.data.has_value(),
+                 "the checkpoint holds no data sampler state, but LoadOptions::sampler asks to "
+                 "restore one: load without it.");
+      data::DistributedSampler trial = *options.sampler();
+      trial.load_state(*m.data);
+    }
     reader.apply();
+    if (options.sampler() != nullptr) options.sampler()->load_state(*m.data);
     LoadResult r = result_of(m, reader.stats());
     r.seconds = since(t0);
     return r;

@@ -72,6 +72,7 @@ Manifest read_manifest(const std::string& dir) {
         m.optimizer.steps[name] = step.get<int64_t>();
       }
     }
+    if (j.contains("data") && !j["data"].is_null()) m.data = detail::sampler_state_from_json(j["data"], path);
     for (const auto& fe : j.at("files")) {
       m.files.push_back({fe.at("name").get<std::string>(), fe.at("rank").get<int>(), fe.at("bytes").get<uint64_t>()});
       FSDP_CHECK(m.files.back().name.find('/') == std::string::npos, "fsdp::checkpoint: '", path,
@@ -141,6 +142,7 @@ std::string manifest_from_parts(const std::string& header, const std::vector<std
     h.strategies = j.at("strategies");
     h.metadata = j.at("metadata");
     h.optimizer = j.at("optimizer");
+    h.data = j.value("data", detail::ordered_json());
     tensors = std::move(j.at("tensors"));
   } catch (const nlohmann::json::exception& e) {
     FSDP_CHECK(false, "fsdp::checkpoint: the header of a manifest to assemble is not valid (", e.what(), ").");

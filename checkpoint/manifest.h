@@ -2,15 +2,19 @@
 // how many ranks, and where each tensor's rows are. The reader checks it before anything uses it.
 #pragma once
 
+#include "data/distributed_sampler.h"
+
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
 namespace fsdp::checkpoint {
 
-/// The format version this library writes and reads; a manifest of a newer one is refused.
-inline constexpr int kFormatVersion = 1;
+/// The format version this library writes and reads; a manifest of a newer one is refused. 2 added
+/// "data" (a sampler's state); version 1 manifests read as having none.
+inline constexpr int kFormatVersion = 2;
 
 struct ManifestChunk {
   int64_t row_begin = 0, row_end = 0;  ///< global rows [row_begin, row_end)
@@ -64,6 +68,7 @@ struct Manifest {
   std::map<std::string, std::string> strategies, metadata;
   bool has_optimizer = false;
   ManifestOptimizer optimizer;
+  std::optional<data::SamplerState> data;  ///< the sampler's state saved with it, if any
   std::vector<ManifestFile> files;
   std::vector<ManifestTensor> tensors;  ///< by key
 };
@@ -76,12 +81,13 @@ Manifest read_manifest(const std::string& dir);
 /// The text of manifest.json as rank 0 of a save assembles it from the part each rank sends it, for
 /// timing that at more ranks than a machine runs (benchmarks/ckpt_bench simulate); a save does it
 /// itself. `header`: a JSON object with the manifest's "name", "step", "world_size", "block_bytes",
-/// "strategies", "metadata", "optimizer" ({"type", "param_groups"} or null) and "tensors" (the
+/// "strategies", "metadata", "optimizer" ({"type", "param_groups"} or null), "data" (optional: a
+/// sampler's state or null) and "tensors" (the
 /// model's: key -> {"kind", "dtype", "shape"}, in the model's order). `parts`, in rank order: JSON
 /// objects {"rank", "file", "bytes" (its size), "tensors" (the others it wrote, as above), "steps"
-/// (optimizer steps by parameter name), "chunks" ([{"tensor", "rows", "bytes", "block_bytes",
-/// "crc32c"}])}. Checks that the chunks cover every tensor's rows once and that the ranks' steps
-/// agree; `bytes_total` gets the bytes of all chunks.
+/// (optimizer steps by parameter name), "data" (optional: its sampler's state), "chunks" ([{"tensor",
+/// "rows", "bytes", "block_bytes", "crc32c"}])}. Checks that the chunks cover every tensor's rows
+/// once and that the ranks' steps and sampler states agree; `bytes_total` gets the bytes of all chunks.
 std::string manifest_from_parts(const std::string& header, const std::vector<std::string>& parts, int64_t& bytes_total);
 
 }  // namespace fsdp::checkpoint

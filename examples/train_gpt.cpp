@@ -14,20 +14,17 @@
 // timed out, a peer died), printed as "train_gpt (rank R): <message>".
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/commit.h"
+#include "checkpoint/manifest.h"
 #include "examples/cli.h"
+#include "examples/corpus.h"
 #include "examples/gpt.h"
 #include "examples/run_flags.h"
 #include "examples/strategy_flags.h"
 #include "fsdp/fsdp.h"
 
-#include <ATen/CPUGeneratorImpl.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
-
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -57,7 +54,8 @@ struct Args : cli::RunFlags {
   std::string data = FSDP_EXAMPLE_CORPUS;
   double max_data_mb = 64;  // bound on the corpus read (each byte becomes an 8-byte token)
   bool json = false;
-  int64_t grad_accum = 1;  // micro-batches per step
+  int64_t grad_accum = 0;  // micro-batches per step (0: from --max-rows)
+  int64_t max_rows = 0;    // the most rows one rank runs at once (0: its whole share)
   bool no_sync = false;    // communicate only in the last micro-batch
   double clip = 0;         // max global gradient norm (0: no clipping)
   bool fused = false;      // fsdp::optim::FusedAdamW instead of torch::optim::AdamW
@@ -70,7 +68,8 @@ struct Args : cli::RunFlags {
 const char* const kUsage =
     "usage: train_gpt [--steps N] [--batch-size B] [--seed S] [--lr LR] [--weight-decay WD]\n"
     "                 [--optimizer adamw|sgd] [--n-layer L] [--n-head H] [--n-embd C]\n"
-    "                 [--block-size T] [--data FILE] [--max-data-mb MB] [--prefetch K] [--grad-accum M]\n"
+    "                 [--block-size T] [--data FILE] [--max-data-mb MB] [--prefetch K]\n"
+    "                 [--grad-accum M | --max-rows R]\n"
     "                 [--no-sync] [--clip MAX_NORM] [--fused] [--json] [--timeout SECONDS]\n"
     "                 [--strategy full|grad-op|optimizer|replicate|hybrid] [--shard-group-size S]\n"
     "                 [--bucket-mb MB] [--build-sharded] [--save-dir DIR [--save-every K] [--resume]]\n"
@@ -81,21 +80,28 @@ const char* const kUsage =
     "  --activation-checkpointing [K]: blocks K, 2K, ... (default every one) recompute their forward in backward.\n"
     "  --wrap: units are the token embedding, each block, the final norm with the head (torchtitan, default),\n"
     "  or the blocks alone (the root keeping the rest).\n"
-    "  --batch-size is the global batch: each of the N ranks takes B/N rows of it, in M micro-batches\n"
-    "  with --grad-accum M (--no-sync: reduce gradients only after the last one).\n"
+    "  --batch-size is the global batch: each of the N ranks takes B/N rows of it (fsdp::data's sampler:\n"
+    "  each epoch visits every window of the corpus once, in an order set by --seed), in M micro-batches with\n"
+    "  --grad-accum M, or in as few as keep each at most R rows with --max-rows R (fsdp::data::plan_batch: the\n"
+    "  same global batch and update on any number of ranks); --no-sync: reduce gradients only after the last.\n"
     "  --data: a regular file of at most --max-data-mb MiB (default 64), each byte a token.\n"
     "  --clip 0 (default) does not clip; the gradient norm is checked every step either way.\n"
     "  --mixed-precision: gather and compute in bf16 or fp16, fp32 master weights, gradients reduced in\n"
     "  fp32; fp16 scales the loss (a step with an inf or NaN gradient on any rank is skipped).\n"
     "  --timeout: bound on start-up and every collective, in seconds (default: $FSDP_TIMEOUT, else 600).\n"
-    "  --save-dir DIR --save-every K: a sharded checkpoint (model, optimizer, generators, seed and data\n"
-    "  position) under DIR after every K steps, every rank writing its part; --resume: continue from\n"
+    "  --save-dir DIR --save-every K: a sharded checkpoint (model, optimizer, generators, seed and the\n"
+    "  sampler's state) under DIR after every K steps, every rank writing its part; --resume: continue from\n"
     "  DIR's latest checkpoint, on any number of ranks and strategy, taking its step, seed and data\n"
     "  position whatever the flags say (none there: start at step 0). --steps is the last step + 1.\n"
     "  Exit status: 0 trained, 2 bad flags or --data, 1 other errors (a non-finite loss or gradient norm).\n";
 
 /// "train_gpt (rank R)" for messages; the rank from the launcher's RANK until the group exists.
 int g_rank = -1;
+// Wall-clock seconds at main()'s entry, for --json's start row (the recovery of an elastic run).
+double g_t_main = 0;
+double wall_seconds() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
 bool g_json = false;  // --json: an error also ends stdout with {"error": ...}
 std::string who() {
   if (g_rank >= 0) return "train_gpt (rank " + std::to_string(g_rank) + ")";
@@ -139,6 +145,8 @@ Args parse(int argc, char** argv) {
       a.max_data_mb = cli::parse_double(k, value(), 0, false, 1 << 20);
     else if (k == "--grad-accum")
       a.grad_accum = cli::parse_int(k, value(), 1);
+    else if (k == "--max-rows")
+      a.max_rows = cli::parse_int(k, value(), 1);
     else if (k == "--clip")
       a.clip = cli::parse_double(k, value(), 0, true);
     else if (k == "--save-dir")
@@ -151,6 +159,11 @@ Args parse(int argc, char** argv) {
   if (a.optimizer != "adamw" && a.optimizer != "sgd") usage_error("--optimizer must be adamw or sgd");
   cli::check_run_flags(a);
   a.model.wrap = cli::wrap_of(a, gpt::Wrap::kTorchtitan);
+  if (a.grad_accum > 0 && a.max_rows > 0) {
+    usage_error(
+        "--grad-accum and --max-rows both set the micro-batches: pass one (--max-rows keeps the global batch on "
+        "any number of ranks)");
+  }
   if (a.fused && a.optimizer != "adamw") usage_error("--fused is an AdamW; it cannot be used with --optimizer sgd");
   if (a.save_dir.empty() && (a.save_every > 0 || a.resume)) {
     usage_error(std::string(a.resume ? "--resume" : "--save-every") + " needs --save-dir DIR");
@@ -161,61 +174,6 @@ Args parse(int argc, char** argv) {
   return a;
 }
 
-const char* file_kind(mode_t m) {
-  if (S_ISDIR(m)) return "a directory";
-  if (S_ISFIFO(m)) return "a FIFO (named pipe)";
-  if (S_ISCHR(m)) return "a character device";
-  if (S_ISBLK(m)) return "a block device";
-  if (S_ISSOCK(m)) return "a socket";
-  return "not a regular file";
-}
-
-[[noreturn]] void data_error(const std::string& path, const std::string& why) {
-  throw cli::InputError("--data '" + path + "' " + why + ". Pass --data FILE, a text file (each byte is a token).",
-                        false);
-}
-
-/// The corpus as byte tokens: a regular file only (a directory, a FIFO or a device such as
-/// /dev/zero is refused before it is read), of at most --max-data-mb MiB, read with that bound.
-torch::Tensor load_corpus(const Args& a) {
-  const std::string& path = a.data;
-  const int64_t max_bytes = static_cast<int64_t>(a.max_data_mb * 1024 * 1024);
-  char limit[160];
-  std::snprintf(limit, sizeof(limit),
-                "over the limit of --max-data-mb %g (%lld bytes; each byte becomes an 8-byte token): raise "
-                "--max-data-mb, or pass a smaller file",
-                a.max_data_mb, static_cast<long long>(max_bytes));
-  struct stat st {};
-  if (::stat(path.c_str(), &st) != 0) data_error(path, std::string("cannot be read: ") + std::strerror(errno));
-  if (!S_ISREG(st.st_mode)) data_error(path, std::string("is ") + file_kind(st.st_mode) + ", not a regular file");
-  if (st.st_size > max_bytes) data_error(path, "has " + std::to_string(st.st_size) + " bytes, " + limit);
-  // O_NONBLOCK: should the path have become a FIFO since stat(), opening it does not wait.
-  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-  if (fd < 0) data_error(path, std::string("cannot be opened: ") + std::strerror(errno));
-  std::string text;
-  std::string error;
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) error = "is no longer a regular file";
-  text.reserve(static_cast<size_t>(std::min<int64_t>(st.st_size, max_bytes)));
-  char buf[1 << 16];
-  while (error.empty()) {
-    const ssize_t n = ::read(fd, buf, sizeof(buf));
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) error = std::string("cannot be read: ") + std::strerror(errno);
-    if (n <= 0) break;
-    text.append(buf, static_cast<size_t>(n));
-    if (static_cast<int64_t>(text.size()) > max_bytes) error = std::string("has grown while read, ") + limit;
-  }
-  ::close(fd);
-  if (!error.empty()) data_error(path, error);
-  const int64_t T = a.model.block_size;
-  if (static_cast<int64_t>(text.size()) <= T + 1) {
-    data_error(path, "has " + std::to_string(text.size()) + " bytes; it needs more than --block-size + 1 = " +
-                         std::to_string(T + 1) + " (or lower --block-size)");
-  }
-  auto bytes = torch::from_blob(text.data(), {static_cast<int64_t>(text.size())}, torch::kUInt8);
-  return bytes.to(torch::kLong);  // byte-level tokens, vocabulary 256
-}
-
 std::string mib(int64_t b) {
   char buf[32];
   std::snprintf(buf, sizeof(buf), "%.2f MiB", static_cast<double>(b) / (1024.0 * 1024.0));
@@ -223,7 +181,15 @@ std::string mib(int64_t b) {
 }
 
 int run(const Args& args) {
-  auto data = load_corpus(args);  // before the group: a bad file fails alone, at once
+  const int64_t T = args.model.block_size;
+  // Before the group: a bad file fails alone, at once.
+  auto data = corpus::load(args.data, args.max_data_mb, T);
+  const int64_t samples = corpus::samples(data, T);
+  if (samples < args.batch_size) {
+    corpus::data_error(args.data, "has " + std::to_string(samples) + " windows of --block-size + 1 = " +
+                                      std::to_string(T + 1) + " tokens, fewer than one global batch (--batch-size " +
+                                      std::to_string(args.batch_size) + "); lower --batch-size or --block-size");
+  }
   std::optional<std::chrono::milliseconds> timeout;
   if (args.timeout_s) {
     timeout = std::chrono::milliseconds(std::max<int64_t>(1, std::llround(*args.timeout_s * 1000.0)));
@@ -231,17 +197,27 @@ int run(const Args& args) {
   fsdp::InitOptions init;
   if (timeout) init.timeout(*timeout);
   auto pg = fsdp::init_process_group(init);
+  const double t_group = wall_seconds();
   const int rank = pg->getRank(), world = pg->getSize();
   g_rank = rank;
-  const int64_t K = args.grad_accum;
-  if (args.batch_size % (world * K) != 0) {
-    usage_error("--batch-size " + std::to_string(args.batch_size) + " is not divisible by the " +
-                std::to_string(world) + " ranks x " + std::to_string(K) +
-                " micro-batches (--grad-accum); each rank takes an equal share of every micro-batch");
+  // Each step's global batch: this rank's share of it, in K micro-batches of `micro` rows.
+  if (args.batch_size % world != 0) {
+    usage_error("--batch-size " + std::to_string(args.batch_size) + " cannot be split over the " +
+                std::to_string(world) + " ranks into equal shares; " +
+                fsdp::data::divisible_sizes(args.batch_size, world));
   }
-  const int64_t micro = args.batch_size / K;  // rows per micro-batch (all ranks)
-  const int64_t local_batch = micro / world;  // rows per micro-batch on this rank
-  const int64_t T = args.model.block_size;
+  const int64_t share_rows = args.batch_size / world;
+  if (args.grad_accum > 0 && share_rows % args.grad_accum != 0) {
+    usage_error("each rank's share of --batch-size " + std::to_string(args.batch_size) + " (" +
+                std::to_string(share_rows) + " rows on " + std::to_string(world) +
+                " ranks) is not divisible by --grad-accum " + std::to_string(args.grad_accum) +
+                "; pass --max-rows R instead to keep micro-batches of at most R rows on any number of ranks");
+  }
+  const int64_t max_rows = args.grad_accum > 0 ? share_rows / args.grad_accum
+                           : args.max_rows > 0 ? args.max_rows
+                                               : share_rows;
+  const fsdp::data::BatchPlan plan = fsdp::data::plan_batch(args.batch_size, world, max_rows);
+  const int64_t K = plan.accumulation, micro = plan.micro_batch;
 
   const fsdp::ShardingStrategy strategy = gpt::strategy_flags().at(args.strategy);
   const int group = args.shard_group_size > 0 ? args.shard_group_size : std::max(1, world / 2);
@@ -282,41 +258,61 @@ int run(const Args& args) {
   fsdp::optim::ShardedGradScaler scaler(model,
                                         fsdp::optim::GradScalerOptions().enabled(args.mixed_precision == "fp16"));
 
-  // --resume: the checkpoint's step, seed and data position (the batches are drawn from the seed
-  // and the step), whatever the flags say; the model, the optimizer and the generators from it.
+  // --resume: the checkpoint's step, seed and sampler state, whatever the flags say; the model, the
+  // optimizer and the generators from it. Its seed is read first: the sampler is built with it.
   int64_t first_step = 0;
   uint64_t seed = args.seed;
-  if (args.resume) {
-    if (fsdp::checkpoint::latest_checkpoint(args.save_dir).empty()) {
-      if (rank == 0) std::cerr << who() << ": no checkpoint under '" << args.save_dir << "'; starting at step 0\n";
-    } else {
-      const auto res = fsdp::checkpoint::load(args.save_dir, model, *opt);
-      const auto meta = [&](const char* key) {
-        const auto it = res.metadata.find(key);
-        if (it == res.metadata.end()) {
-          throw std::runtime_error("checkpoint '" + res.path + "' has no '" + key +
-                                   "': it was not saved by train_gpt. Pass another --save-dir.");
-        }
-        return it->second;
-      };
-      seed = std::stoull(meta("seed"));
-      first_step = std::stoll(meta("data_position"));
-      if (rank == 0) {
-        std::cerr << who() << ": resumed from '" << res.path << "' (saved by " << res.saved_world_size
-                  << " rank(s)) at step " << first_step << ", seed " << seed << "\n";
+  const std::string resume_from = args.resume ? fsdp::checkpoint::latest_checkpoint(args.save_dir) : "";
+  if (args.resume && resume_from.empty() && rank == 0) {
+    std::cerr << who() << ": no checkpoint under '" << args.save_dir << "'; starting at step 0\n";
+  }
+  if (!resume_from.empty()) {
+    const auto saved = fsdp::checkpoint::read_manifest(resume_from).data;
+    if (!saved) {
+      throw std::runtime_error("checkpoint '" + resume_from +
+                               "' holds no data sampler state: it was not saved by this train_gpt. Pass another "
+                               "--save-dir.");
+    }
+    seed = saved->seed;
+  }
+  // The order of the corpus's windows, the same on any number of ranks; each step takes the next
+  // global batch of it, this rank its share.
+  fsdp::data::DistributedSampler sampler(samples, rank, world, fsdp::data::SamplerOptions(args.batch_size).seed(seed));
+  if (!resume_from.empty()) {
+    const auto res =
+        fsdp::checkpoint::load(resume_from, model, *opt, fsdp::checkpoint::LoadOptions().sampler(&sampler));
+    first_step = res.step;
+    const auto batch = res.metadata.find("global_batch");
+    if (rank == 0) {
+      std::cerr << who() << ": resumed from '" << res.path << "' (saved by " << res.saved_world_size
+                << " rank(s)) at step " << first_step << ", seed " << seed << ", "
+                << fsdp::data::to_string(sampler.state()) << "\n";
+      if (batch != res.metadata.end() && batch->second != std::to_string(args.batch_size)) {
+        std::cerr << who() << ": warning: saved with --batch-size " << batch->second << ", resumed with "
+                  << args.batch_size << ": the updates, and so the loss curve, are not the saved run's\n";
       }
     }
   }
 
+  if (rank == 0 && args.json) {
+    // When this process started, joined its group and was ready to train (after a resume's load),
+    // in wall-clock seconds: with the launcher's log, where an elastic restart's time goes.
+    const char* restart = std::getenv("TORCHELASTIC_RESTART_COUNT");
+    std::printf(
+        "{\"start\": true, \"world_size\": %d, \"restart_count\": %s, \"first_step\": %lld, \"t_main\": "
+        "%.6f, \"t_group\": %.6f, \"t_ready\": %.6f}\n",
+        world, restart != nullptr && *restart != '\0' ? restart : "0", static_cast<long long>(first_step), g_t_main,
+        t_group, wall_seconds());
+    std::fflush(stdout);
+  }
   if (rank == 0 && !args.json) {
     std::cout << "train_gpt: " << world << " rank(s), " << n_params << " parameters, " << args.model.n_layer
               << (args.model.wrap == gpt::Wrap::kTorchtitan ? " blocks (units: wte, each block, ln_f+lm_head)"
                                                             : " blocks (units: each block)")
-              << ", global batch " << args.batch_size << " x " << T << " tokens (" << local_batch
-              << " rows per rank per micro-batch, " << K << " micro-batch(es)" << (args.no_sync ? ", no sync" : "")
-              << "), " << (args.fused ? "fused " : "") << args.optimizer << " lr " << args.lr
-              << (args.clip > 0 ? ", clip " + std::to_string(args.clip) : "") << ", prefetch " << args.prefetch
-              << ", strategy " << fsdp::to_string(strategy)
+              << ", " << fsdp::data::to_string(plan) << " of " << T << " tokens, " << samples << " windows per epoch"
+              << (args.no_sync ? ", no sync" : "") << "), " << (args.fused ? "fused " : "") << args.optimizer << " lr "
+              << args.lr << (args.clip > 0 ? ", clip " + std::to_string(args.clip) : "") << ", prefetch "
+              << args.prefetch << ", strategy " << fsdp::to_string(strategy)
               << (strategy == fsdp::ShardingStrategy::kHybridShard ? " (groups of " + std::to_string(group) + ")" : "")
               << (args.mixed_precision.empty() ? "" : ", mixed precision " + args.mixed_precision + " (fp32 master)")
               << (args.model.checkpoint_every > 0
@@ -333,14 +329,14 @@ int run(const Args& args) {
     model.track_state_peak(true);
     const auto t0 = std::chrono::steady_clock::now();
 
-    // The global batch of this step, the same on every rank; this rank takes its rows.
-    auto gen = at::make_generator<at::CPUGeneratorImpl>(seed * 1000003 + static_cast<uint64_t>(step));
-    auto offsets = torch::randint(data.size(0) - T - 1, {args.batch_size}, gen, torch::kLong);
+    // This rank's share of the step's global batch (a step never spans two epochs: at an epoch's
+    // end, the next epoch's first global batch).
+    auto share = sampler.next_share();
+    if (!share) share = sampler.next_share();
     auto loss = torch::zeros({}, torch::kDouble);  // this rank's mean over its rows of the step
     for (int64_t m = 0; m < K; ++m) {
-      auto mine = offsets.narrow(0, m * micro + rank * local_batch, local_batch);
-      auto idx = torch::arange(T, torch::kLong).unsqueeze(0) + mine.unsqueeze(1);
-      auto x = data.index({idx}), y = data.index({idx + 1});
+      const std::vector<int64_t> rows(share->indices.begin() + m * micro, share->indices.begin() + (m + 1) * micro);
+      auto [x, y] = corpus::batch(data, rows, T);
       model.set_requires_gradient_sync(!args.no_sync || m == K - 1);
       auto logits = model(x);
       auto l = torch::nn::functional::cross_entropy(logits.flatten(0, 1), y.flatten()) / static_cast<double>(K);
@@ -381,16 +377,18 @@ int run(const Args& args) {
         std::printf(
             "{\"step\": %lld, \"loss\": %s, \"peak_bytes\": %lld, \"state_bytes\": %lld, \"state_peak_bytes\": "
             "%lld, \"buffer_bytes\": %lld, \"other_bytes\": %lld, \"step_ms\": %s, \"world_size\": %d, \"params\": "
-            "%lld, \"grad_norm\": %s}\n",
+            "%lld, \"grad_norm\": %s, \"epoch\": %lld, \"samples_consumed\": %lld}\n",
             static_cast<long long>(step), cli::json_number(l).c_str(), static_cast<long long>(mem[0].item<int64_t>()),
             static_cast<long long>(mem[1].item<int64_t>()), static_cast<long long>(mem[2].item<int64_t>()),
             static_cast<long long>(mem[3].item<int64_t>()), static_cast<long long>(mem[4].item<int64_t>()),
             cli::json_number(ms, "%.3f").c_str(), world, static_cast<long long>(n_params),
-            cli::json_number(grad_norm).c_str());
+            cli::json_number(grad_norm).c_str(), static_cast<long long>(share->epoch),
+            static_cast<long long>(sampler.state().samples_consumed));
       } else {
-        std::printf("step %4lld | loss %.4f | grad norm %.4g | %8.1f ms | peak %s | state %s (max over ranks)\n",
-                    static_cast<long long>(step), l, grad_norm, ms, mib(mem[0].item<int64_t>()).c_str(),
-                    mib(mem[1].item<int64_t>()).c_str());
+        std::printf(
+            "step %4lld | epoch %lld | loss %.4f | grad norm %.4g | %8.1f ms | peak %s | state %s (max over ranks)\n",
+            static_cast<long long>(step), static_cast<long long>(share->epoch), l, grad_norm, ms,
+            mib(mem[0].item<int64_t>()).c_str(), mib(mem[1].item<int64_t>()).c_str());
       }
       std::fflush(stdout);
     }
@@ -407,10 +405,13 @@ int run(const Args& args) {
     }
     if (args.save_every > 0 && (step + 1) % args.save_every == 0) {
       // Named by the next step to run: a resume starts there.
-      const auto res = fsdp::checkpoint::save(
-          args.save_dir, model, *opt,
-          fsdp::checkpoint::SaveOptions().step(step + 1).metadata(
-              {{"seed", std::to_string(seed)}, {"data_position", std::to_string(step + 1)}, {"example", "train_gpt"}}));
+      const auto res = fsdp::checkpoint::save(args.save_dir, model, *opt,
+                                              fsdp::checkpoint::SaveOptions()
+                                                  .step(step + 1)
+                                                  .sampler_state(sampler.state())
+                                                  .metadata({{"seed", std::to_string(seed)},
+                                                             {"global_batch", std::to_string(args.batch_size)},
+                                                             {"example", "train_gpt"}}));
       if (rank == 0) {
         std::cerr << who() << ": saved '" << res.path << "' (" << mib(res.bytes_total) << " in " << res.seconds
                   << " s)\n";
@@ -472,6 +473,7 @@ void report_error(const std::string& message) {
 }
 
 int main(int argc, char** argv) {
+  g_t_main = wall_seconds();
   fsdp::memory::enable_cpu_counting();  // first: count every allocation from here on
   // Every error ends here with a message and an exit status, never an abort with a backtrace.
   try {

@@ -1,12 +1,16 @@
 // libtorch-fsdp: fully sharded data parallel training for LibTorch. The one header to include: the
 // whole library, as <torch/all.h> is the whole of LibTorch: the core (fsdp/), the optimizers and
-// clipping (optim/, fsdp::optim) and the sharded checkpoints (checkpoint/, fsdp::checkpoint). The
-// CMake target fsdp::fsdp links all three; a program that wants less includes the headers it uses.
+// clipping (optim/, fsdp::optim), the distributed sampler (data/, fsdp::data) and the sharded
+// checkpoints (checkpoint/, fsdp::checkpoint). The CMake target fsdp::fsdp links all four; a program
+// that wants less includes the headers it uses.
 #pragma once
 
 #include "checkpoint/async_save.h"
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/consolidate.h"
+#include "data/batch_plan.h"
+#include "data/distributed_sampler.h"
+#include "data/permutation.h"
 #include "fsdp/error.h"
 #include "fsdp/fake_process_group.h"
 #include "fsdp/fully_shard.h"

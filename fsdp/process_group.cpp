@@ -127,11 +127,12 @@ c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const InitOptions& opt
   detail::Rendezvous r = detail::rendezvous(env, options, timeout);
   detail::explain_gloo_aborts(env.rank);
 
-  auto pg = c10::make_intrusive<c10d::ProcessGroup>(r.store, env.rank, env.world_size);
+  // The attempt's store: new_subgroup() and NCCL's unique-id exchange key off pg->getStore().
+  auto pg = c10::make_intrusive<c10d::ProcessGroup>(r.scoped, env.rank, env.world_size);
   pg->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, r.gloo);
   pg->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
   if (options.nccl()) {
-    detail::maybe_add_nccl_backend(*pg, r.store, env, timeout);
+    detail::maybe_add_nccl_backend(*pg, r.scoped, env, timeout);
   }
   if (env.world_size > 1) {
     // The heartbeat gets a connection of its own: it must not wait behind (or hold up) this one.

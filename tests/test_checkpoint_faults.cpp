@@ -100,8 +100,10 @@ void check_faults(Rank& r) {
        "model (1): model/fc2.biass.",
        {0, 1}},
       {"newer",
-       [&](const std::string& d) { edit_manifest(d, [](nlohmann::json& j) { j["format_version"] = 2; }); },
-       "has format version 2, newer than this library's (1)",
+       [&](const std::string& d) {
+         edit_manifest(d, [](nlohmann::json& j) { j["format_version"] = fsdp::checkpoint::kFormatVersion + 1; });
+       },
+       "has format version 3, newer than this library's (2)",
        {0, 1}},
       {"no manifest",
        [&](const std::string& d) { ::unlink((d + "/" + checkpoint::kManifest).c_str()); },

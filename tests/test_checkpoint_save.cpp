@@ -5,6 +5,7 @@
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/commit.h"
 #include "checkpoint/internal/crc32c.h"
+#include "checkpoint/manifest.h"
 #include "checkpoint/safetensors.h"
 #include "tests/models.h"
 #include "tests/temp_dir.h"
@@ -57,7 +58,7 @@ void check_save(Rank& r, const SaveCase& c, const std::string& root, int64_t ste
 
   std::ifstream f(res.path + "/" + checkpoint::kManifest);
   const json m = json::parse(f);
-  EXPECT_EQ(m["format_version"], 1);
+  EXPECT_EQ(m["format_version"], fsdp::checkpoint::kFormatVersion);
   EXPECT_EQ(m["world_size"], r.world_size);
   EXPECT_EQ(m["step"], step);
   EXPECT_EQ(m["metadata"]["case"], label);

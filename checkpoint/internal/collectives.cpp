@@ -39,11 +39,18 @@ bool Group::agree(const std::string& what, bool failed) const {
 }
 
 std::vector<std::string> Group::gather_to_rank0(const std::string& text, const std::string& what) const {
-  if (model_ == nullptr) return comm_->exchange_strings(text, what, /*root=*/0);
+  return exchange(text, what, /*root=*/0);
+}
+
+std::vector<std::string> Group::all_gather(const std::string& text, const std::string& what) const {
+  return exchange(text, what, /*root=*/-1);
+}
+
+std::vector<std::string> Group::exchange(const std::string& text, const std::string& what, int root) const {
+  if (model_ == nullptr) return comm_->exchange_strings(text, what, root);
   // Over the model's group: a failure leaves its ranks at different collectives.
   std::vector<std::string> out;
-  fsdp::detail::Access::state(*model_).breaks_on_failure(
-      [&] { out = comm_->exchange_strings(text, what, /*root=*/0); });
+  fsdp::detail::Access::state(*model_).breaks_on_failure([&] { out = comm_->exchange_strings(text, what, root); });
   return out;
 }
 

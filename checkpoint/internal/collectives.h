@@ -36,8 +36,11 @@ class Group {
   ErrorContext error_context(const std::string& operation) const { return comm_->error_context(operation); }
   /// Every rank's `text`, on rank 0 in rank order (empty elsewhere): each rank sends its own only.
   std::vector<std::string> gather_to_rank0(const std::string& text, const std::string& what) const;
+  /// Every rank's `text` on every rank, in rank order.
+  std::vector<std::string> all_gather(const std::string& text, const std::string& what) const;
 
  private:
+  std::vector<std::string> exchange(const std::string& text, const std::string& what, int root) const;
   const FSDPModule* model_ = nullptr;  // set: agreements are the model's step-boundary agreements
   std::shared_ptr<fsdp::detail::Comm> comm_;
 };

@@ -12,9 +12,39 @@
 namespace fsdp::checkpoint::detail {
 
 std::string RankPart::dump(int rank) const {
-  return ordered_json{{"rank", rank},       {"file", file},   {"bytes", file_bytes},
-                      {"tensors", tensors}, {"steps", steps}, {"chunks", chunks}}
+  return ordered_json{{"rank", rank},   {"file", file}, {"bytes", file_bytes}, {"tensors", tensors},
+                      {"steps", steps}, {"data", data}, {"chunks", chunks}}
       .dump();
+}
+
+ordered_json sampler_state_json(const data::SamplerState& s) {
+  return {{"sampler", "fsdp::data::DistributedSampler"},
+          {"seed", s.seed},
+          {"shuffle", s.shuffle},
+          {"dataset_size", s.dataset_size},
+          {"epoch", s.epoch},
+          {"position", s.position},
+          {"samples_consumed", s.samples_consumed}};
+}
+
+data::SamplerState sampler_state_from_json(const nlohmann::json& j, const std::string& path) {
+  data::SamplerState s;
+  try {
+    s.seed = j.at("seed").get<uint64_t>();
+    s.shuffle = j.at("shuffle").get<bool>();
+    s.dataset_size = j.at("dataset_size").get<int64_t>();
+    s.epoch = j.at("epoch").get<int64_t>();
+    s.position = j.at("position").get<int64_t>();
+    s.samples_consumed = j.at("samples_consumed").get<int64_t>();
+  } catch (const nlohmann::json::exception& e) {
+    FSDP_CHECK(false, "fsdp::checkpoint: '", path, "' has a \"data\" entry that is not a sampler's state (", e.what(),
+               "): the manifest is corrupt.");
+  }
+  FSDP_CHECK(s.dataset_size >= 0 && s.epoch >= 0 && s.position >= 0 && s.position <= s.dataset_size &&
+                 s.samples_consumed >= s.position,
+             "fsdp::checkpoint: '", path, "' has a sampler state (", data::to_string(s),
+             ") that no sampler can be in: the manifest is corrupt.");
+  return s;
 }
 
 std::string assemble_manifest(const ManifestHeader& header, ordered_json model_tensors,
@@ -33,6 +63,11 @@ std::string assemble_manifest(const ManifestHeader& header, ordered_json model_t
   std::unordered_map<std::string, int64_t> step_of;
   for (size_t r = 0; r < parts.size(); ++r) {
     json part = json::parse(parts[r]);
+    const json& data = part.contains("data") ? part["data"] : json();
+    FSDP_CHECK(data == header.data, "the data sampler's state differs between ranks: rank 0 saves ",
+               header.data.is_null() ? std::string("none") : header.data.dump(), ", rank ", r, " has ",
+               data.is_null() ? std::string("none") : data.dump(),
+               ". Pass SaveOptions::sampler on every rank, each sampler having taken the same global batches.");
     files.push_back({{"name", part["file"]}, {"rank", r}, {"bytes", part["bytes"]}});
     for (auto& [key, t] : part["tensors"].items()) {  // optimizer and generator states, as written
       if (index.count(key) != 0) continue;
@@ -92,6 +127,7 @@ std::string assemble_manifest(const ManifestHeader& header, ordered_json model_t
                          {"strategies", header.strategies},
                          {"metadata", header.metadata},
                          {"optimizer", optimizer},
+                         {"data", header.data},
                          {"files", files},
                          {"tensors", tensors}};
   return manifest.dump(1);

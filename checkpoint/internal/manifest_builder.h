@@ -6,6 +6,8 @@
 // simulated ranks).
 #pragma once
 
+#include "data/distributed_sampler.h"
+
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
@@ -25,6 +27,8 @@ struct ManifestHeader {
   ordered_json metadata = ordered_json::object();
   /// {"type", "param_groups"} of the optimizer saved, or null; the steps come from the parts.
   ordered_json optimizer = nullptr;
+  /// Rank 0's sampler state (sampler_state_json), or null; every rank's part must hold the same.
+  ordered_json data = nullptr;
 };
 
 /// One rank's part: its file (name, size), its chunks, the kind/dtype/shape of the tensors it wrote
@@ -35,12 +39,19 @@ struct RankPart {
   ordered_json chunks = ordered_json::array();  // {"tensor", "rows", "bytes", "block_bytes", "crc32c"}
   ordered_json tensors = ordered_json::object();
   ordered_json steps = ordered_json::object();
+  ordered_json data = nullptr;  // this rank's sampler state, or null
   std::string dump(int rank) const;
 };
 
+/// A sampler's state as the manifest's "data" object, and back (refusing a malformed one, named
+/// with the manifest's `path`).
+ordered_json sampler_state_json(const data::SamplerState& s);
+data::SamplerState sampler_state_from_json(const nlohmann::json& j, const std::string& path);
+
 /// The manifest's text from `header`, the model's tensors (`model_tensors`: key -> kind, dtype,
 /// shape, in the model's order) and every rank's part text (RankPart::dump), in rank order. Checks
-/// that every tensor's chunks cover its rows once and that the ranks agree on each optimizer step;
+/// that every tensor's chunks cover its rows once and that the ranks agree on each optimizer step
+/// and on the sampler's state;
 /// `bytes_total` gets the tensor bytes of all chunks.
 std::string assemble_manifest(const ManifestHeader& header, ordered_json model_tensors,
                               const std::vector<std::string>& parts, int64_t& bytes_total);

@@ -229,7 +229,8 @@ Rendezvous rendezvous(const LaunchEnv& env, const InitOptions& options, millisec
     Rendezvous r;
     r.prefix = prefix;
     r.store = make_store(env, options, timeout);
-    r.gloo = connect_gloo(r.store, env, options, timeout, clock::now() + timeout);
+    r.scoped = c10::make_intrusive<c10d::PrefixStore>(prefix + "pg", r.store);
+    r.gloo = connect_gloo(r.scoped, env, options, timeout, clock::now() + timeout);
     return r;
   }
   auto progress = std::make_shared<Progress>();
@@ -241,6 +242,10 @@ Rendezvous rendezvous(const LaunchEnv& env, const InitOptions& options, millisec
       r.prefix = prefix;
       r.store = make_store(env, options, left(deadline));
       r.store->setTimeout(left(deadline));
+      // Gloo's keys ("gloo/0/<rank>": each rank's listening address) go under this attempt's
+      // prefix: without it a restarted rank can read the address of the process it replaces
+      // (still in the agent's store) and connect to a dead port, or wait for a peer that waits too.
+      r.scoped = c10::make_intrusive<c10d::PrefixStore>(prefix + "pg", r.store);
       progress->set_stage("connected to the job's store");
       if (env.world_size > 1) {
         progress->set_stage("checking this rank's claim on the job");
@@ -249,7 +254,7 @@ Rendezvous rendezvous(const LaunchEnv& env, const InitOptions& options, millisec
         wait_for_ranks(*r.store, prefix, env, at, deadline - milliseconds(300), timeout);
         progress->set_stage("connecting Gloo to every rank");
       }
-      r.gloo = connect_gloo(r.store, env, options, timeout, deadline);
+      r.gloo = connect_gloo(r.scoped, env, options, timeout, deadline);
       r.store->setTimeout(timeout);
       progress->set_stage("done");
       std::lock_guard<std::mutex> l(progress->mu);

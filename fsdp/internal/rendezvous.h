@@ -16,6 +16,10 @@ namespace fsdp::detail {
 
 struct Rendezvous {
   c10::intrusive_ptr<c10d::Store> store;   ///< the job's store
+  /// This attempt's part of it (`prefix` + "pg"): the process group's, Gloo's, NCCL's and the
+  /// subgroups' keys. torchrun's agent keeps one store across restarts, so keys an earlier
+  /// attempt wrote (Gloo's listening addresses) must not be where this attempt looks.
+  c10::intrusive_ptr<c10d::Store> scoped;
   c10::intrusive_ptr<c10d::Backend> gloo;  ///< connected to every rank
   std::string prefix;                      ///< where this library keeps its keys in the store
 };
