@@ -1,0 +1,201 @@
+"""Elastic runs of examples/train_gpt under torchrun's agent: start agents, kill a worker or an
+agent at a given step, and read what happened from timestamped output.
+
+Shared by tests/check_elastic.py (the cases and their checks) and benchmarks/elastic_bench.py
+(the repeated case and the recovery time's breakdown). Every line of every agent's stdout and
+stderr is timestamped on arrival (time.time(), the clock of train_gpt's "start" row), so that the
+kill, torchrun's log (LOGLEVEL=INFO) and train_gpt's rows are on one time line.
+"""
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def children(pid):
+    """The pids whose parent is `pid` (torchrun's workers are its agent's children)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                s = f.read()
+            if int(s[s.rindex(")") + 2:].split()[1]) == pid:
+                out.append(int(d))
+        except (OSError, ValueError):
+            pass
+    return out
+
+
+def rank_of(pid):
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(x.split(b"=", 1) for x in f.read().split(b"\0") if b"=" in x)
+        return int(env[b"RANK"]) if b"RANK" in env else None
+    except (OSError, ValueError):
+        return None
+
+
+class Agent:
+    """One torchrun agent (its own process group), its output captured line by line with times."""
+
+    def __init__(self, name, cmd, env):
+        self.name = name
+        self.cmd = cmd
+        self.events = []  # (time, stream, line)
+        self.lock = threading.Lock()
+        self.p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                                  start_new_session=True)
+        self.threads = [threading.Thread(target=self._read, args=(s, k), daemon=True)
+                        for s, k in ((self.p.stdout, "out"), (self.p.stderr, "err"))]
+        for t in self.threads:
+            t.start()
+
+    def _read(self, stream, kind):
+        for line in iter(stream.readline, b""):
+            with self.lock:
+                self.events.append((time.time(), kind, line.decode(errors="replace").rstrip("\n")))
+
+    def lines(self, kind=None):
+        with self.lock:
+            return [e for e in self.events if kind is None or e[1] == kind]
+
+    def rows(self):
+        """train_gpt's JSON rows (stdout), each with its arrival time as "_t"."""
+        out = []
+        for t, _, line in self.lines("out"):
+            if line.startswith("{"):
+                try:
+                    r = json.loads(line)
+                except ValueError:
+                    continue
+                r["_t"] = t
+                out.append(r)
+        return out
+
+    def last_step(self):
+        steps = [r["step"] for r in self.rows() if "step" in r]
+        return steps[-1] if steps else -1
+
+    def workers(self):
+        """{rank: pid} of this agent's live workers."""
+        return {r: c for c in children(self.p.pid) for r in [rank_of(c)] if r is not None}
+
+    def kill_worker(self, rank):
+        pid = self.workers()[rank]
+        t = time.time()
+        os.kill(pid, signal.SIGKILL)
+        return t
+
+    def kill(self):
+        t = time.time()
+        os.killpg(self.p.pid, signal.SIGKILL)  # the agent; its workers get SIGTERM (parent death)
+        return t
+
+    def wait(self, timeout):
+        try:
+            return self.p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.p.pid, signal.SIGKILL)
+            self.p.wait()
+            return None
+        finally:
+            for t in self.threads:
+                t.join(2)
+
+    def log(self):
+        return "\n".join(f"{t:.3f} {k} {s}" for t, k, s in self.lines())
+
+
+def torchrun_cmd(torchrun, train_gpt, args, nproc, nnodes="1", rdzv=None, max_restarts=1, monitor=0.1,
+                 rdzv_conf=None):
+    """torchrun for train_gpt: --standalone, or the c10d rendezvous at `rdzv` (host:port) with
+    --nnodes `nnodes` and the rendezvous settings `rdzv_conf`."""
+    cmd = [torchrun]
+    if rdzv is None:
+        cmd += ["--standalone"]
+    else:
+        cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv, "--rdzv-id", "elastic-test", "--nnodes", nnodes]
+        if rdzv_conf:
+            cmd += ["--rdzv-conf", ",".join(f"{k}={v}" for k, v in rdzv_conf.items())]
+    return cmd + ["--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
+                  "--monitor-interval", str(monitor), "--no-python", train_gpt] + list(args)
+
+
+def agent_env():
+    # torch 2.11: a node joining a later rendezvous round waits for a MASTER_ADDR that the cached
+    # shared store never republishes (dynamic_rendezvous.next_rendezvous); one store per round avoids it.
+    return dict(os.environ, LOGLEVEL="INFO", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+
+
+def wait_for(pred, timeout, poll=0.01):
+    end = time.time() + timeout
+    while time.time() < end:
+        if pred():
+            return True
+        time.sleep(poll)
+    return False
+
+
+def first_after(events, t0, text):
+    return next((t for t, _, s in events if t >= t0 and text in s), None)
+
+
+def breakdown(agent, t_kill):
+    """Where the time from the kill to the first step completed after it went, from the agent that
+    restarted (its torchrun log and train_gpt's rows), in seconds:
+    detection      kill -> the agent sees a worker fail (its monitor, --monitor-interval)
+    stop           -> the agent has stopped the other workers and starts the rendezvous
+    rendezvous     -> the rendezvous completes (torchrun's first-round delay, last_call_timeout)
+    process_start  -> train_gpt's main() (the process started, the libraries loaded)
+    group          -> its process group (store, claims, Gloo)
+    load           -> ready to train: model built, checkpoint loaded
+    first_step     -> the first step after the restart done (steps redone come after it)
+    """
+    ev = agent.lines()
+    seen = [t for t in (first_after(ev, t_kill, w) for w in ("closing signal", "failed (exitcode", "FAILED"))
+            if t is not None]
+    failed = min(seen) if seen else None
+    rdzv_start = first_after(ev, t_kill, "Rendezvous'ing worker group")
+    rdzv_done = first_after(ev, rdzv_start or t_kill, "Rendezvous complete")
+    start = next((r for r in agent.rows() if r.get("start") and r["t_main"] >= t_kill), None)
+    if None in (failed, rdzv_start, rdzv_done, start):
+        return None
+    step = next((r for r in agent.rows() if "step" in r and r["_t"] > start["t_ready"]), None)
+    if step is None:
+        return None
+    marks = [("detection", failed), ("stop", rdzv_start), ("rendezvous", rdzv_done), ("process_start", start["t_main"]),
+             ("group", start["t_group"]), ("load", start["t_ready"]), ("first_step", step["_t"])]
+    out, prev = {}, t_kill
+    for name, t in marks:
+        out[name] = t - prev
+        prev = t
+    out["total"] = step["_t"] - t_kill
+    # Steps done before the kill and done again after it (from the last committed checkpoint), and
+    # when the run was back where it was.
+    before = [r["step"] for r in agent.rows() if "step" in r and r["_t"] <= t_kill]
+    last = max(before) if before else start["first_step"] - 1
+    out["steps_redone"] = max(0, last + 1 - start["first_step"])
+    back = next((r for r in agent.rows() if "step" in r and r["_t"] > t_kill and r["step"] == last), None)
+    out["caught_up"] = (back["_t"] - t_kill) if back and out["steps_redone"] > 0 else out["total"]
+    out["world_size_after"] = start["world_size"]
+    out["resumed_at_step"] = start["first_step"]
+    return out
+
+
+def fresh_dir(path):
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path)
+    return path
