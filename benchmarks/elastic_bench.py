@@ -30,6 +30,8 @@ def main():
     cmd = [sys.executable, os.path.join(here, "..", "tests", "check_elastic.py"), "--train-gpt", a.train_gpt,
            "--torchrun", a.torchrun, "--repeat", str(a.repeat), "--cases", a.cases, "--json-out", a.out + ".json"]
     p = subprocess.run(cmd, capture_output=True, text=True)
+    if not os.path.exists(a.out + ".json"):
+        sys.exit(f"FAILED: {' '.join(cmd)} exited {p.returncode} without results\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}")
     with open(a.out + ".json") as f:
         data = json.load(f)
     lines = [f"$ {' '.join(cmd)}", f"exit {p.returncode}", ""]

@@ -81,15 +81,20 @@ struct AsyncSaver::Impl {
     const std::string who = "fsdp::checkpoint::AsyncSaver::save (rank " + std::to_string(model.rank()) + " of " +
                             std::to_string(model.world_size()) + ", '" + root + "/" +
                             detail::checkpoint_name(save_options) + "')";
-    if (!options.wait_if_busy()) {
+    if (options.if_busy() != IfBusy::kWait) {
       // Every rank must make the same choice, or their saves would pair up wrongly: whether any
       // rank's previous save is still being written is agreed on the caller's thread, over the
       // model's group (where this call sits between steps, like a synchronous save).
       const bool busy = detail::Group::of(model).agree(
           "fsdp::checkpoint::AsyncSaver::save: is a save still being written", running());
+      if (busy && options.if_busy() == IfBusy::kSkip) {
+        out.skipped = true;
+        out.seconds = since(t0);
+        return out;
+      }
       FSDP_CHECK(!busy, who, ": ", started() ? what : std::string("the previous save"),
                  " is still being written on this rank or another, and this saver does not wait "
-                 "(AsyncSaveOptions::wait_if_busy(false)): nothing was started on any rank; call save() again "
+                 "(AsyncSaveOptions::if_busy(IfBusy::kThrow)): nothing was started on any rank; call save() again "
                  "later, or wait() first.");
     }
     if (started()) {

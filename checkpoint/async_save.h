@@ -26,17 +26,23 @@
 
 namespace fsdp::checkpoint {
 
+/// What AsyncSaver::save does while the previous save is still being written on any rank.
+enum class IfBusy {
+  kWait,  ///< wait for it to end, then start this one
+  kSkip,  ///< start nothing and return at once (AsyncSaveStarted::skipped): a save every step
+  kThrow  ///< start nothing and throw
+};
+
 struct AsyncSaveOptions {
-  /// What save() does while the previous save is still being written: wait for it to end (true),
-  /// or throw without starting (false), so that a loop can skip this save and go on training.
-  /// With false, the ranks agree (an all-reduce on the model's group, in save()) so that every
-  /// rank skips or none does.
-  TORCH_ARG(bool, wait_if_busy) = true;
+  /// With kSkip and kThrow the ranks agree (an all-reduce on the model's group, in save()), so
+  /// that every rank skips or none does.
+  TORCH_ARG(IfBusy, if_busy) = IfBusy::kWait;
 };
 
 /// What AsyncSaver::save did before returning.
 struct AsyncSaveStarted {
-  std::string path;            ///< the checkpoint's directory, once committed
+  bool skipped = false;        ///< IfBusy::kSkip: a save was being written; nothing was started
+  std::string path;            ///< the checkpoint's directory, once committed (empty when skipped)
   int64_t snapshot_bytes = 0;  ///< this rank's bytes copied into the snapshot
   double seconds = 0;          ///< the call's time on this rank: how long training was held
   double waited_seconds = 0;   ///< of which waiting for the previous save to end
@@ -73,7 +79,7 @@ class AsyncSaver {
   /// Whether a save was started and wait() has not seen it end (it may have ended already).
   bool in_flight() const;
   /// Whether this rank's background thread is still writing or committing. This rank's view only:
-  /// to skip a save while one is being written, use wait_if_busy(false), which the ranks agree on.
+  /// to skip a save while one is being written, use IfBusy::kSkip, which the ranks agree on.
   bool writing() const;
   /// Bytes of host memory the snapshot keeps between saves.
   int64_t snapshot_capacity() const;

@@ -44,7 +44,7 @@ struct SaveOptions {
   TORCH_ARG(uint64_t, block_bytes) = uint64_t{1} << 20;
   /// The user's own key/values, kept in the manifest.
   TORCH_ARG(Metadata, metadata);
-  /// The data sampler's state, `sampler.state()` (fsdp/data/distributed_sampler.h), kept in the
+  /// The data sampler's state, `sampler.state()` (data/distributed_sampler.h), kept in the
   /// manifest ("data") and restored by load with LoadOptions::sampler. A value taken at the call,
   /// so an asynchronous save keeps the state of the step it saves. Every rank passes its own
   /// sampler's; they must be equal (the save fails on every rank otherwise).

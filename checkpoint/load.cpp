@@ -260,7 +260,10 @@ LoadResult load_checkpoint(const std::string& path, FSDPModule& model, torch::op
   const int rank = model.rank(), W = model.world_size();
   const std::string where =
       "fsdp::checkpoint::load (rank " + std::to_string(rank) + " of " + std::to_string(W) + ") of '" + path + "'";
-  const std::string call = "fsdp::checkpoint::load of '" + path + "'";  // the same on every rank
+  // The same on every rank (the agreements compare it): a sampler restored on some ranks only is
+  // refused with the first agreement.
+  const std::string call = "fsdp::checkpoint::load of '" + path + "'" +
+                           (options.sampler() != nullptr ? " with a data sampler to restore" : "");
   // Every phase ends with every rank agreeing that it went well, so that a fault on one rank
   // leaves the model untouched on all: nothing is written before the last agreement.
   auto phase = [&](const char* what, const std::function<void()>& fn) {

@@ -31,7 +31,7 @@ struct BatchPlan {
 /// (the message lists the ones that work), max_rows < 1.
 BatchPlan plan_batch(int64_t global_batch, int ranks, int64_t max_rows);
 
-/// "global batch 256 = 4 ranks x 8 micro-batches x 8 rows".
+/// "global batch 256 = 4 rank(s) x 8 micro-batch(es) x 8 rows".
 std::string to_string(const BatchPlan& plan);
 
 }  // namespace fsdp::data

@@ -30,7 +30,7 @@ std::string divisible_sizes(int64_t global_batch, int ranks) {
   const int64_t below = global_batch / ranks * ranks, above = below + ranks;
   if (below > 0) o << below << ", ";
   o << above << "; rank counts that divide " << global_batch << ":";
-  // The divisors of the global batch up to 64 ranks, then "...": a list a reader can use.
+  // The first 16 divisors of the global batch, then "...": a list a reader can use.
   int listed = 0;
   for (int64_t d = 1; d <= global_batch && listed < 16; ++d) {
     if (global_batch % d == 0) {
@@ -42,13 +42,20 @@ std::string divisible_sizes(int64_t global_batch, int ranks) {
   return o.str();
 }
 
+const c10d::ProcessGroup& DistributedSampler::checked(const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+  FSDP_CHECK(group,
+             "fsdp::data::DistributedSampler: the data-parallel process group is null; pass the group from "
+             "fsdp::init_process_group() (or rank and ranks).");
+  return *group;
+}
+
 DistributedSampler::DistributedSampler(int64_t dataset_size, int rank, int ranks, SamplerOptions options)
     : options_(std::move(options)), rank_(rank), ranks_(ranks) {
   const int64_t g = options_.global_batch();
   FSDP_CHECK(ranks >= 1 && rank >= 0 && rank < ranks, "fsdp::data::DistributedSampler: rank ", rank, " of ", ranks,
              " data-parallel ranks; the rank must be in [0, ranks).");
-  FSDP_CHECK(dataset_size >= 0, "fsdp::data::DistributedSampler (rank ", rank, "): a dataset of ", dataset_size,
-             " samples.");
+  FSDP_CHECK(dataset_size > 0, "fsdp::data::DistributedSampler (rank ", rank, "): a dataset of ", dataset_size,
+             " samples: pass the dataset's size (dataset.size().value()), at least 1.");
   FSDP_CHECK(g >= 1, "fsdp::data::DistributedSampler (rank ", rank, "): global batch ", g, "; it must be >= 1.");
   FSDP_CHECK(g % ranks == 0, "fsdp::data::DistributedSampler (rank ", rank, "): the global batch of ", g,
              " samples cannot be split over ", ranks, " data-parallel ranks into equal shares (", g, " % ", ranks,
@@ -67,7 +74,7 @@ DistributedSampler::DistributedSampler(int64_t dataset_size, int rank, int ranks
 DistributedSampler::DistributedSampler(int64_t dataset_size,
                                        const c10::intrusive_ptr<c10d::ProcessGroup>& data_parallel_group,
                                        SamplerOptions options)
-    : DistributedSampler(dataset_size, data_parallel_group->getRank(), data_parallel_group->getSize(),
+    : DistributedSampler(dataset_size, checked(data_parallel_group).getRank(), checked(data_parallel_group).getSize(),
                          std::move(options)) {}
 
 int64_t DistributedSampler::batches_per_epoch() const {
@@ -117,43 +124,18 @@ void DistributedSampler::load_state(const SamplerState& saved) {
              ". Build the sampler with the saved run's shuffle option.");
   FSDP_CHECK(saved.epoch >= 0 && saved.position >= 0 && saved.position <= saved.dataset_size &&
                  saved.samples_consumed >= saved.position,
-             what, " (rank ", rank_, "): the state (", to_string(saved), ") is not one a sampler can be in.");
+             what, " (rank ", rank_, "): the state (", to_string(saved),
+             ") is not one a sampler can be in (epoch and position >= 0, position <= dataset size, samples consumed "
+             ">= position): pass a state from DistributedSampler::state() or a checkpoint.");
   state_ = saved;
-  current_.reset();
-  handed_ = 0;
 }
 
 void DistributedSampler::set_epoch(int64_t epoch) {
   FSDP_CHECK(epoch >= 0, "fsdp::data::DistributedSampler::set_epoch (rank ", rank_, "): epoch ", epoch,
              "; epochs count from 0.");
+  if (epoch == state_.epoch) return;
   state_.epoch = epoch;
   state_.position = 0;
-  current_.reset();
-  handed_ = 0;
-}
-
-void DistributedSampler::reset(std::optional<size_t> new_size) {
-  FSDP_CHECK(!new_size || static_cast<int64_t>(*new_size) == state_.dataset_size,
-             "fsdp::data::DistributedSampler::reset (rank ", rank_, "): a dataset of ", *new_size,
-             " samples, but the sampler was built for ", state_.dataset_size,
-             ": its order and state are for that size. Build a new sampler for the new dataset.");
-}
-
-std::optional<std::vector<size_t>> DistributedSampler::next(size_t batch_size) {
-  FSDP_CHECK(batch_size >= 1, "fsdp::data::DistributedSampler::next (rank ", rank_, "): batch size 0.");
-  if (!current_ || handed_ >= current_->indices.size()) {
-    // A share with no rows (a kept last batch with fewer rows than ranks) gives this rank nothing.
-    do {
-      current_ = next_share();
-      handed_ = 0;
-    } while (current_ && current_->indices.empty());
-    if (!current_) return std::nullopt;
-  }
-  const size_t n = std::min(batch_size, current_->indices.size() - handed_);
-  std::vector<size_t> out(n);
-  for (size_t i = 0; i < n; ++i) out[i] = static_cast<size_t>(current_->indices[handed_ + i]);
-  handed_ += n;
-  return out;
 }
 
 namespace {
@@ -180,20 +162,21 @@ void DistributedSampler::save(torch::serialize::OutputArchive& archive) const {
 }
 
 void DistributedSampler::load(torch::serialize::InputArchive& archive) {
+  // Each field an integer (a bool for shuffle), or the archive holds no sampler's state.
+  auto field = [&](const char* key) {
+    c10::IValue v;
+    FSDP_CHECK(archive.try_read(key, v) && (v.isInt() || v.isBool()), "fsdp::data::DistributedSampler::load (rank ",
+               rank_, "): the archive has no '", key,
+               "': it does not hold a sampler's state (DistributedSampler::save writes one).");
+    return v;
+  };
   SamplerState s;
-  c10::IValue v;
-  archive.read("seed", v);
-  s.seed = as_unsigned(v.toInt());
-  archive.read("shuffle", v);
-  s.shuffle = v.toBool();
-  archive.read("dataset_size", v);
-  s.dataset_size = v.toInt();
-  archive.read("epoch", v);
-  s.epoch = v.toInt();
-  archive.read("position", v);
-  s.position = v.toInt();
-  archive.read("samples_consumed", v);
-  s.samples_consumed = v.toInt();
+  s.seed = as_unsigned(field("seed").toInt());
+  s.shuffle = field("shuffle").toBool();
+  s.dataset_size = field("dataset_size").toInt();
+  s.epoch = field("epoch").toInt();
+  s.position = field("position").toInt();
+  s.samples_consumed = field("samples_consumed").toInt();
   load_state(s);
 }
 

@@ -7,7 +7,7 @@
 //   while (auto share = sampler.next_share()) {   // one epoch; nullopt at its end
 //     ... train on share->indices (this rank's rows of the global batch) ...
 //   }
-//   fsdp::checkpoint::save(dir, model, opt, fsdp::checkpoint::SaveOptions().sampler(&sampler));
+//   fsdp::checkpoint::save(dir, model, opt, fsdp::checkpoint::SaveOptions().sampler_state(sampler.state()));
 //   // later, on any number of ranks: load(dir, model, opt, LoadOptions().sampler(&sampler))
 //
 // Each epoch's order is fsdp::data::Permutation(size, seed, epoch): a function of (seed, epoch)
@@ -19,15 +19,12 @@
 // padded with repeated samples (PyTorch's DistributedSampler and LibTorch's repeat samples to
 // even the ranks): the last global batch of an epoch, when shorter, is dropped or kept uneven.
 //
-// Also a torch::data sampler, for torch::data::make_data_loader(dataset, sampler, options): its
-// next(batch_size) hands out this rank's share in pieces of batch_size rows, never across two
-// global batches (a step's micro-batches); begin() continues where the sampler is. LibTorch's
-// loader with workers > 0 draws up to max_jobs requests ahead, which the state would count as
-// consumed: use workers = 0 (the default), or this sampler's shares with a loader of your own.
+// With torch::data's loader: fsdp::data::LoaderSampler (data/loader_sampler.h) over this sampler.
 #pragma once
 
 #include <torch/arg.h>
-#include <torch/data/samplers/base.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <cstdint>
@@ -78,7 +75,7 @@ struct Share {
   int64_t max_rows = 0;     ///< the largest share of it: the rows every rank's step must be ready for
 };
 
-class DistributedSampler : public torch::data::samplers::Sampler<> {
+class DistributedSampler {
  public:
   /// `rank` of `ranks` data-parallel ranks (not the world: the tensor-parallel ranks of one
   /// data-parallel group read the same samples). Refused: a global batch the ranks cannot divide
@@ -99,7 +96,9 @@ class DistributedSampler : public torch::data::samplers::Sampler<> {
   /// Resumes at `state`, saved by a sampler over the same dataset with the same seed and shuffle, on
   /// any number of ranks; refused otherwise (the message says which differs and what to do).
   void load_state(const SamplerState& state);
-  /// Starts `epoch` from its beginning (PyTorch's set_epoch), keeping samples_consumed.
+  /// Starts `epoch` from its beginning (PyTorch's set_epoch), keeping samples_consumed; the current
+  /// epoch keeps its position, so that the PyTorch loop `for e: set_epoch(e); ...` does not redo
+  /// a resumed epoch from its start.
   void set_epoch(int64_t epoch);
 
   const SamplerOptions& options() const { return options_; }
@@ -107,25 +106,20 @@ class DistributedSampler : public torch::data::samplers::Sampler<> {
   int rank() const { return rank_; }
   int ranks() const { return ranks_; }
 
-  // torch::data::samplers::Sampler. reset() keeps the position (a size other than the dataset's is
-  // refused); next() gives at most batch_size rows of this rank's share of the current global
-  // batch, then of the next; nullopt at the end of the epoch. save()/load() carry state().
-  void reset(std::optional<size_t> new_size = std::nullopt) override;
-  std::optional<std::vector<size_t>> next(size_t batch_size) override;
-  void save(torch::serialize::OutputArchive& archive) const override;
-  void load(torch::serialize::InputArchive& archive) override;
+  /// state() into a torch::serialize archive, and back (load_state's checks).
+  void save(torch::serialize::OutputArchive& archive) const;
+  void load(torch::serialize::InputArchive& archive);
 
  private:
+  static const c10d::ProcessGroup& checked(const c10::intrusive_ptr<c10d::ProcessGroup>& group);
   SamplerOptions options_;
   int rank_, ranks_;
   SamplerState state_;
-  std::optional<Share> current_;  // next(): the share being handed out
-  size_t handed_ = 0;             // next(): its rows handed out
 };
 
-/// The data-parallel rank counts that divide `global_batch`, and the multiples of `ranks` near it,
-/// as a sentence for error messages: "global batches that 5 ranks divide: 10, 15; rank counts that
-/// divide 12: 1, 2, 3, 4, 6, 12".
+/// The data-parallel rank counts that divide `global_batch` (its first 16 divisors), and the
+/// multiples of `ranks` near it, as a sentence for error messages: "global batches that 5 rank(s)
+/// divide: 10, 15; rank counts that divide 12: 1, 2, 3, 4, 6, 12".
 std::string divisible_sizes(int64_t global_batch, int ranks);
 
 }  // namespace fsdp::data

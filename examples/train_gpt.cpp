@@ -309,7 +309,7 @@ int run(const Args& args) {
     std::cout << "train_gpt: " << world << " rank(s), " << n_params << " parameters, " << args.model.n_layer
               << (args.model.wrap == gpt::Wrap::kTorchtitan ? " blocks (units: wte, each block, ln_f+lm_head)"
                                                             : " blocks (units: each block)")
-              << ", " << fsdp::data::to_string(plan) << " of " << T << " tokens, " << samples << " windows per epoch"
+              << ", " << fsdp::data::to_string(plan) << " of " << T << " tokens (" << samples << " windows per epoch"
               << (args.no_sync ? ", no sync" : "") << "), " << (args.fused ? "fused " : "") << args.optimizer << " lr "
               << args.lr << (args.clip > 0 ? ", clip " + std::to_string(args.clip) : "") << ", prefetch "
               << args.prefetch << ", strategy " << fsdp::to_string(strategy)

@@ -7,9 +7,11 @@
 
 #include "checkpoint/async_save.h"
 #include "checkpoint/checkpoint.h"
+#include "checkpoint/commit.h"
 #include "checkpoint/consolidate.h"
 #include "data/batch_plan.h"
 #include "data/distributed_sampler.h"
+#include "data/loader_sampler.h"
 #include "data/permutation.h"
 #include "fsdp/error.h"
 #include "fsdp/fake_process_group.h"

@@ -78,7 +78,10 @@ def case_worker(a, d, reference, run=0):
         if not wait_for(lambda: ag.last_step() >= a.kill_step, a.timeout):
             raise Failed(f"case 1: step {a.kill_step} never logged:\n{ag.log()[-4000:]}")
         victim = run % 2  # rank 1, then rank 0 (which prints the rows and saves the manifest)
-        t_kill = ag.kill_worker(victim)
+        try:
+            t_kill = ag.kill_worker(victim)
+        except (KeyError, ProcessLookupError):
+            raise Failed(f"case 1 (run {run}): rank {victim}'s worker was gone before the kill (the run ended?)")
         rc = ag.wait(a.timeout)
         if rc != 0:
             raise Failed(f"case 1 (run {run}): torchrun exited {rc} after rank {victim} was killed:\n{ag.log()[-6000:]}")
@@ -113,13 +116,20 @@ def case_scale_down(a, d, reference):
         time.sleep(0.5)  # the host binds the rendezvous store first
         other = Agent("other", torchrun_cmd(a.torchrun, a.train_gpt, args, 1, "1:2", f"127.0.0.1:{port}", 1,
                                             rdzv_conf=dict(RDZV, is_host="false")), agent_env())
-        rank0 = host  # the rows come from rank 0's worker: find whose it is
-        if not wait_for(lambda: max(host.last_step(), other.last_step()) >= a.kill_step, a.timeout):
-            raise Failed(f"case 2: step {a.kill_step} never logged:\n{host.log()[-3000:]}\n{other.log()[-3000:]}")
-        rank0 = host if host.last_step() >= 0 else other
-        first_world = [r for r in rank0.rows() if r.get("start")][0]["world_size"]
-        if first_world != 2:
-            raise Failed(f"case 2: the job started at world size {first_world}, not 2")
+        # Both agents in the job (on a loaded machine the second may join a round later, through a
+        # membership change), then step K logged at world size 2. The rows come from rank 0's
+        # worker, on either agent.
+        def at_two():
+            for ag in (host, other):
+                starts = [r for r in ag.rows() if r.get("start")]
+                if starts and starts[-1]["world_size"] == 2 and ag.last_step() >= a.kill_step and \
+                        any("step" in r and r["_t"] > starts[-1]["t_ready"] for r in ag.rows()):
+                    return ag
+            return None
+        if not wait_for(lambda: at_two() is not None, a.timeout):
+            raise Failed(f"case 2: step {a.kill_step} never logged at world size 2:\n{host.log()[-3000:]}\n"
+                         f"{other.log()[-3000:]}")
+        rank0 = at_two()
         t_kill = other.kill()
         rc = host.wait(a.timeout)
         if rc != 0:
@@ -164,8 +174,11 @@ def case_scale_up(a, d, reference):
             raise Failed(f"case 3: no restart at world size 2 after the join: {after}\n{host.log()[-4000:]}")
         rows = sorted([r for r in host.rows() + other.rows() if "step" in r], key=lambda r: r["_t"])
         worst, twice = check_rows(rows, reference, a.up_steps, "case 3")
+        first_at_2 = next((r["_t"] for r in rows if r["_t"] > after[0]["t_ready"]), None)
+        if first_at_2 is None:
+            raise Failed(f"case 3: no step logged at world size 2:\n{host.log()[-4000:]}")
         return dict(case="scale-up", worst_rel=worst, steps_logged_twice=twice, restarts=restarts(host),
-                    join_to_first_step_at_2=next(r["_t"] for r in rows if r["_t"] > after[0]["t_ready"]) - t_join)
+                    join_to_first_step_at_2=first_at_2 - t_join)
     finally:
         for ag in (host, other):
             if ag is not None and ag.p.poll() is None:

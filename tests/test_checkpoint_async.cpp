@@ -135,9 +135,9 @@ TEST(CheckpointAsync, SnapshotMemoryIsReusedOverManySaves) {
       root.options);
 }
 
-// With wait_if_busy(false) and a save tried every step, each try is started on every rank or
-// refused on every rank (the ranks agree). Without the agreement this fails: the ranks start
-// different saves, which then pair up wrongly.
+// With IfBusy::kSkip and a save tried every step, each try is started on every rank or skipped
+// on every rank (the ranks agree); IfBusy::kThrow refuses the same way with an error. Without the
+// agreement this fails: the ranks start different saves, which then pair up wrongly.
 TEST(CheckpointAsync, SkippingABusySaveIsAgreedByEveryRank) {
   CheckpointRoot root;
   run_ranks(
@@ -147,7 +147,8 @@ TEST(CheckpointAsync, SkippingABusySaveIsAgreedByEveryRank) {
         auto model = fsdp::fully_shard(std::make_shared<WideImpl>(), r.pg, test_options());
         torch::optim::AdamW opt_(model.parameters(), torch::optim::AdamWOptions(1e-3));
         auto* opt = &opt_;
-        checkpoint::AsyncSaver saver(model, checkpoint::AsyncSaveOptions().wait_if_busy(false));
+        checkpoint::AsyncSaver saver(model, checkpoint::AsyncSaveOptions().if_busy(checkpoint::IfBusy::kSkip));
+        checkpoint::AsyncSaver thrower(model, checkpoint::AsyncSaveOptions().if_busy(checkpoint::IfBusy::kThrow));
         constexpr int kSteps = 30;
         at::Tensor started = torch::zeros({kSteps}, torch::kLong);
         for (int step = 0; step < kSteps; ++step) {
@@ -158,15 +159,22 @@ TEST(CheckpointAsync, SkippingABusySaveIsAgreedByEveryRank) {
           // The ranks reach save() at different times (one of them waits a little, alternately),
           // so that one rank's previous save has often ended while another's has not.
           if (step % 2 == r.rank) std::this_thread::sleep_for(std::chrono::milliseconds(60));
-          try {
-            saver.save(root_dir(), *opt, checkpoint::SaveOptions().step(step).keep_last(2));
-            started[step] = 1;
-          } catch (const c10::Error& e) {
-            const std::string msg = e.what_without_backtrace();
-            EXPECT_NE(msg.find("nothing was started on any rank"), std::string::npos) << msg;
+          if (step % 3 != 2) {
+            const auto s = saver.save(root_dir(), *opt, checkpoint::SaveOptions().step(step).keep_last(2));
+            started[step] = s.skipped ? 0 : 1;
+            EXPECT_EQ(s.path.empty(), s.skipped);
+          } else {
+            try {
+              thrower.save(root_dir() + "/other", *opt, checkpoint::SaveOptions().step(step).keep_last(2));
+              started[step] = 1;
+            } catch (const c10::Error& e) {
+              const std::string msg = e.what_without_backtrace();
+              EXPECT_NE(msg.find("nothing was started on any rank"), std::string::npos) << msg;
+            }
           }
         }
         saver.wait();
+        thrower.wait();
         at::Tensor sum = started.clone();
         all_reduce_sum(r, sum);
         EXPECT_TRUE(sum.eq(0).logical_or(sum.eq(r.world_size)).all().item<bool>())

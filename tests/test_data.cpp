@@ -5,6 +5,7 @@
 // loader, the constant global batch, and every refusal with its message.
 #include "data/batch_plan.h"
 #include "data/distributed_sampler.h"
+#include "data/loader_sampler.h"
 #include "data/permutation.h"
 #include "tests/temp_dir.h"
 
@@ -210,31 +211,70 @@ TEST(DistributedSampler, LastBatchUnevenHasEverySampleOnceAndNoRepeat) {
   }
 }
 
+// A dataset whose sample i is the tensor {i}.
+struct Indices : torch::data::datasets::Dataset<Indices, torch::data::TensorExample> {
+  torch::data::TensorExample get(size_t i) override { return {torch::tensor({static_cast<int64_t>(i)})}; }
+  std::optional<size_t> size() const override { return 40; }
+};
+
+// Through torch::data's loader (LoaderSampler): the caller's sampler advances; each pass is one
+// epoch of this rank's shares in micro-batches that never cross a global batch, with 0 or 2 worker
+// threads; the next pass continues with the next epoch.
 TEST(DistributedSampler, TorchDataLoaderTakesMicroBatchesOfTheShare) {
-  // A dataset whose sample i is the tensor {i}.
-  struct Indices : torch::data::datasets::Dataset<Indices, torch::data::TensorExample> {
-    torch::data::TensorExample get(size_t i) override { return {torch::tensor({static_cast<int64_t>(i)})}; }
-    std::optional<size_t> size() const override { return 40; }
-  };
   DistributedSampler reference(40, 1, 2, SamplerOptions(16).seed(9));
-  std::vector<int64_t> want;  // rank 1's shares of epochs 0 and 1: 2 global batches each
+  std::vector<int64_t> want;  // rank 1's shares of epochs 0, 1 and 2: 2 global batches each
   for (int i = 0; i < 3; ++i) {
     while (auto s = reference.next_share()) want.insert(want.end(), s->indices.begin(), s->indices.end());
   }
-  auto loader = torch::data::make_data_loader(
-      Indices().map(torch::data::transforms::Stack<torch::data::TensorExample>()),
-      DistributedSampler(40, 1, 2, SamplerOptions(16).seed(9)), torch::data::DataLoaderOptions().batch_size(3));
-  std::vector<int64_t> got;
-  std::vector<int64_t> sizes;
-  for (int epoch = 0; epoch < 3; ++epoch) {
-    for (auto& batch : *loader) {  // begin() continues where the sampler is: the next epoch
-      sizes.push_back(batch.data.size(0));
-      for (int64_t i = 0; i < batch.data.size(0); ++i) got.push_back(batch.data[i][0].item<int64_t>());
+  for (size_t workers : {0, 2}) {
+    DistributedSampler sampler(40, 1, 2, SamplerOptions(16).seed(9));
+    auto loader = torch::data::make_data_loader(
+        Indices().map(torch::data::transforms::Stack<torch::data::TensorExample>()), data::LoaderSampler(sampler),
+        torch::data::DataLoaderOptions().batch_size(4).workers(workers));
+    std::vector<int64_t> got;
+    for (int epoch = 0; epoch < 3; ++epoch) {
+      int64_t batches = 0;
+      for (auto& batch : *loader) {  // begin() continues where the sampler is: the next epoch
+        EXPECT_EQ(batch.data.size(0), 4);
+        ++batches;
+        for (int64_t i = 0; i < batch.data.size(0); ++i) got.push_back(batch.data[i][0].item<int64_t>());
+      }
+      EXPECT_EQ(batches, 4) << "one epoch per pass: 2 global batches x 2 micro-batches of 4, workers " << workers;
+      if (workers == 0) EXPECT_EQ(sampler.state().samples_consumed, 32 * (epoch + 1)) << "the caller's sampler";
+    }
+    if (workers == 0) {
+      EXPECT_EQ(got, want);
+    } else {  // the workers return batches in request order, each batch's rows in any order
+      std::multiset<int64_t> a(got.begin(), got.end()), b(want.begin(), want.end());
+      EXPECT_EQ(a, b);
     }
   }
-  EXPECT_EQ(got, want);
-  // Shares of 8 rows in micro-batches of 3: 3, 3, 2 per global batch, never across two.
-  EXPECT_EQ(sizes, (std::vector<int64_t>{3, 3, 2, 3, 3, 2, 3, 3, 2, 3, 3, 2, 3, 3, 2, 3, 3, 2}));
+  // A batch size that does not divide the share (8 rows), and an uneven last batch: refused.
+  DistributedSampler sampler(40, 1, 2, SamplerOptions(16).seed(9));
+  data::LoaderSampler ls(sampler);
+  auto msg = error_of([&] { ls.next(3); });
+  EXPECT_NE(msg.find("the loader's batch size 3 does not divide this rank's share of each global batch (8 rows of 16)"),
+            std::string::npos)
+      << msg;
+  DistributedSampler uneven(40, 1, 2, SamplerOptions(16).last_batch(LastBatch::kUneven));
+  msg = error_of([&] { data::LoaderSampler{uneven}; });
+  EXPECT_NE(msg.find("LastBatch::kUneven gives the ranks shares of different sizes"), std::string::npos) << msg;
+  msg = error_of([&] { ls.reset(99); });
+  EXPECT_NE(msg.find("a dataset of 99 samples, but the sampler was built for 40"), std::string::npos) << msg;
+}
+
+// PyTorch's loop calls set_epoch(e) every epoch: after a resume inside epoch e it keeps the position.
+TEST(DistributedSampler, SetEpochKeepsAResumedEpochsPosition) {
+  DistributedSampler a(100, 0, 2, SamplerOptions(10).seed(1));
+  for (int i = 0; i < 3; ++i) a.next_share();
+  DistributedSampler b(100, 1, 2, SamplerOptions(10).seed(1));
+  b.load_state(a.state());
+  b.set_epoch(0);
+  EXPECT_EQ(b.state().position, 30);
+  b.set_epoch(1);
+  EXPECT_EQ(b.state().position, 0);
+  EXPECT_EQ(b.state().epoch, 1);
+  EXPECT_EQ(b.state().samples_consumed, 30);
 }
 
 TEST(DistributedSampler, StateThroughTorchArchives) {
@@ -282,8 +322,8 @@ TEST(DistributedSampler, Refusals) {
   DistributedSampler in_order(100, 0, 2, SamplerOptions(10).seed(4).shuffle(false));
   msg = error_of([&] { in_order.load_state(s); });
   EXPECT_NE(msg.find("saved with shuffle on, this sampler has it off"), std::string::npos) << msg;
-  msg = error_of([&] { saved.reset(99); });
-  EXPECT_NE(msg.find("a dataset of 99 samples, but the sampler was built for 100"), std::string::npos) << msg;
+  msg = error_of([] { DistributedSampler(10, c10::intrusive_ptr<c10d::ProcessGroup>(), SamplerOptions(2)); });
+  EXPECT_NE(msg.find("the data-parallel process group is null"), std::string::npos) << msg;
 }
 
 TEST(BatchPlan, ConstantGlobalBatch) {

@@ -67,7 +67,7 @@ std::string assemble_manifest(const ManifestHeader& header, ordered_json model_t
     FSDP_CHECK(data == header.data, "the data sampler's state differs between ranks: rank 0 saves ",
                header.data.is_null() ? std::string("none") : header.data.dump(), ", rank ", r, " has ",
                data.is_null() ? std::string("none") : data.dump(),
-               ". Pass SaveOptions::sampler on every rank, each sampler having taken the same global batches.");
+               ". Pass SaveOptions::sampler_state on every rank, each sampler having taken the same global batches.");
     files.push_back({{"name", part["file"]}, {"rank", r}, {"bytes", part["bytes"]}});
     for (auto& [key, t] : part["tensors"].items()) {  // optimizer and generator states, as written
       if (index.count(key) != 0) continue;

@@ -220,9 +220,11 @@ Rendezvous rendezvous(const LaunchEnv& env, const InitOptions& options, millisec
   const auto deadline = start + timeout;
   const std::string at = endpoint(env, options.init_method());
   const bool tcp = options.init_method().rfind("file://", 0) != 0 && env.world_size > 1;
-  // torchrun's restarts may reuse its store: each restart claims ranks afresh.
+  // torchrun's restarts may reuse its store: each restart claims ranks afresh. A membership change
+  // restarts the workers without counting a restart: the world size tells those apart.
   const char* restart = getenv_or_null("TORCHELASTIC_RESTART_COUNT");
-  const std::string prefix = std::string("fsdp/") + (restart != nullptr ? restart : "0") + "/";
+  const std::string prefix =
+      std::string("fsdp/") + (restart != nullptr ? restart : "0") + "." + std::to_string(env.world_size) + "/";
 
   if (env.world_size == 1 && options.init_method().rfind("file://", 0) != 0) {
     // One process: an in-memory store and a loopback Gloo device, nothing that can block.

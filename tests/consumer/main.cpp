@@ -24,6 +24,14 @@ int main() {
     std::cerr << "consumer: unexpected update " << moved << "\n";
     return 1;
   }
+  // fsdp::data links from the installed package: the order of 10 samples, seed 0, epoch 0
+  // (docs/data.md's reference values), taken as one global batch of 10.
+  fsdp::data::DistributedSampler sampler(10, pg, fsdp::data::SamplerOptions(10));
+  const auto share = sampler.next_share();
+  if (!share || share->indices.front() != 7 || fsdp::data::plan_batch(10, 1, 5).accumulation != 2) {
+    std::cerr << "consumer: fsdp::data gave another order or plan\n";
+    return 1;
+  }
   std::cout << "consumer: ok\n";
   return 0;
 }
