@@ -12,9 +12,7 @@
 // Exit status: 0 trained; 2 a bad flag or --data file (nothing trained); 1 anything else, such as
 // a loss or gradient norm that is no longer finite, or an error from the library (a collective
 // timed out, a peer died), printed as "train_gpt (rank R): <message>".
-#include "checkpoint/checkpoint.h"
-#include "checkpoint/commit.h"
-#include "checkpoint/manifest.h"
+#include "examples/checkpoints.h"
 #include "examples/cli.h"
 #include "examples/corpus.h"
 #include "examples/gpt.h"
@@ -54,14 +52,16 @@ struct Args : cli::RunFlags {
   std::string data = FSDP_EXAMPLE_CORPUS;
   double max_data_mb = 64;  // bound on the corpus read (each byte becomes an 8-byte token)
   bool json = false;
-  int64_t grad_accum = 0;  // micro-batches per step (0: from --max-rows)
-  int64_t max_rows = 0;    // the most rows one rank runs at once (0: its whole share)
-  bool no_sync = false;    // communicate only in the last micro-batch
-  double clip = 0;         // max global gradient norm (0: no clipping)
-  bool fused = false;      // fsdp::optim::FusedAdamW instead of torch::optim::AdamW
-  std::string save_dir;    // sharded checkpoints (fsdp::checkpoint) go here
-  int64_t save_every = 0;  // steps between checkpoints (0: none)
-  bool resume = false;     // from save_dir's latest checkpoint, when there is one
+  int64_t grad_accum = 0;   // micro-batches per step (0: from --max-rows)
+  int64_t max_rows = 0;     // the most rows one rank runs at once (0: its whole share)
+  bool no_sync = false;     // communicate only in the last micro-batch
+  double clip = 0;          // max global gradient norm (0: no clipping)
+  bool fused = false;       // fsdp::optim::FusedAdamW instead of torch::optim::AdamW
+  std::string save_dir;     // sharded checkpoints (fsdp::checkpoint) go here
+  int64_t save_every = 0;   // steps between checkpoints (0: none)
+  bool resume = false;      // from save_dir's latest checkpoint, when there is one
+  bool async_save = false;  // save in the background (fsdp::checkpoint::AsyncSaver), skipping a busy save
+  int64_t keep_last = 0;    // checkpoints kept (0: all)
   bool help = false;
 };
 
@@ -72,7 +72,8 @@ const char* const kUsage =
     "                 [--grad-accum M | --max-rows R]\n"
     "                 [--no-sync] [--clip MAX_NORM] [--fused] [--json] [--timeout SECONDS]\n"
     "                 [--strategy full|grad-op|optimizer|replicate|hybrid] [--shard-group-size S]\n"
-    "                 [--bucket-mb MB] [--build-sharded] [--save-dir DIR [--save-every K] [--resume]]\n"
+    "                 [--bucket-mb MB] [--build-sharded] [--save-dir DIR [--save-every K] [--resume]\n"
+    "                 [--async-save] [--keep-last N]]\n"
     "                 [--mixed-precision bf16|fp16] [--activation-checkpointing [K]] [--wrap torchtitan|blocks]\n"
     "  --strategy: full sharding (ZeRO-3), SHARD_GRAD_OP (ZeRO-2), optimizer state only (ZeRO-1),\n"
     "  replicated (DDP), or hybrid: full sharding inside groups of S consecutive ranks (default N/2).\n"
@@ -93,6 +94,8 @@ const char* const kUsage =
     "  sampler's state) under DIR after every K steps, every rank writing its part; --resume: continue from\n"
     "  DIR's latest checkpoint, on any number of ranks and strategy, taking its step, seed and data\n"
     "  position whatever the flags say (none there: start at step 0). --steps is the last step + 1.\n"
+    "  --async-save: save in the background while training goes on; a save due while the previous one is\n"
+    "  still being written is skipped on every rank (counted in the summary). --keep-last N: keep N checkpoints.\n"
     "  Exit status: 0 trained, 2 bad flags or --data, 1 other errors (a non-finite loss or gradient norm).\n";
 
 /// "train_gpt (rank R)" for messages; the rank from the launcher's RANK until the group exists.
@@ -122,8 +125,12 @@ Args parse(int argc, char** argv) {
       a.help = true;
       continue;
     }
-    if (k == "--json" || k == "--no-sync" || k == "--fused" || k == "--resume") {
-      (k == "--json" ? a.json : k == "--no-sync" ? a.no_sync : k == "--fused" ? a.fused : a.resume) = true;
+    if (k == "--json" || k == "--no-sync" || k == "--fused" || k == "--resume" || k == "--async-save") {
+      (k == "--json"      ? a.json
+       : k == "--no-sync" ? a.no_sync
+       : k == "--fused"   ? a.fused
+       : k == "--resume"  ? a.resume
+                          : a.async_save) = true;
       continue;
     }
     // The value of a flag; never the next flag (a negative number has one dash).
@@ -153,6 +160,8 @@ Args parse(int argc, char** argv) {
       a.save_dir = value();
     else if (k == "--save-every")
       a.save_every = cli::parse_int(k, value(), 1);
+    else if (k == "--keep-last")
+      a.keep_last = cli::parse_int(k, value(), 1, 1 << 20);
     else
       usage_error("unknown flag '" + k + "'");
   }
@@ -167,6 +176,9 @@ Args parse(int argc, char** argv) {
   if (a.fused && a.optimizer != "adamw") usage_error("--fused is an AdamW; it cannot be used with --optimizer sgd");
   if (a.save_dir.empty() && (a.save_every > 0 || a.resume)) {
     usage_error(std::string(a.resume ? "--resume" : "--save-every") + " needs --save-dir DIR");
+  }
+  if ((a.async_save || a.keep_last > 0) && a.save_every == 0) {
+    usage_error(std::string(a.async_save ? "--async-save" : "--keep-last") + " needs --save-every K");
   }
   if (!a.save_dir.empty() && a.save_every == 0 && !a.resume) {
     usage_error("--save-dir alone saves nothing: add --save-every K (a checkpoint every K steps), or --resume");
@@ -262,18 +274,10 @@ int run(const Args& args) {
   // optimizer and the generators from it. Its seed is read first: the sampler is built with it.
   int64_t first_step = 0;
   uint64_t seed = args.seed;
-  const std::string resume_from = args.resume ? fsdp::checkpoint::latest_checkpoint(args.save_dir) : "";
+  examples::Checkpoints checkpoints(args.save_dir, args.save_every, args.async_save, static_cast<int>(args.keep_last));
+  const std::string resume_from = args.resume ? checkpoints.latest(seed) : "";
   if (args.resume && resume_from.empty() && rank == 0) {
     std::cerr << who() << ": no checkpoint under '" << args.save_dir << "'; starting at step 0\n";
-  }
-  if (!resume_from.empty()) {
-    const auto saved = fsdp::checkpoint::read_manifest(resume_from).data;
-    if (!saved) {
-      throw std::runtime_error("checkpoint '" + resume_from +
-                               "' holds no data sampler state: it was not saved by this train_gpt. Pass another "
-                               "--save-dir.");
-    }
-    seed = saved->seed;
   }
   // The order of the corpus's windows, the same on any number of ranks; each step takes the next
   // global batch of it, this rank its share.
@@ -403,21 +407,12 @@ int run(const Args& args) {
           << "), check --data, or clip with --clip MAX_NORM.";
       throw std::runtime_error(msg.str());
     }
-    if (args.save_every > 0 && (step + 1) % args.save_every == 0) {
-      // Named by the next step to run: a resume starts there.
-      const auto res = fsdp::checkpoint::save(args.save_dir, model, *opt,
-                                              fsdp::checkpoint::SaveOptions()
-                                                  .step(step + 1)
-                                                  .sampler_state(sampler.state())
-                                                  .metadata({{"seed", std::to_string(seed)},
-                                                             {"global_batch", std::to_string(args.batch_size)},
-                                                             {"example", "train_gpt"}}));
-      if (rank == 0) {
-        std::cerr << who() << ": saved '" << res.path << "' (" << mib(res.bytes_total) << " in " << res.seconds
-                  << " s)\n";
-      }
-    }
+    const std::string saved = checkpoints.after_step(
+        step, model, *opt, sampler,
+        {{"seed", std::to_string(seed)}, {"global_batch", std::to_string(args.batch_size)}, {"example", "train_gpt"}});
+    if (rank == 0 && !saved.empty()) std::cerr << who() << ": " << saved << "\n";
   }
+  checkpoints.finish();
 
   // Per-rank memory of the last step, gathered on rank 0.
   auto per_rank = torch::zeros({world, 2}, torch::kLong);
@@ -443,10 +438,14 @@ int run(const Args& args) {
     std::printf(
         "{\"summary\": true, \"world_size\": %d, \"params\": %lld, \"strategy\": \"%s\", \"shard_group_size\": %d, "
         "\"per_rank_peak_bytes\": [%s], \"per_rank_state_bytes\": [%s], \"per_rank_mean_step_ms\": [%s], "
-        "\"formula_state_bytes\": %s, \"formula_text\": %s}\n",
+        "\"formula_state_bytes\": %s, \"formula_text\": %s, \"saves_started\": %lld, \"saves_skipped\": %lld, "
+        "\"steps_lost_max\": %lld, \"steps_lost_mean\": %s, \"save_held_s\": %s}\n",
         world, static_cast<long long>(n_params), fsdp::to_string(strategy), group, peaks.c_str(), states.c_str(),
         times.c_str(), cli::json_number(fsdp::state_bytes_at_step(strategy, in), "%.1f").c_str(),
-        cli::json_string(fsdp::traits(strategy).formula_at_step).c_str());
+        cli::json_string(fsdp::traits(strategy).formula_at_step).c_str(), static_cast<long long>(checkpoints.started()),
+        static_cast<long long>(checkpoints.skipped()), static_cast<long long>(checkpoints.lost_max()),
+        cli::json_number(checkpoints.lost_mean(), "%.3f").c_str(),
+        cli::json_number(checkpoints.held_seconds(), "%.4f").c_str());
   } else if (rank == 0) {
     std::printf("per-rank memory (last step): counting CPU allocator peak, model state at the optimizer step\n");
     for (int r = 0; r < world; ++r) {

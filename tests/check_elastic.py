@@ -2,7 +2,8 @@
 """Elastic runs of train_gpt under torchrun's own agent, with the library's checkpoints and sampler.
 
 1. worker: one torchrun (2 workers, --max-restarts 1); a worker SIGKILLed after step K. One
-   restart must be enough: the job ends with exit 0 after exactly one restart.
+   restart must be enough: the job ends with exit 0 after exactly one restart. worker-async: the
+   same with a save every step in the background (--async-save): at most 2 steps redone.
 2. scale-down: two agents (--nnodes 1:2, c10d rendezvous, one worker each); the agent not hosting
    the rendezvous SIGKILLed after step K (its worker dies with it). The survivor's worker must exit
    promptly (its peer is gone), and the survivor continue alone at world size 1.
@@ -70,9 +71,11 @@ def reference_rows(a, d, ranks, steps):
     return [r for r in ag.rows() if "step" in r]
 
 
-def case_worker(a, d, reference, run=0):
-    ck = os.path.join(d, f"worker-{run}")
-    args = MODEL + ["--steps", str(a.steps), "--save-dir", ck, "--save-every", str(a.save_every), "--resume"]
+def case_worker(a, d, reference, run=0, every_step=False):
+    ck = os.path.join(d, f"worker-{run}{'-async' if every_step else ''}")
+    saving = ["--save-every", "1", "--async-save", "--keep-last", "2"] if every_step else \
+        ["--save-every", str(a.save_every)]
+    args = MODEL + ["--steps", str(a.steps), "--save-dir", ck, "--resume"] + saving
     ag = Agent("agent", torchrun_cmd(a.torchrun, a.train_gpt, args, 2, max_restarts=1), agent_env())
     try:
         if not wait_for(lambda: ag.last_step() >= a.kill_step, a.timeout):
@@ -92,7 +95,10 @@ def case_worker(a, d, reference, run=0):
         b = breakdown(ag, t_kill)
         if b is None:
             raise Failed(f"case 1 (run {run}): no recovery time line in the log:\n{ag.log()[-6000:]}")
-        b.update(case="worker", run=run, killed_rank=victim, restarts=n, worst_rel=worst, steps_logged_twice=twice)
+        if every_step and b["steps_redone"] > 2:
+            raise Failed(f"case 1 with a save every step: {b['steps_redone']} steps redone, more than 2")
+        b.update(case="worker-async" if every_step else "worker", run=run, killed_rank=victim, restarts=n,
+                 worst_rel=worst, steps_logged_twice=twice)
         return b
     finally:
         if ag.p.poll() is None:
@@ -189,7 +195,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--train-gpt", required=True)
     ap.add_argument("--torchrun", required=True)
-    ap.add_argument("--cases", default="worker,scale-down,scale-up")
+    ap.add_argument("--cases", default="worker,worker-async,scale-down,scale-up")
     ap.add_argument("--repeat", type=int, default=1, help="runs of case 1")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--up-steps", type=int, default=1000, help="case 3's steps")
@@ -211,6 +217,8 @@ def main():
                 try:
                     if case == "worker":
                         r = case_worker(a, d, ref2, run)
+                    elif case == "worker-async":
+                        r = case_worker(a, d, ref2, 1, every_step=True)
                     elif case == "scale-down":
                         r = case_scale_down(a, d, ref2)
                     else:

@@ -73,6 +73,10 @@ BAD_FLAGS = [
     (["--no-such-flag", "1"], "--no-such-flag"),
     (["--data", "--json"], "--data"),  # the value is missing: the next word is a flag
     (["--lr"], "--lr"),  # the value is missing: nothing follows
+    (["--max-rows", "0"], "--max-rows"),
+    (["--max-rows", "2", "--grad-accum", "2"], "--max-rows"),
+    (["--async-save", "--save-dir", "/tmp/fsdp-unused-save-dir", "--resume"], "--async-save"),
+    (["--keep-last", "0", "--save-dir", "/tmp/fsdp-unused-save-dir", "--save-every", "1"], "--keep-last"),
 ]
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "FSDP_TIMEOUT", "FSDP_JOB_ID")

@@ -1,0 +1,114 @@
+// train_gpt's checkpoints: the resume at start-up (the latest checkpoint, its seed first, then the
+// model, the optimizer, the generators and the sampler), and the saves every --save-every steps,
+// synchronous, or with --async-save in the background (fsdp::checkpoint::AsyncSaver), where a save
+// that finds the previous one still being written is skipped on every rank and counted. After each
+// step it also counts the steps a failure would lose: those since the latest committed checkpoint.
+#pragma once
+
+#include "checkpoint/async_save.h"
+#include "checkpoint/checkpoint.h"
+#include "checkpoint/commit.h"
+#include "checkpoint/manifest.h"
+#include "data/distributed_sampler.h"
+
+#include <torch/optim/optimizer.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+
+namespace examples {
+
+class Checkpoints {
+ public:
+  /// `every` 0: no saves. `keep_last` 0: keep all.
+  Checkpoints(std::string dir, int64_t every, bool async, int keep_last)
+      : dir_(std::move(dir)), every_(every), async_(async), keep_last_(keep_last) {}
+
+  /// The latest checkpoint under the directory ("" when there is none) and the seed its sampler
+  /// was built with (a checkpoint without a sampler state is refused: not this program's).
+  std::string latest(uint64_t& seed) const {
+    const std::string path = fsdp::checkpoint::latest_checkpoint(dir_);
+    if (path.empty()) return path;
+    const auto saved = fsdp::checkpoint::read_manifest(path).data;
+    if (!saved) {
+      throw std::runtime_error("checkpoint '" + path +
+                               "' holds no data sampler state: it was not saved by this train_gpt. Pass another "
+                               "--save-dir.");
+    }
+    seed = saved->seed;
+    return path;
+  }
+
+  /// After step `step` (0-based): saves when it is due, named by the next step to run (a resume
+  /// starts there), and says what it did ("" when nothing was due); then counts the steps since
+  /// the latest committed checkpoint.
+  std::string after_step(int64_t step, const fsdp::FSDPModule& model, const torch::optim::Optimizer& opt,
+                         const fsdp::data::DistributedSampler& sampler, const fsdp::checkpoint::Metadata& metadata) {
+    std::string did;
+    if (every_ > 0 && (step + 1) % every_ == 0) {
+      const auto options = fsdp::checkpoint::SaveOptions()
+                               .step(step + 1)
+                               .sampler_state(sampler.state())
+                               .keep_last(keep_last_)
+                               .metadata(metadata);
+      if (async_) {
+        if (!saver_) {
+          saver_ = std::make_unique<fsdp::checkpoint::AsyncSaver>(
+              model, fsdp::checkpoint::AsyncSaveOptions().if_busy(fsdp::checkpoint::IfBusy::kSkip));
+        }
+        const auto started = saver_->save(dir_, opt, options);
+        (started.skipped ? skipped_ : started_) += 1;
+        held_seconds_ += started.seconds;
+        did = started.skipped ? "skipped the save of step " + std::to_string(step + 1) +
+                                    " (the previous one is still being written)"
+                              : "saving '" + started.path + "' in the background";
+      } else {
+        const auto res = fsdp::checkpoint::save(dir_, model, opt, options);
+        started_ += 1;
+        held_seconds_ += res.seconds;
+        did = "saved '" + res.path + "' (" + std::to_string(res.bytes_total) + " bytes in " +
+              std::to_string(res.seconds) + " s)";
+      }
+    }
+    if (every_ > 0) {
+      const int64_t lost = step + 1 - committed_step();
+      lost_max_ = std::max(lost_max_, lost);
+      lost_sum_ += lost;
+      steps_ += 1;
+    }
+    return did;
+  }
+
+  /// Waits for a save in flight (its error thrown).
+  void finish() {
+    if (saver_) saver_->wait();
+  }
+
+  int64_t started() const { return started_; }
+  int64_t skipped() const { return skipped_; }
+  int64_t lost_max() const { return lost_max_; }
+  double lost_mean() const { return steps_ > 0 ? static_cast<double>(lost_sum_) / static_cast<double>(steps_) : 0; }
+  /// Seconds the training loop was held by saves (the copy into the snapshot, for --async-save).
+  double held_seconds() const { return held_seconds_; }
+
+ private:
+  /// The step the latest committed checkpoint resumes at (0: none): its name's number.
+  int64_t committed_step() const {
+    const std::string path = fsdp::checkpoint::latest_checkpoint(dir_);
+    const size_t dash = path.rfind("step-");
+    return dash == std::string::npos ? 0 : std::stoll(path.substr(dash + 5));
+  }
+
+  std::string dir_;
+  int64_t every_;
+  bool async_;
+  int keep_last_;
+  std::unique_ptr<fsdp::checkpoint::AsyncSaver> saver_;
+  int64_t started_ = 0, skipped_ = 0, lost_max_ = 0, lost_sum_ = 0, steps_ = 0;
+  double held_seconds_ = 0;
+};
+
+}  // namespace examples
