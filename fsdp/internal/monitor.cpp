@@ -5,7 +5,11 @@
 
 #include <c10/util/Exception.h>
 
+#include <signal.h>
 #include <unistd.h>
+
+#include <cerrno>
+#include <fstream>
 
 #include <algorithm>
 #include <atomic>
@@ -16,6 +20,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -95,10 +100,18 @@ std::string key_of(const std::string& prefix, int rank) {
   return prefix + "heartbeat/" + std::to_string(rank);
 }
 
-// "seq|unix_ms|host:pid|activity_since|activity|exited|failure"
-std::string encode(int64_t seq, const std::string& who, const Beat& b) {
+// This process's pid namespace ("pid:[4026531836]"), or "": a peer's pid names a process here only
+// when the peer's host and pid namespace are this process's.
+std::string pid_namespace() {
+  char buf[128];
+  const ssize_t n = ::readlink("/proc/self/ns/pid", buf, sizeof(buf) - 1);
+  return n > 0 ? std::string(buf, static_cast<size_t>(n)) : std::string();
+}
+
+// "seq|unix_ms|host:pid|pid namespace|activity_since|activity|exited|failure"
+std::string encode(int64_t seq, const std::string& who, const std::string& ns, const Beat& b) {
   std::ostringstream os;
-  os << seq << '|' << unix_ms() << '|' << who << '|' << b.activity_since << '|' << b.activity << '|'
+  os << seq << '|' << unix_ms() << '|' << who << '|' << ns << '|' << b.activity_since << '|' << b.activity << '|'
      << (b.exiting ? 1 : 0) << '|' << b.failure;
   return os.str();
 }
@@ -106,16 +119,37 @@ std::string encode(int64_t seq, const std::string& who, const Beat& b) {
 struct PeerBeat {
   int64_t seq = -1;
   int64_t at_ms = 0;
-  std::string who, activity, failure;
+  std::string who, ns, activity, failure;
   int64_t activity_since = 0;
   bool exited = false;
 };
+
+// Whether the peer's process is gone from this host: the same host and pid namespace, and its pid
+// no longer a live process (none, or a zombie not yet reaped). A peer killed a moment ago is named
+// at once this way, without waiting for its heartbeat to go stale.
+bool gone_here(const PeerBeat& b, const std::string& host, const std::string& ns) {
+  if (b.exited || ns.empty() || b.ns != ns) return false;
+  const size_t colon = b.who.rfind(':');
+  if (colon == std::string::npos || b.who.substr(0, colon) != host) return false;
+  int pid = 0;
+  try {
+    pid = std::stoi(b.who.substr(colon + 1));
+  } catch (const std::exception&) {
+    return false;
+  }
+  if (pid <= 1) return false;
+  if (::kill(pid, 0) != 0) return errno == ESRCH;
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  const size_t close = text.rfind(')');
+  return close != std::string::npos && close + 2 < text.size() && (text[close + 2] == 'Z' || text[close + 2] == 'X');
+}
 
 bool decode(const std::vector<uint8_t>& v, PeerBeat& out) {
   std::string s(v.begin(), v.end());
   std::vector<std::string> f;
   size_t start = 0;
-  for (int i = 0; i < 6; ++i) {
+  for (int i = 0; i < 7; ++i) {
     const size_t bar = s.find('|', start);
     if (bar == std::string::npos) return false;
     f.push_back(s.substr(start, bar - start));
@@ -126,10 +160,11 @@ bool decode(const std::vector<uint8_t>& v, PeerBeat& out) {
     out.seq = std::stoll(f[0]);
     out.at_ms = std::stoll(f[1]);
     out.who = f[2];
-    out.activity_since = std::stoll(f[3]);
-    out.activity = f[4];
-    out.exited = f[5] == "1";
-    out.failure = f[6];
+    out.ns = f[3];
+    out.activity_since = std::stoll(f[4]);
+    out.activity = f[5];
+    out.exited = f[6] == "1";
+    out.failure = f[7];
   } catch (const std::exception&) {
     return false;
   }
@@ -185,15 +220,15 @@ void start_heartbeat(const c10::intrusive_ptr<c10d::Store>& store, const std::st
   static std::once_flag at_exit;
   std::call_once(at_exit, [] { std::atexit(stop_at_exit); });
   const std::string key = key_of(prefix, rank);
-  const std::string who = host_and_pid();
-  std::thread([beat, conn = store, key, who]() mutable {
+  const std::string who = host_and_pid(), ns = pid_namespace();
+  std::thread([beat, conn = store, key, who, ns]() mutable {
     int64_t seq = 0;
     int failed = 0;
     std::unique_lock<std::mutex> l(beat->mu);
     while (failed < kMaxFailedBeats) {
       const bool last = beat->stop;
       if (last && !beat->exiting) break;  // replaced by a newer process group's heartbeat
-      const std::string value = encode(seq++, who, *beat);
+      const std::string value = encode(seq++, who, ns, *beat);
       l.unlock();
       try {
         conn->set(key, std::vector<uint8_t>(value.begin(), value.end()));
@@ -283,9 +318,13 @@ PeerDiagnosis diagnose_unbounded(const std::vector<int>& global_ranks, int self)
   }
   int64_t now = unix_ms();
   std::vector<int> stale;
+  std::set<int> gone;  // processes of this host that no longer exist
+  const std::string self_who = host_and_pid(), host = self_who.substr(0, self_who.rfind(':')), ns = pid_namespace();
   for (int r : peers) {
     auto it = first.find(r);
-    if (it != first.end() && (it->second.exited || now - it->second.at_ms > kStale.count())) stale.push_back(r);
+    if (it == first.end()) continue;
+    if (gone_here(it->second, host, ns)) gone.insert(r);
+    if (it->second.exited || now - it->second.at_ms > kStale.count() || gone.count(r)) stale.push_back(r);
   }
   if (stale.empty()) {
     // A peer killed a moment ago still has a fresh heartbeat: look again after two periods, and
@@ -321,6 +360,9 @@ PeerDiagnosis diagnose_unbounded(const std::vector<int>& global_ranks, int self)
         os << " failed too, in " << b.failure << (b.exited ? ", and exited." : ", and stopped answering.");
       } else if (b.exited) {
         os << " has exited: " << doing(b, 0) << ".";
+      } else if (gone.count(stale[i]) != 0) {
+        os << " stopped answering: its process no longer exists on this host (it was killed or crashed), when "
+           << doing(b, 0) << ".";
       } else {
         os << " stopped answering: its last heartbeat is " << seconds(now - b.at_ms) << " old, when " << doing(b, 0)
            << " (it was killed or stopped, or its host or link is down).";
