@@ -253,6 +253,16 @@ std::string apply_rng(const RngPlan& plan, int rank) {
   return "restored";
 }
 
+// Checks that `sampler` (when given) can resume at the checkpoint's state, leaving it unchanged.
+void check_sampler(const Manifest& m, const data::DistributedSampler* sampler) {
+  if (sampler == nullptr) return;
+  FSDP_CHECK(m.data.has_value(), "checkpoint '", m.dir,
+             "' holds no data sampler state (it was saved without SaveOptions::sampler_state), but "
+             "LoadOptions::sampler asks to restore one: save with the sampler's state, or load without it.");
+  data::DistributedSampler trial = *sampler;  // load_state's checks, on a copy
+  trial.load_state(*m.data);
+}
+
 LoadResult load_checkpoint(const std::string& path, FSDPModule& model, torch::optim::Optimizer* opt,
                            const LoadOptions& options,
                            const std::function<std::string(const std::string&)>* hf_names = nullptr) {
@@ -306,13 +316,7 @@ LoadResult load_checkpoint(const std::string& path, FSDPModule& model, torch::op
     for (auto& t : match(m, more, /*strict=*/false, "")) targets.push_back(std::move(t));
     reader = std::make_unique<detail::ShardReader>(m, std::move(targets));
     reader->open_files();
-    if (options.sampler() != nullptr) {
-      FSDP_CHECK(m.data.has_value(), "checkpoint '", m.dir,
-                 "' holds no data sampler state (it was saved without SaveOptions::sampler_state), but "
-                 "LoadOptions::sampler asks to restore one: save with the sampler's state, or load without it.");
-      data::DistributedSampler trial = *options.sampler();  // its checks, with the sampler unchanged
-      trial.load_state(*m.data);
-    }
+    check_sampler(m, options.sampler());
   });
   phase("reading and verifying this rank's rows", [&] { reader->read(options.io_threads()); });
   // Every rank has its bytes, verified: now the model (and the optimizer) change.
@@ -374,13 +378,7 @@ LoadResult load(const std::string& path, torch::nn::Module& module, const LoadOp
                                      " (A module wrapped by fsdp::fully_shard holds shards: pass the wrapped model.)"));
     reader.open_files();
     reader.read();
-    if (options.sampler() != nullptr) {
-      FSDP_CHECK(m.data.has_value(),
-                 "the checkpoint holds no data sampler state, but LoadOptions::sampler asks to "
-                 "restore one: load without it.");
-      data::DistributedSampler trial = *options.sampler();
-      trial.load_state(*m.data);
-    }
+    check_sampler(m, options.sampler());
     reader.apply();
     if (options.sampler() != nullptr) options.sampler()->load_state(*m.data);
     LoadResult r = result_of(m, reader.stats());

@@ -85,9 +85,9 @@ Manifest read_manifest(const std::string& dir);
 /// sampler's state or null) and "tensors" (the
 /// model's: key -> {"kind", "dtype", "shape"}, in the model's order). `parts`, in rank order: JSON
 /// objects {"rank", "file", "bytes" (its size), "tensors" (the others it wrote, as above), "steps"
-/// (optimizer steps by parameter name), "data" (optional: its sampler's state), "chunks" ([{"tensor",
-/// "rows", "bytes", "block_bytes", "crc32c"}])}. Checks that the chunks cover every tensor's rows
-/// once and that the ranks' steps and sampler states agree; `bytes_total` gets the bytes of all chunks.
+/// (optimizer steps by parameter name), "chunks" ([{"tensor", "rows", "bytes", "block_bytes",
+/// "crc32c"}])}. Checks that the chunks cover every tensor's rows once and that the ranks' steps
+/// agree; `bytes_total` gets the bytes of all chunks.
 std::string manifest_from_parts(const std::string& header, const std::vector<std::string>& parts, int64_t& bytes_total);
 
 }  // namespace fsdp::checkpoint

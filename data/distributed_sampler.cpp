@@ -17,6 +17,11 @@ bool operator==(const SamplerState& a, const SamplerState& b) {
          a.position == b.position && a.samples_consumed == b.samples_consumed;
 }
 
+bool possible(const SamplerState& s) {
+  return s.dataset_size >= 0 && s.epoch >= 0 && s.position >= 0 && s.position <= s.dataset_size &&
+         s.samples_consumed >= s.position;
+}
+
 std::string to_string(const SamplerState& s) {
   std::ostringstream o;
   o << "epoch " << s.epoch << ", position " << s.position << " of " << s.dataset_size << ", " << s.samples_consumed
@@ -122,9 +127,7 @@ void DistributedSampler::load_state(const SamplerState& saved) {
   FSDP_CHECK(saved.shuffle == state_.shuffle, what, " (rank ", rank_, "): the state was saved with shuffle ",
              saved.shuffle ? "on" : "off", ", this sampler has it ", state_.shuffle ? "on" : "off",
              ". Build the sampler with the saved run's shuffle option.");
-  FSDP_CHECK(saved.epoch >= 0 && saved.position >= 0 && saved.position <= saved.dataset_size &&
-                 saved.samples_consumed >= saved.position,
-             what, " (rank ", rank_, "): the state (", to_string(saved),
+  FSDP_CHECK(possible(saved), what, " (rank ", rank_, "): the state (", to_string(saved),
              ") is not one a sampler can be in (epoch and position >= 0, position <= dataset size, samples consumed "
              ">= position): pass a state from DistributedSampler::state() or a checkpoint.");
   state_ = saved;

@@ -63,6 +63,9 @@ struct SamplerState {
   int64_t samples_consumed = 0;
 };
 bool operator==(const SamplerState& a, const SamplerState& b);
+/// Whether a sampler can be in `s`: epoch and position >= 0, position <= dataset size, samples
+/// consumed >= position.
+bool possible(const SamplerState& s);
 /// "epoch 2, position 768 of 10000, 20768 consumed (seed 1234, shuffled)".
 std::string to_string(const SamplerState& s);
 

@@ -27,7 +27,7 @@ struct ManifestHeader {
   ordered_json metadata = ordered_json::object();
   /// {"type", "param_groups"} of the optimizer saved, or null; the steps come from the parts.
   ordered_json optimizer = nullptr;
-  /// Rank 0's sampler state (sampler_state_json), or null; every rank's part must hold the same.
+  /// The sampler state (sampler_state_json), or null; the save compared the ranks' before writing.
   ordered_json data = nullptr;
 };
 
@@ -39,7 +39,6 @@ struct RankPart {
   ordered_json chunks = ordered_json::array();  // {"tensor", "rows", "bytes", "block_bytes", "crc32c"}
   ordered_json tensors = ordered_json::object();
   ordered_json steps = ordered_json::object();
-  ordered_json data = nullptr;  // this rank's sampler state, or null
   std::string dump(int rank) const;
 };
 
@@ -50,8 +49,7 @@ data::SamplerState sampler_state_from_json(const nlohmann::json& j, const std::s
 
 /// The manifest's text from `header`, the model's tensors (`model_tensors`: key -> kind, dtype,
 /// shape, in the model's order) and every rank's part text (RankPart::dump), in rank order. Checks
-/// that every tensor's chunks cover its rows once and that the ranks agree on each optimizer step
-/// and on the sampler's state;
+/// that every tensor's chunks cover its rows once and that the ranks agree on each optimizer step;
 /// `bytes_total` gets the tensor bytes of all chunks.
 std::string assemble_manifest(const ManifestHeader& header, ordered_json model_tensors,
                               const std::vector<std::string>& parts, int64_t& bytes_total);

@@ -182,8 +182,8 @@ SaveResult write_and_commit(PreparedSave& p, const Group& group, const std::stri
 
   // The data sampler's state is global: every rank must save the same one (or none). Compared
   // before any file is written, so that every rank's error names the rank that differs.
-  const std::string data = p.options.sampler_state() ? sampler_state_json(*p.options.sampler_state()).dump() : "none";
-  const auto states = group.all_gather(data, "the data sampler states for " + where);
+  const ordered_json data = p.options.sampler_state() ? sampler_state_json(*p.options.sampler_state()) : nullptr;
+  const auto states = group.all_gather(data.is_null() ? "none" : data.dump(), "the data sampler states for " + where);
   phase("comparing the ranks' data sampler states", [&] {
     for (int r = 0; r < W; ++r) {
       FSDP_CHECK(states[r] == states[0], "the data sampler's state differs between ranks: rank 0 saves ", states[0],
@@ -213,7 +213,6 @@ SaveResult write_and_commit(PreparedSave& p, const Group& group, const std::stri
     mine.file_bytes = file.size;
     mine.tensors = p.extra_tensors;
     mine.steps = p.steps;
-    if (p.options.sampler_state()) mine.data = sampler_state_json(*p.options.sampler_state());
     for (size_t i = 0; i < p.keys.size(); ++i) {
       const auto& t = file.tensors[i];
       mine.chunks.push_back({{"tensor", p.keys[i]},
@@ -237,7 +236,7 @@ SaveResult write_and_commit(PreparedSave& p, const Group& group, const std::stri
     header.strategies = p.strategies;
     header.metadata = p.options.metadata();
     header.optimizer = p.optimizer;
-    if (p.options.sampler_state()) header.data = sampler_state_json(*p.options.sampler_state());
+    header.data = data;
     const std::string manifest = detail::assemble_manifest(header, p.model_tensors, parts, result.bytes_total);
     write_atomically(staging, kManifest, manifest);
     commit(p.root, staging, p.name);
