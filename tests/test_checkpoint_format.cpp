@@ -40,10 +40,11 @@ TEST(Crc32c, PublishedValues) {
 }
 
 TEST(Crc32c, ChunkedAndPortableAgree) {
-  std::vector<uint8_t> data(10007);
-  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<uint8_t>(i * 131 + 7);
+  // Lengths around the hardware path's three-stream stretches (3 x 256 and 3 x 8192 bytes).
+  std::vector<uint8_t> data(100007);
+  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<uint8_t>(i * 131 + 7 + (i >> 11));
   for (size_t start : {0, 1, 3, 8}) {
-    for (size_t n : {0, 1, 7, 8, 9, 64, 1000, 9999}) {
+    for (size_t n : {0, 1, 7, 8, 9, 64, 767, 768, 769, 1000, 9999, 24575, 24576, 24583, 50000, 99999}) {
       const uint8_t* p = data.data() + start;
       const uint32_t whole = crc32c(p, n);
       EXPECT_EQ(checkpoint::detail::crc32c_portable(p, n), whole) << start << " " << n;
