@@ -127,6 +127,7 @@ int compare_mode(const Flags& f) {
     row["raw_write_MBps"] = median_of(save, "raw_MBps");
     row["load_s"] = median_of(load, "load_s");
     row["load_over_raw_read"] = median_of(load, "load_over_raw");
+    row["load_in_place_over_raw_read"] = median_of(load, "load_in_place_over_raw");
     row["read_bytes_over_needed"] = load.back().at("read_over_needed");
     row["async_stall_s"] = async.at("async_stall_s_median");
     row["async_stall_over_sync_save"] = async.at("stall_over_sync_save");
@@ -158,6 +159,7 @@ int compare_mode(const Flags& f) {
       r["saved_world_size"] = n;
       r["load_s"] = median_of(rload, "load_s");
       r["load_over_raw_read"] = median_of(rload, "load_over_raw");
+      r["load_in_place_over_raw_read"] = median_of(rload, "load_in_place_over_raw");
       r["read_bytes_over_needed"] = rload.back().at("read_over_needed");
       r["dcp_load_s"] = rdload.at("load_s_median");
       r["load_over_dcp"] = r["load_s"].get<double>() / rdload.at("load_s_median").get<double>();

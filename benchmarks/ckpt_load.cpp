@@ -1,7 +1,8 @@
 // ckpt_bench load: --dir's latest checkpoint loaded on this many ranks, alternating with each rank
 // reading as many bytes as the load read from the raw files of ckpt_bench save, in 8 MiB preads
 // (ckpt_raw_io.h); before each, every file under --dir is dropped from the page cache, so both read
-// the disk. Bytes read over bytes needed over all ranks. One JSON line per repetition from rank 0.
+// the disk. Each repetition also loads with LoadOptions::in_place (straight into the shards). Bytes
+// read over bytes needed over all ranks. One JSON line per repetition from rank 0.
 #include "benchmarks/ckpt_modes.h"
 #include "benchmarks/ckpt_raw_io.h"
 #include "checkpoint/checkpoint.h"
@@ -19,11 +20,18 @@ int load_mode(const Flags& f, const Job& j) {
   TORCH_CHECK(!ckpt.empty(), "no checkpoint under ", f.dir, ": run ckpt_bench save first");
   fsdp::checkpoint::LoadResult res;  // the last load's (the first tells the raw read its bytes)
   for (int rep = 0; rep < f.reps; ++rep) {
-    double load_s = 0, raw_s = 0;
+    double load_s = 0, in_place_s = 0, raw_s = 0;
     auto load = [&] {
       if (j.rank == 0) drop_cache(f.dir);
       load_s = timed(j.pg, [&] {
         res = fsdp::checkpoint::load(ckpt, s.model, *s.opt, fsdp::checkpoint::LoadOptions().io_threads(f.io_threads));
+      });
+    };
+    auto in_place = [&] {
+      if (j.rank == 0) drop_cache(f.dir);
+      in_place_s = timed(j.pg, [&] {
+        fsdp::checkpoint::load(ckpt, s.model, *s.opt,
+                               fsdp::checkpoint::LoadOptions().io_threads(f.io_threads).in_place(true));
       });
     };
     auto raw = [&] {
@@ -37,9 +45,11 @@ int load_mode(const Flags& f, const Job& j) {
     };
     if (rep % 2 == 0) {  // the first load tells how many bytes the raw read is to match
       load();
+      in_place();
       raw();
     } else {
       raw();
+      in_place();
       load();
     }
     if (j.rank != 0) continue;
@@ -59,6 +69,8 @@ int load_mode(const Flags& f, const Job& j) {
                 {"load_s", round_to(load_s, 4)},
                 {"raw_read_s", round_to(raw_s, 4)},
                 {"load_over_raw", round_to(load_s / raw_s, 3)},
+                {"load_in_place_s", round_to(in_place_s, 4)},
+                {"load_in_place_over_raw", round_to(in_place_s / raw_s, 3)},
                 {"load_MBps", round_to(read / load_s / 1e6, 1)},
                 {"raw_MBps", round_to(read / raw_s / 1e6, 1)}});
   }

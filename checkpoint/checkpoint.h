@@ -94,6 +94,15 @@ struct LoadOptions {
   TORCH_ARG(bool, rng_states) = true;
   /// Threads issuing this rank's preads at once (each at most 8 MiB).
   TORCH_ARG(int, io_threads) = 1;
+  /// Read the bytes straight into the model's shards and the optimizer's state (where the
+  /// destination is contiguous CPU memory of the saved dtype and the rows are whole checksum
+  /// blocks, as in a load at the saving world size), each block verified by the thread that read
+  /// it: no host copy of the checkpoint. The price: a load that fails once reading has begun (a
+  /// corrupt block, a rank that fails) has overwritten part of the shards, so the model is marked
+  /// unusable (its next forward and any save refuse, saying why): build it again and load a good
+  /// checkpoint. Default false: everything is read and verified into host memory first, and a
+  /// failed load leaves the model as it was. For a restarted job, whose model holds nothing yet.
+  TORCH_ARG(bool, in_place) = false;
   /// A data sampler to resume at the saved state (SaveOptions::sampler_state), on any number of
   /// ranks. Checked with the model, before anything changes: the checkpoint must hold a sampler
   /// state for the same dataset size, seed and shuffle (the message says which differs).

@@ -4,6 +4,7 @@
 #include "checkpoint/checkpoint.h"
 #include "fsdp/internal/access.h"
 #include "fsdp/internal/check.h"
+#include "fsdp/internal/run_state.h"
 
 #include "checkpoint/commit.h"
 #include "checkpoint/internal/collectives.h"
@@ -314,11 +315,29 @@ LoadResult load_checkpoint(const std::string& path, FSDPModule& model, torch::op
     if (opt != nullptr) optim = plan_optimizer(m, specs, *opt, more);
     if (options.rng_states()) rng = plan_rng(m, rank, more);
     for (auto& t : match(m, more, /*strict=*/false, "")) targets.push_back(std::move(t));
-    reader = std::make_unique<detail::ShardReader>(m, std::move(targets));
+    reader = std::make_unique<detail::ShardReader>(m, std::move(targets), options.in_place());
     reader->open_files();
     check_sampler(m, options.sampler());
   });
-  phase("reading and verifying this rank's rows", [&] { reader->read(options.io_threads()); });
+  if (options.in_place()) {
+    // Read into the shards: a failure anywhere leaves them a mix, so the model is marked unusable.
+    try {
+      detail::agree(detail::Group::of(model), call, where, "reading and verifying this rank's rows (in place)",
+                    "this rank's shards were partly overwritten (LoadOptions::in_place), so the model is now unusable: "
+                    "build it again and load a good checkpoint",
+                    [&] { reader->read(options.io_threads()); });
+    } catch (...) {
+      if (reader->wrote_in_place()) {
+        fsdp::detail::Access::state(model).mark_broken(
+            error_text(std::current_exception()),
+            "a load with LoadOptions::in_place failed after reading into this model's shards, so they hold a mix of "
+            "values: build the model again and load a good checkpoint (docs/usage.md, 'Loading in place')");
+      }
+      throw;
+    }
+  } else {
+    phase("reading and verifying this rank's rows", [&] { reader->read(options.io_threads()); });
+  }
   // Every rank has its bytes, verified: now the model (and the optimizer) change.
   reader->apply();
   model.mark_shards_written();  // ZeRO-1: the full parameters are gathered again from the rows

@@ -242,6 +242,40 @@ void check_faults(Rank& r) {
     EXPECT_EQ(checkpoint::latest_checkpoint(root), root + "/adamw");
     EXPECT_FALSE(::access((root + "/.staging-rmsprop").c_str(), F_OK) == 0) << "refused before the disk";
   }
+  // LoadOptions::in_place: the model and the optimizer state bit for bit as a staged load's (one
+  // step after it too, which reads SGD's momentum); the flipped byte found after reading began
+  // leaves the model refusing to run or save, on every rank, saying why.
+  {
+    auto staged = wrap(full, r, 99);
+    auto staged_sgd = make_opt(Opt::kSGD, staged);
+    train_step(staged, *staged_sgd, r, 5);  // existing state tensors, overwritten by the load
+    const auto res_staged = checkpoint::load(good, staged, *staged_sgd);
+    auto direct = wrap(full, r, 98);
+    auto direct_sgd = make_opt(Opt::kSGD, direct);
+    train_step(direct, *direct_sgd, r, 6);
+    const auto res_direct = checkpoint::load(good, direct, *direct_sgd, checkpoint::LoadOptions().in_place(true));
+    EXPECT_EQ(res_direct.bytes_read, res_staged.bytes_read);
+    expect_bit_exact(direct.full_state_dict(), staged.full_state_dict(), "in place: loaded");
+    train_step(staged, *staged_sgd, r, 7);
+    train_step(direct, *direct_sgd, r, 7);
+    expect_bit_exact(direct.full_state_dict(), staged.full_state_dict(), "in place: one step later");
+
+    const std::string msg =
+        error_of([&] { checkpoint::load(root + "/fault-0", direct, checkpoint::LoadOptions().in_place(true)); });
+    EXPECT_NE(msg.find(r.rank == 1 ? "it was read in place (LoadOptions::in_place), so this rank's shards now hold "
+                                     "part of it"
+                                   : "this rank's shards were partly overwritten (LoadOptions::in_place), so the model "
+                                     "is now unusable"),
+              std::string::npos)
+        << msg;
+    for (const std::string& refused :
+         {error_of([&] { train_step(direct, *direct_sgd, r, 8); }),
+          error_of([&] { checkpoint::save(root, direct, checkpoint::SaveOptions().name("after-in-place")); })}) {
+      EXPECT_NE(refused.find("a load with LoadOptions::in_place failed after reading into this model's shards"),
+                std::string::npos)
+          << refused;
+    }
+  }
   // The plain path: the same checks, and a flipped byte leaves the module as it was.
   if (r.rank == 0) {
     auto plain = std::make_shared<PlainMLPImpl>();

@@ -152,6 +152,10 @@ void write_pieces(const std::string& path, const std::vector<IoPiece>& pieces, c
 void read_parallel(const std::vector<ReadRequest>& requests, int threads, uint64_t block_bytes) {
   std::vector<ReadRequest> parts;
   for (const auto& r : requests) {
+    if (r.after) {
+      parts.push_back(r);
+      continue;
+    }
     for (uint64_t at = 0; at < r.n; at += block_bytes) {
       ReadRequest p = r;
       p.offset = r.offset + at;
@@ -162,6 +166,7 @@ void read_parallel(const std::vector<ReadRequest>& requests, int threads, uint64
   }
   run_parallel(parts.size(), threads, [&](int, size_t i) {
     pread_exactly(parts[i].fd, *parts[i].path, parts[i].offset, parts[i].n, parts[i].dst);
+    if (parts[i].after) parts[i].after();
   });
 }
 

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -32,15 +33,19 @@ struct IoPiece {
 /// O_DIRECT is an error that says so. Errors name the file, the bytes and the system's reason.
 void write_pieces(const std::string& path, const std::vector<IoPiece>& pieces, const IoOptions& options);
 
-/// One pread: `n` bytes at `offset` of the file open as `fd` (`path`, for errors) into `dst`.
+/// One pread: `n` bytes at `offset` of the file open as `fd` (`path`, for errors) into `dst`;
+/// then `after`, when set, on the same thread (a check of the bytes while they are in its cache
+/// and the other threads' reads are in flight).
 struct ReadRequest {
   int fd = -1;
   const std::string* path = nullptr;
   uint64_t offset = 0, n = 0;
   void* dst = nullptr;
+  std::function<void()> after;
 };
 
-/// The requests, each split into reads of at most `block_bytes`, shared by `threads` threads.
+/// The requests, each split into reads of at most `block_bytes` (a request with `after` is never
+/// split), shared by `threads` threads; the first error is rethrown once all have stopped.
 void read_parallel(const std::vector<ReadRequest>& requests, int threads, uint64_t block_bytes);
 
 }  // namespace fsdp::checkpoint::detail

@@ -32,7 +32,8 @@ struct ShardReader::Piece {
   uint64_t lo = 0, hi = 0;             // file bytes read: the copied ones rounded out to blocks
   uint64_t copy_begin = 0;             // file offset of the first copied byte
   uint64_t copy_bytes = 0;
-  size_t range = 0;  // the read that holds it
+  size_t range = 0;           // the read that holds it (staged pieces)
+  uint8_t* direct = nullptr;  // in place: the destination's first byte, read straight into
 };
 
 // Host memory for one read: mapped directly, in huge pages where the kernel gives them (a load
@@ -89,7 +90,7 @@ std::string hex(uint32_t v) {
 
 }  // namespace
 
-ShardReader::ShardReader(const Manifest& manifest, std::vector<ReadTarget> targets)
+ShardReader::ShardReader(const Manifest& manifest, std::vector<ReadTarget> targets, bool in_place)
     : m_(manifest), targets_(std::move(targets)), fds_(manifest.files.size(), -1) {
   for (size_t i = 0; i < targets_.size(); ++i) {
     const ReadTarget& t = targets_[i];
@@ -117,6 +118,13 @@ ShardReader::ShardReader(const Manifest& manifest, std::vector<ReadTarget> targe
         p.lo = c.begin + from / c.block_bytes * c.block_bytes;
         p.hi = std::min(c.end, c.begin + (to + c.block_bytes - 1) / c.block_bytes * c.block_bytes);
       }
+      if (in_place && p.lo == p.copy_begin && p.hi == p.copy_begin + p.copy_bytes) {
+        const at::Tensor dst = t.dst.dim() == 0 ? t.dst : t.dst.narrow(0, a - t.row_begin, b - a);
+        if (dst.is_cpu() && dst.is_contiguous() && dst.scalar_type() == scalar_type_of(mt.dtype, mt.key) &&
+            dst.nbytes() == p.copy_bytes) {
+          p.direct = static_cast<uint8_t*>(dst.data_ptr());
+        }
+      }
       pieces_.push_back(p);
     }
   }
@@ -125,6 +133,11 @@ ShardReader::ShardReader(const Manifest& manifest, std::vector<ReadTarget> targe
     return std::tie(x.chunk->file, x.lo) < std::tie(y.chunk->file, y.lo);
   });
   for (Piece& p : pieces_) {
+    if (p.direct != nullptr) {
+      stats_.bytes_read += p.hi - p.lo;
+      stats_.preads += (p.hi - p.lo + kReadBlock - 1) / kReadBlock;
+      continue;
+    }
     if (ranges_.empty() || ranges_.back().file != p.chunk->file || p.lo > ranges_.back().end) {
       Range r;
       r.file = p.chunk->file;
@@ -168,6 +181,22 @@ void ShardReader::open_files() {
   }
 }
 
+namespace {
+
+[[noreturn]] void corrupt_block(const Manifest& m, const ManifestTensor& t, const ManifestChunk& c, int64_t block,
+                                uint32_t got, bool in_place) {
+  const uint64_t at = c.begin + static_cast<uint64_t>(block) * c.block_bytes;
+  const uint64_t n = std::min(c.block_bytes, c.end - at);
+  FSDP_CHECK(false, "tensor '", t.key, "' rows ", c.row_begin, " to ", c.row_end, " in '", m.dir, "/",
+             m.files[c.file].name, "', bytes ", at, " to ", at + n, " (checksum block ", block, "): CRC32C ", hex(got),
+             " but the manifest says ", hex(c.crc32c[static_cast<size_t>(block)]), ". The file is corrupt; ",
+             in_place ? "it was read in place (LoadOptions::in_place), so this rank's shards now hold part of it"
+                      : "nothing was loaded",
+             ". Restore it or load an earlier checkpoint ('fsdp-ckpt verify ", m.dir, "' lists every fault).");
+}
+
+}  // namespace
+
 void ShardReader::read(int threads) {
   std::vector<std::string> paths;
   for (const auto& f : m_.files) paths.push_back(m_.dir + "/" + f.name);
@@ -177,31 +206,46 @@ void ShardReader::read(int threads) {
     FSDP_CHECK(fd >= 0, "ShardReader::read before open_files");
     const uint64_t size = r.end - r.begin;
     r.data.allocate(size);
-    requests.push_back({fd, &paths[r.file], r.begin, size, r.data.get()});
+    requests.push_back({fd, &paths[r.file], r.begin, size, r.data.get(), {}});
+  }
+  // In place: each read of at most kReadBlock (whole checksum blocks) goes into the destination
+  // and is verified by its thread at once, while the other threads' reads are in flight.
+  for (const Piece& p : pieces_) {
+    if (p.direct == nullptr) continue;
+    const ManifestChunk& c = *p.chunk;
+    const int fd = fds_[c.file];
+    FSDP_CHECK(fd >= 0, "ShardReader::read before open_files");
+    const uint64_t step =
+        c.crc32c.empty() ? kReadBlock : std::max<uint64_t>(1, kReadBlock / c.block_bytes) * c.block_bytes;
+    for (uint64_t at = p.lo; at < p.hi; at += step) {
+      const uint64_t n = std::min(step, p.hi - at);
+      uint8_t* dst = p.direct + (at - p.lo);
+      std::function<void()> check = [this, &p, at, dst, n] {
+        if (p.chunk->crc32c.empty()) return;  // nothing to verify against
+        uint32_t got = 0;
+        const int64_t block = first_bad_block(*p.chunk, at, dst, n, got);
+        if (block >= 0) corrupt_block(m_, *p.tensor, *p.chunk, block, got, true);
+      };
+      requests.push_back({fd, &paths[c.file], at, n, dst, std::move(check)});
+      wrote_in_place_ = true;
+    }
   }
   read_parallel(requests, threads, kReadBlock);
   // Every block read, against the manifest (pieces share no block: each is one tensor's chunk).
   for (const Piece& p : pieces_) {
     const ManifestChunk& c = *p.chunk;
+    if (c.crc32c.empty() || p.direct != nullptr) continue;  // nothing to verify against, or done
     const Range& r = ranges_[p.range];
-    if (c.crc32c.empty()) continue;  // nothing to verify against
     uint32_t got = 0;
     const int64_t block = first_bad_block(c, p.lo, r.data.get() + (p.lo - r.begin), p.hi - p.lo, got);
-    if (block < 0) continue;
-    const uint64_t at = c.begin + static_cast<uint64_t>(block) * c.block_bytes;
-    const uint64_t n = std::min(c.block_bytes, c.end - at);
-    FSDP_CHECK(false, "tensor '", p.tensor->key, "' rows ", c.row_begin, " to ", c.row_end, " in '", m_.dir, "/",
-               m_.files[c.file].name, "', bytes ", at, " to ", at + n, " (checksum block ", block, "): CRC32C ",
-               hex(got), " but the manifest says ", hex(c.crc32c[block]),
-               ". The file is corrupt; nothing was loaded. Restore it or load an earlier checkpoint ('fsdp-ckpt "
-               "verify ",
-               m_.dir, "' lists every fault).");
+    if (block >= 0) corrupt_block(m_, *p.tensor, c, block, got, false);
   }
 }
 
 void ShardReader::apply() {
   at::NoGradGuard no_grad;  // the targets are often parameters
   for (const Piece& p : pieces_) {
+    if (p.direct != nullptr) continue;  // read in place
     const ReadTarget& t = targets_[p.target];
     const Range& r = ranges_[p.range];
     const at::ScalarType type = scalar_type_of(p.tensor->dtype, p.tensor->key);

@@ -37,9 +37,15 @@ struct ReadStats {
 /// and its size checked against the manifest: no data read), read (every range, on threads, every block
 /// verified, into host memory), apply (copies into the targets). Errors name the file, the tensor
 /// and the rows; the caller adds which call and rank.
+///
+/// `in_place` (LoadOptions::in_place): a piece whose bytes are exactly whole checksum blocks and
+/// whose destination rows are contiguous CPU memory of the saved dtype is read straight into the
+/// destination and verified there, by the thread that read it; the rest as above. No host copy,
+/// no second pass over the bytes, but a failed read leaves those destinations overwritten
+/// (wrote_in_place()).
 class ShardReader {
  public:
-  ShardReader(const Manifest& manifest, std::vector<ReadTarget> targets);
+  ShardReader(const Manifest& manifest, std::vector<ReadTarget> targets, bool in_place = false);
   ~ShardReader();
   ShardReader(const ShardReader&) = delete;
   ShardReader& operator=(const ShardReader&) = delete;
@@ -50,6 +56,8 @@ class ShardReader {
   static constexpr uint64_t kReadBlock = uint64_t{8} << 20;
   void apply();
   const ReadStats& stats() const { return stats_; }
+  /// read() began writing into a destination (in place): after its failure they hold a mix.
+  bool wrote_in_place() const { return wrote_in_place_; }
 
  private:
   struct Piece;  // one target's rows out of one chunk
@@ -60,6 +68,7 @@ class ShardReader {
   std::vector<Range> ranges_;
   std::vector<int> fds_;  // per manifest file, -1 when not needed
   ReadStats stats_;
+  bool wrote_in_place_ = false;
 };
 
 }  // namespace fsdp::checkpoint::detail

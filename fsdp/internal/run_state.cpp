@@ -198,16 +198,22 @@ void RunState::check_no_unsynced_grads(const char* caller) const {
                 "model.discard_unsynced_gradients() (docs/usage.md, 'Gradient accumulation').");
 }
 
-void RunState::mark_broken(const std::string& why) {
-  if (broken_.empty()) broken_ = why;
+void RunState::mark_broken(const std::string& why, const std::string& remedy) {
+  if (!broken_.empty()) return;
+  broken_ = why;
+  broken_remedy_ = remedy;
 }
 
 void RunState::check_not_broken() const {
-  FSDP_CHECK_IN(comm.error_context("a step after a failed collective"), broken_.empty(), "fsdp (", comm.where(),
-                "): an earlier collective of this model failed, so the ranks no longer agree on which collective "
-                "comes next. Exit and restart the job from its last checkpoint (docs/usage.md, 'When a collective "
-                "fails'). The first failure was:\n",
-                broken_);
+  FSDP_CHECK_IN(
+      comm.error_context(broken_remedy_.empty() ? "a step after a failed collective" : "a use after a failure"),
+      broken_.empty(), "fsdp (", comm.where(), "): ",
+      broken_remedy_.empty()
+          ? "an earlier collective of this model failed, so the ranks no longer agree on which collective "
+            "comes next. Exit and restart the job from its last checkpoint (docs/usage.md, 'When a "
+            "collective fails')"
+          : broken_remedy_,
+      ". The first failure was:\n", broken_);
 }
 
 void RunState::after_unit_unsharded(Unit& unit, bool backward) {

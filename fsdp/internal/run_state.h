@@ -123,8 +123,9 @@ class RunState : public std::enable_shared_from_this<RunState> {
   /// Unit::wait_host_copies).
   void wait_host_copies();
   /// A collective failed: ranks no longer agree on the sequence of collectives, so every later
-  /// forward refuses to run (instead of pairing mismatched collectives).
-  void mark_broken(const std::string& why);
+  /// forward refuses to run (instead of pairing mismatched collectives). `remedy`, when given,
+  /// replaces that explanation in the refusal (another cause: a load in place that failed).
+  void mark_broken(const std::string& why, const std::string& remedy = "");
   void check_not_broken() const;
   /// The one place where a failure marks the model broken: runs `fn`; if it throws, runs `undo`
   /// (which drops what the failure left half done, such as buffers a collective may still write),
@@ -162,6 +163,7 @@ class RunState : public std::enable_shared_from_this<RunState> {
   bool track_state_ = false;
   int64_t state_peak_ = 0;
   std::string broken_;
+  std::string broken_remedy_;
   std::vector<std::weak_ptr<Unit>> order_;      // units in the order of the last forward
   std::vector<std::weak_ptr<Unit>> recording_;  // ... and of the forward in progress
   std::vector<std::weak_ptr<Unit>> reducing_;   // reduce-scatters in flight, oldest first
