@@ -11,6 +11,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -138,7 +139,9 @@ DumpResult dump_flight_record(const std::string& reason, const PeerDiagnosis& pe
         rank >= 0 ? trace_file(rank) : dir + "/fsdp-trace-pid-" + std::to_string(::getpid()) + ".json";
     if (std::string e = make_dirs(dir); !e.empty()) return {"", e};
     const std::string text = document(reason, peers, rank, world);
-    const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+    // Unique per dump: the signal's thread and a failing collective may dump at the same time.
+    static std::atomic<int64_t> dumps{0};
+    const std::string tmp = path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(dumps++);
     const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (fd < 0) return {"", "cannot create '" + tmp + "': " + std::strerror(errno)};
     size_t done = 0;
