@@ -6,6 +6,7 @@
 
 #include <cerrno>
 #include <cmath>
+#include <csignal>
 #include <cstdlib>
 
 namespace fsdp {
@@ -44,6 +45,45 @@ std::string job_id() {
     return id;
   }
   return "";
+}
+
+size_t parse_flight_recorder_size(const std::string& value, const std::string& what) {
+  constexpr size_t kMax = 1000000;  // beyond that, surely a typo (each entry is a few hundred bytes)
+  const bool digits = !value.empty() && value.size() <= 7 && value.find_first_not_of("0123456789") == std::string::npos;
+  const size_t n = digits ? std::stoul(value) : kMax + 1;
+  FSDP_CHECK(n <= kMax, "fsdp: ", what, "='", value,
+             "' is not a flight recorder size: give the number of collectives to keep, a whole number from 0 (off) "
+             "to 1000000, e.g. ",
+             what, "=256.");
+  return n;
+}
+
+size_t flight_recorder_size_from_env() {
+  const char* v = getenv_or_null("FSDP_FLIGHT_RECORDER_SIZE");
+  return v == nullptr ? 256 : parse_flight_recorder_size(v, "FSDP_FLIGHT_RECORDER_SIZE");
+}
+
+int parse_dump_signal(const std::string& value, const std::string& what) {
+  std::string v = value;
+  if (v.rfind("SIG", 0) == 0) v = v.substr(3);
+  if (v == "USR1") return SIGUSR1;
+  if (v == "USR2") return SIGUSR2;
+  if (v == "0") return 0;
+  // A real-time signal by number: free for applications. Others are refused: taking SIGTERM or
+  // SIGINT would stop them from ending the process, and SIGKILL or SIGSTOP cannot be caught.
+  const bool digits = !v.empty() && v.size() <= 3 && v.find_first_not_of("0123456789") == std::string::npos;
+  const int n = digits ? std::stoi(v) : -1;
+  if (n == SIGUSR1 || n == SIGUSR2 || (n >= SIGRTMIN && n <= SIGRTMAX)) return n;
+  FSDP_CHECK(false, "fsdp: ", what, "='", value,
+             "' is not a signal for the flight recorder's dump: give USR1 or USR2 (e.g. ", what,
+             "=USR1, then `kill -USR1 <pid>` writes the file), a real-time signal's number (", SIGRTMIN, " to ",
+             SIGRTMAX, "), or 0 for none.");
+  return 0;
+}
+
+int dump_signal_from_env() {
+  const char* v = getenv_or_null("FSDP_DUMP_ON_SIGNAL");
+  return v == nullptr ? 0 : parse_dump_signal(v, "FSDP_DUMP_ON_SIGNAL");
 }
 
 }  // namespace detail

@@ -11,6 +11,13 @@
 //                                the signal this process gets when its launcher dies.
 //   FSDP_VERIFY_COLLECTIVES      1: check before every collective that all ranks issue the same one
 //                                (see FullyShardOptions::verify_collectives). Unset or 0: off.
+//   FSDP_FLIGHT_RECORDER_SIZE    the flight recorder's ring: the last N collectives kept, a whole
+//                                number from 0 (off) to 1000000; unset: 256. Written to a file per
+//                                rank when a collective times out or fails (docs/usage.md, "When a
+//                                run hangs: the flight recorder"; read with fsdp-trace).
+//   FSDP_FLIGHT_RECORDER_DIR     the directory of those files; unset: /tmp/fsdp-trace.
+//   FSDP_DUMP_ON_SIGNAL          USR1, USR2 (SIG prefix allowed), a real-time signal's number, or 0:
+//                                receiving it writes the flight recorder's file; the process goes on.
 #pragma once
 
 #include <chrono>

@@ -6,6 +6,7 @@
 #include "fsdp/fake_process_group.h"
 #include "fsdp/internal/comm.h"
 #include "fsdp/internal/cuda_backend.h"
+#include "fsdp/internal/flight_recorder.h"
 #include "fsdp/internal/launcher.h"
 #include "fsdp/internal/monitor.h"
 #include "fsdp/internal/rendezvous.h"
@@ -121,8 +122,10 @@ c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const InitOptions& opt
   const std::chrono::milliseconds timeout = options.timeout();
   FSDP_CHECK(timeout.count() > 0, "fsdp::init_process_group: InitOptions::timeout must be positive, not ",
              timeout.count(), " ms.");
+  detail::init_flight_recorder();  // FSDP_FLIGHT_RECORDER_SIZE, FSDP_DUMP_ON_SIGNAL: refused before any rendezvous
   LaunchEnv env =
       options.rank() >= 0 ? make_launch_env(options.rank(), options.world_size(), !file_store) : read_launch_env();
+  detail::set_trace_identity(env.rank, env.world_size);
   detail::arm_parent_death_signal(env);
   detail::Rendezvous r = detail::rendezvous(env, options, timeout);
   detail::explain_gloo_aborts(env.rank);

@@ -71,7 +71,8 @@ void remove_dir(const std::string& dir) {
   if (DIR* d = opendir(dir.c_str())) {
     while (dirent* e = readdir(d)) {
       std::string n = e->d_name;
-      if (n != "." && n != "..") unlink((dir + "/" + n).c_str());
+      // Subdirectories (the flight recorder's) are removed too.
+      if (n != "." && n != ".." && unlink((dir + "/" + n).c_str()) != 0) remove_dir(dir + "/" + n);
     }
     closedir(d);
   }
@@ -168,6 +169,9 @@ void run_ranks(int world_size, const std::function<void(Rank&)>& body, const Run
         std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(options.collective_timeout).count());
     env["OMP_NUM_THREADS"] = "1";
     env["FSDP_TEST_DIR"] = dir;
+    // A failed collective writes the flight recorder's file: into this test's directory (removed
+    // with it), not /tmp/fsdp-trace, where tests running in parallel would overwrite each other's.
+    env["FSDP_FLIGHT_RECORDER_DIR"] = dir + "/flight-recorder";
     env["FSDP_TEST_LAUNCH"] = std::to_string(launch);
     if (options.rendezvous == "env") {
       env["RANK"] = std::to_string(rank);

@@ -53,7 +53,9 @@ void run_ranks(int world_size, const std::function<void(Rank&)>& body, const Run
 /// True inside a rank process.
 bool in_rank_process();
 
-/// A directory shared by the ranks of this test (files between them), removed after the test.
+/// A directory shared by the ranks of this test (files between them), removed after the test. The
+/// ranks' flight-recorder files go to its subdirectory "flight-recorder" (FSDP_FLIGHT_RECORDER_DIR,
+/// unless RunOptions::env sets it).
 std::string shared_dir();
 
 /// The per-collective timeout of this rank process (RunOptions::collective_timeout).

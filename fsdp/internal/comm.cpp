@@ -3,6 +3,7 @@
 #include "fsdp/env.h"
 #include "fsdp/internal/check.h"
 
+#include "fsdp/internal/flight_recorder.h"
 #include "fsdp/internal/foreign_errors.h"
 #include "fsdp/internal/monitor.h"
 
@@ -111,6 +112,9 @@ Comm::Comm(c10::intrusive_ptr<c10d::ProcessGroup> pg, milliseconds timeout, std:
   TORCH_INTERNAL_ASSERT(static_cast<int>(group_.global_ranks.size()) == world_size_);
   if (group_.world_size == 0) group_.world_size = world_size_;
   global_rank_ = group_.global_ranks[rank_];
+  init_flight_recorder();
+  set_trace_identity(global_rank_, group_.world_size);
+  trace_group_ = trace_group(group_.name, group_.global_ranks);
 }
 
 std::string Comm::where() const {
@@ -164,7 +168,10 @@ void Comm::wait(Pending& pending) const {
       cause = "it did not complete within the timeout (a peer did not take part in time)";
     }
   }
-  if (cause.empty()) return;
+  if (cause.empty()) {
+    trace_end(p.trace, TraceState::kCompleted);
+    return;
+  }
   fail(p, cause, std::chrono::duration_cast<milliseconds>(clock::now() - start));
 }
 
@@ -189,6 +196,7 @@ void Comm::wait_on_stream(Pending& p) const {
     cause = error_text(e);
   }
   if (!cause.empty()) fail(*failed, cause, milliseconds(0));
+  trace_end(p.trace, TraceState::kEnqueued);  // the CPU does not wait for its end
   // Completed ones are dropped; the rest are kept for the next check, at most kDeviceIssued.
   issued.erase(std::remove_if(issued.begin(), issued.end(), [](const Pending& q) { return q.work->isCompleted(); }),
                issued.end());
@@ -206,7 +214,10 @@ void Comm::wait_on_event(Pending& p) const {
     error = p.backend->getError();
   } catch (const std::exception&) {  // a backend that does not say: its next collective will throw
   }
-  if (error == c10d::ErrorType::SUCCESS) return;
+  if (error == c10d::ErrorType::SUCCESS) {
+    trace_end(p.trace, TraceState::kEnqueued);
+    return;
+  }
   fail(p,
        error == c10d::ErrorType::TIMEOUT
            ? "the backend's watchdog timed out a collective (a peer did not take part in time)"
@@ -227,6 +238,9 @@ void Comm::fail(const Pending& p, const std::string& cause, milliseconds waited)
   // Its worker threads may still be inside the collective: kept alive until exit, so that
   // neither this error nor destroying the process group waits for them.
   abandon_backend(p.backend);
+  const bool timed_out = cause.find("did not complete within the timeout") != std::string::npos ||
+                         cause.find("timed out") != std::string::npos;
+  trace_end(p.trace, timed_out ? TraceState::kTimedOut : TraceState::kFailed);
   note_failure(p.what);
   // Every rank of the job, not only this group's: under hybrid sharding a rank of another group
   // that died is often why this group's collective failed.
@@ -234,6 +248,17 @@ void Comm::fail(const Pending& p, const std::string& cause, milliseconds waited)
   everyone.reserve(static_cast<size_t>(group_.world_size));
   for (int r = 0; r < group_.world_size; ++r) everyone.push_back(r);
   const PeerDiagnosis peers = diagnose_peers(everyone, global_rank_);
+  // This rank's last collectives and what it learned of its peers, for fsdp-trace; a dump that
+  // cannot be written is mentioned, never in the way of the error itself.
+  const DumpResult dump = dump_flight_record((timed_out ? "timeout in " : "failure in ") + p.what, peers);
+  std::string recorder;
+  if (!dump.path.empty()) {
+    recorder = "\nFlight recorder: this rank's last collectives are in " + dump.path + "; `fsdp-trace " + trace_dir() +
+               "` reads every rank's file there and names the rank that is behind.";
+  } else if (!dump.error.empty()) {
+    recorder = "\nFlight recorder: this rank's file could not be written (" + dump.error +
+               "); set FSDP_FLIGHT_RECORDER_DIR to a writable directory.";
+  }
   std::string first_line = cause.substr(0, cause.find('\n'));
   const std::string group = group_.name == "world" ? " (group: all " + std::to_string(world_size_) + " ranks)" : "";
   FSDP_CHECK_IN(error_context(p.what).peer(peers.peer), false, "fsdp: ", p.what, " failed on ", where(), group,
@@ -241,12 +266,15 @@ void Comm::fail(const Pending& p, const std::string& cause, milliseconds waited)
                 peers.text.empty() ? "" : "\n", peers.text,
                 "\nThe ranks no longer agree on which collective comes next, so this model cannot be used again: exit "
                 "this process with a non-zero status and restart the job from its last checkpoint (torchrun "
-                "--max-restarts, or the scheduler's requeue). See docs/usage.md, 'When a collective fails'.");
+                "--max-restarts, or the scheduler's requeue). See docs/usage.md, 'When a collective fails'.",
+                recorder);
 }
 
-Pending Comm::launch(const std::string& what, const at::Tensor& t, const Start& start,
+Pending Comm::launch(const char* op, const std::string& what, const at::Tensor& t, const Start& start,
                      std::optional<SideStream> side) const {
   Pending p{nullptr, what, t.is_cpu(), backend(t)};
+  p.trace =
+      trace_issue(trace_group_, op, what, t.numel(), static_cast<int64_t>(t.nbytes()), t.scalar_type(), t.device());
   try {
     if (side && t.is_cuda() && shared_->side_streams && shared_->streams) {
       // FSDP2's way: asyncOp false runs the collective on the stream current at the call, here
@@ -311,7 +339,7 @@ Pending Comm::all_gather_async(at::Tensor& out, at::Tensor& in, const std::strin
   TORCH_INTERNAL_ASSERT(out.numel() == in.numel() * world_size_);
   if (done_alone_or_checked(Call::kAllGather, out.numel(), out, in, what)) return {nullptr, what};
   return launch(
-      what, in,
+      "all-gather", what, in,
       [&](c10d::Backend& b, bool async_op) {
         c10d::AllgatherOptions opts;
         opts.timeout = timeout_;  // Gloo's own bound inside its worker thread
@@ -330,7 +358,7 @@ Pending Comm::reduce_scatter_sum_async(at::Tensor& out, at::Tensor& in, const st
   TORCH_INTERNAL_ASSERT(in.numel() == out.numel() * world_size_);
   if (done_alone_or_checked(Call::kReduceScatter, in.numel(), out, in, what)) return {nullptr, what};
   return launch(
-      what, in,
+      "reduce-scatter", what, in,
       [&](c10d::Backend& b, bool async_op) {
         c10d::ReduceScatterOptions opts;
         opts.reduceOp = c10d::ReduceOp::SUM;
@@ -346,7 +374,7 @@ Pending Comm::all_reduce_async(at::Tensor& t, c10d::ReduceOp op, const std::stri
   if (world_size_ == 1 && !shared_->launch_alone) return {nullptr, what};
   verify_call(Call::kAllReduce, t.numel(), t, what, static_cast<int64_t>(op.op_));
   return launch(
-      what, t,
+      "all-reduce", what, t,
       [&](c10d::Backend& b, bool async_op) {
         std::vector<at::Tensor> ts{t};
         c10d::AllreduceOptions opts;
@@ -370,7 +398,7 @@ void Comm::broadcast(const at::Tensor& t, int root, const std::string& what) {
   verify_call(Call::kBroadcast, t.numel(), t, what);
   // The backend needs contiguous memory: a strided tensor goes through a copy, written back.
   at::Tensor buf = t.is_contiguous() ? t : t.contiguous();
-  Pending p = launch(what, buf, [&](c10d::Backend& b, bool /*async_op*/) {
+  Pending p = launch("broadcast", what, buf, [&](c10d::Backend& b, bool /*async_op*/) {
     std::vector<at::Tensor> ts{buf};
     c10d::BroadcastOptions opts;
     opts.rootRank = root;

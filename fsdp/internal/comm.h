@@ -26,6 +26,8 @@ namespace fsdp {
 
 namespace detail {
 
+struct TraceGroup;  // fsdp/internal/flight_recorder.h
+
 /// The members of a Comm's group, for messages: its name and their global ranks (group-rank order).
 struct GroupInfo {
   std::string name = "world";
@@ -58,6 +60,7 @@ struct Pending {
   /// CUDA, on a side stream (CommShared::side_streams): the collective's end, which the current
   /// stream waits for. The backend returns no work then.
   std::shared_ptr<StreamEvent> event;
+  int64_t trace = -1;  ///< its flight-recorder entry (fsdp/internal/flight_recorder.h), -1: none
   bool in_flight() const { return work || event; }
 };
 
@@ -171,13 +174,15 @@ class Comm {
   /// fails like a wait. A CUDA tensor's collective goes to side stream `side` when given and the
   /// model uses side streams, started with async_op false (on the stream current then).
   using Start = std::function<c10::intrusive_ptr<c10d::Work>(c10d::Backend&, bool async_op)>;
-  Pending launch(const std::string& what, const at::Tensor& t, const Start& start,
+  /// `op` names the collective in the flight recorder ("all-gather", "agreement", ...).
+  Pending launch(const char* op, const std::string& what, const at::Tensor& t, const Start& start,
                  std::optional<SideStream> side = std::nullopt) const;
   [[noreturn]] void fail(const Pending& p, const std::string& cause, std::chrono::milliseconds waited) const;
   /// Before a collective under verify_collectives: the same call on every rank.
   void verify_call(Call op, int64_t numel, const at::Tensor& t, const std::string& what, int64_t extra = 0);
-  /// An all-gather of `in` into `out` on the CPU backend (agreements, exchanges): not counted.
-  void gather_small(at::Tensor& out, at::Tensor& in, const std::string& what) const;
+  /// An all-gather of `in` into `out` on the CPU backend (agreements, exchanges): not counted in
+  /// the statistics; recorded in the flight recorder as `op`.
+  void gather_small(at::Tensor& out, at::Tensor& in, const char* op, const std::string& what) const;
   /// wait() of a CUDA collective: the stream waits, the CPU checks for known failures.
   void wait_on_stream(Pending& p) const;
   /// wait() of a collective on a side stream: the current stream waits for its event; the
@@ -192,6 +197,7 @@ class Comm {
   GroupInfo group_;
   int global_rank_;
   bool verify_;
+  std::shared_ptr<TraceGroup> trace_group_;  // this group's count in the flight recorder
 };
 
 /// Whether `backend` is the fake backend of fsdp::make_fake_process_group (a simulated rank).

@@ -24,8 +24,8 @@ constexpr int64_t kAgreeWords = 4;
 
 }  // namespace
 
-void Comm::gather_small(at::Tensor& out, at::Tensor& in, const std::string& what) const {
-  Pending p = launch(what, in, [&](c10d::Backend& b, bool /*async_op*/) {
+void Comm::gather_small(at::Tensor& out, at::Tensor& in, const char* op, const std::string& what) const {
+  Pending p = launch(op, what, in, [&](c10d::Backend& b, bool /*async_op*/) {
     c10d::AllgatherOptions opts;
     opts.timeout = timeout_;
     return b._allgather_base(out, in, opts);
@@ -46,7 +46,7 @@ std::vector<int64_t> Comm::agree(Call call, uint64_t payload, const std::string&
   m[3] = vote;
   at::Tensor all = at::empty({W * kAgreeWords}, at::kLong);
   const std::string check = "the cross-rank check before " + what;
-  gather_small(all, mine, check);
+  gather_small(all, mine, "agreement", check);
   const int64_t* a = all.data_ptr<int64_t>();
   std::vector<int64_t> votes(static_cast<size_t>(W));
   bool same = true, all_agreeing = true, same_call = true;
@@ -100,7 +100,7 @@ std::vector<std::string> Comm::exchange_strings(const std::string& text, const s
   const int64_t W = world_size_;
   at::Tensor len = at::full({1}, static_cast<int64_t>(text.size()), at::kLong);
   at::Tensor lens = at::empty({W}, at::kLong);
-  gather_small(lens, len, what);
+  gather_small(lens, len, "exchange", what);
   const int64_t* lp = lens.data_ptr<int64_t>();
   const int64_t longest = std::max<int64_t>(1, *std::max_element(lp, lp + W));
   at::Tensor mine = at::zeros({longest}, at::kByte);
@@ -108,7 +108,7 @@ std::vector<std::string> Comm::exchange_strings(const std::string& text, const s
   at::Tensor all;
   if (root < 0) {
     all = at::empty({W * longest}, at::kByte);
-    gather_small(all, mine, what);
+    gather_small(all, mine, "exchange", what);
   } else {
     // To one rank only (a checkpoint's manifest parts): the others receive nothing.
     std::vector<std::vector<at::Tensor>> out(1);
@@ -119,7 +119,7 @@ std::vector<std::string> Comm::exchange_strings(const std::string& text, const s
       out.clear();
     }
     std::vector<at::Tensor> in{mine};
-    Pending p = launch(what, mine, [&](c10d::Backend& b, bool /*async_op*/) {
+    Pending p = launch("gather", what, mine, [&](c10d::Backend& b, bool /*async_op*/) {
       c10d::GatherOptions opts;
       opts.rootRank = root;
       opts.timeout = timeout_;

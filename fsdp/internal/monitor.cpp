@@ -1,7 +1,9 @@
 #include "fsdp/internal/monitor.h"
 
 #include "fsdp/error.h"
+#include "fsdp/internal/flight_recorder.h"
 #include "fsdp/internal/foreign_errors.h"
+#include "fsdp/internal/heartbeat_record.h"
 
 #include <c10/util/Exception.h>
 
@@ -108,21 +110,7 @@ std::string pid_namespace() {
   return n > 0 ? std::string(buf, static_cast<size_t>(n)) : std::string();
 }
 
-// "seq|unix_ms|host:pid|pid namespace|activity_since|activity|exited|failure"
-std::string encode(int64_t seq, const std::string& who, const std::string& ns, const Beat& b) {
-  std::ostringstream os;
-  os << seq << '|' << unix_ms() << '|' << who << '|' << ns << '|' << b.activity_since << '|' << b.activity << '|'
-     << (b.exiting ? 1 : 0) << '|' << b.failure;
-  return os.str();
-}
-
-struct PeerBeat {
-  int64_t seq = -1;
-  int64_t at_ms = 0;
-  std::string who, ns, activity, failure;
-  int64_t activity_since = 0;
-  bool exited = false;
-};
+using PeerBeat = Heartbeat;
 
 // Whether the peer's process is gone from this host: the same host and pid namespace, and its pid
 // no longer a live process (none, or a zombie not yet reaped). A peer killed a moment ago is named
@@ -143,32 +131,6 @@ bool gone_here(const PeerBeat& b, const std::string& host, const std::string& ns
   std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
   const size_t close = text.rfind(')');
   return close != std::string::npos && close + 2 < text.size() && (text[close + 2] == 'Z' || text[close + 2] == 'X');
-}
-
-bool decode(const std::vector<uint8_t>& v, PeerBeat& out) {
-  std::string s(v.begin(), v.end());
-  std::vector<std::string> f;
-  size_t start = 0;
-  for (int i = 0; i < 7; ++i) {
-    const size_t bar = s.find('|', start);
-    if (bar == std::string::npos) return false;
-    f.push_back(s.substr(start, bar - start));
-    start = bar + 1;
-  }
-  f.push_back(s.substr(start));
-  try {
-    out.seq = std::stoll(f[0]);
-    out.at_ms = std::stoll(f[1]);
-    out.who = f[2];
-    out.ns = f[3];
-    out.activity_since = std::stoll(f[4]);
-    out.activity = f[5];
-    out.exited = f[6] == "1";
-    out.failure = f[7];
-  } catch (const std::exception&) {
-    return false;
-  }
-  return true;
 }
 
 std::string seconds(int64_t ms) {
@@ -228,7 +190,8 @@ void start_heartbeat(const c10::intrusive_ptr<c10d::Store>& store, const std::st
     while (failed < kMaxFailedBeats) {
       const bool last = beat->stop;
       if (last && !beat->exiting) break;  // replaced by a newer process group's heartbeat
-      const std::string value = encode(seq++, who, ns, *beat);
+      const std::string value = encode_heartbeat(seq++, unix_ms(), who, ns, beat->activity_since, beat->activity,
+                                                 beat->exiting, last_collective(), beat->failure);
       l.unlock();
       try {
         conn->set(key, std::vector<uint8_t>(value.begin(), value.end()));
@@ -272,7 +235,9 @@ namespace {
 
 // The diagnosis itself; its store operations may block without end (c10d's TCPStore client waits
 // on its socket without a timeout, and a cut link makes that wait last as long as TCP retries).
-PeerDiagnosis diagnose_unbounded(const std::vector<int>& global_ranks, int self) {
+// With `look_once`, only the peers' heartbeats as they are now (for a flight-recorder dump on a
+// signal: nothing failed, there is nothing to diagnose).
+PeerDiagnosis diagnose_unbounded(const std::vector<int>& global_ranks, int self, bool look_once) {
   c10::intrusive_ptr<c10d::Store> store;
   std::string prefix;
   {
@@ -302,7 +267,7 @@ PeerDiagnosis diagnose_unbounded(const std::vector<int>& global_ranks, int self)
       }
       for (size_t i = 0; i < peers.size(); ++i) {
         PeerBeat b;
-        if (!values[i].empty() && decode(values[i], b)) out[peers[i]] = b;
+        if (!values[i].empty() && decode_heartbeat(values[i], b)) out[peers[i]] = b;
       }
       return true;
     } catch (const std::exception& e) {
@@ -317,6 +282,7 @@ PeerDiagnosis diagnose_unbounded(const std::vector<int>& global_ranks, int self)
     return {"The job's store did not answer the peer check (" + store_error + "): " + kStoreGone};
   }
   int64_t now = unix_ms();
+  if (look_once) return {"", -1, first, {}, now};
   std::vector<int> stale;
   std::set<int> gone;  // processes of this host that no longer exist
   const std::string self_who = host_and_pid(), host = self_who.substr(0, self_who.rfind(':')), ns = pid_namespace();
@@ -367,6 +333,7 @@ PeerDiagnosis diagnose_unbounded(const std::vector<int>& global_ranks, int self)
         os << " stopped answering: its last heartbeat is " << seconds(now - b.at_ms) << " old, when " << doing(b, 0)
            << " (it was killed or stopped, or its host or link is down).";
       }
+      if (b.last.known()) os << " Its last collective: " << b.last.text() << '.';
     }
     if (stale.size() > 8) os << " And " << stale.size() - 8 << " more ranks.";
   } else {
@@ -384,7 +351,8 @@ PeerDiagnosis diagnose_unbounded(const std::vector<int>& global_ranks, int self)
     for (size_t i = 0; i < missing.size() && i < 8; ++i) os << ' ' << missing[i];
     os << '.';
   }
-  return {os.str(), likely};
+  std::map<int, Heartbeat> beats = second.empty() ? first : second;
+  return {os.str(), likely, std::move(beats), std::set<int>(stale.begin(), stale.end()), now};
 }
 
 struct Diagnosis {
@@ -396,7 +364,9 @@ struct Diagnosis {
 
 }  // namespace
 
-PeerDiagnosis diagnose_peers(const std::vector<int>& global_ranks, int self) {
+namespace {
+
+PeerDiagnosis bounded_look(const std::vector<int>& global_ranks, int self, bool look_once) {
   {
     Monitor& m = monitor();
     std::lock_guard<std::mutex> g(m.mu);
@@ -404,10 +374,10 @@ PeerDiagnosis diagnose_peers(const std::vector<int>& global_ranks, int self) {
   }
   // On a thread of its own, so that a store that does not answer costs a bounded wait.
   auto d = std::make_shared<Diagnosis>();
-  std::thread([d, global_ranks, self] {
+  std::thread([d, global_ranks, self, look_once] {
     PeerDiagnosis found;
     try {
-      found = diagnose_unbounded(global_ranks, self);
+      found = diagnose_unbounded(global_ranks, self, look_once);
     } catch (...) {
     }
     std::lock_guard<std::mutex> l(d->mu);
@@ -419,6 +389,16 @@ PeerDiagnosis diagnose_peers(const std::vector<int>& global_ranks, int self) {
   if (d->cv.wait_for(l, kDiagnosisBudget, [&] { return d->done; })) return d->found;
   return {"The job's store did not answer the peer check within " + seconds(kDiagnosisBudget.count()) + ": " +
           kStoreGone};
+}
+
+}  // namespace
+
+PeerDiagnosis diagnose_peers(const std::vector<int>& global_ranks, int self) {
+  return bounded_look(global_ranks, self, false);
+}
+
+PeerDiagnosis peer_states(const std::vector<int>& global_ranks, int self) {
+  return bounded_look(global_ranks, self, true);
 }
 
 namespace {

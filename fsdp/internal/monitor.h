@@ -12,10 +12,14 @@
 //   process group return at once.
 #pragma once
 
+#include "fsdp/internal/heartbeat_record.h"
+
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <chrono>
+#include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -43,8 +47,11 @@ void note_failure(const std::string& what);
 
 /// What a failed collective's rank found out about its peers.
 struct PeerDiagnosis {
-  std::string text;  ///< a sentence, or "" when nothing is known
-  int peer = -1;     ///< the global rank that most likely caused it (stopped answering first), or -1
+  std::string text;                ///< a sentence, or "" when nothing is known
+  int peer = -1;                   ///< the global rank that most likely caused it (stopped answering first), or -1
+  std::map<int, Heartbeat> beats;  ///< the peers' heartbeats as last read (for the flight recorder's dump)
+  std::set<int> stale;             ///< the peers found not running (stopped, killed, exited)
+  int64_t read_at_ms = 0;          ///< unix ms of that read (0: none)
 };
 
 /// After a collective failed: a sentence about the peers among `global_ranks` (not this rank) —
@@ -52,6 +59,10 @@ struct PeerDiagnosis {
 /// heartbeat in this process: a single rank, a process group not made by fsdp::init_process_group).
 /// Takes at most about 3 seconds.
 PeerDiagnosis diagnose_peers(const std::vector<int>& global_ranks, int self);
+
+/// The peers' heartbeats as they are now, without a diagnosis (`text` empty unless the store does
+/// not answer): for a flight-recorder dump that no failure caused. At most about 3 seconds.
+PeerDiagnosis peer_states(const std::vector<int>& global_ranks, int self);
 
 /// Installs (once) a std::terminate handler that, when Gloo's transport thread aborts the process
 /// on a collective of mismatched size (an exception thrown where nothing can catch it), first

@@ -1,0 +1,171 @@
+// The flight recorder's file (fsdp/internal/flight_recorder.h): one JSON document per rank,
+// written atomically (a temporary file renamed over the old one), so that fsdp-trace never reads
+// half a file, even when a rank dumps twice (a signal, then a timeout). The format is described
+// in docs/usage.md ("When a run hangs: the flight recorder") and read by tools/trace_report.cpp.
+#include "fsdp/internal/flight_recorder.h"
+
+#include "fsdp/internal/env.h"
+#include "fsdp/internal/monitor.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <sstream>
+
+namespace fsdp::detail {
+namespace {
+
+constexpr int kFormatVersion = 1;
+
+std::string quoted(const std::string& s) {
+  std::string out = "\"";
+  for (const unsigned char c : s) {
+    switch (c) {
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
+      default:
+        if (c < 0x20) {
+          char buf[8];
+          std::snprintf(buf, sizeof(buf), "\\u%04x", c);
+          out += buf;
+        } else {
+          out += static_cast<char>(c);  // UTF-8 passes through
+        }
+    }
+  }
+  return out + "\"";
+}
+
+// mkdir -p (not std::filesystem: libtorch.so exports a copy of its symbols that crashes when called).
+std::string make_dirs(const std::string& dir) {
+  for (size_t at = 1; at <= dir.size(); ++at) {
+    if (at != dir.size() && dir[at] != '/') continue;
+    const std::string part = dir.substr(0, at);
+    if (::mkdir(part.c_str(), 0777) != 0 && errno != EEXIST) {
+      return "cannot create directory '" + part + "': " + std::strerror(errno);
+    }
+  }
+  struct stat st {};
+  if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) return "'" + dir + "' is not a directory";
+  return "";
+}
+
+void write_last(std::ostream& os, const LastCollective& l) {
+  if (!l.known()) {
+    os << "null";
+    return;
+  }
+  os << "{\"seq\": " << l.seq << ", \"group\": " << quoted(l.group) << ", \"group_seq\": " << l.group_seq
+     << ", \"op\": " << quoted(l.op) << ", \"what\": " << quoted(l.what) << ", \"state\": " << quoted(l.state) << "}";
+}
+
+std::string document(const std::string& reason, const PeerDiagnosis& peers, int rank, int world_size) {
+  const std::vector<TraceEntry> entries = trace_entries();
+  const std::string who = host_and_pid();
+  const int64_t now =
+      std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+          .count();
+  std::ostringstream os;
+  os << "{\n  \"format\": \"fsdp-flight-recorder\",\n  \"version\": " << kFormatVersion << ",\n  \"rank\": " << rank
+     << ",\n  \"world_size\": " << world_size << ",\n  \"host\": " << quoted(who.substr(0, who.rfind(':')))
+     << ",\n  \"pid\": " << ::getpid() << ",\n  \"dump_unix_ms\": " << now << ",\n  \"reason\": " << quoted(reason)
+     << ",\n  \"capacity\": " << trace_capacity() << ",\n  \"recorded\": " << trace_recorded() << ",\n  \"entries\": [";
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const TraceEntry& e = entries[i];
+    os << (i ? ",\n" : "\n") << "    {\"seq\": " << e.seq << ", \"group\": " << quoted(e.group ? e.group->name : "")
+       << ", \"group_ranks\": [";
+    if (e.group) {
+      for (size_t q = 0; q < e.group->global_ranks.size(); ++q) os << (q ? ", " : "") << e.group->global_ranks[q];
+    }
+    os << "], \"group_seq\": " << e.group_seq << ", \"op\": " << quoted(e.op) << ", \"what\": " << quoted(e.what)
+       << ", \"numel\": " << e.numel << ", \"dtype\": " << quoted(c10::toString(e.dtype)) << ", \"bytes\": " << e.bytes
+       << ", \"device\": " << quoted(e.device.str()) << ", \"issued_unix_ms\": " << e.issued_ms
+       << ", \"ended_unix_ms\": " << e.ended_ms << ", \"state\": " << quoted(trace_state_name(e.state)) << "}";
+  }
+  os << (entries.empty() ? "" : "\n  ") << "],\n  \"peers\": [";
+  bool first = true;
+  for (const auto& [peer, b] : peers.beats) {
+    os << (first ? "\n" : ",\n") << "    {\"rank\": " << peer << ", \"who\": " << quoted(b.who)
+       << ", \"heartbeat_unix_ms\": " << b.at_ms << ", \"heartbeat_seq\": " << b.seq
+       << ", \"stale\": " << (peers.stale.count(peer) ? "true" : "false")
+       << ", \"exited\": " << (b.exited ? "true" : "false") << ", \"activity\": " << quoted(b.activity)
+       << ", \"activity_since_unix_ms\": " << b.activity_since << ", \"failure\": " << quoted(b.failure)
+       << ", \"last_collective\": ";
+    write_last(os, b.last);
+    os << "}";
+    first = false;
+  }
+  os << (first ? "" : "\n  ") << "],\n  \"peers_read_unix_ms\": " << peers.read_at_ms
+     << ",\n  \"diagnosis\": " << quoted(peers.text) << "\n}\n";
+  return os.str();
+}
+
+}  // namespace
+
+std::string trace_dir() {
+  const char* d = getenv_or_null("FSDP_FLIGHT_RECORDER_DIR");
+  std::string dir = d ? d : "/tmp/fsdp-trace";
+  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+  return dir;
+}
+
+std::string trace_file(int global_rank) {
+  return trace_dir() + "/fsdp-trace-rank-" + std::to_string(global_rank) + ".json";
+}
+
+DumpResult dump_flight_record(const std::string& reason, const PeerDiagnosis& peers) {
+  if (trace_capacity() == 0) return {};
+  try {
+    int rank = -1, world = 0;
+    trace_identity(rank, world);
+    const std::string dir = trace_dir();
+    const std::string path =
+        rank >= 0 ? trace_file(rank) : dir + "/fsdp-trace-pid-" + std::to_string(::getpid()) + ".json";
+    if (std::string e = make_dirs(dir); !e.empty()) return {"", e};
+    const std::string text = document(reason, peers, rank, world);
+    // Unique per dump: the signal's thread and a failing collective may dump at the same time.
+    static std::atomic<int64_t> dumps{0};
+    const std::string tmp = path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(dumps++);
+    const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) return {"", "cannot create '" + tmp + "': " + std::strerror(errno)};
+    size_t done = 0;
+    while (done < text.size()) {
+      const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) {
+        const std::string e = std::strerror(errno);
+        ::close(fd);
+        ::unlink(tmp.c_str());
+        return {"", "cannot write '" + tmp + "': " + e};
+      }
+      done += static_cast<size_t>(n);
+    }
+    ::close(fd);
+    if (::rename(tmp.c_str(), path.c_str()) != 0) {
+      const std::string e = std::strerror(errno);
+      ::unlink(tmp.c_str());
+      return {"", "cannot rename '" + tmp + "' to '" + path + "': " + e};
+    }
+    return {path, ""};
+  } catch (const std::exception& e) {
+    return {"", e.what()};
+  }
+}
+
+}  // namespace fsdp::detail
