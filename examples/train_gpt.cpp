@@ -283,8 +283,9 @@ int run(const Args& args) {
   // global batch of it, this rank its share.
   fsdp::data::DistributedSampler sampler(samples, rank, world, fsdp::data::SamplerOptions(args.batch_size).seed(seed));
   if (!resume_from.empty()) {
-    const auto res =
-        fsdp::checkpoint::load(resume_from, model, *opt, fsdp::checkpoint::LoadOptions().sampler(&sampler));
+    // In place: the fresh model holds nothing to keep should the load fail (the run exits then).
+    const auto res = fsdp::checkpoint::load(resume_from, model, *opt,
+                                            fsdp::checkpoint::LoadOptions().sampler(&sampler).in_place(true));
     first_step = res.step;
     const auto batch = res.metadata.find("global_batch");
     if (rank == 0) {
