@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
 """A checkpoint every step: train_gpt at 2 ranks without saving, with --save-every 1 --async-save
---keep-last 2 (a save due while the previous one is being written is skipped on every rank), and
-with synchronous saves every step, for train_gpt's default model and fsdp_bench's (16 layers,
+--keep-last 2 (a save due while the previous one is being written is skipped on every rank), the
+same with --direct-io (O_DIRECT: no copy into the page cache), and with synchronous saves every step, for train_gpt's default model and fsdp_bench's (16 layers,
 n_embd 512). Reports each run's mean step time (train_gpt's summary: the slowest rank's mean over
 the steps after the first, which does not include the save after it), the time the loop was held
 by saves per step (a synchronous save whole; an asynchronous one its copy into the snapshot), their
 sum ("per step"), its ratio to the run without saving, the saves started and skipped,
 and the steps a failure would lose (steps since the latest committed checkpoint, after each step:
-max and mean), side by side in one run.
+max and mean), side by side in one run: each mode --repeat times (default 3), the modes in turn,
+medians reported (per-step figures on this shared 2-core machine move by 10-30% between runs).
 
     python3 benchmarks/save_every_step.py --train-gpt build/examples/train_gpt \\
         --torchrun $VENV/bin/torchrun --out benchmarks/results/save_every_step
@@ -30,8 +31,14 @@ MODELS = {
 MODES = {
     "no saving": [],
     "async every step": ["--save-every", "1", "--async-save", "--keep-last", "2"],
+    "async, O_DIRECT": ["--save-every", "1", "--async-save", "--keep-last", "2", "--direct-io"],
     "sync every step": ["--save-every", "1", "--keep-last", "2"],
 }
+
+
+def median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
 
 
 def main():
@@ -40,28 +47,40 @@ def main():
     ap.add_argument("--torchrun", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--timeout", type=int, default=900)
+    ap.add_argument("--repeat", type=int, default=3, help="runs of each mode, interleaved; medians reported")
     a = ap.parse_args()
     rows, lines = [], []
     for model, margs in MODELS.items():
-        base = None
-        for mode, sargs in MODES.items():
-            with tempfile.TemporaryDirectory(prefix="fsdp-save-every-step-", dir=os.path.dirname(a.out)) as d:
-                extra = ["--save-dir", d] + sargs if sargs else []
-                cmd = command(a.train_gpt, a.torchrun, 2, ["--seed", "1", "--json"] + margs + extra)
-                steps, summary = run(cmd, a.timeout)
-            step_ms = max(summary["per_rank_mean_step_ms"])
-            held_ms = 1000.0 * summary["save_held_s"] / len(steps)
-            ms = step_ms + held_ms
-            base = ms if base is None else base
-            r = dict(model=model, mode=mode, mean_step_ms=step_ms, held_ms_per_step=held_ms, per_step_ms=ms,
-                     ratio=ms / base, steps=len(steps),
-                     saves_started=summary["saves_started"], saves_skipped=summary["saves_skipped"],
-                     steps_lost_max=summary["steps_lost_max"], steps_lost_mean=summary["steps_lost_mean"],
-                     save_held_s=summary["save_held_s"], command=" ".join(cmd))
+        runs = {mode: [] for mode in MODES}
+        for rep in range(a.repeat):  # the modes in turn, so that the machine's drift hits all alike
+            for mode, sargs in MODES.items():
+                with tempfile.TemporaryDirectory(prefix="fsdp-save-every-step-", dir=os.path.dirname(a.out)) as d:
+                    extra = ["--save-dir", d] + sargs if sargs else []
+                    cmd = command(a.train_gpt, a.torchrun, 2, ["--seed", "1", "--json"] + margs + extra)
+                    steps, summary = run(cmd, a.timeout)
+                step_ms = max(summary["per_rank_mean_step_ms"])
+                held_ms = 1000.0 * summary["save_held_s"] / len(steps)
+                runs[mode].append(dict(step_ms=step_ms, held_ms=held_ms, per_step_ms=step_ms + held_ms,
+                                       summary=summary, steps=len(steps), command=" ".join(cmd)))
+                print(f"  {model} / {mode} / run {rep + 1}: {step_ms + held_ms:.1f} ms per step", flush=True)
+        base = median([x["per_step_ms"] for x in runs["no saving"]])
+        for mode, xs in runs.items():
+            step_ms = median([x["step_ms"] for x in xs])
+            held_ms = median([x["held_ms"] for x in xs])
+            ms = median([x["per_step_ms"] for x in xs])
+            started = sum(x["summary"]["saves_started"] for x in xs)
+            skipped = sum(x["summary"]["saves_skipped"] for x in xs)
+            lost_max = max(x["summary"]["steps_lost_max"] for x in xs)
+            lost_mean = sum(x["summary"]["steps_lost_mean"] for x in xs) / len(xs)
+            r = dict(model=model, mode=mode, runs=len(xs), median_step_ms=step_ms, median_held_ms_per_step=held_ms,
+                     median_per_step_ms=ms, ratio=ms / base, per_run_ms=[x["per_step_ms"] for x in xs],
+                     saves_started=started, saves_skipped=skipped, steps_lost_max=lost_max,
+                     steps_lost_mean=lost_mean, commands=[x["command"] for x in xs])
             rows.append(r)
             lines.append(f"{model:34s} {mode:18s} step {step_ms:7.1f} + held {held_ms:6.1f} = {ms:7.1f} ms  "
-                         f"x{ms / base:5.2f}  saves {r['saves_started']:3d} started {r['saves_skipped']:3d} skipped  "
-                         f"steps lost max {r['steps_lost_max']} mean {r['steps_lost_mean']:.2f}")
+                         f"x{ms / base:5.2f}  (runs: {', '.join(f'{v:.0f}' for v in r['per_run_ms'])})  "
+                         f"saves {started:3d} started {skipped:3d} skipped  "
+                         f"steps lost max {lost_max} mean {lost_mean:.2f}")
             print(lines[-1], flush=True)
     with open(a.out + ".json", "w") as f:
         json.dump(rows, f, indent=1)

@@ -24,8 +24,8 @@ namespace examples {
 class Checkpoints {
  public:
   /// `every` 0: no saves. `keep_last` 0: keep all.
-  Checkpoints(std::string dir, int64_t every, bool async, int keep_last)
-      : dir_(std::move(dir)), every_(every), async_(async), keep_last_(keep_last) {}
+  Checkpoints(std::string dir, int64_t every, bool async, int keep_last, bool direct_io)
+      : dir_(std::move(dir)), every_(every), async_(async), keep_last_(keep_last), direct_io_(direct_io) {}
 
   /// The latest checkpoint under the directory ("" when there is none) and the seed its sampler
   /// was built with (a checkpoint without a sampler state is refused: not this program's).
@@ -53,6 +53,7 @@ class Checkpoints {
                                .step(step + 1)
                                .sampler_state(sampler.state())
                                .keep_last(keep_last_)
+                               .direct_io(direct_io_)
                                .metadata(metadata);
       if (async_) {
         if (!saver_) {
@@ -106,6 +107,7 @@ class Checkpoints {
   int64_t every_;
   bool async_;
   int keep_last_;
+  bool direct_io_;
   std::unique_ptr<fsdp::checkpoint::AsyncSaver> saver_;
   int64_t started_ = 0, skipped_ = 0, lost_max_ = 0, lost_sum_ = 0, steps_ = 0;
   double held_seconds_ = 0;

@@ -8,11 +8,13 @@
 
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <climits>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -51,7 +53,8 @@ void run_parallel(size_t n, int threads, const std::function<void(int, size_t)>&
 
 struct AlignedBuffer {
   void* p = nullptr;
-  AlignedBuffer(uint64_t align, uint64_t n) {
+  uint64_t align = 0, n = 0;
+  AlignedBuffer(uint64_t align_, uint64_t n_) : align(align_), n(n_) {
     FSDP_CHECK(::posix_memalign(&p, align, n) == 0, "fsdp::checkpoint: cannot allocate ", n, " bytes for I/O");
   }
   ~AlignedBuffer() { std::free(p); }
@@ -84,6 +87,68 @@ void pwrite_all(int fd, const std::string& path, const char* p, uint64_t n, uint
   }
 }
 
+// pwrite_all of several pieces of memory that follow each other in the file, without copying them
+// together first (at most IOV_MAX at a time).
+void pwritev_all(int fd, const std::string& path, std::vector<iovec> iov, uint64_t offset) {
+  const uint64_t first = offset;
+  uint64_t total = 0;
+  for (const auto& v : iov) total += v.iov_len;
+  size_t i = 0;
+  while (i < iov.size()) {
+    const int injected = injected_write_error(path);
+    errno = injected;
+    const int count = static_cast<int>(std::min<size_t>(iov.size() - i, IOV_MAX));
+    const ssize_t w = injected != 0 ? -1 : ::pwritev(fd, iov.data() + i, count, static_cast<off_t>(offset));
+    if (w < 0 && errno == EINTR) continue;
+    FSDP_CHECK(w > 0, "fsdp::checkpoint: writing bytes ", first, " to ", first + total, " of '", path,
+               "' failed at byte ", offset, ": ", std::strerror(errno));
+    offset += static_cast<uint64_t>(w);
+    for (auto left = static_cast<uint64_t>(w); left > 0;) {  // skip what was written
+      if (left >= iov[i].iov_len) {
+        left -= iov[i].iov_len;
+        ++i;
+      } else {
+        iov[i].iov_base = static_cast<char*>(iov[i].iov_base) + left;
+        iov[i].iov_len -= left;
+        left = 0;
+      }
+    }
+    while (i < iov.size() && iov[i].iov_len == 0) ++i;
+  }
+}
+
+// Direct I/O's aligned buffers, kept between files (a save every step would otherwise map, fault in
+// and unmap one per thread each time): at most kKept, each freed when its size or alignment no
+// longer fits.
+class BufferPool {
+ public:
+  std::unique_ptr<AlignedBuffer> take(uint64_t align, uint64_t n) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      while (!kept_.empty()) {
+        std::unique_ptr<AlignedBuffer> b = std::move(kept_.back());
+        kept_.pop_back();
+        if (b->align == align && b->n == n) return b;
+      }
+    }
+    return std::make_unique<AlignedBuffer>(align, n);
+  }
+  void give_back(std::unique_ptr<AlignedBuffer> b) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (b && kept_.size() < kKept) kept_.push_back(std::move(b));
+  }
+
+ private:
+  static constexpr size_t kKept = 4;
+  std::mutex mu_;
+  std::vector<std::unique_ptr<AlignedBuffer>> kept_;
+};
+
+BufferPool& buffer_pool() {
+  static BufferPool* pool = new BufferPool();  // never destroyed: saves may run at exit
+  return *pool;
+}
+
 }  // namespace
 
 void write_pieces(const std::string& path, const std::vector<IoPiece>& pieces, const IoOptions& options) {
@@ -112,19 +177,32 @@ void write_pieces(const std::string& path, const std::vector<IoPiece>& pieces, c
   }
   const size_t blocks = static_cast<size_t>((size + block - 1) / block);
   const int threads = options.threads;
-  // One aligned buffer per thread, allocated at its first block that needs one.
+  // Direct I/O: one aligned buffer per thread, taken at its first block and given back after.
   std::vector<std::unique_ptr<AlignedBuffer>> buffers(static_cast<size_t>(threads));
+  struct GiveBack {
+    std::vector<std::unique_ptr<AlignedBuffer>>& buffers;
+    ~GiveBack() {
+      for (auto& b : buffers) buffer_pool().give_back(std::move(b));
+    }
+  } give_back{buffers};
   run_parallel(blocks, threads, [&](int worker, size_t b) {
     const uint64_t lo = b * block, hi = std::min(size, lo + block);
     // The pieces this block overlaps: the first is the last piece starting at or before lo.
     size_t k = static_cast<size_t>(std::upper_bound(starts.begin(), starts.end(), lo) - starts.begin()) - 1;
     while (k < pieces.size() && pieces[k].n == 0) ++k;
-    if (!options.direct && k < pieces.size() && starts[k] + pieces[k].n >= hi) {
-      pwrite_all(fd, path, static_cast<const char*>(pieces[k].data) + (lo - starts[k]), hi - lo, lo);
+    if (!options.direct) {  // straight from the pieces' memory, gathered by the kernel
+      std::vector<iovec> iov;
+      for (uint64_t at = lo; at < hi; ++k) {
+        const uint64_t end = std::min(hi, starts[k] + pieces[k].n);
+        if (end <= at) continue;
+        iov.push_back({const_cast<char*>(static_cast<const char*>(pieces[k].data)) + (at - starts[k]), end - at});
+        at = end;
+      }
+      pwritev_all(fd, path, std::move(iov), lo);
       return;
     }
     auto& mine = buffers[static_cast<size_t>(worker)];
-    if (!mine) mine = std::make_unique<AlignedBuffer>(align, block);
+    if (!mine) mine = buffer_pool().take(align, block);
     auto* buf = static_cast<char*>(mine->p);
     for (uint64_t at = lo; at < hi; ++k) {
       const uint64_t end = std::min(hi, starts[k] + pieces[k].n);
