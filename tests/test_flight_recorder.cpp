@@ -10,6 +10,8 @@
 #include "tests/models.h"
 #include "tools/trace_report.h"
 
+#include <nlohmann/json.hpp>
+
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/sgd.h>
 
@@ -19,6 +21,7 @@
 #include <csignal>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <thread>
 
 namespace fsdp::testing {
@@ -144,6 +147,35 @@ TEST(FlightRecorder, StoppedPeerIsNamedBehindAtItsLastCollective) {
                   std::string::npos)
             << g.verdict;
         EXPECT_NE(fsdp::trace::format_json(report).find("\"behind\": [\n    1\n  ]"), std::string::npos);
+
+        // Files of another run beside this one (the default directory is shared) are refused, as
+        // are two files of one rank: each would give a confident, wrong verdict.
+        auto error_of_read = [](const std::vector<std::string>& paths) {
+          try {
+            fsdp::trace::read_dumps(paths);
+          } catch (const std::exception& e) {
+            return std::string(e.what());
+          }
+          return std::string();
+        };
+        nlohmann::json mine_json;
+        std::ifstream(file) >> mine_json;
+        ASSERT_FALSE(mine_json.value("job", "").empty());
+        auto write_as_rank1 = [&](const std::string& path, const std::function<void(nlohmann::json&)>& edit) {
+          nlohmann::json j = mine_json;
+          j["rank"] = 1;
+          j["peers"] = nlohmann::json::array();
+          edit(j);
+          std::ofstream(path) << j.dump();
+        };
+        const std::string other_run = dir + "/other-run.json", other_pid = dir + "/other-pid.json";
+        write_as_rank1(other_run, [](nlohmann::json& j) { j["job"] = "run x, store 127.0.0.1:1, restart 0"; });
+        EXPECT_NE(error_of_read({file, other_run}).find("were written by different runs"), std::string::npos);
+        // Rank 0's heartbeats named rank 1's process: a rank-1 file of another pid is another run's.
+        write_as_rank1(other_pid, [](nlohmann::json& j) { j["pid"] = 1; });
+        EXPECT_NE(error_of_read({file, other_pid}).find("names rank 1 as process"), std::string::npos)
+            << error_of_read({file, other_pid});
+        EXPECT_NE(error_of_read({file, file}).find("two files for rank 0"), std::string::npos);
       },
       opts);
 }

@@ -22,8 +22,9 @@ int main(int argc, char** argv) {
       "  killed) is placed by the heartbeat the other ranks recorded of it.\n"
       "  DIR: every fsdp-trace-*.json in it (FSDP_FLIGHT_RECORDER_DIR, default /tmp/fsdp-trace).\n"
       "  --json: the report as JSON on stdout.\n"
-      "  Exit status: 0 when the files were read (a rank behind or not), 1 when a file cannot be read,\n"
-      "  2 on bad usage.\n";
+      "  Files of different runs, or two files of one rank, are refused (remove the older ones).\n"
+      "  Exit status: 0 when the files were read (a rank behind or not), 1 when a file cannot be read, a\n"
+      "  directory holds none, or the files are not of one run; 2 on bad usage.\n";
   bool as_json = false;
   std::vector<std::string> paths;
   for (int i = 1; i < argc; ++i) {

@@ -6,7 +6,9 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <ctime>
 #include <fstream>
 #include <map>
@@ -107,7 +109,7 @@ json collective_json(const std::optional<Collective>& c) {
 
 Dump read_dump(const std::string& path) {
   std::ifstream in(path);
-  if (!in) throw std::runtime_error("cannot open '" + path + "'");
+  if (!in) throw std::runtime_error("cannot open '" + path + "': " + std::strerror(errno));
   try {
     const json j = json::parse(in);
     if (j.value("format", "") != "fsdp-flight-recorder") throw std::runtime_error("not a flight-recorder file");
@@ -116,6 +118,7 @@ Dump read_dump(const std::string& path) {
     d.rank = j.at("rank").get<int>();
     d.world_size = j.at("world_size").get<int>();
     d.host = j.value("host", "");
+    d.job = j.value("job", "");
     d.pid = j.value("pid", int64_t{0});
     d.reason = j.value("reason", "");
     d.diagnosis = j.value("diagnosis", "");
@@ -155,14 +158,39 @@ std::vector<Dump> read_dumps(const std::vector<std::string>& paths) {
       out.push_back(read_dump(p));
     }
   }
-  // One file per rank: the newest, when the same rank's files were named twice.
-  std::map<int, Dump> by_rank;
-  for (auto& d : out) {
-    auto it = by_rank.find(d.rank);
-    if (it == by_rank.end() || it->second.dump_unix_ms < d.dump_unix_ms) by_rank[d.rank] = std::move(d);
+  // One file per rank, all of one run: files left by different runs in one directory (the default
+  // one is shared) would give a confident, wrong verdict, so they are refused, saying which.
+  std::map<int, const Dump*> by_rank;
+  for (const auto& d : out) {
+    const auto [it, fresh] = by_rank.emplace(d.rank, &d);
+    if (!fresh) {
+      throw std::runtime_error("two files for rank " + std::to_string(d.rank) + ": '" + it->second->path + "' (pid " +
+                               std::to_string(it->second->pid) + ") and '" + d.path + "' (pid " +
+                               std::to_string(d.pid) + "). Give the files of one run (one per rank).");
+    }
   }
-  out.clear();
-  for (auto& [r, d] : by_rank) out.push_back(std::move(d));
+  for (const auto& d : out) {
+    if (d.job != out.front().job) {
+      throw std::runtime_error("'" + out.front().path + "' and '" + d.path + "' were written by different runs (" +
+                               out.front().job + "; " + d.job +
+                               "). Give the files of one run: remove the older ones, or set FSDP_FLIGHT_RECORDER_DIR "
+                               "per job.");
+    }
+  }
+  for (const auto& d : out) {
+    for (const auto& p : d.peers) {  // what this rank's heartbeats said of each peer: the same process
+      const auto it = by_rank.find(p.rank);
+      if (it == by_rank.end() || p.who.empty()) continue;
+      const std::string who = it->second->host + ":" + std::to_string(it->second->pid);
+      if (p.who != who) {
+        throw std::runtime_error("'" + d.path + "' names rank " + std::to_string(p.rank) + " as process " + p.who +
+                                 ", but '" + it->second->path + "' was written by " + who +
+                                 ": the files are of different runs. Give the files of one run: remove the older "
+                                 "ones, or set FSDP_FLIGHT_RECORDER_DIR per job.");
+      }
+    }
+  }
+  std::sort(out.begin(), out.end(), [](const Dump& a, const Dump& b) { return a.rank < b.rank; });
   return out;
 }
 

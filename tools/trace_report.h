@@ -36,6 +36,7 @@ struct Dump {
   int rank = -1, world_size = 0;
   std::string host, reason, diagnosis;
   int64_t pid = 0, dump_unix_ms = 0, capacity = 0, recorded = 0, peers_read_unix_ms = 0;
+  std::string job;  ///< the run that wrote it (torchrun's run id, store address, restart count)
   std::vector<Collective> entries;  ///< oldest first
   std::vector<PeerRecord> peers;
 };

@@ -192,7 +192,9 @@ namespace {
              " but the manifest says ", hex(c.crc32c[static_cast<size_t>(block)]), ". The file is corrupt; ",
              in_place ? "it was read in place (LoadOptions::in_place), so this rank's shards now hold part of it"
                       : "nothing was loaded",
-             ". Restore it or load an earlier checkpoint ('fsdp-ckpt verify ", m.dir, "' lists every fault).");
+             in_place ? ". Build the model and optimizer again, then restore the file or load an earlier checkpoint"
+                      : ". Restore it or load an earlier checkpoint",
+             " ('fsdp-ckpt verify ", m.dir, "' lists every fault).");
 }
 
 }  // namespace

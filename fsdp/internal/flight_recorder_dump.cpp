@@ -15,6 +15,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <sstream>
 
@@ -75,6 +76,18 @@ void write_last(std::ostream& os, const LastCollective& l) {
      << ", \"op\": " << quoted(l.op) << ", \"what\": " << quoted(l.what) << ", \"state\": " << quoted(l.state) << "}";
 }
 
+// Which run wrote the file, so that fsdp-trace refuses to compare files of different runs left in
+// one directory: torchrun's run id, the job's store address and the restart count (each may be
+// missing: a process started by hand).
+std::string job_identity() {
+  auto env = [](const char* name) {
+    const char* v = std::getenv(name);
+    return std::string(v != nullptr ? v : "");
+  };
+  return "run " + env("TORCHELASTIC_RUN_ID") + ", store " + env("MASTER_ADDR") + ":" + env("MASTER_PORT") +
+         ", restart " + env("TORCHELASTIC_RESTART_COUNT");
+}
+
 std::string document(const std::string& reason, const PeerDiagnosis& peers, int rank, int world_size) {
   const std::vector<TraceEntry> entries = trace_entries();
   const std::string who = host_and_pid();
@@ -83,8 +96,9 @@ std::string document(const std::string& reason, const PeerDiagnosis& peers, int 
           .count();
   std::ostringstream os;
   os << "{\n  \"format\": \"fsdp-flight-recorder\",\n  \"version\": " << kFormatVersion << ",\n  \"rank\": " << rank
-     << ",\n  \"world_size\": " << world_size << ",\n  \"host\": " << quoted(who.substr(0, who.rfind(':')))
-     << ",\n  \"pid\": " << ::getpid() << ",\n  \"dump_unix_ms\": " << now << ",\n  \"reason\": " << quoted(reason)
+     << ",\n  \"world_size\": " << world_size << ",\n  \"job\": " << quoted(job_identity())
+     << ",\n  \"host\": " << quoted(who.substr(0, who.rfind(':'))) << ",\n  \"pid\": " << ::getpid()
+     << ",\n  \"dump_unix_ms\": " << now << ",\n  \"reason\": " << quoted(reason)
      << ",\n  \"capacity\": " << trace_capacity() << ",\n  \"recorded\": " << trace_recorded() << ",\n  \"entries\": [";
   for (size_t i = 0; i < entries.size(); ++i) {
     const TraceEntry& e = entries[i];
