@@ -85,8 +85,9 @@ struct AsyncSaver::Impl {
       // Every rank must make the same choice, or their saves would pair up wrongly: whether any
       // rank's previous save is still being written is agreed on the caller's thread, over the
       // model's group (where this call sits between steps, like a synchronous save).
-      const bool busy = detail::Group::of(model).agree(
-          "fsdp::checkpoint::AsyncSaver::save: is a save still being written", running());
+      const bool busy = !detail::Group::of(model)
+                             .agree("fsdp::checkpoint::AsyncSaver::save: is a save still being written", running())
+                             .empty();
       if (busy && options.if_busy() == IfBusy::kSkip) {
         out.skipped = true;
         out.seconds = since(t0);

@@ -126,7 +126,11 @@ void check_faults(Rank& r) {
     EXPECT_NE(msg.find("fsdp::checkpoint::load (rank " + std::to_string(r.rank) + " of 2) of '" + dir + "': "),
               std::string::npos)
         << msg;
-    EXPECT_NE(msg.find(finds ? f.message : "failed on another rank (its error says why); the model was left as it was"),
+    std::string finders;  // the ranks whose errors say why, named by the others
+    for (int q : f.found_by) finders += (finders.empty() ? "" : ", ") + std::to_string(q);
+    EXPECT_NE(msg.find(finds ? f.message
+                             : "failed on another rank: rank" + std::string(f.found_by.size() > 1 ? "s " : " ") +
+                                   finders + " (its error says why); the model was left as it was"),
               std::string::npos)
         << msg;
     expect_bit_exact(model.full_state_dict(), before, std::string(f.name) + ": the model is untouched");

@@ -137,8 +137,8 @@ void check_all(Rank& r) {
   const std::string msg = error_of([&] { checkpoint::save(root, model, checkpoint::SaveOptions().name(latest_name)); });
   const std::string where = "fsdp::checkpoint::save (rank " + std::to_string(r.rank) + " of " + std::to_string(W) +
                             ", '" + latest + "'): creating the staging directory failed ";
-  EXPECT_NE(msg.find(where +
-                     (r.rank == 0 ? "on this rank: " : "on another rank (its error says why); nothing was committed.")),
+  EXPECT_NE(msg.find(where + (r.rank == 0 ? "on this rank: "
+                                          : "on another rank: rank 0 (its error says why); nothing was committed.")),
             std::string::npos)
       << msg;
   if (r.rank == 0)

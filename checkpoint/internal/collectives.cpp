@@ -27,15 +27,16 @@ Group Group::own(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, std::chrono::
   return g;
 }
 
-bool Group::agree(const std::string& what, bool failed) const {
+std::vector<int> Group::agree(const std::string& what, bool failed) const {
   const uint64_t payload = Fingerprint().add(what).value();
   const std::vector<int64_t> votes =
       model_ != nullptr ? fsdp::detail::agree(*model_, Call::kCheckpointPhase, payload, what, failed ? 1 : 0)
                         : comm_->agree(Call::kCheckpointPhase, payload, what, {}, failed ? 1 : 0);
-  for (int64_t v : votes) {
-    if (v != 0) return true;
+  std::vector<int> out;
+  for (size_t r = 0; r < votes.size(); ++r) {
+    if (votes[r] != 0) out.push_back(comm_->global_ranks().at(r));
   }
-  return false;
+  return out;
 }
 
 std::vector<std::string> Group::gather_to_rank0(const std::string& text, const std::string& what) const {
@@ -62,11 +63,14 @@ void agree(const Group& group, const std::string& call, const std::string& where
   } catch (...) {
     error = error_text(std::current_exception());
   }
-  const bool any_failed = group.agree(call + ": " + phase, !error.empty());
-  const ErrorContext context = group.error_context(call + ": " + phase);
+  const std::vector<int> failed = group.agree(call + ": " + phase, !error.empty());
+  ErrorContext context = group.error_context(call + ": " + phase);
   FSDP_CHECK_IN(context, error.empty(), where, ": ", phase, " failed on this rank: ", error);
-  FSDP_CHECK_IN(context, !any_failed, where, ": ", phase, " failed on another rank (its error says why); ", consequence,
-                ".");
+  if (failed.empty()) return;
+  // The ranks whose errors say why, so that the log to read is known at once in a large job.
+  FSDP_CHECK_IN(context.peer(failed.front()), false, where, ": ", phase,
+                " failed on another rank: ", failed.size() == 1 ? "rank " : "ranks ", fsdp::detail::list_ranks(failed),
+                " (its error says why); ", consequence, ".");
 }
 
 }  // namespace fsdp::checkpoint::detail

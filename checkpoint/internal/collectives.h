@@ -31,7 +31,8 @@ class Group {
   int rank() const { return comm_->rank(); }
   int size() const { return comm_->world_size(); }
   /// Agrees that a phase went well: see agree() below. Returns whether any rank voted `failed`.
-  bool agree(const std::string& what, bool failed) const;
+  /// The global ranks that voted `failed`, in order (empty: none).
+  std::vector<int> agree(const std::string& what, bool failed) const;
   /// What an error of this group carries: this process's global rank, the group, `operation`.
   ErrorContext error_context(const std::string& operation) const { return comm_->error_context(operation); }
   /// Every rank's `text`, on rank 0 in rank order (empty elsewhere): each rank sends its own only.
