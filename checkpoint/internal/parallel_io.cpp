@@ -73,29 +73,17 @@ uint64_t direct_alignment(int fd, const std::string& path) {
   return std::max<uint64_t>({stx.stx_dio_offset_align, stx.stx_dio_mem_align, 512});
 }
 
-void pwrite_all(int fd, const std::string& path, const char* p, uint64_t n, uint64_t offset) {
-  const int injected = injected_write_error(path);
-  while (n > 0) {
-    errno = injected;
-    const ssize_t w = injected != 0 ? -1 : ::pwrite(fd, p, n, static_cast<off_t>(offset));
-    if (w < 0 && errno == EINTR) continue;
-    FSDP_CHECK(w > 0, "fsdp::checkpoint: writing bytes ", offset, " to ", offset + n, " of '", path,
-               "' failed: ", std::strerror(errno));
-    p += w;
-    n -= static_cast<uint64_t>(w);
-    offset += static_cast<uint64_t>(w);
-  }
-}
-
-// pwrite_all of several pieces of memory that follow each other in the file, without copying them
-// together first (at most IOV_MAX at a time).
+// Writes pieces of memory that follow each other in the file at `offset`, without copying them
+// together first (at most IOV_MAX at a time), through partial writes and EINTR; an error names the
+// file and the bytes.
 void pwritev_all(int fd, const std::string& path, std::vector<iovec> iov, uint64_t offset) {
+  const int injected = injected_write_error(path);
   const uint64_t first = offset;
   uint64_t total = 0;
   for (const auto& v : iov) total += v.iov_len;
-  size_t i = 0;
-  while (i < iov.size()) {
-    const int injected = injected_write_error(path);
+  for (size_t i = 0;;) {
+    while (i < iov.size() && iov[i].iov_len == 0) ++i;  // written, or empty
+    if (i == iov.size()) return;
     errno = injected;
     const int count = static_cast<int>(std::min<size_t>(iov.size() - i, IOV_MAX));
     const ssize_t w = injected != 0 ? -1 : ::pwritev(fd, iov.data() + i, count, static_cast<off_t>(offset));
@@ -103,18 +91,18 @@ void pwritev_all(int fd, const std::string& path, std::vector<iovec> iov, uint64
     FSDP_CHECK(w > 0, "fsdp::checkpoint: writing bytes ", first, " to ", first + total, " of '", path,
                "' failed at byte ", offset, ": ", std::strerror(errno));
     offset += static_cast<uint64_t>(w);
-    for (auto left = static_cast<uint64_t>(w); left > 0;) {  // skip what was written
-      if (left >= iov[i].iov_len) {
-        left -= iov[i].iov_len;
-        ++i;
-      } else {
-        iov[i].iov_base = static_cast<char*>(iov[i].iov_base) + left;
-        iov[i].iov_len -= left;
-        left = 0;
-      }
+    for (auto left = static_cast<uint64_t>(w); left > 0; ++i) {  // what was written, off the front
+      const uint64_t done = std::min<uint64_t>(left, iov[i].iov_len);
+      iov[i].iov_base = static_cast<char*>(iov[i].iov_base) + done;
+      iov[i].iov_len -= done;
+      left -= done;
+      if (iov[i].iov_len > 0) break;
     }
-    while (i < iov.size() && iov[i].iov_len == 0) ++i;
   }
+}
+
+void pwrite_all(int fd, const std::string& path, const char* p, uint64_t n, uint64_t offset) {
+  pwritev_all(fd, path, {{const_cast<char*>(p), n}}, offset);
 }
 
 // Direct I/O's aligned buffers, kept between files (a save every step would otherwise map, fault in

@@ -229,7 +229,6 @@ void ShardReader::read(int threads) {
         if (block >= 0) corrupt_block(m_, *p.tensor, *p.chunk, block, got, true);
       };
       requests.push_back({fd, &paths[c.file], at, n, dst, std::move(check)});
-      wrote_in_place_ = true;
     }
   }
   read_parallel(requests, threads, kReadBlock);
@@ -242,6 +241,10 @@ void ShardReader::read(int threads) {
     const int64_t block = first_bad_block(c, p.lo, r.data.get() + (p.lo - r.begin), p.hi - p.lo, got);
     if (block >= 0) corrupt_block(m_, *p.tensor, c, block, got, false);
   }
+}
+
+bool ShardReader::reads_in_place() const {
+  return std::any_of(pieces_.begin(), pieces_.end(), [](const Piece& p) { return p.direct != nullptr; });
 }
 
 void ShardReader::apply() {

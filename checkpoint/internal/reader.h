@@ -42,7 +42,7 @@ struct ReadStats {
 /// whose destination rows are contiguous CPU memory of the saved dtype is read straight into the
 /// destination and verified there, by the thread that read it; the rest as above. No host copy,
 /// no second pass over the bytes, but a failed read leaves those destinations overwritten
-/// (wrote_in_place()).
+/// (reads_in_place()).
 class ShardReader {
  public:
   ShardReader(const Manifest& manifest, std::vector<ReadTarget> targets, bool in_place = false);
@@ -56,8 +56,9 @@ class ShardReader {
   static constexpr uint64_t kReadBlock = uint64_t{8} << 20;
   void apply();
   const ReadStats& stats() const { return stats_; }
-  /// read() began writing into a destination (in place): after its failure they hold a mix.
-  bool wrote_in_place() const { return wrote_in_place_; }
+  /// Some pieces are read straight into their destinations: once read() has begun, a failure
+  /// (here or on another rank) leaves those destinations a mix.
+  bool reads_in_place() const;
 
  private:
   struct Piece;  // one target's rows out of one chunk
@@ -68,7 +69,6 @@ class ShardReader {
   std::vector<Range> ranges_;
   std::vector<int> fds_;  // per manifest file, -1 when not needed
   ReadStats stats_;
-  bool wrote_in_place_ = false;
 };
 
 }  // namespace fsdp::checkpoint::detail

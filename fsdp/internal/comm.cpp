@@ -149,10 +149,13 @@ void Comm::wait(Pending& pending) const {
   }
   Activity activity(p.what);  // what this rank's heartbeat tells its peers meanwhile
   const auto start = clock::now();
+  const char* const kTimeout = "it did not complete within the timeout (a peer did not take part in time)";
   std::string cause;
+  bool timed_out = false;
   try {
     if (!wait_bounded(*p.work, timeout_, p.cpu)) {
-      cause = "it did not complete within the timeout (a peer did not take part in time)";
+      cause = kTimeout;
+      timed_out = true;
     } else if (p.cpu) {
       // Gloo's worker thread still holds the work, and with it the collective's tensors (and
       // staging copies), for a moment after it completes. Waiting for it to let go makes memory
@@ -164,15 +167,14 @@ void Comm::wait(Pending& pending) const {
     }
   } catch (const std::exception& e) {
     cause = error_text(e);
-    if (recognize_foreign_error(cause) == ForeignError::kTimeout) {
-      cause = "it did not complete within the timeout (a peer did not take part in time)";
-    }
+    timed_out = recognize_foreign_error(cause) == ForeignError::kTimeout;
+    if (timed_out) cause = kTimeout;
   }
   if (cause.empty()) {
     trace_end(p.trace, TraceState::kCompleted);
     return;
   }
-  fail(p, cause, std::chrono::duration_cast<milliseconds>(clock::now() - start));
+  fail(p, cause, std::chrono::duration_cast<milliseconds>(clock::now() - start), timed_out);
 }
 
 void Comm::wait_on_stream(Pending& p) const {
@@ -223,7 +225,7 @@ void Comm::wait_on_event(Pending& p) const {
            ? "the backend's watchdog timed out a collective (a peer did not take part in time)"
            : (error == c10d::ErrorType::REMOTE_ERROR ? "the backend's watchdog reported a peer's failure"
                                                      : "the backend's watchdog reported a communication error"),
-       milliseconds(0));
+       milliseconds(0), error == c10d::ErrorType::TIMEOUT);
 }
 
 ErrorContext Comm::error_context(const std::string& operation) const {
@@ -234,12 +236,10 @@ ErrorContext Comm::error_context(const std::string& operation) const {
                                     : group_.name + " (global ranks " + list_ranks(group_.global_ranks) + ")");
 }
 
-void Comm::fail(const Pending& p, const std::string& cause, milliseconds waited) const {
+void Comm::fail(const Pending& p, const std::string& cause, milliseconds waited, bool timed_out) const {
   // Its worker threads may still be inside the collective: kept alive until exit, so that
   // neither this error nor destroying the process group waits for them.
   abandon_backend(p.backend);
-  const bool timed_out = cause.find("did not complete within the timeout") != std::string::npos ||
-                         cause.find("timed out") != std::string::npos;
   trace_end(p.trace, timed_out ? TraceState::kTimedOut : TraceState::kFailed);
   note_failure(p.what);
   // Every rank of the job, not only this group's: under hybrid sharding a rank of another group

@@ -177,7 +177,9 @@ class Comm {
   /// `op` names the collective in the flight recorder ("all-gather", "agreement", ...).
   Pending launch(const char* op, const std::string& what, const at::Tensor& t, const Start& start,
                  std::optional<SideStream> side = std::nullopt) const;
-  [[noreturn]] void fail(const Pending& p, const std::string& cause, std::chrono::milliseconds waited) const;
+  /// `timed_out`: the caller saw the timeout run out (recorded as such, and named in the dump).
+  [[noreturn]] void fail(const Pending& p, const std::string& cause, std::chrono::milliseconds waited,
+                         bool timed_out = false) const;
   /// Before a collective under verify_collectives: the same call on every rank.
   void verify_call(Call op, int64_t numel, const at::Tensor& t, const std::string& what, int64_t extra = 0);
   /// An all-gather of `in` into `out` on the CPU backend (agreements, exchanges): not counted in

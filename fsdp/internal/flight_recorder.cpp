@@ -20,11 +20,6 @@
 namespace fsdp::detail {
 namespace {
 
-int64_t unix_ms() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
-
 struct Recorder {
   std::mutex mu;
   std::vector<TraceEntry> ring;  // slot seq % size; its size is the capacity (0: off)

@@ -91,9 +91,7 @@ std::string job_identity() {
 std::string document(const std::string& reason, const PeerDiagnosis& peers, int rank, int world_size) {
   const std::vector<TraceEntry> entries = trace_entries();
   const std::string who = host_and_pid();
-  const int64_t now =
-      std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
-          .count();
+  const int64_t now = unix_ms();
   std::ostringstream os;
   os << "{\n  \"format\": \"fsdp-flight-recorder\",\n  \"version\": " << kFormatVersion << ",\n  \"rank\": " << rank
      << ",\n  \"world_size\": " << world_size << ",\n  \"job\": " << quoted(job_identity())

@@ -40,10 +40,6 @@ constexpr const char* kStoreGone =
     "the process hosting it (rank 0, or the torchrun agent) has exited (perhaps after a failure of its own: the "
     "first failure is in the other ranks' output), is stopped, or the link to its host is down.";
 
-int64_t unix_ms() {
-  return std::chrono::duration_cast<milliseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
-}
-
 // Shared by one heartbeat thread and the rest of the process; the thread keeps it alive.
 struct Beat {
   std::mutex mu;
@@ -151,6 +147,10 @@ std::string doing(const PeerBeat& b, int64_t now) {
 }
 
 }  // namespace
+
+int64_t unix_ms() {
+  return std::chrono::duration_cast<milliseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
 
 std::string host_and_pid() {
   char host[256] = {0};

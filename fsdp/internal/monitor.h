@@ -18,6 +18,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <chrono>
+#include <cstdint>
 #include <map>
 #include <set>
 #include <string>
@@ -27,6 +28,10 @@ namespace fsdp::detail {
 
 /// "host:pid" of this process, as the heartbeat and the rank claims name it.
 std::string host_and_pid();
+
+/// Wall-clock milliseconds since the epoch: the time heartbeats and the flight recorder carry
+/// (comparable between hosts, unlike a steady clock).
+int64_t unix_ms();
 
 /// Starts (or restarts, for a new process group) this process's heartbeat as global rank `rank`,
 /// under `prefix` in `store`. `store` must be a connection of its own (a clone): the heartbeat
