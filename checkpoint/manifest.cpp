@@ -132,7 +132,8 @@ Manifest read_manifest(const std::string& dir) {
 std::string manifest_from_parts(const std::string& header, const std::vector<std::string>& parts,
                                 int64_t& bytes_total) {
   detail::ManifestHeader h;
-  detail::ordered_json tensors;
+  std::vector<detail::TensorMeta> tensors;
+  std::vector<detail::RankPart> rank_parts;
   try {
     auto j = detail::ordered_json::parse(header);
     h.name = j.at("name").get<std::string>();
@@ -143,11 +144,22 @@ std::string manifest_from_parts(const std::string& header, const std::vector<std
     h.metadata = j.at("metadata");
     h.optimizer = j.at("optimizer");
     h.data = j.value("data", detail::ordered_json());
-    tensors = std::move(j.at("tensors"));
+    for (const auto& [key, t] : j.at("tensors").items()) {
+      tensors.push_back({key, t.at("kind").get<std::string>(), t.at("dtype").get<std::string>(),
+                         t.at("shape").get<std::vector<int64_t>>()});
+    }
   } catch (const nlohmann::json::exception& e) {
     FSDP_CHECK(false, "fsdp::checkpoint: the header of a manifest to assemble is not valid (", e.what(), ").");
   }
-  return detail::assemble_manifest(h, std::move(tensors), parts, bytes_total);
+  for (size_t r = 0; r < parts.size(); ++r) {
+    try {
+      rank_parts.push_back(detail::RankPart::from_json(detail::ordered_json::parse(parts[r])));
+    } catch (const nlohmann::json::exception& e) {
+      FSDP_CHECK(false, "fsdp::checkpoint: the part of rank ", r, " of a manifest to assemble is not valid (", e.what(),
+                 ").");
+    }
+  }
+  return detail::assemble_manifest(h, tensors, rank_parts, bytes_total);
 }
 
 }  // namespace fsdp::checkpoint

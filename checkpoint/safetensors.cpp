@@ -5,6 +5,7 @@
 #include "checkpoint/internal/crc32c.h"
 #include "checkpoint/internal/parallel_io.h"
 #include "fsdp/internal/check.h"
+#include "fsdp/internal/json_text.h"
 
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
@@ -146,8 +147,20 @@ std::string header_of(const std::string& path, std::vector<TensorRecord> tensors
                       std::map<std::string, std::string> metadata, uint64_t alignment, FileRecord& rec) {
   FSDP_CHECK(alignment >= 8, "fsdp::checkpoint: the alignment of '", path, "' must be at least 8");
   metadata["format"] = "pt";
-  nlohmann::ordered_json header = nlohmann::ordered_json::object();
-  header[kMetadataKey] = metadata;
+  // Written as text (fsdp/internal/json_text.h), as nlohmann's compact dump would: a tree of a few
+  // hundred tensors is rebuilt at every save, and its keys are found by a linear scan.
+  std::string text = "{";
+  fsdp::detail::append_json_string(text, kMetadataKey);
+  text += ":{";
+  bool first = true;
+  for (const auto& [k, v] : metadata) {
+    if (!first) text += ',';
+    first = false;
+    fsdp::detail::append_json_string(text, k);
+    text += ':';
+    fsdp::detail::append_json_string(text, v);
+  }
+  text += '}';
   std::set<std::string> names;
   uint64_t offset = 0;
   for (auto& tr : tensors) {
@@ -157,9 +170,22 @@ std::string header_of(const std::string& path, std::vector<TensorRecord> tensors
     tr.begin = offset;
     tr.end = offset + bytes;
     offset = tr.end;
-    header[tr.name] = {{"dtype", tr.dtype}, {"shape", tr.shape}, {"data_offsets", {tr.begin, tr.end}}};
+    text += ',';
+    fsdp::detail::append_json_string(text, tr.name);
+    text += ":{\"dtype\":";
+    fsdp::detail::append_json_string(text, tr.dtype);
+    text += ",\"shape\":[";
+    for (size_t i = 0; i < tr.shape.size(); ++i) {
+      if (i != 0) text += ',';
+      fsdp::detail::append_json_number(text, tr.shape[i]);
+    }
+    text += "],\"data_offsets\":[";
+    fsdp::detail::append_json_number(text, tr.begin);
+    text += ',';
+    fsdp::detail::append_json_number(text, tr.end);
+    text += "]}";
   }
-  std::string text = header.dump();
+  text += '}';
   const uint64_t padded = (8 + text.size() + alignment - 1) / alignment * alignment - 8;
   text.append(padded - text.size(), ' ');
   rec.path = path;

@@ -97,10 +97,10 @@ TEST(CheckpointTool, VerifiesAGoodCheckpointAndNamesEachFault) {
     EXPECT_EQ(v.rc, 1);
     EXPECT_NE(v.out.find("has format version 99, newer than this library's (2)"), std::string::npos) << v.out;
 
-    std::string edited = good_manifest;  // a chunk's rows edited
-    const auto at = edited.find("\"rows\": [\n");
+    std::string edited = good_manifest;             // a chunk's rows edited
+    const auto at = edited.find("\"rows\": [0, ");  // a tensor's first chunk now starts at row 1
     ASSERT_NE(at, std::string::npos) << edited.substr(0, 400);
-    edited.replace(edited.find("0", at + 10), 1, "1");
+    edited.replace(at + 9, 1, "1");
     spill(manifest, edited);
     auto e = tool("verify " + res.path, tmp.path);
     EXPECT_EQ(e.rc, 1);

@@ -2,19 +2,192 @@
 
 #include "checkpoint/manifest.h"
 #include "fsdp/internal/check.h"
+#include "fsdp/internal/json_text.h"
 #include "fsdp_version.h"
 
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cstring>
+#include <string_view>
 #include <unordered_map>
 
 namespace fsdp::checkpoint::detail {
+namespace {
 
-std::string RankPart::dump(int rank) const {
-  return ordered_json{{"rank", rank},       {"file", file},   {"bytes", file_bytes},
-                      {"tensors", tensors}, {"steps", steps}, {"chunks", chunks}}
-      .dump();
+using fsdp::detail::append_json_number;
+using fsdp::detail::append_json_string;
+
+constexpr std::string_view kPartMagic = "fsdp-manifest-part-1";
+
+// RankPart's bytes: fixed-width integers in the machine's order, strings and arrays after their
+// length.
+struct Encoder {
+  std::string out;
+  void u64(uint64_t v) { out.append(reinterpret_cast<const char*>(&v), sizeof(v)); }
+  void i64(int64_t v) { u64(static_cast<uint64_t>(v)); }
+  void str(std::string_view s) {
+    u64(s.size());
+    out.append(s);
+  }
+  void shape(const std::vector<int64_t>& v) {
+    u64(v.size());
+    for (const int64_t x : v) i64(x);
+  }
+};
+
+struct Decoder {
+  const std::string& in;
+  int rank;
+  size_t at = 0;
+  void need(uint64_t n) const {
+    FSDP_CHECK(n <= in.size() - at, "fsdp::checkpoint: the manifest part rank ", rank, " sent ends at byte ", in.size(),
+               " where ", n,
+               " more were expected: it was not made by this build of the library (every rank must "
+               "run the same build).");
+  }
+  uint64_t u64() {
+    need(sizeof(uint64_t));
+    uint64_t v = 0;
+    std::memcpy(&v, in.data() + at, sizeof(v));
+    at += sizeof(v);
+    return v;
+  }
+  int64_t i64() { return static_cast<int64_t>(u64()); }
+  // A count of items of at least `item_bytes` each: bounded by what is left, so that a malformed
+  // part cannot make us reserve memory it does not hold.
+  uint64_t count(uint64_t item_bytes) {
+    const uint64_t n = u64();
+    FSDP_CHECK(n <= (in.size() - at) / item_bytes, "fsdp::checkpoint: the manifest part rank ", rank, " sent counts ",
+               n, " items where at most ", (in.size() - at) / item_bytes,
+               " fit: it was not made by this build of the library (every rank must run the same build).");
+    return n;
+  }
+  std::string str() {
+    const uint64_t n = count(1);
+    std::string s = in.substr(at, n);
+    at += n;
+    return s;
+  }
+  std::vector<int64_t> shape() {
+    std::vector<int64_t> v(count(sizeof(int64_t)));
+    for (auto& x : v) x = i64();
+    return v;
+  }
+};
+
+void append_shape(std::string& out, const std::vector<int64_t>& shape) {
+  out += '[';
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i != 0) out += ", ";
+    append_json_number(out, shape[i]);
+  }
+  out += ']';
+}
+
+template <typename A, typename B>
+void append_pair(std::string& out, A a, B b) {
+  out += '[';
+  append_json_number(out, a);
+  out += ", ";
+  append_json_number(out, b);
+  out += ']';
+}
+
+}  // namespace
+
+std::string RankPart::encode() const {
+  Encoder e;
+  e.str(kPartMagic);
+  e.str(file);
+  e.u64(file_bytes);
+  e.u64(tensors.size());
+  for (const auto& t : tensors) {
+    e.str(t.key);
+    e.str(t.kind);
+    e.str(t.dtype);
+    e.shape(t.shape);
+  }
+  e.u64(steps.size());
+  for (const auto& [name, step] : steps) {
+    e.str(name);
+    e.i64(step);
+  }
+  e.u64(chunks.size());
+  for (const auto& c : chunks) {
+    e.str(c.tensor);
+    e.i64(c.row_begin);
+    e.i64(c.row_end);
+    e.u64(c.begin);
+    e.u64(c.end);
+    e.u64(c.block_bytes);
+    e.u64(c.crc32c.size());
+    e.out.append(reinterpret_cast<const char*>(c.crc32c.data()), c.crc32c.size() * sizeof(uint32_t));
+  }
+  return std::move(e.out);
+}
+
+RankPart RankPart::decode(const std::string& bytes, int rank) {
+  Decoder d{bytes, rank};
+  FSDP_CHECK(bytes.size() >= 8 && d.str() == kPartMagic, "fsdp::checkpoint: the manifest part rank ", rank,
+             " sent is not one this build of the library makes (every rank must run the same build).");
+  RankPart p;
+  p.file = d.str();
+  p.file_bytes = d.u64();
+  p.tensors.resize(d.count(4 * sizeof(uint64_t)));
+  for (auto& t : p.tensors) {
+    t.key = d.str();
+    t.kind = d.str();
+    t.dtype = d.str();
+    t.shape = d.shape();
+  }
+  p.steps.resize(d.count(2 * sizeof(uint64_t)));
+  for (auto& [name, step] : p.steps) {
+    name = d.str();
+    step = d.i64();
+  }
+  p.chunks.resize(d.count(7 * sizeof(uint64_t)));
+  for (auto& c : p.chunks) {
+    c.tensor = d.str();
+    c.row_begin = d.i64();
+    c.row_end = d.i64();
+    c.begin = d.u64();
+    c.end = d.u64();
+    c.block_bytes = d.u64();
+    c.crc32c.resize(d.count(sizeof(uint32_t)));
+    std::memcpy(c.crc32c.data(), bytes.data() + d.at, c.crc32c.size() * sizeof(uint32_t));
+    d.at += c.crc32c.size() * sizeof(uint32_t);
+  }
+  FSDP_CHECK(d.at == bytes.size(), "fsdp::checkpoint: the manifest part rank ", rank, " sent has ", bytes.size() - d.at,
+             " bytes after its end (every rank must run the same build).");
+  return p;
+}
+
+RankPart RankPart::from_json(const ordered_json& j) {
+  RankPart p;
+  p.file = j.at("file").get<std::string>();
+  p.file_bytes = j.at("bytes").get<uint64_t>();
+  for (const auto& [key, t] : j.at("tensors").items()) {
+    p.tensors.push_back({key, t.at("kind").get<std::string>(), t.at("dtype").get<std::string>(),
+                         t.at("shape").get<std::vector<int64_t>>()});
+  }
+  for (const auto& [name, step] : j.at("steps").items()) p.steps.emplace_back(name, step.get<int64_t>());
+  for (const auto& c : j.at("chunks")) {
+    ChunkRecord r;
+    r.tensor = c.at("tensor").get<std::string>();
+    const auto rows = c.at("rows").get<std::vector<int64_t>>();
+    const auto bytes = c.at("bytes").get<std::vector<uint64_t>>();
+    FSDP_CHECK(rows.size() == 2 && bytes.size() == 2, "fsdp::checkpoint: a chunk of tensor '", r.tensor,
+               "' in a manifest part has rows or bytes that are not a pair.");
+    r.row_begin = rows[0];
+    r.row_end = rows[1];
+    r.begin = bytes[0];
+    r.end = bytes[1];
+    r.block_bytes = c.at("block_bytes").get<uint64_t>();
+    r.crc32c = c.at("crc32c").get<std::vector<uint32_t>>();
+    p.chunks.push_back(std::move(r));
+  }
+  return p;
 }
 
 ordered_json sampler_state_json(const data::SamplerState& s) {
@@ -45,85 +218,142 @@ data::SamplerState sampler_state_from_json(const nlohmann::json& j, const std::s
   return s;
 }
 
-std::string assemble_manifest(const ManifestHeader& header, ordered_json model_tensors,
-                              const std::vector<std::string>& parts, int64_t& bytes_total) {
-  using json = ordered_json;
+std::string assemble_manifest(const ManifestHeader& header, const std::vector<TensorMeta>& model_tensors,
+                              const std::vector<RankPart>& parts, int64_t& bytes_total) {
   bytes_total = 0;
-  json tensors = std::move(model_tensors);
-  // ordered_json finds keys by a linear scan: an index keeps the assembly linear in chunks.
-  std::unordered_map<std::string, json*> index;
-  for (auto& [key, t] : tensors.items()) {
-    t["chunks"] = json::array();
-    index[key] = &t;
-  }
-  json files = json::array();
-  json steps = json::object();
-  std::unordered_map<std::string, int64_t> step_of;
+  // Every tensor in the manifest's order (the model's, then the others as the ranks wrote them),
+  // its chunks as (file, chunk); found by key through an index, so that assembly stays linear.
+  struct Entry {
+    const TensorMeta* meta;
+    std::vector<std::pair<size_t, const ChunkRecord*>> chunks;
+  };
+  std::vector<Entry> tensors;
+  std::unordered_map<std::string_view, size_t> index;
+  auto add = [&](const TensorMeta& t) {
+    if (index.emplace(t.key, tensors.size()).second) tensors.push_back({&t, {}});
+  };
+  for (const auto& t : model_tensors) add(t);
+  std::vector<std::pair<std::string_view, int64_t>> steps;
+  std::unordered_map<std::string_view, int64_t> step_of;
   for (size_t r = 0; r < parts.size(); ++r) {
-    json part = json::parse(parts[r]);
-    files.push_back({{"name", part["file"]}, {"rank", r}, {"bytes", part["bytes"]}});
-    for (auto& [key, t] : part["tensors"].items()) {  // optimizer and generator states, as written
-      if (index.count(key) != 0) continue;
-      json meta = t;
-      meta["chunks"] = json::array();
-      tensors[key] = std::move(meta);
-      index[key] = &tensors[key];
-      // Adding to `tensors` may move its elements: the index is rebuilt (rare: once per new key
-      // kind per rank at most, and only for tensors the model does not have).
-      for (auto& [k, v] : tensors.items()) index[k] = &v;
+    for (const auto& t : parts[r].tensors) add(t);
+    for (const auto& c : parts[r].chunks) {
+      const auto it = index.find(c.tensor);
+      FSDP_CHECK(it != index.end(), "fsdp::checkpoint: rank ", r, " wrote a chunk of tensor '", c.tensor,
+                 "', which neither the model nor that rank's part names.");
+      bytes_total += static_cast<int64_t>(c.end - c.begin);
+      tensors[it->second].chunks.emplace_back(r, &c);
     }
-    for (auto& c : part["chunks"]) {
-      const auto& bytes = c["bytes"];
-      bytes_total += bytes[1].get<int64_t>() - bytes[0].get<int64_t>();
-      json& chunks = (*index.at(c["tensor"].get<std::string>()))["chunks"];
-      chunks.push_back({{"rows", std::move(c["rows"])},
-                        {"file", r},
-                        {"bytes", bytes},
-                        {"block_bytes", std::move(c["block_bytes"])},
-                        {"crc32c", std::move(c["crc32c"])}});
-    }
-    for (const auto& [name, step] : part["steps"].items()) {
-      const int64_t s = step.get<int64_t>();
+    for (const auto& [name, s] : parts[r].steps) {
       const auto [it, fresh] = step_of.emplace(name, s);
       FSDP_CHECK(fresh || it->second == s, "the optimizer's step of parameter '", name, "' is ", it->second,
                  " on one rank but ", s, " on rank ", r,
                  ": every rank must step the optimizer the same number of times.");
-      if (fresh) steps[name] = s;
+      if (fresh) steps.emplace_back(name, s);
     }
   }
-  for (auto& [key, t] : tensors.items()) {
-    auto& chunks = t["chunks"];
+
+  std::string out;
+  out.reserve(4096 + 160 * tensors.size() + [&] {
+    size_t n = 0;
+    for (const auto& p : parts) {
+      for (const auto& c : p.chunks) n += 100 + 12 * c.crc32c.size();
+    }
+    return n;
+  }());
+  auto field = [&](const char* name) {
+    out += ",\n ";
+    append_json_string(out, name);
+    out += ": ";
+  };
+  out += "{\n \"format\": \"libtorch-fsdp checkpoint\"";
+  field("format_version");
+  append_json_number(out, kFormatVersion);
+  field("library_version");
+  append_json_string(out, FSDP_VERSION);
+  field("name");
+  append_json_string(out, header.name);
+  field("step");
+  append_json_number(out, header.step);
+  field("world_size");
+  append_json_number(out, header.world_size);
+  field("block_bytes");
+  append_json_number(out, header.block_bytes);
+  field("strategies");
+  out += header.strategies.dump();
+  field("metadata");
+  out += header.metadata.dump();
+  field("optimizer");
+  if (header.optimizer.is_null()) {
+    out += "null";
+  } else {
+    ordered_json optimizer = header.optimizer;
+    ordered_json& by_name = optimizer["steps"] = ordered_json::object();
+    for (const auto& [name, s] : steps) by_name[std::string(name)] = s;
+    out += optimizer.dump();
+  }
+  field("data");
+  out += header.data.dump();
+  field("files");
+  out += "[";
+  for (size_t r = 0; r < parts.size(); ++r) {
+    out += r == 0 ? "\n  {\"name\": " : ",\n  {\"name\": ";
+    append_json_string(out, parts[r].file);
+    out += ", \"rank\": ";
+    append_json_number(out, r);
+    out += ", \"bytes\": ";
+    append_json_number(out, parts[r].file_bytes);
+    out += "}";
+  }
+  out += "\n ]";
+  field("tensors");
+  out += "{";
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    auto& [meta, chunks] = tensors[i];
     std::sort(chunks.begin(), chunks.end(),
-              [](const json& a, const json& b) { return a["rows"][0].get<int64_t>() < b["rows"][0].get<int64_t>(); });
+              [](const auto& a, const auto& b) { return a.second->row_begin < b.second->row_begin; });
     // Every row once: an optimizer state that some of its writers lack (a rank that never
     // stepped) leaves rows without a chunk.
-    const auto shape = t["shape"].get<std::vector<int64_t>>();
     int64_t next = 0;
     for (const auto& c : chunks) {
-      if (c["rows"][0].get<int64_t>() != next) break;
-      next = c["rows"][1].get<int64_t>();
+      if (c.second->row_begin != next) break;
+      next = c.second->row_end;
     }
+    const auto& shape = meta->shape;
     const bool empty = std::find(shape.begin(), shape.end(), 0) != shape.end();
-    FSDP_CHECK(empty || next == (shape.empty() ? 1 : shape[0]), "tensor '", key, "' has rows ", next,
+    FSDP_CHECK(empty || next == (shape.empty() ? 1 : shape[0]), "tensor '", meta->key, "' has rows ", next,
                " and on without a writer: the ranks that hold them have no such state. Step the optimizer on "
                "every rank before saving.");
+    out += i == 0 ? "\n  " : ",\n  ";
+    append_json_string(out, meta->key);
+    out += ": {\"kind\": ";
+    append_json_string(out, meta->kind);
+    out += ", \"dtype\": ";
+    append_json_string(out, meta->dtype);
+    out += ", \"shape\": ";
+    append_shape(out, shape);
+    out += ", \"chunks\": [";
+    for (size_t k = 0; k < chunks.size(); ++k) {
+      const ChunkRecord& c = *chunks[k].second;
+      out += k == 0 ? "\n   {\"rows\": " : ",\n   {\"rows\": ";
+      append_pair(out, c.row_begin, c.row_end);
+      out += ", \"file\": ";
+      append_json_number(out, chunks[k].first);
+      out += ", \"bytes\": ";
+      append_pair(out, c.begin, c.end);
+      out += ", \"block_bytes\": ";
+      append_json_number(out, c.block_bytes);
+      out += ", \"crc32c\": [";
+      for (size_t b = 0; b < c.crc32c.size(); ++b) {
+        if (b != 0) out += ", ";
+        append_json_number(out, c.crc32c[b]);
+      }
+      out += "]}";
+    }
+    out += chunks.empty() ? "]}" : "\n  ]}";
   }
-  json optimizer = header.optimizer;
-  if (!optimizer.is_null()) optimizer["steps"] = std::move(steps);
-  const json manifest = {{"format", "libtorch-fsdp checkpoint"},
-                         {"format_version", kFormatVersion},
-                         {"library_version", FSDP_VERSION},
-                         {"name", header.name},
-                         {"step", header.step},
-                         {"world_size", header.world_size},
-                         {"block_bytes", header.block_bytes},
-                         {"strategies", header.strategies},
-                         {"metadata", header.metadata},
-                         {"optimizer", optimizer},
-                         {"data", header.data},
-                         {"files", files},
-                         {"tensors", tensors}};
-  return manifest.dump(1);
+  out += "\n }\n}\n";
+  return out;
 }
 
 }  // namespace fsdp::checkpoint::detail

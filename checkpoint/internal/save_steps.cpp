@@ -95,8 +95,7 @@ PreparedSave prepare_save(const std::string& root, const FSDPModule& model, cons
   const auto specs = model.shard_specs();
   if (p.rank == 0) {
     for (const auto& s : specs) {
-      p.model_tensors["model/" + s.name] = {
-          {"kind", "parameter"}, {"dtype", safetensors_dtype(s.dtype)}, {"shape", s.global_shape}};
+      p.model_tensors.push_back({"model/" + s.name, "parameter", safetensors_dtype(s.dtype), s.global_shape});
     }
     for (const auto& u : model.units()) p.strategies[u.name.empty() ? "<root>" : u.name] = to_string(u.strategy);
     if (opt != nullptr) p.optimizer = optimizer_record(specs, *opt, type);
@@ -119,21 +118,23 @@ PreparedSave prepare_save(const std::string& root, const FSDPModule& model, cons
                      " but this rank's rows of the parameter are ", s.dtype, " ", s.local.sizes(),
                      ": it does not have the parameter's layout.");
         }
-        if (st.step >= 0) p.steps[s.name] = st.step;
+        if (st.step >= 0) p.steps.emplace_back(s.name, st.step);
         states[it->second] = std::move(st);
       }
     }
   }
 
+  std::vector<bool> described(specs.size(), false);  // its optimizer states are in extra_tensors
   for (const auto& w : plan_writes(specs)) {
     const ShardSpec& s = specs[w.spec];
     const int64_t n = w.row_end - w.row_begin;
     add("model/" + s.name, w.row_begin, w.row_end, rows_of(s.local.detach(), w.local_row, n));
     for (const auto& [name, t] : states[w.spec].tensors) {
       const std::string key = "optim/" + s.name + "/" + name;
-      p.extra_tensors[key] = {{"kind", "optimizer"}, {"dtype", safetensors_dtype(s.dtype)}, {"shape", s.global_shape}};
+      if (!described[w.spec]) p.extra_tensors.push_back({key, "optimizer", safetensors_dtype(s.dtype), s.global_shape});
       add(key, w.row_begin, w.row_end, rows_of(t.detach(), w.local_row, n));
     }
+    described[w.spec] = true;
   }
   // Buffers: every rank holds them whole; their rows are split over all ranks like replicas'.
   size_t index = specs.size();
@@ -142,8 +143,7 @@ PreparedSave prepare_save(const std::string& root, const FSDPModule& model, cons
     const std::string key = "model/" + kv.key();
     const int64_t rows = b.dim() == 0 ? 1 : b.size(0);
     if (p.rank == 0) {
-      p.model_tensors[key] = {
-          {"kind", "buffer"}, {"dtype", safetensors_dtype(b.scalar_type())}, {"shape", b.sizes().vec()}};
+      p.model_tensors.push_back({key, "buffer", safetensors_dtype(b.scalar_type()), b.sizes().vec()});
     }
     const auto [first, last] = replica_part(rows, p.world_size, p.rank, index++);
     if (last > first) add(key, first, last, rows_of(b.detach(), first, last - first));
@@ -152,8 +152,7 @@ PreparedSave prepare_save(const std::string& root, const FSDPModule& model, cons
   if (options.rng_states()) {
     for (const auto& [name, state] : detail::rng_states()) {
       const std::string key = detail::rng_prefix(p.rank) + name;
-      p.extra_tensors[key] = {
-          {"kind", "rng"}, {"dtype", safetensors_dtype(state.scalar_type())}, {"shape", state.sizes().vec()}};
+      p.extra_tensors.push_back({key, "rng", safetensors_dtype(state.scalar_type()), state.sizes().vec()});
       add(key, 0, state.size(0), state);
     }
   }
@@ -181,16 +180,17 @@ SaveResult write_and_commit(PreparedSave& p, const Group& group, const std::stri
   });
 
   // The data sampler's state is global: every rank must save the same one (or none). Compared
-  // before any file is written, so that every rank's error names the rank that differs.
+  // before any file is written, so that every rank's error names the rank that differs; every rank
+  // compares the same gathered states, so every rank fails alike without a further agreement.
   const ordered_json data = p.options.sampler_state() ? sampler_state_json(*p.options.sampler_state()) : nullptr;
   const auto states = group.all_gather(data.is_null() ? "none" : data.dump(), "the data sampler states for " + where);
-  phase("comparing the ranks' data sampler states", [&] {
-    for (int r = 0; r < W; ++r) {
-      FSDP_CHECK(states[r] == states[0], "the data sampler's state differs between ranks: rank 0 saves ", states[0],
-                 ", rank ", r, " has ", states[r],
-                 ". Pass SaveOptions::sampler_state on every rank, each sampler having taken the same global batches.");
-    }
-  });
+  for (int r = 0; r < W; ++r) {
+    FSDP_CHECK_IN(group.error_context(call + ": comparing the ranks' data sampler states"), states[r] == states[0],
+                  where, ": the data sampler's state differs between ranks: rank 0 saves ", states[0], ", rank ", r,
+                  " has ", states[r],
+                  ". Pass SaveOptions::sampler_state on every rank, each sampler having taken the same global batches; "
+                  "nothing was committed.");
+  }
 
   std::string part;  // this rank's chunks, for the manifest
   SaveResult result;
@@ -215,13 +215,9 @@ SaveResult write_and_commit(PreparedSave& p, const Group& group, const std::stri
     mine.steps = p.steps;
     for (size_t i = 0; i < p.keys.size(); ++i) {
       const auto& t = file.tensors[i];
-      mine.chunks.push_back({{"tensor", p.keys[i]},
-                             {"rows", {p.rows[i].first, p.rows[i].second}},
-                             {"bytes", {t.begin, t.end}},
-                             {"block_bytes", t.block_bytes},
-                             {"crc32c", t.crc32c}});
+      mine.chunks.push_back({p.keys[i], p.rows[i].first, p.rows[i].second, t.begin, t.end, t.block_bytes, t.crc32c});
     }
-    part = mine.dump(rank);
+    part = mine.encode();
   });
   detail::crash_point("agreed", rank);
   const auto parts = group.gather_to_rank0(part, "gathering the manifest's parts for " + where);
@@ -237,7 +233,11 @@ SaveResult write_and_commit(PreparedSave& p, const Group& group, const std::stri
     header.metadata = p.options.metadata();
     header.optimizer = p.optimizer;
     header.data = data;
-    const std::string manifest = detail::assemble_manifest(header, p.model_tensors, parts, result.bytes_total);
+    std::vector<detail::RankPart> decoded;
+    decoded.reserve(parts.size());
+    for (size_t r = 0; r < parts.size(); ++r)
+      decoded.push_back(detail::RankPart::decode(parts[r], static_cast<int>(r)));
+    const std::string manifest = detail::assemble_manifest(header, p.model_tensors, decoded, result.bytes_total);
     write_atomically(staging, kManifest, manifest);
     commit(p.root, staging, p.name);
     keep_last(p.root, p.options.keep_last());

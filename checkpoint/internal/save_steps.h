@@ -10,6 +10,7 @@
 
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/internal/collectives.h"
+#include "checkpoint/internal/manifest_builder.h"
 
 #include <ATen/core/Tensor.h>
 #include <nlohmann/json.hpp>
@@ -31,11 +32,11 @@ struct PreparedSave {
   std::vector<std::pair<std::string, at::Tensor>> tensors;
   /// Kind, dtype and shape of the optimizer and generator tensors this rank writes; the optimizer
   /// steps of the parameters it has state for.
-  nlohmann::ordered_json extra_tensors = nlohmann::ordered_json::object();
-  nlohmann::ordered_json steps = nlohmann::ordered_json::object();
+  std::vector<TensorMeta> extra_tensors;
+  std::vector<std::pair<std::string, int64_t>> steps;
   /// Rank 0 only: every model tensor's kind, dtype and shape; each unit's strategy; the
   /// optimizer's record (type, param groups), or null.
-  nlohmann::ordered_json model_tensors = nlohmann::ordered_json::object();
+  std::vector<TensorMeta> model_tensors;
   nlohmann::ordered_json strategies = nlohmann::ordered_json::object();
   nlohmann::ordered_json optimizer = nullptr;
   /// Bytes of this rank's tensors (its file's data).

@@ -3,6 +3,7 @@
 // half a file, even when a rank dumps twice (a signal, then a timeout). The format is described
 // in docs/usage.md ("When a run hangs: the flight recorder") and read by tools/trace_report.cpp.
 #include "fsdp/internal/flight_recorder.h"
+#include "fsdp/internal/json_text.h"
 
 #include "fsdp/internal/env.h"
 #include "fsdp/internal/monitor.h"
@@ -24,35 +25,6 @@ namespace {
 
 constexpr int kFormatVersion = 1;
 
-std::string quoted(const std::string& s) {
-  std::string out = "\"";
-  for (const unsigned char c : s) {
-    switch (c) {
-      case '"':
-        out += "\\\"";
-        break;
-      case '\\':
-        out += "\\\\";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      case '\t':
-        out += "\\t";
-        break;
-      default:
-        if (c < 0x20) {
-          char buf[8];
-          std::snprintf(buf, sizeof(buf), "\\u%04x", c);
-          out += buf;
-        } else {
-          out += static_cast<char>(c);  // UTF-8 passes through
-        }
-    }
-  }
-  return out + "\"";
-}
-
 // mkdir -p (not std::filesystem: libtorch.so exports a copy of its symbols that crashes when called).
 std::string make_dirs(const std::string& dir) {
   for (size_t at = 1; at <= dir.size(); ++at) {
@@ -72,8 +44,9 @@ void write_last(std::ostream& os, const LastCollective& l) {
     os << "null";
     return;
   }
-  os << "{\"seq\": " << l.seq << ", \"group\": " << quoted(l.group) << ", \"group_seq\": " << l.group_seq
-     << ", \"op\": " << quoted(l.op) << ", \"what\": " << quoted(l.what) << ", \"state\": " << quoted(l.state) << "}";
+  os << "{\"seq\": " << l.seq << ", \"group\": " << json_string(l.group) << ", \"group_seq\": " << l.group_seq
+     << ", \"op\": " << json_string(l.op) << ", \"what\": " << json_string(l.what)
+     << ", \"state\": " << json_string(l.state) << "}";
 }
 
 // Which run wrote the file, so that fsdp-trace refuses to compare files of different runs left in
@@ -94,37 +67,38 @@ std::string document(const std::string& reason, const PeerDiagnosis& peers, int 
   const int64_t now = unix_ms();
   std::ostringstream os;
   os << "{\n  \"format\": \"fsdp-flight-recorder\",\n  \"version\": " << kFormatVersion << ",\n  \"rank\": " << rank
-     << ",\n  \"world_size\": " << world_size << ",\n  \"job\": " << quoted(job_identity())
-     << ",\n  \"host\": " << quoted(who.substr(0, who.rfind(':'))) << ",\n  \"pid\": " << ::getpid()
-     << ",\n  \"dump_unix_ms\": " << now << ",\n  \"reason\": " << quoted(reason)
+     << ",\n  \"world_size\": " << world_size << ",\n  \"job\": " << json_string(job_identity())
+     << ",\n  \"host\": " << json_string(who.substr(0, who.rfind(':'))) << ",\n  \"pid\": " << ::getpid()
+     << ",\n  \"dump_unix_ms\": " << now << ",\n  \"reason\": " << json_string(reason)
      << ",\n  \"capacity\": " << trace_capacity() << ",\n  \"recorded\": " << trace_recorded() << ",\n  \"entries\": [";
   for (size_t i = 0; i < entries.size(); ++i) {
     const TraceEntry& e = entries[i];
-    os << (i ? ",\n" : "\n") << "    {\"seq\": " << e.seq << ", \"group\": " << quoted(e.group ? e.group->name : "")
-       << ", \"group_ranks\": [";
+    os << (i ? ",\n" : "\n") << "    {\"seq\": " << e.seq
+       << ", \"group\": " << json_string(e.group ? e.group->name : "") << ", \"group_ranks\": [";
     if (e.group) {
       for (size_t q = 0; q < e.group->global_ranks.size(); ++q) os << (q ? ", " : "") << e.group->global_ranks[q];
     }
-    os << "], \"group_seq\": " << e.group_seq << ", \"op\": " << quoted(e.op) << ", \"what\": " << quoted(e.what)
-       << ", \"numel\": " << e.numel << ", \"dtype\": " << quoted(c10::toString(e.dtype)) << ", \"bytes\": " << e.bytes
-       << ", \"device\": " << quoted(e.device.str()) << ", \"issued_unix_ms\": " << e.issued_ms
-       << ", \"ended_unix_ms\": " << e.ended_ms << ", \"state\": " << quoted(trace_state_name(e.state)) << "}";
+    os << "], \"group_seq\": " << e.group_seq << ", \"op\": " << json_string(e.op)
+       << ", \"what\": " << json_string(e.what) << ", \"numel\": " << e.numel
+       << ", \"dtype\": " << json_string(c10::toString(e.dtype)) << ", \"bytes\": " << e.bytes
+       << ", \"device\": " << json_string(e.device.str()) << ", \"issued_unix_ms\": " << e.issued_ms
+       << ", \"ended_unix_ms\": " << e.ended_ms << ", \"state\": " << json_string(trace_state_name(e.state)) << "}";
   }
   os << (entries.empty() ? "" : "\n  ") << "],\n  \"peers\": [";
   bool first = true;
   for (const auto& [peer, b] : peers.beats) {
-    os << (first ? "\n" : ",\n") << "    {\"rank\": " << peer << ", \"who\": " << quoted(b.who)
+    os << (first ? "\n" : ",\n") << "    {\"rank\": " << peer << ", \"who\": " << json_string(b.who)
        << ", \"heartbeat_unix_ms\": " << b.at_ms << ", \"heartbeat_seq\": " << b.seq
        << ", \"stale\": " << (peers.stale.count(peer) ? "true" : "false")
-       << ", \"exited\": " << (b.exited ? "true" : "false") << ", \"activity\": " << quoted(b.activity)
-       << ", \"activity_since_unix_ms\": " << b.activity_since << ", \"failure\": " << quoted(b.failure)
+       << ", \"exited\": " << (b.exited ? "true" : "false") << ", \"activity\": " << json_string(b.activity)
+       << ", \"activity_since_unix_ms\": " << b.activity_since << ", \"failure\": " << json_string(b.failure)
        << ", \"last_collective\": ";
     write_last(os, b.last);
     os << "}";
     first = false;
   }
   os << (first ? "" : "\n  ") << "],\n  \"peers_read_unix_ms\": " << peers.read_at_ms
-     << ",\n  \"diagnosis\": " << quoted(peers.text) << "\n}\n";
+     << ",\n  \"diagnosis\": " << json_string(peers.text) << "\n}\n";
   return os.str();
 }
 
