@@ -2,10 +2,13 @@
 // rank file: offsets and sizes from shapes, every dtype bit-exact, a broken file refused with its
 // own error, and Python's safetensors reading what we write and we what it writes.
 #include "checkpoint/internal/crc32c.h"
+#include "checkpoint/internal/manifest_builder.h"
+#include "checkpoint/manifest.h"
 #include "checkpoint/safetensors.h"
 #include "tests/temp_dir.h"
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
 #include <sys/stat.h>
@@ -139,6 +142,126 @@ TEST(Safetensors, OffsetsFromShapesAndEveryDtypeBitExact) {
     ASSERT_NE(it, tensors.end()) << r.name;
     EXPECT_TRUE(same_bytes(checkpoint::read_tensor(path, r), it->second)) << r.name;
   }
+}
+
+// The header is written as text, not through a JSON tree: its bytes must be those nlohmann's
+// compact dump of the same object gives (names and metadata that need escaping included), padded
+// with spaces to the alignment.
+TEST(Safetensors, HeaderIsTheCompactJsonOfItsTensors) {
+  TempDir tmp;
+  const std::string path = tmp.path + "/odd-names.safetensors";
+  const std::vector<std::pair<std::string, at::Tensor>> tensors = {
+      {"plain.weight", torch::arange(6, torch::kFloat32).reshape({2, 3})},
+      {"quote\"back\\slash/", torch::ones({4}, torch::kBFloat16)},
+      {"ctl\n\t\r\b\f\x01\x1f", torch::zeros({0, 5}, torch::kInt64)},
+      {"utf8-\xc3\xbc\xe2\x82\xac", torch::full({}, 7, torch::kInt32)}};
+  const std::map<std::string, std::string> metadata = {{"rank", "0"}, {"note", "a \"quoted\"\nline"}};
+  const auto rec = checkpoint::write_safetensors(path, tensors, metadata, checkpoint::WriteOptions());
+  nlohmann::ordered_json want = nlohmann::ordered_json::object();
+  auto meta = metadata;
+  meta["format"] = "pt";
+  want["__metadata__"] = meta;
+  uint64_t at = 0;
+  for (const auto& [name, t] : tensors) {
+    const uint64_t n = t.numel() * t.element_size();
+    want[name] = {{"dtype", checkpoint::safetensors_dtype(t.scalar_type())},
+                  {"shape", t.sizes().vec()},
+                  {"data_offsets", {at, at + n}}};
+    at += n;
+  }
+  std::ifstream f(path, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  ASSERT_GE(bytes.size(), rec.data_start);
+  std::string header = bytes.substr(8, rec.data_start - 8);
+  header.erase(header.find_last_not_of(' ') + 1);
+  EXPECT_EQ(header, want.dump());
+  EXPECT_EQ(rec.data_start % 4096, 0u);
+}
+
+// A rank's part of the manifest crosses ranks as bytes: decoded as encoded, and a part that is cut
+// short, carries bytes after its end or claims more items than it holds is refused (never read
+// past its end), naming the rank. The manifest assembled from binary parts is the one
+// manifest_from_parts assembles from the same parts as JSON.
+TEST(ManifestPart, RoundTripsRefusesMalformedAndAssemblesAsTheJsonParts) {
+  using checkpoint::detail::RankPart;
+  RankPart part;
+  part.file = "rank-00001.safetensors";
+  part.file_bytes = 12345;
+  part.tensors = {{"optim/w/exp_avg", "optimizer", "F32", {4, 3}}, {"rng/rank-00001/cpu", "rng", "U8", {16}}};
+  part.steps = {{"w", 7}};
+  part.chunks = {{"model/w", 2, 4, 4096, 4120, 4096, {0xdeadbeefu}},
+                 {"optim/w/exp_avg", 2, 4, 4120, 4144, 4096, {1u}},
+                 {"rng/rank-00001/cpu", 0, 16, 4144, 4160, 4096, {2u}}};
+  const std::string bytes = part.encode();
+  const RankPart back = RankPart::decode(bytes, 1);
+  EXPECT_EQ(back.encode(), bytes);
+  EXPECT_EQ(back.file, part.file);
+  ASSERT_EQ(back.chunks.size(), 3u);
+  EXPECT_EQ(back.chunks[0].crc32c, std::vector<uint32_t>{0xdeadbeefu});
+  EXPECT_EQ(back.chunks[1].row_end, 4);
+  EXPECT_EQ(back.steps, part.steps);
+  auto error_of = [](const std::string& b) {
+    try {
+      RankPart::decode(b, 3);
+    } catch (const c10::Error& e) {
+      return std::string(e.what_without_backtrace());
+    }
+    return std::string("no error");
+  };
+  for (size_t n : {size_t{0}, size_t{5}, size_t{40}, bytes.size() / 2, bytes.size() - 1}) {
+    const std::string msg = error_of(bytes.substr(0, n));
+    EXPECT_NE(msg.find("rank 3"), std::string::npos) << n << ": " << msg;
+    EXPECT_NE(msg.find("same build"), std::string::npos) << n << ": " << msg;
+  }
+  EXPECT_NE(error_of(bytes + "x").find("after its end"), std::string::npos) << error_of(bytes + "x");
+  std::string huge = bytes;  // the file name's length claims more bytes than there are
+  const uint64_t lots = uint64_t{1} << 60;
+  std::memcpy(huge.data() + 8 + 20, &lots, sizeof(lots));
+  EXPECT_NE(error_of(huge).find("fit"), std::string::npos) << error_of(huge);
+
+  // Rank 0's part: the model's rows 0 to 2 and its state's.
+  RankPart first = part;
+  first.file = "rank-00000.safetensors";
+  first.tensors = {{"optim/w/exp_avg", "optimizer", "F32", {4, 3}}};
+  first.chunks = {{"model/w", 0, 2, 4096, 4120, 4096, {5u}}, {"optim/w/exp_avg", 0, 2, 4120, 4144, 4096, {6u}}};
+  checkpoint::detail::ManifestHeader h;
+  h.name = "step-000007";
+  h.step = 7;
+  h.world_size = 2;
+  h.block_bytes = 1 << 20;
+  h.optimizer = {{"type", "AdamW"}, {"param_groups", nlohmann::ordered_json::array()}};
+  int64_t total = 0, total_json = 0;
+  const std::string text = checkpoint::detail::assemble_manifest(h, {{"model/w", "parameter", "F32", {4, 3}}},
+                                                                 {first, RankPart::decode(bytes, 1)}, total);
+  auto as_json = [](const RankPart& p) {
+    nlohmann::ordered_json j = {{"file", p.file}, {"bytes", p.file_bytes}};
+    j["tensors"] = nlohmann::ordered_json::object();
+    for (const auto& t : p.tensors) j["tensors"][t.key] = {{"kind", t.kind}, {"dtype", t.dtype}, {"shape", t.shape}};
+    j["steps"] = nlohmann::ordered_json::object();
+    for (const auto& [n, s] : p.steps) j["steps"][n] = s;
+    j["chunks"] = nlohmann::ordered_json::array();
+    for (const auto& c : p.chunks) {
+      j["chunks"].push_back({{"tensor", c.tensor},
+                             {"rows", {c.row_begin, c.row_end}},
+                             {"bytes", {c.begin, c.end}},
+                             {"block_bytes", c.block_bytes},
+                             {"crc32c", c.crc32c}});
+    }
+    return j.dump();
+  };
+  const nlohmann::ordered_json header = {
+      {"name", h.name},     {"step", h.step}, {"world_size", h.world_size}, {"block_bytes", h.block_bytes},
+      {"strategies", h.strategies}, {"metadata", h.metadata}, {"optimizer", h.optimizer},
+      {"tensors", {{"model/w", {{"kind", "parameter"}, {"dtype", "F32"}, {"shape", {4, 3}}}}}}};
+  EXPECT_EQ(checkpoint::manifest_from_parts(header.dump(), {as_json(first), as_json(part)}, total_json), text);
+  EXPECT_EQ(total, 24 + 24 + 24 + 24 + 16);
+  EXPECT_EQ(total_json, total);
+  // The text is JSON a reader parses: every tensor's chunks in row order, the steps agreed.
+  const auto j = nlohmann::json::parse(text);
+  EXPECT_EQ(j["tensors"]["model/w"]["chunks"][1]["rows"], nlohmann::json({2, 4}));
+  EXPECT_EQ(j["tensors"]["model/w"]["chunks"][1]["file"], 1);
+  EXPECT_EQ(j["optimizer"]["steps"]["w"], 7);
+  EXPECT_EQ(j["files"][1]["bytes"], 12345);
 }
 
 // A file written by hand: header text, then `data_bytes` bytes.
