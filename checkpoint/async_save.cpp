@@ -7,6 +7,7 @@
 #include "fsdp/process_group.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/full.h>
 #include <c10/core/Event.h>
 #include <c10/core/StreamGuard.h>
@@ -15,6 +16,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <exception>
 #include <iostream>
 #include <memory>
@@ -32,9 +34,12 @@ double since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-// Each piece of the snapshot starts at a multiple of this, so that every tensor viewed into it is
-// aligned for its dtype (and for vectorized copies).
-constexpr int64_t kAlign = 64;
+// The snapshot is this rank's file's data as it lies on disk: the tensors back to back in file
+// order from an address aligned to this, as the data's place in the file is (a multiple of
+// WriteOptions::alignment, 4096), so that a direct write (SaveOptions::direct_io) goes straight
+// from the snapshot instead of through a copy into aligned buffers
+// (checkpoint/internal/parallel_io.h).
+constexpr int64_t kSnapshotAlign = 4096;
 
 }  // namespace
 
@@ -144,7 +149,7 @@ struct AsyncSaver::Impl {
     int64_t total = 0;
     for (const auto& kv : p.tensors) {
       offsets.push_back(total);
-      total += (static_cast<int64_t>(kv.second.nbytes()) + kAlign - 1) / kAlign * kAlign;
+      total += static_cast<int64_t>(kv.second.nbytes());
     }
     // CUDA tensors are copied into pinned host memory, asynchronously on a side stream that first
     // waits for what the current stream has queued (the values as of this call); the current
@@ -160,10 +165,13 @@ struct AsyncSaver::Impl {
       device = kv.second.device();
     }
     const bool cuda = device.has_value();
-    if (!snapshot.defined() || snapshot.numel() < total || (cuda && !snapshot.is_pinned())) {
+    const int64_t capacity = total + kSnapshotAlign;  // room to start at an aligned address
+    if (!snapshot.defined() || snapshot.numel() < capacity || (cuda && !snapshot.is_pinned())) {
       snapshot = at::Tensor();  // the old one first: never two at once
-      snapshot = at::empty({std::max<int64_t>(total, 1)}, at::TensorOptions().dtype(at::kByte).pinned_memory(cuda));
+      snapshot = at::empty({capacity}, at::TensorOptions().dtype(at::kByte).pinned_memory(cuda));
     }
+    const auto address = reinterpret_cast<uintptr_t>(snapshot.data_ptr());
+    const auto first = static_cast<int64_t>((kSnapshotAlign - address % kSnapshotAlign) % kSnapshotAlign);
     std::optional<c10::Stream> side;
     std::optional<c10::impl::VirtualGuardImpl> cuda_impl;
     if (cuda && one_device) {
@@ -176,14 +184,22 @@ struct AsyncSaver::Impl {
     for (size_t i = 0; i < p.tensors.size(); ++i) {
       at::Tensor& t = p.tensors[i].second;
       const auto n = static_cast<int64_t>(t.nbytes());
-      at::Tensor copy = snapshot.narrow(0, offsets[i], n).view(t.scalar_type()).view(t.sizes());
-      if (side && t.is_cuda()) {
-        const c10::StreamGuard on_side(*side);
-        copy.copy_(t, /*non_blocking=*/true);
-      } else {
-        copy.copy_(t);
+      if (n > 0) {
+        // As bytes: back to back, a tensor may start at an address its dtype would not (an int64
+        // buffer after an odd number of floats); the bytes' copy does not care.
+        const at::Tensor src = t.contiguous().reshape({-1}).view(at::kByte);
+        const at::Tensor dst = snapshot.narrow(0, first + offsets[i], n);
+        if (side && t.is_cuda()) {
+          const c10::StreamGuard on_side(*side);
+          dst.copy_(src, /*non_blocking=*/true);
+        } else {
+          dst.copy_(src);
+        }
       }
-      t = copy;
+      // The save writes the tensor's bytes from the snapshot; the view keeps the snapshot alive.
+      t = at::from_blob(
+          static_cast<uint8_t*>(snapshot.data_ptr()) + first + offsets[i], t.sizes(), [keep = snapshot](void*) {},
+          at::TensorOptions().dtype(t.scalar_type()));
     }
     if (side) {
       copied = std::make_shared<c10::Event>(device->type());

@@ -47,6 +47,9 @@ void same_files_as_sync(Rank& r) {
   checkpoint::save(root + "/direct", model, *opt, direct.io_threads(3).direct_io(true));
   const auto started = saver.save(root + "/async", *opt, opts);
   EXPECT_TRUE(saver.in_flight());
+  // And through O_DIRECT straight from the snapshot (laid out as the file's data), on another saver.
+  checkpoint::AsyncSaver direct_saver(model);
+  direct_saver.save(root + "/async-direct", *opt, direct);
   EXPECT_GT(started.snapshot_bytes, 0);
   // The model changes at once, before the background thread (which agrees first) can have written
   // it, and training goes on (its collectives on the model's group) while that thread writes and
@@ -59,10 +62,11 @@ void same_files_as_sync(Rank& r) {
   train_step(model, *opt, r, 3);
   const auto res = saver.wait();
   EXPECT_FALSE(saver.in_flight());
+  direct_saver.wait();
   EXPECT_EQ(res.path, root + "/async/a");
   EXPECT_EQ(res.bytes_written, started.snapshot_bytes);
   const std::string rank_file = "/rank-0000" + std::to_string(r.rank) + ".safetensors";
-  for (const char* other : {"/async/a", "/direct/a"}) {
+  for (const char* other : {"/async/a", "/direct/a", "/async-direct/a"}) {
     EXPECT_EQ(file_bytes(root + other + rank_file), file_bytes(root + "/sync/a" + rank_file))
         << "rank " << r.rank << "'s file in " << other << " differs from the synchronous, buffered save's";
     if (r.rank == 0) {

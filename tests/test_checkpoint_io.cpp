@@ -59,6 +59,46 @@ TEST(CheckpointIo, ThreadsAndDirectIoWriteTheSameBytesAsOneBufferedWriter) {
   }
 }
 
+// Direct I/O writes the whole aligned units of a piece whose memory is aligned as its place in the
+// file straight from it (AsyncSaver's snapshot), the rest through a buffer: the bytes are the same
+// whichever way each unit goes. An aligned arena's slices back to back after a header of a whole
+// unit (straight), after none (straight), after 100 bytes (the arena misaligned for the file:
+// buffered throughout); slices of odd sizes, so that units are shared by pieces.
+TEST(CheckpointIo, DirectWritesStraightFromAlignedMemoryTheSameBytes) {
+  TempDir tmp;
+  torch::manual_seed(2);
+  const std::vector<int64_t> sizes = {4096, 3, 8192, 4093, 20000, 0, 12289, 7};
+  int64_t arena_bytes = 0;
+  for (int64_t n : sizes) arena_bytes += n;
+  const at::Tensor arena_storage = torch::randint(0, 256, {arena_bytes + 4096}, torch::kByte);
+  const auto address = reinterpret_cast<uintptr_t>(arena_storage.data_ptr());
+  const char* arena = static_cast<const char*>(arena_storage.data_ptr()) + (4096 - address % 4096) % 4096;
+  for (int64_t header_bytes : {int64_t{4096}, int64_t{0}, int64_t{100}}) {
+    const at::Tensor header = torch::randint(0, 256, {header_bytes}, torch::kByte);
+    std::vector<checkpoint::detail::IoPiece> pieces;
+    std::string want;
+    if (header_bytes > 0) {
+      pieces.push_back({header.data_ptr(), static_cast<uint64_t>(header_bytes)});
+      want.append(static_cast<const char*>(header.data_ptr()), static_cast<size_t>(header_bytes));
+    }
+    const char* at = arena;
+    for (int64_t n : sizes) {
+      pieces.push_back({at, static_cast<uint64_t>(n)});
+      at += n;
+    }
+    want.append(arena, static_cast<size_t>(arena_bytes));
+    for (int threads : {1, 3}) {
+      checkpoint::detail::IoOptions io;
+      io.threads = threads;
+      io.direct = true;
+      io.block_bytes = 3 * 4096;
+      const std::string path = tmp.path + "/h" + std::to_string(header_bytes) + "t" + std::to_string(threads);
+      checkpoint::detail::write_pieces(path, pieces, io);
+      EXPECT_EQ(contents(path), want) << "header " << header_bytes << ", " << threads << " threads";
+    }
+  }
+}
+
 TEST(CheckpointIo, SafetensorsFilesAreTheSameWithThreadsAndDirectIo) {
   TempDir tmp;
   torch::manual_seed(1);

@@ -15,6 +15,7 @@
 #include <atomic>
 #include <cerrno>
 #include <climits>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -101,10 +102,6 @@ void pwritev_all(int fd, const std::string& path, std::vector<iovec> iov, uint64
   }
 }
 
-void pwrite_all(int fd, const std::string& path, const char* p, uint64_t n, uint64_t offset) {
-  pwritev_all(fd, path, {{const_cast<char*>(p), n}}, offset);
-}
-
 // Direct I/O's aligned buffers, kept between files (a save every step would otherwise map, fault in
 // and unmap one per thread each time): at most kKept, each freed when its size or alignment no
 // longer fits.
@@ -189,22 +186,43 @@ void write_pieces(const std::string& path, const std::vector<IoPiece>& pieces, c
       pwritev_all(fd, path, std::move(iov), lo);
       return;
     }
+    // Direct: whole aligned units of a piece whose memory is aligned as its place in the file go
+    // straight from that memory (AsyncSaver's snapshot is laid out so); every other byte through
+    // this thread's aligned buffer, at the same place in it as in the block. One pwritev of the
+    // block, each of its iovecs aligned in address and length.
     auto& mine = buffers[static_cast<size_t>(worker)];
     if (!mine) mine = buffer_pool().take(align, block);
     auto* buf = static_cast<char*>(mine->p);
+    std::vector<iovec> iov;
+    uint64_t run = lo;  // the buffer holds [run, at): bytes not yet in `iov`
     for (uint64_t at = lo; at < hi; ++k) {
       const uint64_t end = std::min(hi, starts[k] + pieces[k].n);
       if (end <= at) continue;
-      std::memcpy(buf + (at - lo), static_cast<const char*>(pieces[k].data) + (at - starts[k]), end - at);
+      const char* src = static_cast<const char*>(pieces[k].data) + (at - starts[k]);
+      const uint64_t ua = (at + align - 1) / align * align, ub = end / align * align;
+      const bool straight = ua < ub && (reinterpret_cast<uintptr_t>(src) + (ua - at)) % align == 0;
+      if (!straight) {
+        std::memcpy(buf + (at - lo), src, end - at);
+        at = end;
+        continue;
+      }
+      std::memcpy(buf + (at - lo), src, ua - at);  // the end of a unit begun by earlier pieces
+      if (ua > run) iov.push_back({buf + (run - lo), ua - run});
+      iov.push_back({const_cast<char*>(src) + (ua - at), ub - ua});
+      std::memcpy(buf + (ub - lo), src + (ub - at), end - ub);  // the start of the next unit
+      run = ub;
       at = end;
     }
-    uint64_t n = hi - lo;
-    if (options.direct && n % align != 0) {  // the tail: padded to the alignment, truncated below
-      const uint64_t padded = (n + align - 1) / align * align;
-      std::memset(buf + n, 0, padded - n);
-      n = padded;
+    if (hi > run) {
+      uint64_t n = hi - run;
+      if (n % align != 0) {  // the file's tail: padded to the alignment, truncated below
+        const uint64_t padded = (n + align - 1) / align * align;
+        std::memset(buf + (hi - lo), 0, padded - n);
+        n = padded;
+      }
+      iov.push_back({buf + (run - lo), n});
     }
-    pwrite_all(fd, path, buf, n, lo);
+    pwritev_all(fd, path, std::move(iov), lo);
   });
   if (options.direct && size % align != 0) {
     FSDP_CHECK(::ftruncate(fd, static_cast<off_t>(size)) == 0, "fsdp::checkpoint: truncating '", path, "' to ", size,

@@ -25,11 +25,12 @@ struct IoPiece {
 };
 
 /// Writes the pieces as the file `path` (created or truncated), block by block: the blocks are
-/// shared by `threads` threads, each with its own buffer aligned for direct I/O (a block that lies
-/// inside one piece goes straight from its memory when not direct). With `direct`, the file is
-/// opened with O_DIRECT, the alignment taken from statx (STATX_DIOALIGN) where the kernel gives
-/// it and 4096 otherwise; the last block is written padded to the alignment and the file then
-/// truncated to its size. No fsync (the caller's, once per file). A filesystem that refuses
+/// shared by `threads` threads. Buffered, each block goes straight from the pieces' memory (one
+/// pwritev). With `direct`, the file is opened with O_DIRECT, the alignment taken from statx
+/// (STATX_DIOALIGN) where the kernel gives it and 4096 otherwise: the whole aligned units of a
+/// piece whose memory is aligned as its place in the file go straight from it, the other bytes
+/// through an aligned buffer per thread; the last block is written padded to the alignment and
+/// the file then truncated to its size. No fsync (the caller's, once per file). A filesystem that refuses
 /// O_DIRECT is an error that says so. Errors name the file, the bytes and the system's reason.
 void write_pieces(const std::string& path, const std::vector<IoPiece>& pieces, const IoOptions& options);
 
