@@ -159,8 +159,8 @@ def breakdown(agent, t_kill):
     detection      kill -> the agent sees a worker fail (its monitor, --monitor-interval)
     stop           -> the agent has stopped the other workers and starts the rendezvous
     rendezvous     -> the rendezvous completes (torchrun's first-round delay, last_call_timeout)
-    process_start  -> train_gpt's main() (the process started, the libraries loaded)
-    group          -> its process group (store, claims, Gloo)
+    process_start  -> the last rank's train_gpt main() (the processes started, the libraries loaded)
+    group          -> rank 0's process group (store, claims, Gloo), from the last rank's start
     load           -> ready to train: model built, checkpoint loaded
     first_step     -> the first step after the restart done (steps redone come after it)
     """
@@ -176,7 +176,8 @@ def breakdown(agent, t_kill):
     step = next((r for r in agent.rows() if "step" in r and r["_t"] > start["t_ready"]), None)
     if step is None:
         return None
-    marks = [("detection", failed), ("stop", rdzv_start), ("rendezvous", rdzv_done), ("process_start", start["t_main"]),
+    last_main = start.get("t_main_last", start["t_main"])
+    marks = [("detection", failed), ("stop", rdzv_start), ("rendezvous", rdzv_done), ("process_start", last_main),
              ("group", start["t_group"]), ("load", start["t_ready"]), ("first_step", step["_t"])]
     out, prev = {}, t_kill
     for name, t in marks:

@@ -2,6 +2,7 @@
 
 #include "checkpoint/internal/crash_point.h"
 #include "fsdp/internal/check.h"
+#include "fsdp/internal/make_dirs.h"
 
 #include <c10/util/Exception.h>
 
@@ -57,21 +58,6 @@ void remove_or_throw(const std::string& path) {
   FSDP_CHECK(remove_tree(path), "fsdp::checkpoint: cannot remove '", path, "': ", system_error());
 }
 
-void make_dirs(const std::string& path) {
-  std::string at;
-  std::stringstream ss(path);
-  std::string part;
-  if (!path.empty() && path[0] == '/') at = "/";
-  while (std::getline(ss, part, '/')) {
-    if (part.empty()) continue;
-    at += part + "/";
-    if (::mkdir(at.c_str(), 0755) != 0) {
-      FSDP_CHECK(errno == EEXIST && is_dir(at), "fsdp::checkpoint: cannot create the directory '", at,
-                 "': ", errno == EEXIST ? "a file of that name exists" : system_error());
-    }
-  }
-}
-
 void check_name(const std::string& name) {
   FSDP_CHECK(!name.empty() && name.find('/') == std::string::npos && name[0] != '.' && name != kLatest,
              "fsdp::checkpoint: '", name,
@@ -94,7 +80,9 @@ std::string staging_path(const std::string& root, const std::string& name) {
 
 std::string begin_staging(const std::string& root, const std::string& name) {
   check_name(name);
-  make_dirs(root);
+  if (const std::string e = fsdp::detail::make_dirs(root); !e.empty()) {
+    FSDP_CHECK(false, "fsdp::checkpoint: ", e, ": cannot save under '", root, "'.");
+  }
   // What a save that crashed left: staging directories, a half-written `latest`, a checkpoint
   // half replaced.
   for (const auto& e : entries(root)) {

@@ -1,4 +1,4 @@
-// train_gpt's checkpoints: the resume at start-up (the latest checkpoint, its seed first, then the
+// train_gpt's checkpoints: its flags, the resume at start-up (the latest checkpoint, its seed first, then the
 // model, the optimizer, the generators and the sampler), and the saves every --save-every steps,
 // synchronous, or with --async-save in the background (fsdp::checkpoint::AsyncSaver), where a save
 // that finds the previous one still being written is skipped on every rank and counted. After each
@@ -10,6 +10,7 @@
 #include "checkpoint/commit.h"
 #include "checkpoint/manifest.h"
 #include "data/distributed_sampler.h"
+#include "examples/cli.h"
 
 #include <torch/optim/optimizer.h>
 
@@ -21,11 +22,55 @@
 
 namespace examples {
 
+/// The checkpoint flags: --save-dir DIR, --save-every K, --resume, --async-save, --keep-last N,
+/// --direct-io.
+struct CheckpointFlags {
+  std::string dir;         // sharded checkpoints (fsdp::checkpoint) go here
+  int64_t every = 0;       // steps between checkpoints (0: none)
+  bool resume = false;     // from dir's latest checkpoint, when there is one
+  bool async = false;      // save in the background (fsdp::checkpoint::AsyncSaver), skipping a busy save
+  int64_t keep_last = 0;   // checkpoints kept (0: all)
+  bool direct_io = false;  // the checkpoints' files written with O_DIRECT
+
+  /// Takes `flag` when it is one of these, its value from `value()`; false when it is not.
+  template <typename Value>
+  bool parse(const std::string& flag, Value&& value) {
+    if (flag == "--resume" || flag == "--async-save" || flag == "--direct-io") {
+      (flag == "--resume" ? resume : flag == "--async-save" ? async : direct_io) = true;
+    } else if (flag == "--save-dir") {
+      dir = value();
+    } else if (flag == "--save-every") {
+      every = cli::parse_int(flag, value(), 1);
+    } else if (flag == "--keep-last") {
+      keep_last = cli::parse_int(flag, value(), 1, 1 << 20);
+    } else {
+      return false;
+    }
+    return true;
+  }
+
+  /// A flag without the ones it needs is an input error that says what to add.
+  void check() const {
+    auto refuse = [](const std::string& what) { throw cli::InputError(what, true); };
+    if (dir.empty() && (every > 0 || resume))
+      refuse(std::string(resume ? "--resume" : "--save-every") + " needs --save-dir DIR");
+    if ((async || keep_last > 0 || direct_io) && every == 0) {
+      refuse(std::string(async ? "--async-save" : direct_io ? "--direct-io" : "--keep-last") + " needs --save-every K");
+    }
+    if (!dir.empty() && every == 0 && !resume) {
+      refuse("--save-dir alone saves nothing: add --save-every K (a checkpoint every K steps), or --resume");
+    }
+  }
+};
+
 class Checkpoints {
  public:
-  /// `every` 0: no saves. `keep_last` 0: keep all.
-  Checkpoints(std::string dir, int64_t every, bool async, int keep_last, bool direct_io)
-      : dir_(std::move(dir)), every_(every), async_(async), keep_last_(keep_last), direct_io_(direct_io) {}
+  explicit Checkpoints(const CheckpointFlags& flags)
+      : dir_(flags.dir),
+        every_(flags.every),
+        async_(flags.async),
+        keep_last_(static_cast<int>(flags.keep_last)),
+        direct_io_(flags.direct_io) {}
 
   /// The latest checkpoint under the directory ("" when there is none) and the seed its sampler
   /// was built with (a checkpoint without a sampler state is refused: not this program's).

@@ -52,17 +52,12 @@ struct Args : cli::RunFlags {
   std::string data = FSDP_EXAMPLE_CORPUS;
   double max_data_mb = 64;  // bound on the corpus read (each byte becomes an 8-byte token)
   bool json = false;
-  int64_t grad_accum = 0;   // micro-batches per step (0: from --max-rows)
-  int64_t max_rows = 0;     // the most rows one rank runs at once (0: its whole share)
-  bool no_sync = false;     // communicate only in the last micro-batch
-  double clip = 0;          // max global gradient norm (0: no clipping)
-  bool fused = false;       // fsdp::optim::FusedAdamW instead of torch::optim::AdamW
-  std::string save_dir;     // sharded checkpoints (fsdp::checkpoint) go here
-  int64_t save_every = 0;   // steps between checkpoints (0: none)
-  bool resume = false;      // from save_dir's latest checkpoint, when there is one
-  bool async_save = false;  // save in the background (fsdp::checkpoint::AsyncSaver), skipping a busy save
-  int64_t keep_last = 0;    // checkpoints kept (0: all)
-  bool direct_io = false;   // the checkpoints' files written with O_DIRECT
+  int64_t grad_accum = 0;  // micro-batches per step (0: from --max-rows)
+  int64_t max_rows = 0;    // the most rows one rank runs at once (0: its whole share)
+  bool no_sync = false;    // communicate only in the last micro-batch
+  double clip = 0;         // max global gradient norm (0: no clipping)
+  bool fused = false;      // fsdp::optim::FusedAdamW instead of torch::optim::AdamW
+  examples::CheckpointFlags ckpt;
   bool help = false;
 };
 
@@ -127,14 +122,8 @@ Args parse(int argc, char** argv) {
       a.help = true;
       continue;
     }
-    if (k == "--json" || k == "--no-sync" || k == "--fused" || k == "--resume" || k == "--async-save" ||
-        k == "--direct-io") {
-      (k == "--json"        ? a.json
-       : k == "--no-sync"   ? a.no_sync
-       : k == "--fused"     ? a.fused
-       : k == "--resume"    ? a.resume
-       : k == "--direct-io" ? a.direct_io
-                            : a.async_save) = true;
+    if (k == "--json" || k == "--no-sync" || k == "--fused") {
+      (k == "--json" ? a.json : k == "--no-sync" ? a.no_sync : a.fused) = true;
       continue;
     }
     // The value of a flag; never the next flag (a negative number has one dash).
@@ -144,6 +133,7 @@ Args parse(int argc, char** argv) {
     };
     if (cli::parse_run_flag(k, value, a, [&] { return i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0; }))
       continue;
+    if (a.ckpt.parse(k, value)) continue;
     if (k == "--lr")
       a.lr = cli::parse_double(k, value(), 0, false);
     else if (k == "--weight-decay")
@@ -160,12 +150,6 @@ Args parse(int argc, char** argv) {
       a.max_rows = cli::parse_int(k, value(), 1);
     else if (k == "--clip")
       a.clip = cli::parse_double(k, value(), 0, true);
-    else if (k == "--save-dir")
-      a.save_dir = value();
-    else if (k == "--save-every")
-      a.save_every = cli::parse_int(k, value(), 1);
-    else if (k == "--keep-last")
-      a.keep_last = cli::parse_int(k, value(), 1, 1 << 20);
     else
       usage_error("unknown flag '" + k + "'");
   }
@@ -178,18 +162,7 @@ Args parse(int argc, char** argv) {
         "any number of ranks)");
   }
   if (a.fused && a.optimizer != "adamw") usage_error("--fused is an AdamW; it cannot be used with --optimizer sgd");
-  if (a.save_dir.empty() && (a.save_every > 0 || a.resume)) {
-    usage_error(std::string(a.resume ? "--resume" : "--save-every") + " needs --save-dir DIR");
-  }
-  if ((a.async_save || a.keep_last > 0 || a.direct_io) && a.save_every == 0) {
-    usage_error(std::string(a.async_save  ? "--async-save"
-                            : a.direct_io ? "--direct-io"
-                                          : "--keep-last") +
-                " needs --save-every K");
-  }
-  if (!a.save_dir.empty() && a.save_every == 0 && !a.resume) {
-    usage_error("--save-dir alone saves nothing: add --save-every K (a checkpoint every K steps), or --resume");
-  }
+  a.ckpt.check();
   return a;
 }
 
@@ -281,11 +254,10 @@ int run(const Args& args) {
   // optimizer and the generators from it. Its seed is read first: the sampler is built with it.
   int64_t first_step = 0;
   uint64_t seed = args.seed;
-  examples::Checkpoints checkpoints(args.save_dir, args.save_every, args.async_save, static_cast<int>(args.keep_last),
-                                    args.direct_io);
-  const std::string resume_from = args.resume ? checkpoints.latest(seed) : "";
-  if (args.resume && resume_from.empty() && rank == 0) {
-    std::cerr << who() << ": no checkpoint under '" << args.save_dir << "'; starting at step 0\n";
+  examples::Checkpoints checkpoints(args.ckpt);
+  const std::string resume_from = args.ckpt.resume ? checkpoints.latest(seed) : "";
+  if (args.ckpt.resume && resume_from.empty() && rank == 0) {
+    std::cerr << who() << ": no checkpoint under '" << args.ckpt.dir << "'; starting at step 0\n";
   }
   // The order of the corpus's windows, the same on any number of ranks; each step takes the next
   // global batch of it, this rank its share.
@@ -307,16 +279,22 @@ int run(const Args& args) {
     }
   }
 
-  if (rank == 0 && args.json) {
+  if (args.json) {
     // When this process started, joined its group and was ready to train (after a resume's load),
-    // in wall-clock seconds: with the launcher's log, where an elastic restart's time goes.
+    // in wall-clock seconds, and when the last rank started (the group waits for it): with the
+    // launcher's log, where an elastic restart's time goes.
+    at::Tensor started = at::zeros({world}, at::kDouble);
+    started[rank] = g_t_main;
+    fsdp::all_reduce(pg, started);
     const char* restart = std::getenv("TORCHELASTIC_RESTART_COUNT");
-    std::printf(
-        "{\"start\": true, \"world_size\": %d, \"restart_count\": %s, \"first_step\": %lld, \"t_main\": "
-        "%.6f, \"t_group\": %.6f, \"t_ready\": %.6f}\n",
-        world, restart != nullptr && *restart != '\0' ? restart : "0", static_cast<long long>(first_step), g_t_main,
-        t_group, wall_seconds());
-    std::fflush(stdout);
+    if (rank == 0) {
+      std::printf(
+          "{\"start\": true, \"world_size\": %d, \"restart_count\": %s, \"first_step\": %lld, \"t_main\": "
+          "%.6f, \"t_main_last\": %.6f, \"t_group\": %.6f, \"t_ready\": %.6f}\n",
+          world, restart != nullptr && *restart != '\0' ? restart : "0", static_cast<long long>(first_step), g_t_main,
+          started.max().item<double>(), t_group, wall_seconds());
+      std::fflush(stdout);
+    }
   }
   if (rank == 0 && !args.json) {
     std::cout << "train_gpt: " << world << " rank(s), " << n_params << " parameters, " << args.model.n_layer

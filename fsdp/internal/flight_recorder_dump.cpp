@@ -4,6 +4,7 @@
 // in docs/usage.md ("When a run hangs: the flight recorder") and read by tools/trace_report.cpp.
 #include "fsdp/internal/flight_recorder.h"
 #include "fsdp/internal/json_text.h"
+#include "fsdp/internal/make_dirs.h"
 
 #include "fsdp/internal/env.h"
 #include "fsdp/internal/monitor.h"
@@ -24,20 +25,6 @@ namespace fsdp::detail {
 namespace {
 
 constexpr int kFormatVersion = 1;
-
-// mkdir -p (not std::filesystem: libtorch.so exports a copy of its symbols that crashes when called).
-std::string make_dirs(const std::string& dir) {
-  for (size_t at = 1; at <= dir.size(); ++at) {
-    if (at != dir.size() && dir[at] != '/') continue;
-    const std::string part = dir.substr(0, at);
-    if (::mkdir(part.c_str(), 0777) != 0 && errno != EEXIST) {
-      return "cannot create directory '" + part + "': " + std::strerror(errno);
-    }
-  }
-  struct stat st {};
-  if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) return "'" + dir + "' is not a directory";
-  return "";
-}
 
 void write_last(std::ostream& os, const LastCollective& l) {
   if (!l.known()) {
