@@ -140,14 +140,16 @@ class Checkpoints {
   /// Seconds the training loop was held by saves (the copy into the snapshot, for --async-save).
   double held_seconds() const { return held_seconds_; }
 
- private:
-  /// The step the latest committed checkpoint resumes at (0: none): its name's number.
+  /// The step the latest committed checkpoint resumes at (0: none): its name's number, read from
+  /// the directory (a background save counts once it is committed).
   int64_t committed_step() const {
+    if (dir_.empty()) return 0;
     const std::string path = fsdp::checkpoint::latest_checkpoint(dir_);
     const size_t dash = path.rfind("step-");
     return dash == std::string::npos ? 0 : std::stoll(path.substr(dash + 5));
   }
 
+ private:
   std::string dir_;
   int64_t every_;
   bool async_;

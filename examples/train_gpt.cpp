@@ -368,13 +368,14 @@ int run(const Args& args) {
         std::printf(
             "{\"step\": %lld, \"loss\": %s, \"peak_bytes\": %lld, \"state_bytes\": %lld, \"state_peak_bytes\": "
             "%lld, \"buffer_bytes\": %lld, \"other_bytes\": %lld, \"step_ms\": %s, \"world_size\": %d, \"params\": "
-            "%lld, \"grad_norm\": %s, \"epoch\": %lld, \"samples_consumed\": %lld}\n",
+            "%lld, \"grad_norm\": %s, \"epoch\": %lld, \"samples_consumed\": %lld, \"committed_step\": %lld}\n",
             static_cast<long long>(step), cli::json_number(l).c_str(), static_cast<long long>(mem[0].item<int64_t>()),
             static_cast<long long>(mem[1].item<int64_t>()), static_cast<long long>(mem[2].item<int64_t>()),
             static_cast<long long>(mem[3].item<int64_t>()), static_cast<long long>(mem[4].item<int64_t>()),
             cli::json_number(ms, "%.3f").c_str(), world, static_cast<long long>(n_params),
             cli::json_number(grad_norm).c_str(), static_cast<long long>(share->epoch),
-            static_cast<long long>(sampler.state().samples_consumed));
+            static_cast<long long>(sampler.state().samples_consumed),
+            static_cast<long long>(checkpoints.committed_step()));
       } else {
         std::printf(
             "step %4lld | epoch %lld | loss %.4f | grad norm %.4g | %8.1f ms | peak %s | state %s (max over ranks)\n",

@@ -73,6 +73,20 @@ std::string endpoint(const LaunchEnv& env, const std::string& method) {
   return "the store at " + env.master_addr + ":" + std::to_string(env.master_port);
 }
 
+// A rank that is not the store's host may get here before the host listens (rank 0 started a
+// little later): c10d's client then retries only after a backoff of 250 to 750 ms (c10d/Backoff.hpp:
+// 500 ms, +-50%), which was most of an elastic restart's process-group phase in 8 of 20 restarts
+// measured. So wait for the port to accept, looking every 10 ms, until `until`; c10d's client then
+// connects at once. Anything but "refused" (accepted, unreachable, a name that does not resolve) is
+// left to the client and its own error.
+void wait_until_listening(const std::string& host, int port, clock::time_point until) {
+  while (clock::now() < until) {
+    const Probe p = probe_endpoint(host, port, std::min(milliseconds(200), left(until)));
+    if (!p.refused) return;
+    std::this_thread::sleep_for(milliseconds(10));
+  }
+}
+
 c10::intrusive_ptr<c10d::Store> make_store(const LaunchEnv& env, const InitOptions& options, milliseconds timeout) {
   const std::string& method = options.init_method();
   if (method.rfind("file://", 0) == 0) return c10::make_intrusive<c10d::FileStore>(method.substr(7), env.world_size);
@@ -86,6 +100,7 @@ c10::intrusive_ptr<c10d::Store> make_store(const LaunchEnv& env, const InitOptio
   // client does not log its own timeout (with a backtrace) on the way.
   so.timeout = timeout + std::chrono::seconds(30);
   so.multiTenant = true;
+  if (!so.isServer) wait_until_listening(env.master_addr, env.master_port, clock::now() + timeout);
   try {
     return c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
   } catch (const std::exception& e) {
@@ -177,6 +192,7 @@ Probe probe_endpoint(const std::string& host, int port, milliseconds budget) {
     return {std::string("the address '") + host + "' does not resolve (" + gai_strerror(rc) + ")", rc != EAI_AGAIN};
   }
   std::string found = "no answer from " + host + ":" + std::to_string(port);
+  bool refused = false;
   const auto until = clock::now() + budget;
   for (addrinfo* a = res; a != nullptr; a = a->ai_next) {
     const int fd = socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, a->ai_protocol);
@@ -198,10 +214,13 @@ Probe probe_endpoint(const std::string& host, int port, milliseconds budget) {
     close(fd);
     if (err == 0) {
       freeaddrinfo(res);
-      return {"a service at " + host + ":" + std::to_string(port) +
-              " accepted the connection but did not answer as a c10d store: that port is probably used by another "
-              "service (Slurm's and c10d's default 29500 often is); choose a free MASTER_PORT"};
+      Probe accepted{"a service at " + host + ":" + std::to_string(port) +
+                     " accepted the connection but did not answer as a c10d store: that port is probably used by "
+                     "another service (Slurm's and c10d's default 29500 often is); choose a free MASTER_PORT"};
+      accepted.accepted = true;
+      return accepted;
     }
+    refused = err == ECONNREFUSED;
     if (err == ECONNREFUSED) {
       found = "nothing listens on " + host + ":" + std::to_string(port) +
               " (connection refused): the store's host (torchrun's agent, or rank 0) has not started or has exited, "
@@ -212,7 +231,9 @@ Probe probe_endpoint(const std::string& host, int port, milliseconds budget) {
     }
   }
   freeaddrinfo(res);
-  return {found};
+  Probe out{found};
+  out.refused = refused;
+  return out;
 }
 
 Rendezvous rendezvous(const LaunchEnv& env, const InitOptions& options, milliseconds timeout) {

@@ -15,7 +15,7 @@
 namespace fsdp::detail {
 
 struct Rendezvous {
-  c10::intrusive_ptr<c10d::Store> store;   ///< the job's store
+  c10::intrusive_ptr<c10d::Store> store;  ///< the job's store
   /// This attempt's part of it (`prefix` + "pg"): the process group's, Gloo's, NCCL's and the
   /// subgroups' keys. torchrun's agent keeps one store across restarts, so keys an earlier
   /// attempt wrote (Gloo's listening addresses) must not be where this attempt looks.
@@ -34,6 +34,8 @@ Rendezvous rendezvous(const LaunchEnv& env, const InitOptions& options, std::chr
 struct Probe {
   std::string found;
   bool permanent = false;
+  bool accepted = false;  ///< something listens and accepted the connection
+  bool refused = false;   ///< nothing listens there (yet)
 };
 Probe probe_endpoint(const std::string& host, int port, std::chrono::milliseconds budget);
 
