@@ -13,11 +13,13 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <sstream>
+#include <thread>
 
 namespace fsdp::checkpoint {
 namespace {
@@ -25,6 +27,8 @@ namespace {
 constexpr const char* kStagingPrefix = ".staging-";
 // A committed checkpoint being replaced by a new save of its name (see begin_staging).
 constexpr const char* kReplacedPrefix = ".replaced-";
+// A checkpoint beyond keep_last, out of the committed set, being deleted (see keep_last).
+constexpr const char* kDeletingPrefix = ".deleting-";
 
 std::string system_error() {
   return std::strerror(errno);
@@ -86,7 +90,7 @@ std::string begin_staging(const std::string& root, const std::string& name) {
   // What a save that crashed left: staging directories, a half-written `latest`, a checkpoint
   // half replaced.
   for (const auto& e : entries(root)) {
-    if (e.rfind(kStagingPrefix, 0) == 0 || e.rfind(kReplacedPrefix, 0) == 0 ||
+    if (e.rfind(kStagingPrefix, 0) == 0 || e.rfind(kReplacedPrefix, 0) == 0 || e.rfind(kDeletingPrefix, 0) == 0 ||
         e == std::string(".") + kLatest + ".tmp") {
       remove_or_throw(root + "/" + e);
     }
@@ -199,10 +203,36 @@ void keep_last(const std::string& root, int keep) {
   const std::string latest = latest_checkpoint(root);
   auto all = committed_checkpoints(root);
   const auto excess = static_cast<int64_t>(all.size()) - keep;
+  // Each one leaves the committed set at once, by a rename (a crash while its files are deleted
+  // never leaves a manifest over missing files; the next save removes what is left)...
+  std::vector<std::string> going;
   for (int64_t i = 0; i < excess; ++i) {
-    if (all[i] != latest) remove_or_throw(all[i]);
+    if (all[i] == latest) continue;
+    const std::string name = all[i].substr(all[i].rfind('/') + 1);
+    going.push_back(root + "/" + kDeletingPrefix + name);
+    remove_or_throw(going.back());  // a leftover of a crash, if any
+    FSDP_CHECK(::rename(all[i].c_str(), going.back().c_str()) == 0, "fsdp::checkpoint: cannot rename '", all[i],
+               "' to '", going.back(), "' to delete it (keep_last): ", system_error());
   }
-  if (!all.empty()) fsync_path(root);
+  if (going.empty()) return;
+  fsync_path(root);
+  // ... then its files are unlinked on several threads: freeing a large file's blocks and cached
+  // pages is the kernel's CPU work, and this rank (rank 0) would otherwise do it for every rank's
+  // file while the other ranks wait for the save's last agreement with their cores idle.
+  std::vector<std::string> files;
+  for (const auto& dir : going) {
+    for (const auto& e : entries(dir)) files.push_back(dir + "/" + e);
+  }
+  std::atomic<size_t> next{0};
+  auto unlink_some = [&] {
+    for (size_t i = next++; i < files.size(); i = next++) ::unlink(files[i].c_str());  // what fails: below
+  };
+  std::vector<std::thread> threads;
+  const size_t n = std::min<size_t>(files.size(), 8);
+  for (size_t t = 1; t < n; ++t) threads.emplace_back(unlink_some);
+  unlink_some();
+  for (auto& t : threads) t.join();
+  for (const auto& dir : going) remove_or_throw(dir);  // the directory, and anything not unlinked
 }
 
 bool remove_tree(const std::string& path) {

@@ -71,11 +71,15 @@ TEST(CheckpointCommit, AnInterruptedSaveIsNeverSeenAndTheNextOneCleansUp) {
   const std::string dead = begin_staging(t.path, step_name(200));
   put(dead + "/rank-00000.safetensors", "half");
   put(t.path + "/.latest.tmp", "step-000200");  // and a pointer update it never finished
+  // And a keep_last that died while deleting a checkpoint it had taken out of the committed set.
+  ::mkdir((t.path + "/.deleting-step-000050").c_str(), 0755);
+  put(t.path + "/.deleting-step-000050/" + kManifest, "{}");
   EXPECT_EQ(latest_checkpoint(t.path), first);
   EXPECT_EQ(committed_checkpoints(t.path), std::vector<std::string>{first});
   const std::string next = save(t.path, step_name(300));
   EXPECT_FALSE(exists(dead)) << "leftover staging removed by the next save";
   EXPECT_FALSE(exists(t.path + "/.latest.tmp"));
+  EXPECT_FALSE(exists(t.path + "/.deleting-step-000050"));
   EXPECT_EQ(latest_checkpoint(t.path), next);
 }
 
@@ -118,6 +122,10 @@ TEST(CheckpointCommit, KeepLastKeepsTheNewest) {
   keep_last(t.path, 2);
   EXPECT_EQ(committed_checkpoints(t.path),
             (std::vector<std::string>{t.path + "/step-000003", t.path + "/step-000004"}));
+  // Nothing of the two removed is left, under their names or while being deleted.
+  for (const char* gone : {"step-000001", "step-000002", ".deleting-step-000001", ".deleting-step-000002"}) {
+    EXPECT_FALSE(exists(t.path + "/" + gone)) << gone;
+  }
   EXPECT_EQ(latest_checkpoint(t.path), t.path + "/step-000004");
   keep_last(t.path, 0);  // 0 keeps all
   EXPECT_EQ(committed_checkpoints(t.path).size(), 2u);
