@@ -18,6 +18,8 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <mutex>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -57,6 +59,14 @@ std::vector<std::string> entries(const std::string& dir) {
   return out;
 }
 
+// The staging directories of this process's saves in flight (an AsyncSaver's while a synchronous
+// save starts, say): never taken for a crashed save's leftovers.
+std::mutex g_staging_mu;
+std::set<std::string>& in_flight() {
+  static auto* s = new std::set<std::string>();  // never destroyed: saves may run at exit
+  return *s;
+}
+
 // remove_tree, or an error naming the path.
 void remove_or_throw(const std::string& path) {
   FSDP_CHECK(remove_tree(path), "fsdp::checkpoint: cannot remove '", path, "': ", system_error());
@@ -87,9 +97,14 @@ std::string begin_staging(const std::string& root, const std::string& name) {
   if (const std::string e = fsdp::detail::make_dirs(root); !e.empty()) {
     FSDP_CHECK(false, "fsdp::checkpoint: ", e, ": cannot save under '", root, "'.");
   }
-  // What a save that crashed left: staging directories, a half-written `latest`, a checkpoint
-  // half replaced.
+  const std::string staging = staging_path(root, name);
+  std::lock_guard<std::mutex> lock(g_staging_mu);
+  FSDP_CHECK(in_flight().count(staging) == 0, "fsdp::checkpoint: a save of '", name, "' under '", root,
+             "' is still in flight in this process (an AsyncSaver's): wait() for it before saving that name again.");
+  // What a save that crashed left: staging directories (not those of this process's saves in
+  // flight), a half-written `latest`, a checkpoint half replaced or half deleted.
   for (const auto& e : entries(root)) {
+    if (in_flight().count(root + "/" + e) != 0) continue;
     if (e.rfind(kStagingPrefix, 0) == 0 || e.rfind(kReplacedPrefix, 0) == 0 || e.rfind(kDeletingPrefix, 0) == 0 ||
         e == std::string(".") + kLatest + ".tmp") {
       remove_or_throw(root + "/" + e);
@@ -103,10 +118,15 @@ std::string begin_staging(const std::string& root, const std::string& name) {
              "fsdp::checkpoint: '", final_dir, "' exists already and ",
              exists(final_dir + "/" + kManifest) ? "is the latest checkpoint" : "is not a checkpoint",
              "; a save never writes into it. Save under another name (the step, say), or remove it first.");
-  const std::string staging = staging_path(root, name);
   FSDP_CHECK(::mkdir(staging.c_str(), 0755) == 0, "fsdp::checkpoint: cannot create the staging directory '", staging,
              "': ", system_error());
+  in_flight().insert(staging);
   return staging;
+}
+
+void end_staging(const std::string& root, const std::string& name) {
+  std::lock_guard<std::mutex> lock(g_staging_mu);
+  in_flight().erase(staging_path(root, name));
 }
 
 void fsync_path(const std::string& path) {

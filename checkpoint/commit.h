@@ -21,10 +21,14 @@ inline constexpr const char* kManifest = "manifest.json";
 std::string staging_path(const std::string& root, const std::string& name);
 
 /// Step 1 (one rank): removes the staging directories earlier saves left under `root` (a crash
-/// mid-save), refuses `name` when a checkpoint of that name is committed already (a save never
-/// writes into a committed checkpoint), and creates an empty staging directory for it, returning
+/// mid-save; not those of this process's saves in flight), refuses `name` when a checkpoint of that name is committed
+/// already (a save never writes into a committed checkpoint), and creates an empty staging directory for it, returning
 /// its path. `root` is created if missing.
 std::string begin_staging(const std::string& root, const std::string& name);
+
+/// Ends what begin_staging began in this process (committed or not): until then, later saves in
+/// this process leave its staging directory alone and refuse its name.
+void end_staging(const std::string& root, const std::string& name);
 
 /// fsyncs a file, or a directory (which makes the names in it durable).
 void fsync_path(const std::string& path);

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <iterator>
 
 namespace fsdp::checkpoint {
 
@@ -34,12 +35,13 @@ Manifest read_manifest(const std::string& dir) {
   Manifest m;
   m.dir = dir;
   const std::string path = dir + "/" + kManifest;
-  std::ifstream f(path);
+  std::ifstream f(path, std::ios::binary);
   FSDP_CHECK(f, "fsdp::checkpoint: '", dir, "' has no readable ", kManifest,
              ": it is not a committed checkpoint (a save that did not finish leaves none).");
+  const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
   nlohmann::json j;
   try {
-    j = nlohmann::json::parse(f);
+    j = nlohmann::json::parse(text);
   } catch (const std::exception& e) {
     FSDP_CHECK(false, "fsdp::checkpoint: '", path, "' is not valid JSON (", e.what(), ").");
   }
@@ -49,6 +51,13 @@ Manifest read_manifest(const std::string& dir) {
                m.format_version, ", newer than this library's (", kFormatVersion,
                "): read it with the newer libtorch-fsdp that wrote it.");
     FSDP_CHECK(m.format_version >= 1, "fsdp::checkpoint: '", path, "' has format version ", m.format_version, ".");
+    if (m.format_version >= 3) {  // sealed: nothing in it changed since it was written
+      const std::string broken =
+          detail::check_manifest_seal(text, j.contains("manifest_crc32c") ? j["manifest_crc32c"].get<uint32_t>() : 0);
+      FSDP_CHECK(broken.empty(), "fsdp::checkpoint: '", path, "' does not match its own checksum (", broken,
+                 "): the manifest is corrupt or was edited, and nothing of it can be trusted. Restore it, or load an "
+                 "earlier checkpoint ('fsdp-ckpt verify' checks each).");
+    }
     m.library_version = j.at("library_version").get<std::string>();
     m.name = j.at("name").get<std::string>();
     m.step = j.at("step").get<int64_t>();

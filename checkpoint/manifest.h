@@ -14,7 +14,7 @@ namespace fsdp::checkpoint {
 
 /// The format version this library writes and reads; a manifest of a newer one is refused. 2 added
 /// "data" (a sampler's state); version 1 manifests read as having none.
-inline constexpr int kFormatVersion = 2;
+inline constexpr int kFormatVersion = 3;
 
 struct ManifestChunk {
   int64_t row_begin = 0, row_end = 0;  ///< global rows [row_begin, row_end)

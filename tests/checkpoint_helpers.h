@@ -5,6 +5,7 @@
 
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/commit.h"
+#include "checkpoint/internal/manifest_builder.h"
 #include "checkpoint/manifest.h"
 #include "checkpoint/safetensors.h"
 #include "optim/fused_adamw.h"
@@ -186,7 +187,12 @@ inline void edit_manifest(const std::string& dir, const std::function<void(nlohm
   const std::string path = dir + "/" + checkpoint::kManifest;
   nlohmann::json j = nlohmann::json::parse(std::ifstream(path));
   edit(j);
-  std::ofstream(path) << j.dump(1);
+  // Sealed again (its checksum over the new text): the edit stands for a writer's mistake that the
+  // reader must catch by what the manifest says, not for corruption.
+  j.erase("manifest_crc32c");
+  std::string text = j.dump(1);
+  text.erase(text.size() - 2);  // the closing "\n}"
+  std::ofstream(path) << checkpoint::detail::seal_manifest(text);
 }
 
 inline void flip_byte(const std::string& path, uint64_t offset) {

@@ -42,7 +42,9 @@ std::string save(const std::string& root, const std::string& name) {
   const std::string staging = begin_staging(root, name);
   put(staging + "/rank-00000.safetensors", "data");
   write_atomically(staging, kManifest, "{}");
-  return commit(root, staging, name);
+  const std::string done = commit(root, staging, name);
+  end_staging(root, name);
+  return done;
 }
 
 TEST(CheckpointCommit, OnlyACompleteCheckpointIsCommittedAndNamedLatest) {
@@ -62,6 +64,7 @@ TEST(CheckpointCommit, OnlyACompleteCheckpointIsCommittedAndNamedLatest) {
   EXPECT_TRUE(exists(done + "/rank-00000.safetensors"));
   EXPECT_EQ(latest_checkpoint(root), done);
   EXPECT_EQ(committed_checkpoints(root), std::vector<std::string>{done});
+  end_staging(root, step_name(1));
 }
 
 TEST(CheckpointCommit, AnInterruptedSaveIsNeverSeenAndTheNextOneCleansUp) {
@@ -70,6 +73,7 @@ TEST(CheckpointCommit, AnInterruptedSaveIsNeverSeenAndTheNextOneCleansUp) {
   // A save that died after writing its files, before its commit.
   const std::string dead = begin_staging(t.path, step_name(200));
   put(dead + "/rank-00000.safetensors", "half");
+  end_staging(t.path, step_name(200));          // its process died
   put(t.path + "/.latest.tmp", "step-000200");  // and a pointer update it never finished
   // And a keep_last that died while deleting a checkpoint it had taken out of the committed set.
   ::mkdir((t.path + "/.deleting-step-000050").c_str(), 0755);
@@ -81,6 +85,25 @@ TEST(CheckpointCommit, AnInterruptedSaveIsNeverSeenAndTheNextOneCleansUp) {
   EXPECT_FALSE(exists(t.path + "/.latest.tmp"));
   EXPECT_FALSE(exists(t.path + "/.deleting-step-000050"));
   EXPECT_EQ(latest_checkpoint(t.path), next);
+}
+
+// A save in flight in this process (an AsyncSaver's) keeps its staging directory while another
+// save starts (a synchronous one on the same root): only a crashed save's is a leftover. Its name
+// is refused until it ends; then its directory is a leftover like any other.
+TEST(CheckpointCommit, ASaveInFlightKeepsItsStagingWhileAnotherStarts) {
+  TempDir t;
+  const std::string flying = begin_staging(t.path, step_name(1));
+  put(flying + "/rank-00000.safetensors", "being written");
+  const std::string other = begin_staging(t.path, step_name(2));
+  EXPECT_TRUE(exists(flying + "/rank-00000.safetensors")) << "removed under a save in flight";
+  EXPECT_NE(error_of([&] { begin_staging(t.path, step_name(1)); }).find("is still in flight in this process"),
+            std::string::npos);
+  end_staging(t.path, step_name(1));
+  end_staging(t.path, step_name(2));
+  begin_staging(t.path, step_name(3));
+  EXPECT_FALSE(exists(flying)) << "ended: a leftover";
+  EXPECT_FALSE(exists(other));
+  end_staging(t.path, step_name(3));
 }
 
 TEST(CheckpointCommit, ACommittedCheckpointIsNeverWrittenInto) {
@@ -104,6 +127,7 @@ TEST(CheckpointCommit, ACommittedCheckpointLatestDoesNotNameIsReplacedWhole) {
   TempDir t;
   const std::string first = save(t.path, step_name(10));
   const std::string orphan = begin_staging(t.path, step_name(20));
+  end_staging(t.path, step_name(20));
   put(orphan + "/" + kManifest, "{\"old\": 1}");
   ASSERT_EQ(::rename(orphan.c_str(), (t.path + "/" + step_name(20)).c_str()), 0);
   EXPECT_EQ(latest_checkpoint(t.path), first);

@@ -103,7 +103,8 @@ void check_faults(Rank& r) {
        [&](const std::string& d) {
          edit_manifest(d, [](nlohmann::json& j) { j["format_version"] = fsdp::checkpoint::kFormatVersion + 1; });
        },
-       "has format version 3, newer than this library's (2)",
+       "has format version " + std::to_string(fsdp::checkpoint::kFormatVersion + 1) + ", newer than this library's (" +
+           std::to_string(fsdp::checkpoint::kFormatVersion) + ")",
        {0, 1}},
       {"no manifest",
        [&](const std::string& d) { ::unlink((d + "/" + checkpoint::kManifest).c_str()); },

@@ -91,11 +91,11 @@ TEST(CheckpointTool, VerifiesAGoodCheckpointAndNamesEachFault) {
     EXPECT_EQ(tool("verify " + res.path, tmp.path).rc, 0);
 
     std::string newer = good_manifest;  // a newer format
-    newer.replace(newer.find("\"format_version\": 2"), 19, "\"format_version\": 99");
+    newer.replace(newer.find("\"format_version\": 3"), 19, "\"format_version\": 99");
     spill(manifest, newer);
     auto v = tool("verify " + res.path, tmp.path);
     EXPECT_EQ(v.rc, 1);
-    EXPECT_NE(v.out.find("has format version 99, newer than this library's (2)"), std::string::npos) << v.out;
+    EXPECT_NE(v.out.find("has format version 99, newer than this library's (3)"), std::string::npos) << v.out;
 
     std::string edited = good_manifest;             // a chunk's rows edited
     const auto at = edited.find("\"rows\": [0, ");  // a tensor's first chunk now starts at row 1
@@ -105,6 +105,18 @@ TEST(CheckpointTool, VerifiesAGoodCheckpointAndNamesEachFault) {
     auto e = tool("verify " + res.path, tmp.path);
     EXPECT_EQ(e.rc, 1);
     EXPECT_NE(e.out.find("the manifest is corrupt"), std::string::npos) << e.out;
+
+    // A value that parses and makes sense edited (the step, as a flipped bit would): the manifest's
+    // own checksum refuses it, and so does a load.
+    std::string stepped = good_manifest;
+    const auto step_at = stepped.find("\"step\": 5");
+    ASSERT_NE(step_at, std::string::npos);
+    stepped.replace(step_at, 9, "\"step\": 4");
+    spill(manifest, stepped);
+    auto s = tool("verify " + res.path, tmp.path);
+    EXPECT_EQ(s.rc, 1);
+    EXPECT_NE(s.out.find("does not match its own checksum"), std::string::npos) << s.out;
+    EXPECT_THROW(checkpoint::read_manifest(res.path), c10::Error);
   });
 }
 

@@ -33,8 +33,8 @@ def read_checkpoint(path, prefix="model/"):
     path = resolve(path)
     with open(os.path.join(path, "manifest.json")) as f:
         manifest = json.load(f)
-    if manifest["format_version"] > 2:
-        raise ValueError(f"{path}: format version {manifest['format_version']} is newer than this reader's (2)")
+    if manifest["format_version"] > 3:
+        raise ValueError(f"{path}: format version {manifest['format_version']} is newer than this reader's (3)")
     files = [os.path.join(path, entry["name"]) for entry in manifest["files"]]
     handles = {}
     out = {}

@@ -1,5 +1,6 @@
 #include "checkpoint/internal/manifest_builder.h"
 
+#include "checkpoint/internal/crc32c.h"
 #include "checkpoint/manifest.h"
 #include "fsdp/internal/check.h"
 #include "fsdp/internal/json_text.h"
@@ -8,6 +9,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <string_view>
 #include <unordered_map>
@@ -19,6 +21,7 @@ using fsdp::detail::append_json_number;
 using fsdp::detail::append_json_string;
 
 constexpr std::string_view kPartMagic = "fsdp-manifest-part-1";
+constexpr std::string_view kSealKey = ",\n \"manifest_crc32c\": ";
 
 // RankPart's bytes: fixed-width integers in the machine's order, strings and arrays after their
 // length.
@@ -352,8 +355,27 @@ std::string assemble_manifest(const ManifestHeader& header, const std::vector<Te
     }
     out += chunks.empty() ? "]}" : "\n  ]}";
   }
-  out += "\n }\n}\n";
-  return out;
+  out += "\n }";
+  return seal_manifest(std::move(out));
+}
+
+std::string seal_manifest(std::string open) {
+  const uint32_t crc = crc32c(open.data(), open.size());
+  open += kSealKey;
+  append_json_number(open, crc);
+  open += "\n}\n";
+  return open;
+}
+
+std::string check_manifest_seal(const std::string& text, uint32_t sealed_crc32c) {
+  const size_t at = text.rfind(kSealKey);
+  if (at == std::string::npos) return "it has no \"manifest_crc32c\" as its last member";
+  const uint32_t got = crc32c(text.data(), at);
+  if (got == sealed_crc32c) return "";
+  char buf[160];
+  std::snprintf(buf, sizeof(buf), "its first %zu bytes have CRC32C 0x%08x, but its manifest_crc32c says 0x%08x", at,
+                got, sealed_crc32c);
+  return buf;
 }
 
 }  // namespace fsdp::checkpoint::detail

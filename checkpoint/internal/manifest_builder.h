@@ -72,6 +72,16 @@ struct RankPart {
 ordered_json sampler_state_json(const data::SamplerState& s);
 data::SamplerState sampler_state_from_json(const nlohmann::json& j, const std::string& path);
 
+/// The manifest's last member, "manifest_crc32c" (format 3 on): the CRC32C of every byte before
+/// the comma that precedes it, so that a reader finds a manifest edited or corrupted anywhere
+/// (a learning rate, a step, a sampler position), as the data's checksums find a flipped byte in
+/// a rank file. `open` is the manifest's text without its closing "\n}\n"; returns the whole text.
+std::string seal_manifest(std::string open);
+
+/// Checks `text` (a manifest of format 3 or later) against its seal: "" when it holds, else why not
+/// (a sentence that names no file).
+std::string check_manifest_seal(const std::string& text, uint32_t sealed_crc32c);
+
 /// The manifest's text from `header`, the model's tensors (in the model's order) and every rank's
 /// part, in rank order. Checks that every tensor's chunks cover its rows once and that the ranks
 /// agree on each optimizer step; `bytes_total` gets the tensor bytes of all chunks.

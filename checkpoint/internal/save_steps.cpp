@@ -168,14 +168,26 @@ SaveResult write_and_commit(PreparedSave& p, const Group& group, const std::stri
   // Each phase ends with every rank agreeing that it went well: a failure anywhere is every
   // rank's error, and nothing is committed.
   const std::string call = who + " of '" + p.root + "/" + p.name + "'";  // the same on every rank
-  auto phase = [&](const char* what, const std::function<void()>& fn) {
-    detail::agree(group, call, where, what, "nothing was committed", fn);
+  auto phase = [&](const char* what, const std::function<void()>& fn,
+                   const char* consequence = "nothing was committed") {
+    detail::agree(group, call, where, what, consequence, fn);
   };
 
   const std::string staging = staging_path(p.root, p.name);
+  // This process's claim on the staging directory, released however the save ends.
+  struct Staged {
+    const PreparedSave& p;
+    bool begun = false;
+    ~Staged() {
+      if (begun) end_staging(p.root, p.name);
+    }
+  } staged{p};
   phase("creating the staging directory", [&] {
     if (first) first();
-    if (rank == 0) begin_staging(p.root, p.name);
+    if (rank == 0) {
+      begin_staging(p.root, p.name);
+      staged.begun = true;
+    }
     detail::crash_point("staged", rank);
   });
 
@@ -222,26 +234,40 @@ SaveResult write_and_commit(PreparedSave& p, const Group& group, const std::stri
   detail::crash_point("agreed", rank);
   const auto parts = group.gather_to_rank0(part, "gathering the manifest's parts for " + where);
 
-  phase("writing the manifest and committing", [&] {
-    if (rank != 0) return;
-    detail::ManifestHeader header;
-    header.name = p.name;
-    header.step = p.options.step();
-    header.world_size = W;
-    header.block_bytes = p.options.block_bytes();
-    header.strategies = p.strategies;
-    header.metadata = p.options.metadata();
-    header.optimizer = p.optimizer;
-    header.data = data;
-    std::vector<detail::RankPart> decoded;
-    decoded.reserve(parts.size());
-    for (size_t r = 0; r < parts.size(); ++r)
-      decoded.push_back(detail::RankPart::decode(parts[r], static_cast<int>(r)));
-    const std::string manifest = detail::assemble_manifest(header, p.model_tensors, decoded, result.bytes_total);
-    write_atomically(staging, kManifest, manifest);
-    commit(p.root, staging, p.name);
-    keep_last(p.root, p.options.keep_last());
-  });
+  // Rank 0 commits, then removes what keep_last drops, then every rank agrees: a failure after the
+  // commit (keep_last's, or a rank that died meanwhile) must not be reported as a save that
+  // committed nothing, since the new checkpoint is the latest.
+  bool committed = false;
+  try {
+    phase(
+        "writing the manifest and committing",
+        [&] {
+          if (rank != 0) return;
+          detail::ManifestHeader header;
+          header.name = p.name;
+          header.step = p.options.step();
+          header.world_size = W;
+          header.block_bytes = p.options.block_bytes();
+          header.strategies = p.strategies;
+          header.metadata = p.options.metadata();
+          header.optimizer = p.optimizer;
+          header.data = data;
+          std::vector<detail::RankPart> decoded;
+          decoded.reserve(parts.size());
+          for (size_t r = 0; r < parts.size(); ++r)
+            decoded.push_back(detail::RankPart::decode(parts[r], static_cast<int>(r)));
+          const std::string manifest = detail::assemble_manifest(header, p.model_tensors, decoded, result.bytes_total);
+          write_atomically(staging, kManifest, manifest);
+          commit(p.root, staging, p.name);
+          committed = true;
+          keep_last(p.root, p.options.keep_last());
+        },
+        "whether it was committed, rank 0's error says (fsdp::checkpoint::latest_checkpoint names the latest)");
+  } catch (...) {
+    if (!committed) throw;
+    FSDP_CHECK(false, where, ": the checkpoint was committed ('", p.root, "/", p.name,
+               "' is the latest), but what came after it failed: ", error_text(std::current_exception()));
+  }
   result.path = p.root + "/" + p.name;
   result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return result;
