@@ -1,6 +1,7 @@
 // AsyncSaver: the snapshot on the caller's thread, the write and the commit on a background thread
 // over the saver's own process group (checkpoint/async_save.h, internal/save_steps.h).
 #include "checkpoint/async_save.h"
+#include "fsdp/error.h"
 #include "fsdp/internal/check.h"
 
 #include "checkpoint/internal/save_steps.h"
@@ -32,6 +33,19 @@ using Clock = std::chrono::steady_clock;
 
 double since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// The background error's context (rank, operation, group, peer), so that the error save() or wait()
+// throws for it answers Error::operation() and Error::peer() as a synchronous save's would.
+ErrorContext context_of(const std::exception_ptr& e) {
+  if (!e) return {};
+  try {
+    std::rethrow_exception(e);
+  } catch (const fsdp::Error& err) {
+    return err.where();
+  } catch (...) {
+    return {};
+  }
 }
 
 // The snapshot is this rank's file's data as it lies on disk: the tensors back to back in file
@@ -107,7 +121,8 @@ struct AsyncSaver::Impl {
       bool reportable = true;
       const std::exception_ptr e = collect(reportable);
       out.waited_seconds = since(t0);
-      FSDP_CHECK(!e || !reportable, who, ": nothing was started, because the previous save failed: ", error_text(e));
+      FSDP_CHECK_IN(context_of(e), !e || !reportable, who,
+                    ": nothing was started, because the previous save failed: ", error_text(e));
     }
     auto p = std::make_shared<detail::PreparedSave>();
     p->root = root;
@@ -239,8 +254,8 @@ SaveResult AsyncSaver::wait() {
   if (impl_->started()) {
     bool reportable = true;
     const std::exception_ptr e = impl_->collect(reportable);
-    FSDP_CHECK(!e || !reportable, "fsdp::checkpoint::AsyncSaver::wait (rank ", impl_->model.rank(), " of ",
-               impl_->model.world_size(), "): ", impl_->what, " failed: ", error_text(e));
+    FSDP_CHECK_IN(context_of(e), !e || !reportable, "fsdp::checkpoint::AsyncSaver::wait (rank ", impl_->model.rank(),
+                  " of ", impl_->model.world_size(), "): ", impl_->what, " failed: ", error_text(e));
   }
   return impl_->result;
 }

@@ -2,6 +2,7 @@
 
 #include "checkpoint/internal/crash_point.h"
 #include "fsdp/internal/check.h"
+#include "fsdp/internal/json_text.h"
 #include "fsdp/internal/make_dirs.h"
 
 #include <c10/util/Exception.h>
@@ -186,8 +187,12 @@ std::string latest_checkpoint(const std::string& root) {
   if (!f) return "";
   std::string name;
   std::getline(f, name);
-  FSDP_CHECK(!name.empty() && name.find('/') == std::string::npos, "fsdp::checkpoint: '", root, "/", kLatest,
-             "' does not name a checkpoint ('", name, "').");
+  const bool printable =
+      std::none_of(name.begin(), name.end(), [](char c) { return static_cast<unsigned char>(c) < 0x20; });
+  FSDP_CHECK(!name.empty() && name.find('/') == std::string::npos && printable, "fsdp::checkpoint: '", root, "/",
+             kLatest, "' does not name a checkpoint (it holds ", fsdp::detail::json_string(name),
+             "): it was damaged or written by something else. Write the name of a committed checkpoint into it, or "
+             "load one by its directory.");
   const std::string dir = root + "/" + name;
   FSDP_CHECK(exists(dir + "/" + kManifest), "fsdp::checkpoint: '", root, "/", kLatest, "' names '", name,
              "', which is not a committed checkpoint (no ", kManifest, " in '", dir,

@@ -240,8 +240,16 @@ void killed_mid_write(Rank& r) {
     saver.wait();
     return;
   }
-  // Rank 1 dies in its background write; rank 0 learns it from the saver's group.
-  EXPECT_THROW(saver.wait(), c10::Error) << "rank " << r.rank;
+  // Rank 1 dies in its background write; rank 0 learns it from the saver's group, and the error
+  // wait() throws carries the background error's context, as a synchronous save's would.
+  try {
+    saver.wait();
+    ADD_FAILURE() << "rank " << r.rank << ": wait() returned";
+  } catch (const fsdp::Error& e) {
+    EXPECT_EQ(e.rank(), r.rank);
+    EXPECT_NE(e.operation().find("fsdp::checkpoint::AsyncSaver's background save"), std::string::npos)
+        << "'" << e.operation() << "': " << e.what();
+  }
 }
 
 TEST(CheckpointAsync, ARankKilledDuringItsBackgroundWriteLeavesThePreviousLatest) {

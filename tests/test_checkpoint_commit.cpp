@@ -161,6 +161,11 @@ TEST(CheckpointCommit, ALatestThatNamesNoCheckpointIsAnError) {
   put(t.path + "/latest", "step-000009\n");
   const std::string msg = error_of([&] { latest_checkpoint(t.path); });
   EXPECT_NE(msg.find("names 'step-000009', which is not a committed checkpoint"), std::string::npos) << msg;
+  // A byte no name has (a NUL, a control character) is shown escaped, never cutting the message.
+  put(t.path + "/latest", std::string("step-00\0001\n", 10));
+  const std::string nul = error_of([&] { latest_checkpoint(t.path); });
+  EXPECT_NE(nul.find("does not name a checkpoint (it holds \"step-00\\u00001\")"), std::string::npos) << nul;
+  EXPECT_NE(nul.find("load one by its directory"), std::string::npos) << nul;
 }
 
 }  // namespace

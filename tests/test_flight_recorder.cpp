@@ -260,6 +260,12 @@ TEST(FlightRecorder, RingWrapsAroundAndSizeZeroRecordsNothing) {
   EXPECT_EQ(last.seq, 9);
   EXPECT_EQ(last.state, "issued");
   EXPECT_EQ(last.text(), "#9 all-gather #9 (group test group #9), issued");
+  // A background group's collectives (an AsyncSaver's) are in the ring, not the heartbeat's.
+  auto saver = detail::trace_group("saver group", {0, 1}, /*background=*/true);
+  detail::trace_issue(saver, "all-gather", "the saver's agreement", 4, 32, c10::ScalarType::Long,
+                      c10::Device(c10::DeviceType::CPU));
+  EXPECT_EQ(detail::trace_entries().back().what, "the saver's agreement");
+  EXPECT_EQ(detail::last_collective().seq, 9);
 
   // An unwritable directory: the dump says why, and throws nothing.
   ::setenv("FSDP_FLIGHT_RECORDER_DIR", "/dev/null/trace", 1);

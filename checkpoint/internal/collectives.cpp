@@ -22,8 +22,9 @@ Group Group::own(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, std::chrono::
   Group g;
   std::vector<int> ranks(static_cast<size_t>(pg->getSize()));
   for (int r = 0; r < pg->getSize(); ++r) ranks[static_cast<size_t>(r)] = r;
-  g.comm_ = std::make_shared<fsdp::detail::Comm>(pg, timeout, std::make_shared<fsdp::detail::CommShared>(),
-                                                 fsdp::detail::GroupInfo{"the asynchronous saver's group", ranks});
+  fsdp::detail::GroupInfo info{"the asynchronous saver's group", ranks};
+  info.background = true;  // its agreements are not where the training hangs
+  g.comm_ = std::make_shared<fsdp::detail::Comm>(pg, timeout, std::make_shared<fsdp::detail::CommShared>(), info);
   return g;
 }
 

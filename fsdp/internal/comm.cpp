@@ -114,7 +114,7 @@ Comm::Comm(c10::intrusive_ptr<c10d::ProcessGroup> pg, milliseconds timeout, std:
   global_rank_ = group_.global_ranks[rank_];
   init_flight_recorder();
   set_trace_identity(global_rank_, group_.world_size);
-  trace_group_ = trace_group(group_.name, group_.global_ranks);
+  trace_group_ = trace_group(group_.name, group_.global_ranks, group_.background);
 }
 
 std::string Comm::where() const {

@@ -33,6 +33,9 @@ struct GroupInfo {
   std::string name = "world";
   std::vector<int> global_ranks;  ///< empty: the group is the world, group rank = global rank
   int world_size = 0;             ///< of the job (0: the group's size)
+  /// A background thread's group (an AsyncSaver's): its collectives are in the flight recorder's
+  /// ring, but the heartbeat keeps the last one of the training's groups, where a hang is.
+  bool background = false;
 };
 
 /// The collectives a model issued since its last cross-rank check, as a count and a hash of their

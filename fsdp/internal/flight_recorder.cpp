@@ -139,13 +139,14 @@ void trace_identity(int& global_rank, int& world_size) {
   world_size = r.world_size;
 }
 
-std::shared_ptr<TraceGroup> trace_group(const std::string& name, const std::vector<int>& global_ranks) {
+std::shared_ptr<TraceGroup> trace_group(const std::string& name, const std::vector<int>& global_ranks,
+                                        bool background) {
   std::string key = name + ":";
   for (int q : global_ranks) key += std::to_string(q) + ",";
   Recorder& r = recorder();
   std::lock_guard<std::mutex> g(r.mu);
   auto& group = r.groups[key];
-  if (!group) group = std::make_shared<TraceGroup>(TraceGroup{name, global_ranks, 0});
+  if (!group) group = std::make_shared<TraceGroup>(TraceGroup{name, global_ranks, 0, background});
   return group;
 }
 
@@ -185,9 +186,13 @@ void trace_end(int64_t seq, TraceState state) {
 LastCollective last_collective() {
   Recorder& r = recorder();
   std::lock_guard<std::mutex> g(r.mu);
-  if (r.ring.empty() || r.next == 0) return {};
-  const TraceEntry& e = r.ring[static_cast<size_t>(r.next - 1) % r.ring.size()];
-  return {e.seq, e.group ? e.group->name : "", e.group_seq, e.op, e.what, trace_state_name(e.state)};
+  const auto n = static_cast<int64_t>(r.ring.size());
+  for (int64_t s = r.next - 1; s >= 0 && s >= r.next - n; --s) {
+    const TraceEntry& e = r.ring[static_cast<size_t>(s % n)];
+    if (e.group && e.group->background) continue;
+    return {e.seq, e.group ? e.group->name : "", e.group_seq, e.op, e.what, trace_state_name(e.state)};
+  }
+  return {};
 }
 
 std::vector<TraceEntry> trace_entries() {

@@ -37,11 +37,13 @@ const char* trace_state_name(TraceState s);
 struct TraceGroup {
   std::string name;
   std::vector<int> global_ranks;
-  int64_t issued = 0;  // guarded by the recorder's mutex
+  int64_t issued = 0;       // guarded by the recorder's mutex
+  bool background = false;  // not the heartbeat's last collective (GroupInfo::background)
 };
 
 /// The one TraceGroup of this name and these members (Comms of one group share its count).
-std::shared_ptr<TraceGroup> trace_group(const std::string& name, const std::vector<int>& global_ranks);
+std::shared_ptr<TraceGroup> trace_group(const std::string& name, const std::vector<int>& global_ranks,
+                                        bool background = false);
 
 struct TraceEntry {
   int64_t seq = -1;  ///< process-wide, from 0
@@ -75,7 +77,7 @@ int64_t trace_issue(const std::shared_ptr<TraceGroup>& group, const char* op, co
 /// Records how collective `seq` ended (nothing when it left the ring, or seq < 0).
 void trace_end(int64_t seq, TraceState state);
 
-/// The last entry, as the heartbeat publishes it.
+/// The last entry of a group that is not a background one, as the heartbeat publishes it.
 LastCollective last_collective();
 
 /// The ring, oldest first; the ring's size; how many collectives were recorded in all.
