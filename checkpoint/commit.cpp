@@ -1,6 +1,7 @@
 #include "checkpoint/commit.h"
 
 #include "checkpoint/internal/crash_point.h"
+#include "checkpoint/internal/parallel_io.h"
 #include "fsdp/internal/check.h"
 #include "fsdp/internal/json_text.h"
 #include "fsdp/internal/make_dirs.h"
@@ -14,15 +15,12 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <mutex>
 #include <set>
-#include <sstream>
-#include <thread>
 
 namespace fsdp::checkpoint {
 namespace {
@@ -248,15 +246,7 @@ void keep_last(const std::string& root, int keep) {
   for (const auto& dir : going) {
     for (const auto& e : entries(dir)) files.push_back(dir + "/" + e);
   }
-  std::atomic<size_t> next{0};
-  auto unlink_some = [&] {
-    for (size_t i = next++; i < files.size(); i = next++) ::unlink(files[i].c_str());  // what fails: below
-  };
-  std::vector<std::thread> threads;
-  const size_t n = std::min<size_t>(files.size(), 8);
-  for (size_t t = 1; t < n; ++t) threads.emplace_back(unlink_some);
-  unlink_some();
-  for (auto& t : threads) t.join();
+  detail::run_parallel(files.size(), 8, [&](int, size_t i) { ::unlink(files[i].c_str()); });  // what fails: below
   for (const auto& dir : going) remove_or_throw(dir);  // the directory, and anything not unlinked
 }
 

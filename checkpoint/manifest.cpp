@@ -153,10 +153,7 @@ std::string manifest_from_parts(const std::string& header, const std::vector<std
     h.metadata = j.at("metadata");
     h.optimizer = j.at("optimizer");
     h.data = j.value("data", detail::ordered_json());
-    for (const auto& [key, t] : j.at("tensors").items()) {
-      tensors.push_back({key, t.at("kind").get<std::string>(), t.at("dtype").get<std::string>(),
-                         t.at("shape").get<std::vector<int64_t>>()});
-    }
+    for (const auto& [key, t] : j.at("tensors").items()) tensors.push_back(detail::TensorMeta::from_json(key, t));
   } catch (const nlohmann::json::exception& e) {
     FSDP_CHECK(false, "fsdp::checkpoint: the header of a manifest to assemble is not valid (", e.what(), ").");
   }

@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <cstring>
 #include <set>
@@ -174,16 +175,11 @@ std::string header_of(const std::string& path, std::vector<TensorRecord> tensors
     fsdp::detail::append_json_string(text, tr.name);
     text += ":{\"dtype\":";
     fsdp::detail::append_json_string(text, tr.dtype);
-    text += ",\"shape\":[";
-    for (size_t i = 0; i < tr.shape.size(); ++i) {
-      if (i != 0) text += ',';
-      fsdp::detail::append_json_number(text, tr.shape[i]);
-    }
-    text += "],\"data_offsets\":[";
-    fsdp::detail::append_json_number(text, tr.begin);
-    text += ',';
-    fsdp::detail::append_json_number(text, tr.end);
-    text += "]}";
+    text += ",\"shape\":";
+    fsdp::detail::append_json_array(text, tr.shape, ",");
+    text += ",\"data_offsets\":";
+    fsdp::detail::append_json_array(text, std::array<uint64_t, 2>{tr.begin, tr.end}, ",");
+    text += '}';
   }
   text += '}';
   const uint64_t padded = (8 + text.size() + alignment - 1) / alignment * alignment - 8;

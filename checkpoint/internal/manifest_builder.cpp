@@ -9,6 +9,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdio>
 #include <cstring>
 #include <string_view>
@@ -17,6 +18,7 @@
 namespace fsdp::checkpoint::detail {
 namespace {
 
+using fsdp::detail::append_json_array;
 using fsdp::detail::append_json_number;
 using fsdp::detail::append_json_string;
 
@@ -78,24 +80,6 @@ struct Decoder {
     return v;
   }
 };
-
-void append_shape(std::string& out, const std::vector<int64_t>& shape) {
-  out += '[';
-  for (size_t i = 0; i < shape.size(); ++i) {
-    if (i != 0) out += ", ";
-    append_json_number(out, shape[i]);
-  }
-  out += ']';
-}
-
-template <typename A, typename B>
-void append_pair(std::string& out, A a, B b) {
-  out += '[';
-  append_json_number(out, a);
-  out += ", ";
-  append_json_number(out, b);
-  out += ']';
-}
 
 }  // namespace
 
@@ -166,14 +150,16 @@ RankPart RankPart::decode(const std::string& bytes, int rank) {
   return p;
 }
 
+TensorMeta TensorMeta::from_json(const std::string& key, const ordered_json& j) {
+  return {key, j.at("kind").get<std::string>(), j.at("dtype").get<std::string>(),
+          j.at("shape").get<std::vector<int64_t>>()};
+}
+
 RankPart RankPart::from_json(const ordered_json& j) {
   RankPart p;
   p.file = j.at("file").get<std::string>();
   p.file_bytes = j.at("bytes").get<uint64_t>();
-  for (const auto& [key, t] : j.at("tensors").items()) {
-    p.tensors.push_back({key, t.at("kind").get<std::string>(), t.at("dtype").get<std::string>(),
-                         t.at("shape").get<std::vector<int64_t>>()});
-  }
+  for (const auto& [key, t] : j.at("tensors").items()) p.tensors.push_back(TensorMeta::from_json(key, t));
   for (const auto& [name, step] : j.at("steps").items()) p.steps.emplace_back(name, step.get<int64_t>());
   for (const auto& c : j.at("chunks")) {
     ChunkRecord r;
@@ -334,24 +320,21 @@ std::string assemble_manifest(const ManifestHeader& header, const std::vector<Te
     out += ", \"dtype\": ";
     append_json_string(out, meta->dtype);
     out += ", \"shape\": ";
-    append_shape(out, shape);
+    append_json_array(out, shape);
     out += ", \"chunks\": [";
     for (size_t k = 0; k < chunks.size(); ++k) {
       const ChunkRecord& c = *chunks[k].second;
       out += k == 0 ? "\n   {\"rows\": " : ",\n   {\"rows\": ";
-      append_pair(out, c.row_begin, c.row_end);
+      append_json_array(out, std::array<int64_t, 2>{c.row_begin, c.row_end});
       out += ", \"file\": ";
       append_json_number(out, chunks[k].first);
       out += ", \"bytes\": ";
-      append_pair(out, c.begin, c.end);
+      append_json_array(out, std::array<uint64_t, 2>{c.begin, c.end});
       out += ", \"block_bytes\": ";
       append_json_number(out, c.block_bytes);
-      out += ", \"crc32c\": [";
-      for (size_t b = 0; b < c.crc32c.size(); ++b) {
-        if (b != 0) out += ", ";
-        append_json_number(out, c.crc32c[b]);
-      }
-      out += "]}";
+      out += ", \"crc32c\": ";
+      append_json_array(out, c.crc32c);
+      out += "}";
     }
     out += chunks.empty() ? "]}" : "\n  ]}";
   }

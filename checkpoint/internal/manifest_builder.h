@@ -40,6 +40,8 @@ struct ManifestHeader {
 struct TensorMeta {
   std::string key, kind, dtype;
   std::vector<int64_t> shape;
+  /// `key`'s {"kind", "dtype", "shape"} as a manifest or a part holds them.
+  static TensorMeta from_json(const std::string& key, const ordered_json& j);
 };
 
 /// Rows [row_begin, row_end) of `tensor`, at bytes [begin, end) of its rank's file, with the

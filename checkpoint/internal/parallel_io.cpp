@@ -28,30 +28,6 @@ namespace {
 
 constexpr uint64_t kDefaultAlign = 4096;
 
-// Runs work(worker, i) for i in [0, n) on `threads` threads (this one among them; worker: 0 to
-// threads - 1); the first error is rethrown here once every thread has stopped, the others
-// stopping at their next item.
-void run_parallel(size_t n, int threads, const std::function<void(int, size_t)>& work) {
-  std::atomic<size_t> next{0};
-  std::atomic<bool> failed{false};
-  std::string error;
-  std::mutex mu;
-  auto loop = [&](int worker) {
-    try {
-      for (size_t i = next++; i < n && !failed; i = next++) work(worker, i);
-    } catch (...) {
-      std::lock_guard<std::mutex> lock(mu);
-      if (!failed.exchange(true)) error = error_text(std::current_exception());
-    }
-  };
-  const int extra = static_cast<int>(std::min<size_t>(n, static_cast<size_t>(std::max(threads, 1)))) - 1;
-  std::vector<std::thread> pool;
-  for (int t = 1; t <= extra; ++t) pool.emplace_back(loop, t);
-  loop(0);
-  for (auto& t : pool) t.join();
-  FSDP_CHECK(!failed, error);
-}
-
 struct AlignedBuffer {
   void* p = nullptr;
   uint64_t align = 0, n = 0;
@@ -135,6 +111,27 @@ BufferPool& buffer_pool() {
 }
 
 }  // namespace
+
+void run_parallel(size_t n, int threads, const std::function<void(int, size_t)>& work) {
+  std::atomic<size_t> next{0};
+  std::atomic<bool> failed{false};
+  std::string error;
+  std::mutex mu;
+  auto loop = [&](int worker) {
+    try {
+      for (size_t i = next++; i < n && !failed; i = next++) work(worker, i);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(mu);
+      if (!failed.exchange(true)) error = error_text(std::current_exception());
+    }
+  };
+  const int extra = static_cast<int>(std::min<size_t>(n, static_cast<size_t>(std::max(threads, 1)))) - 1;
+  std::vector<std::thread> pool;
+  for (int t = 1; t <= extra; ++t) pool.emplace_back(loop, t);
+  loop(0);
+  for (auto& t : pool) t.join();
+  FSDP_CHECK(!failed, error);
+}
 
 void write_pieces(const std::string& path, const std::vector<IoPiece>& pieces, const IoOptions& options) {
   FSDP_CHECK(options.threads >= 1 && options.block_bytes > 0, "fsdp::checkpoint: ", options.threads,

@@ -18,6 +18,11 @@ struct IoOptions {
   uint64_t block_bytes = uint64_t{8} << 20;  ///< bytes per write call (rounded to the alignment)
 };
 
+/// Runs work(worker, i) for i in [0, n) on `threads` threads (this one among them; worker: 0 to
+/// threads - 1, each taking the next item as it is free); the first error is rethrown here once
+/// every thread has stopped, the others stopping at their next item.
+void run_parallel(size_t n, int threads, const std::function<void(int, size_t)>& work);
+
 /// A piece of the file: `n` bytes at `data`; the pieces follow each other in the file.
 struct IoPiece {
   const void* data = nullptr;

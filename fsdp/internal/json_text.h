@@ -58,4 +58,17 @@ void append_json_number(std::string& out, Int v) {
   out.append(buf, end);
 }
 
+/// Appends integers as a JSON array, `separator` between them (", ", or "," as a compact dump).
+template <typename Ints>
+void append_json_array(std::string& out, const Ints& values, std::string_view separator = ", ") {
+  out += '[';
+  bool first = true;
+  for (const auto v : values) {
+    if (!first) out += separator;
+    first = false;
+    append_json_number(out, v);
+  }
+  out += ']';
+}
+
 }  // namespace fsdp::detail
