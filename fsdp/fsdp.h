@@ -1,8 +1,8 @@
 // libtorch-fsdp: fully sharded data parallel training for LibTorch. The one header to include: the
 // whole library, as <torch/all.h> is the whole of LibTorch: the core (fsdp/), the optimizers and
-// clipping (optim/, fsdp::optim), the distributed sampler (data/, fsdp::data) and the sharded
-// checkpoints (checkpoint/, fsdp::checkpoint). The CMake target fsdp::fsdp links all four; a program
-// that wants less includes the headers it uses.
+// clipping (optim/, fsdp::optim), the distributed sampler (data/, fsdp::data), the tensor-parallel
+// layers (tp/, fsdp::tp) and the sharded checkpoints (checkpoint/, fsdp::checkpoint). The CMake
+// target fsdp::fsdp links all five; a program that wants less includes the headers it uses.
 #pragma once
 
 #include "checkpoint/async_save.h"
@@ -13,6 +13,7 @@
 #include "data/distributed_sampler.h"
 #include "data/loader_sampler.h"
 #include "data/permutation.h"
+#include "fsdp/device_mesh.h"
 #include "fsdp/error.h"
 #include "fsdp/fake_process_group.h"
 #include "fsdp/fully_shard.h"
@@ -27,3 +28,8 @@
 #include "optim/fused_adamw.h"
 #include "optim/grad_scaler.h"
 #include "optim/state_bytes.h"
+#include "tp/conjugates.h"
+#include "tp/cross_entropy.h"
+#include "tp/embedding.h"
+#include "tp/group.h"
+#include "tp/linear.h"

@@ -120,6 +120,7 @@ Comm::Comm(c10::intrusive_ptr<c10d::ProcessGroup> pg, milliseconds timeout, std:
 std::string Comm::where() const {
   std::ostringstream os;
   os << "global rank " << global_rank_ << " of " << group_.world_size;
+  if (!group_.mesh.empty()) os << " at " << group_.mesh;
   if (group_.name != "world") {
     os << " (rank " << rank_ << " of " << group_.name << ": global ranks " << list_ranks(group_.global_ranks) << ")";
   }
@@ -328,7 +329,7 @@ bool Comm::done_alone_or_checked(Call op, int64_t numel, at::Tensor& out, const 
                                  const std::string& what) {
   record(op, numel, what);
   if (world_size_ == 1 && !shared_->launch_alone) {  // alone: the collective is a copy
-    out.copy_(in);
+    out.copy_(in.reshape(out.sizes()));
     return true;
   }
   verify_call(op, numel, in, what);

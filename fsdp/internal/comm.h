@@ -36,6 +36,9 @@ struct GroupInfo {
   /// A background thread's group (an AsyncSaver's): its collectives are in the flight recorder's
   /// ring, but the heartbeat keeps the last one of the training's groups, where a hang is.
   bool background = false;
+  /// A group of a DeviceMesh: this rank's coordinates and the mesh's shape, "(dp_shard 1, tp 0) of
+  /// mesh (dp_shard 2, tp 2)", named in errors beside the global rank. Empty otherwise.
+  std::string mesh;
 };
 
 /// The collectives a model issued since its last cross-rank check, as a count and a hash of their
@@ -98,7 +101,9 @@ class Comm {
   int global_world_size() const { return group_.world_size; }
   /// The global ranks of the group's members, in group-rank order.
   const std::vector<int>& global_ranks() const { return group_.global_ranks; }
-  /// "global rank 1 of 4", or "global rank 3 of 4 (rank 1 of hybrid shard group 1: global ranks 2, 3)".
+  /// "global rank 1 of 4", or "global rank 3 of 4 (rank 1 of hybrid shard group 1: global ranks 2, 3)";
+  /// over a mesh's group, "global rank 3 of 4 at (dp_shard 1, tp 1) of mesh (dp_shard 2, tp 2) (rank
+  /// 1 of tp group (dp_shard 1): global ranks 2, 3)".
   std::string where() const;
   const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const { return pg_; }
 
