@@ -13,6 +13,7 @@
 #include "checkpoint/internal/rng_state.h"
 #include "checkpoint/internal/safetensors_manifest.h"
 #include "checkpoint/manifest.h"
+#include "checkpoint/plan.h"
 #include "checkpoint/safetensors.h"
 
 #include <ATen/ops/empty.h>
@@ -302,6 +303,7 @@ LoadResult load_checkpoint(const std::string& path, FSDPModule& model, torch::op
     }
     std::vector<Wanted> wanted;
     const std::vector<ShardSpec> specs = model.shard_specs();  // the model's and the optimizer's
+    checkpoint::refuse_tensor_parallel(specs, "fsdp::checkpoint::load");
     for (const ShardSpec& s : specs) {
       wanted.push_back({"model/" + s.name, "parameter", s.dtype, s.global_shape, s.row_begin, s.row_end, s.local});
     }

@@ -31,6 +31,12 @@ struct WriteChunk {
 /// parameter (or a part) with no rows here.
 std::vector<WriteChunk> plan_writes(const std::vector<ShardSpec>& specs);
 
+/// Throws, naming `operation`, when `specs` describe a tensor-parallel model (ShardSpec::tp_size >
+/// 1): this format records each tensor's rows, not a part along another dimension, so the ranks'
+/// parts would overwrite each other. Checkpoints of tensor-parallel models come with N-dimensional
+/// chunks (docs/roadmap.md, issue 27).
+void refuse_tensor_parallel(const std::vector<ShardSpec>& specs, const std::string& operation);
+
 /// The rows [first, last) out of `rows` held alike by `replicas` ranks that replica `replica_rank`
 /// writes, for the `index`-th tensor: part (replica_rank + index) % replicas of `replicas` equal
 /// contiguous parts. plan_writes uses it; so do tensors every rank holds whole (buffers).

@@ -2,6 +2,7 @@
 
 #include "fsdp/internal/access.h"
 #include "fsdp/internal/check.h"
+#include "fsdp/internal/mesh_state.h"
 #include "fsdp/internal/run_state.h"
 #include "fsdp/internal/unit.h"
 #include "fsdp/internal/wrap.h"
@@ -28,6 +29,38 @@ FSDPModule::FSDPModule(std::shared_ptr<torch::nn::Module> module, ShardingScope&
              "): this ShardingScope already wrapped a model; open one scope per model.");
   scope.close();
   root_ = shard_model(module_, scope.process_group(), state->options, state);
+  reset_comm_stats();
+}
+
+namespace {
+
+// The options a mesh implies: hybrid sharding when both data-parallel dimensions have more than
+// one rank (the given strategy must then be full or hybrid sharding).
+FullyShardOptions options_for_mesh(const DeviceMesh& mesh, FullyShardOptions options) {
+  const int R = mesh.size(kReplicateDim), S = mesh.size(kShardDim);
+  if (R > 1 && S > 1) {
+    const ShardingStrategy s = options.strategy();
+    FSDP_CHECK(s == ShardingStrategy::kFullShard || s == ShardingStrategy::kHybridShard,
+               "fsdp::fully_shard (global rank ", mesh.rank(), " at ", mesh.coordinates_text(), " of mesh ",
+               mesh.shape_text(), "): a mesh with dp_replicate ", R, " and dp_shard ", S,
+               " means hybrid sharding, but the options ask for ", to_string(s),
+               ". Use kFullShard or kHybridShard with this mesh, or a mesh with one data-parallel dimension.");
+    FSDP_CHECK(options.shard_group_size() == 0 || options.shard_group_size() == S, "fsdp::fully_shard (global rank ",
+               mesh.rank(), " at ", mesh.coordinates_text(), " of mesh ", mesh.shape_text(), "): shard_group_size is ",
+               options.shard_group_size(), ", but the mesh's dp_shard dimension has ", S,
+               " ranks. Leave shard_group_size unset with a mesh: its dp_shard size is the group size.");
+    options.strategy(ShardingStrategy::kHybridShard).shard_group_size(S);
+  }
+  return options;
+}
+
+}  // namespace
+
+FSDPModule::FSDPModule(std::shared_ptr<torch::nn::Module> module, const DeviceMesh& mesh,
+                       const FullyShardOptions& options)
+    : module_(std::move(module)),
+      root_(shard_model(module_, mesh.group(kDataDim), options_for_mesh(mesh, options), nullptr,
+                        &detail::mesh_state(mesh))) {
   reset_comm_stats();
 }
 
@@ -200,6 +233,9 @@ std::vector<ShardSpec> FSDPModule::shard_specs() const {
       p.row_end = s.layout.end(p.shard_rank);
       p.local = s.param;
       p.flat_offset = s.offset;
+      const auto split = state.tp_splits.find(s.param.unsafeGetTensorImpl());
+      if (split != state.tp_splits.end()) p.tp = split->second;
+      p.tp_size = state.tp_size();
       out.push_back(std::move(p));
     }
     ++unit;
@@ -294,7 +330,11 @@ void all_reduce(const FSDPModule& model, at::Tensor& tensor, c10d::ReduceOp op, 
   // pair this all-reduce with a collective of another size.
   agree(model, Call::kModelCollective, Fingerprint().add(what).add(tensor.numel()).value(), what);
   RunState& state = Access::state(model);
-  state.breaks_on_failure([&] { state.comm.all_reduce(tensor, op, what); });
+  state.breaks_on_failure([&] {
+    state.comm.all_reduce(tensor, op, what);
+    // Tensor parallel: the data-parallel result, then over the parts (every rank of the mesh).
+    if (state.tp_comm) state.tp_comm->all_reduce(tensor, op, what + " over the tensor-parallel ranks");
+  });
 }
 
 void gradients_rescaled(const FSDPModule& model) {

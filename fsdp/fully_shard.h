@@ -15,6 +15,7 @@
 #pragma once
 
 #include "fsdp/comm_stats.h"
+#include "fsdp/device_mesh.h"
 #include "fsdp/options.h"
 #include "fsdp/shard_spec.h"
 #include "fsdp/sharded.h"
@@ -43,6 +44,7 @@ class FSDPModule {
   FSDPModule(std::shared_ptr<torch::nn::Module> module, const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
              const FullyShardOptions& options);
   FSDPModule(std::shared_ptr<torch::nn::Module> module, ShardingScope& scope);
+  FSDPModule(std::shared_ptr<torch::nn::Module> module, const DeviceMesh& mesh, const FullyShardOptions& options);
 
   /// This rank's parameters, each once (a tied weight is one tensor): between steps, each is
   /// this rank's rows of the module's parameter, and its .grad the sharded gradient. The same
@@ -150,6 +152,8 @@ class FullyShardedModule : public FSDPModule {
       : FSDPModule(module, pg, options), impl_(std::move(module)) {}
   FullyShardedModule(std::shared_ptr<Impl> module, ShardingScope& scope)
       : FSDPModule(module, scope), impl_(std::move(module)) {}
+  FullyShardedModule(std::shared_ptr<Impl> module, const DeviceMesh& mesh, const FullyShardOptions& options)
+      : FSDPModule(module, mesh, options), impl_(std::move(module)) {}
 
   template <typename... Args>
   decltype(auto) forward(Args&&... args) {
@@ -208,6 +212,26 @@ template <typename Impl>
 FullyShardedModule<Impl> fully_shard(std::shared_ptr<Impl> model, const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
                                      const FullyShardOptions& options = {}) {
   return FullyShardedModule<Impl>(std::move(model), pg, options);
+}
+
+/// Shards `model` over the data-parallel dimensions of `mesh` (fsdp/device_mesh.h): over its
+/// dp_shard ranks, and with dp_replicate too, hybrid sharding (kHybridShard: shard groups are the
+/// dp_shard groups, replicated across dp_replicate). options.strategy() applies to those ranks:
+/// kFullShard (the default) or kHybridShard with both dimensions above one rank (both mean hybrid
+/// then, and shard_group_size must be unset or the dp_shard size); any strategy with only one of
+/// them. A model built with fsdp::tp layers over the mesh's "tp" dimension is sharded part by part:
+/// each rank's tensor-parallel part over the ranks holding the same part (docs/tensor-parallel.md).
+/// rank(), world_size() and process_group() of the handle are then those of the data-parallel
+/// group.
+template <typename Impl>
+FullyShardedModule<Impl> fully_shard(const torch::nn::ModuleHolder<Impl>& model, const DeviceMesh& mesh,
+                                     const FullyShardOptions& options = {}) {
+  return FullyShardedModule<Impl>(model.ptr(), mesh, options);
+}
+template <typename Impl>
+FullyShardedModule<Impl> fully_shard(std::shared_ptr<Impl> model, const DeviceMesh& mesh,
+                                     const FullyShardOptions& options = {}) {
+  return FullyShardedModule<Impl>(std::move(model), mesh, options);
 }
 
 /// Wraps a model built inside `scope` (see sharding_scope.h): its units are sharded already; the

@@ -11,6 +11,7 @@
 
 #include "fsdp/options.h"
 #include "fsdp/shard_layout.h"
+#include "fsdp/tensor_split.h"
 
 #include <ATen/core/Tensor.h>
 
@@ -48,6 +49,12 @@ struct ShardSpec {
   at::Tensor local;
   /// Where its c = layout.chunk_rows() rows start in its unit's flat shard.
   int64_t flat_offset = 0;
+  /// Tensor parallelism (a model of fsdp::tp layers wrapped over a DeviceMesh, fsdp/tensor_split.h):
+  /// how the parameter is split over the mesh's `tp_size` tensor-parallel ranks (tp.split() false:
+  /// not split, each of them holds the same whole tensor). global_shape and the rows above are then
+  /// those of this rank's tensor-parallel part, sharded over the data-parallel ranks.
+  TensorSplit tp;
+  int tp_size = 1;
 };
 
 /// One unit (an fsdp::Sharded module, or the root's own parameters) as this rank holds it.

@@ -14,8 +14,9 @@
 namespace fsdp::optim {
 namespace {
 
-/// One sharded gradient: how many ranks hold the same rows (replicated and hybrid units count each
-/// rank's part 1/replicas times in the sum), and its parameter's name, for messages.
+/// One sharded gradient: how many ranks hold the same rows (replicated and hybrid units, and
+/// parameters tensor parallelism does not split, count each rank's part 1/replicas times in the
+/// sum), and its parameter's name, for messages.
 struct ShardGrad {
   at::Tensor grad;
   int64_t replicas;
@@ -28,7 +29,10 @@ double global_norm(const FSDPModule& model, double norm_type, bool error_if_nonf
                    std::vector<ShardGrad>& grads) {
   fsdp::detail::check_gradients_reduced(model, caller);
   for (const auto& p : model.shard_specs()) {  // each parameter once (a tied weight is one tensor)
-    if (p.local.grad().defined()) grads.push_back({p.local.grad(), p.replicas, p.name});
+    // A parameter tensor parallelism does not split is the same on each of the tp_size ranks:
+    // counted once over them, as a replica is.
+    const int64_t copies = static_cast<int64_t>(p.replicas) * (p.tp.split() ? 1 : p.tp_size);
+    if (p.local.grad().defined()) grads.push_back({p.local.grad(), copies, p.name});
   }
   const bool inf = std::isinf(norm_type);
   // This rank's part: the largest |g|, or the sum of |g|^p, over its own rows (shards hold no

@@ -11,6 +11,7 @@
 // every tensor-parallel size; the parameter is named "weight".
 #pragma once
 
+#include "fsdp/tensor_split.h"
 #include "tp/group.h"
 
 #include <torch/nn/cloneable.h>
@@ -31,7 +32,7 @@ struct VocabParallelEmbeddingOptions {
   TORCH_ARG(bool, sequence_parallel) = false;
 };
 
-class VocabParallelEmbeddingImpl : public torch::nn::Cloneable<VocabParallelEmbeddingImpl> {
+class VocabParallelEmbeddingImpl : public torch::nn::Cloneable<VocabParallelEmbeddingImpl>, public SplitModule {
  public:
   VocabParallelEmbeddingImpl(Group group, VocabParallelEmbeddingOptions options);
   void reset() override;
@@ -40,6 +41,11 @@ class VocabParallelEmbeddingImpl : public torch::nn::Cloneable<VocabParallelEmbe
   at::Tensor forward(const at::Tensor& ids);
   /// This rank's rows of the vocabulary: [vocab_begin(), vocab_begin() + V / T).
   int64_t vocab_begin() const { return group.rank() * (options.num_embeddings() / group.size()); }
+  /// weight: split along dimension 0.
+  std::vector<std::pair<std::string, TensorSplit>> parameter_splits() const override {
+    return {{"weight", TensorSplit{0, group.rank(), group.size()}}};
+  }
+  std::vector<int> split_ranks() const override { return group.global_ranks(); }
 
   Group group;
   VocabParallelEmbeddingOptions options;

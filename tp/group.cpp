@@ -37,6 +37,10 @@ int Group::size() const {
   return comm_->world_size();
 }
 
+std::vector<int> Group::global_ranks() const {
+  return comm_->global_ranks();
+}
+
 std::string Group::where() const {
   return comm_->where();
 }

@@ -20,6 +20,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace fsdp {
 namespace detail {
@@ -46,6 +47,8 @@ class Group {
   /// This rank's place among the group's ranks (which part of each split weight it holds).
   int rank() const;
   int size() const;
+  /// The group's global ranks, in group-rank order.
+  std::vector<int> global_ranks() const;
   /// "global rank 3 of 4 at (dp_shard 1, tp 1) of mesh (dp_shard 2, tp 2) (rank 1 of tp group
   /// (dp_shard 1): global ranks 2, 3)": how errors name this rank.
   std::string where() const;

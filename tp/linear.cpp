@@ -64,6 +64,12 @@ at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& input) {
   return options.gather_output() ? gather_from_region(y, group) : y;
 }
 
+std::vector<std::pair<std::string, TensorSplit>> ColumnParallelLinearImpl::parameter_splits() const {
+  std::vector<std::pair<std::string, TensorSplit>> out{{"weight", TensorSplit{0, group.rank(), group.size()}}};
+  if (bias.defined()) out.emplace_back("bias", TensorSplit{0, group.rank(), group.size()});
+  return out;
+}
+
 RowParallelLinearImpl::RowParallelLinearImpl(Group group, RowParallelLinearOptions options)
     : group(std::move(group)), options(options) {
   RowParallelLinearImpl::reset();  // qualified: called from the constructor
@@ -86,6 +92,12 @@ void RowParallelLinearImpl::pretty_print(std::ostream& stream) const {
   stream << "fsdp::tp::RowParallelLinear(in_features=" << options.in_features()
          << ", out_features=" << options.out_features() << ", bias=" << std::boolalpha << options.bias()
          << ", part=" << group.rank() << "/" << group.size() << ")";
+}
+
+std::vector<std::pair<std::string, TensorSplit>> RowParallelLinearImpl::parameter_splits() const {
+  std::vector<std::pair<std::string, TensorSplit>> out{{"weight", TensorSplit{1, group.rank(), group.size()}}};
+  if (bias.defined()) out.emplace_back("bias", TensorSplit{});
+  return out;
 }
 
 at::Tensor RowParallelLinearImpl::forward(const at::Tensor& input) {

@@ -19,6 +19,7 @@
 // tensor-parallel size, and the parameters are named "weight" and "bias" as torch::nn::Linear's.
 #pragma once
 
+#include "fsdp/tensor_split.h"
 #include "tp/group.h"
 
 #include <torch/nn/cloneable.h>
@@ -48,13 +49,16 @@ struct ColumnParallelLinearOptions {
   TORCH_ARG(bool, sequence_parallel) = false;
 };
 
-class ColumnParallelLinearImpl : public torch::nn::Cloneable<ColumnParallelLinearImpl> {
+class ColumnParallelLinearImpl : public torch::nn::Cloneable<ColumnParallelLinearImpl>, public SplitModule {
  public:
   ColumnParallelLinearImpl(Group group, ColumnParallelLinearOptions options);
   void reset() override;
   void pretty_print(std::ostream& stream) const override;
   /// [..., in] -> [..., out / T] (or [..., out] with gather_output).
   at::Tensor forward(const at::Tensor& input);
+  /// weight and bias: split along dimension 0.
+  std::vector<std::pair<std::string, TensorSplit>> parameter_splits() const override;
+  std::vector<int> split_ranks() const override { return group.global_ranks(); }
 
   Group group;
   ColumnParallelLinearOptions options;
@@ -80,7 +84,7 @@ struct RowParallelLinearOptions {
   TORCH_ARG(bool, sequence_parallel) = false;
 };
 
-class RowParallelLinearImpl : public torch::nn::Cloneable<RowParallelLinearImpl> {
+class RowParallelLinearImpl : public torch::nn::Cloneable<RowParallelLinearImpl>, public SplitModule {
  public:
   RowParallelLinearImpl(Group group, RowParallelLinearOptions options);
   void reset() override;
@@ -88,6 +92,9 @@ class RowParallelLinearImpl : public torch::nn::Cloneable<RowParallelLinearImpl>
   /// [..., in / T] (or [..., in] without input_is_parallel) -> [..., out] (or [batch, sequence /
   /// T, out] with sequence_parallel).
   at::Tensor forward(const at::Tensor& input);
+  /// weight: split along dimension 1; bias: not split.
+  std::vector<std::pair<std::string, TensorSplit>> parameter_splits() const override;
+  std::vector<int> split_ranks() const override { return group.global_ranks(); }
 
   Group group;
   RowParallelLinearOptions options;

@@ -40,7 +40,8 @@ struct Access {
 /// in errors; every rank's `vote` comes back. Between steps, on the training thread.
 std::vector<int64_t> agree(const FSDPModule& model, Call call, uint64_t payload, const std::string& what,
                            int64_t vote = 0);
-/// Reduces `tensor` in place over every rank of `model`, after an agreement that every rank is at
+/// Reduces `tensor` in place over every rank of `model` (over a mesh with tensor parallelism, its
+/// data-parallel ranks and then its tensor-parallel ones: the whole mesh), after an agreement that every rank is at
 /// this call (`what`, equal on every rank): for what the library computes from shards (a global
 /// norm, the scaler's overflow, a load's byte counts).
 void all_reduce(const FSDPModule& model, at::Tensor& tensor, c10d::ReduceOp op, const std::string& what);

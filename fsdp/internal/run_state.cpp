@@ -1,6 +1,7 @@
 #include "fsdp/internal/run_state.h"
 
 #include "fsdp/internal/check.h"
+#include "fsdp/internal/mesh_state.h"
 #include "fsdp/internal/model_check.h"
 #include "fsdp/internal/unit.h"
 #include "fsdp/process_group.h"
@@ -19,9 +20,9 @@
 
 namespace fsdp::detail {
 
-RunState::RunState(c10::intrusive_ptr<c10d::ProcessGroup> pg, FullyShardOptions options)
+RunState::RunState(c10::intrusive_ptr<c10d::ProcessGroup> pg, FullyShardOptions options, GroupInfo group)
     : options(options),
-      comm(std::move(pg), this->options.timeout(), std::make_shared<CommShared>(), GroupInfo{},
+      comm(std::move(pg), this->options.timeout(), std::make_shared<CommShared>(), std::move(group),
            this->options.verify_collectives()),
       // Each unit in flight (the root, kept gathered, the one computing and those prefetched)
       // holds at most two buffers.
@@ -58,6 +59,18 @@ void RunState::init_hybrid(int group_size) {
   replicate_comm = std::make_unique<Comm>(
       replicate_pg, comm.timeout(), comm.shared(),
       GroupInfo{"hybrid replicate group " + std::to_string(r % group_size), replicate_ranks, W}, comm.verify());
+}
+
+void RunState::init_mesh(const MeshState& mesh) {
+  auto comm_over = [&](const char* dim) {
+    return std::make_unique<Comm>(mesh.group(dim).pg, comm.timeout(), comm.shared(), mesh.group_info(dim),
+                                  comm.verify());
+  };
+  if (mesh.group(kReplicateDim).global_ranks.size() > 1 && mesh.group(kShardDim).global_ranks.size() > 1) {
+    shard_comm = comm_over(kShardDim);
+    replicate_comm = comm_over(kReplicateDim);
+  }
+  if (mesh.group(kTensorDim).global_ranks.size() > 1) tp_comm = comm_over(kTensorDim);
 }
 
 std::vector<int64_t> RunState::check_boundary(Call call, Fingerprint args, const std::string& description,

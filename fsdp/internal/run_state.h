@@ -6,6 +6,7 @@
 #include "fsdp/internal/comm.h"
 #include "fsdp/internal/step_watch.h"
 #include "fsdp/options.h"
+#include "fsdp/tensor_split.h"
 
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
@@ -15,11 +16,13 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <unordered_map>
 #include <vector>
 
 namespace fsdp::detail {
 
 class Unit;
+struct MeshState;
 }  // namespace fsdp::detail
 namespace fsdp {
 class ShardedUnit;
@@ -28,7 +31,8 @@ namespace fsdp::detail {
 
 class RunState : public std::enable_shared_from_this<RunState> {
  public:
-  RunState(c10::intrusive_ptr<c10d::ProcessGroup> pg, FullyShardOptions options);
+  /// `group`: how errors name `pg` (a mesh's data-parallel group: its members and coordinates).
+  RunState(c10::intrusive_ptr<c10d::ProcessGroup> pg, FullyShardOptions options, GroupInfo group = {});
 
   const FullyShardOptions options;
   Comm comm;
@@ -39,6 +43,16 @@ class RunState : public std::enable_shared_from_this<RunState> {
   BufferPool pool;
   /// Creates shard_comm and replicate_comm for groups of `group_size`; the same call on every rank.
   void init_hybrid(int group_size);
+  /// Wrapped over a DeviceMesh (comm: its "dp" group): hybrid's groups are the mesh's dp_shard and
+  /// dp_replicate groups (when both have more than one rank), and tp_comm its tp group.
+  void init_mesh(const MeshState& mesh);
+  /// Wrapped over a DeviceMesh with a tensor-parallel dimension of more than one rank: the mesh's
+  /// tp group (sharing comm's statistics; null otherwise), for what is summed over the whole model
+  /// (clipping's norm, the scaler's overflow), and each split parameter's TensorSplit (by
+  /// TensorImpl, fsdp/internal/tensor_splits.cpp).
+  std::unique_ptr<Comm> tp_comm;
+  std::unordered_map<const c10::TensorImpl*, TensorSplit> tp_splits;
+  int tp_size() const { return tp_comm ? tp_comm->world_size() : 1; }
   /// Between the first pre-backward hook of a backward and its end-of-backward callback.
   bool in_backward() const { return callback_queued_; }
   /// False while accumulating gradients without communication (set_requires_gradient_sync).

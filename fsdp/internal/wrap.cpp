@@ -2,9 +2,11 @@
 
 #include "fsdp/internal/access.h"
 #include "fsdp/internal/check.h"
+#include "fsdp/internal/mesh_state.h"
 #include "fsdp/internal/model_check.h"
 #include "fsdp/internal/options_check.h"
 #include "fsdp/internal/run_state.h"
+#include "fsdp/internal/tensor_splits.h"
 #include "fsdp/internal/unit.h"
 #include "fsdp/sharded.h"
 
@@ -202,15 +204,19 @@ void merge_built_units(ShardedUnit& first, ShardedUnit& other) {
 
 std::shared_ptr<Unit> shard_model(const std::shared_ptr<torch::nn::Module>& root,
                                   const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
-                                  const FullyShardOptions& given_options,
-                                  const std::shared_ptr<RunState>& scope_state) {
+                                  const FullyShardOptions& given_options, const std::shared_ptr<RunState>& scope_state,
+                                  const MeshState* mesh) {
   FSDP_CHECK(root != nullptr, "fsdp::fully_shard: the model is null");
   check_options(scope_state ? scope_state->options : given_options, "fsdp::fully_shard");
   FSDP_CHECK(pg, "fsdp::fully_shard: the process group is null; create one with fsdp::init_process_group()");
   FSDP_CHECK(dynamic_cast<ShardedUnit*>(root.get()) == nullptr,
              "fsdp::fully_shard: the root module is itself an fsdp::Sharded unit. Pass the plain root module: "
              "fully_shard makes it the root unit and returns its handle.");
-  auto state = scope_state ? scope_state : std::make_shared<RunState>(pg, given_options);
+  auto state = scope_state ? scope_state
+                           : std::make_shared<RunState>(pg, given_options,
+                                                        mesh != nullptr ? mesh->group_info(kDataDim) : GroupInfo{});
+  if (mesh != nullptr) state->init_mesh(*mesh);
+  record_tensor_splits(*state, *root);
   const FullyShardOptions& options = state->options;
   for (const auto& kv : root->named_parameters()) {  // the first says where the model is
     check_offload(options, kv.key(), kv.value().device(), state->comm.rank());

@@ -19,15 +19,19 @@ namespace fsdp::detail {
 
 class RunState;
 class Unit;
+struct MeshState;
 
 /// Marks `root` sharded: one unit per module deriving from fsdp::ShardedUnit, one root unit for
 /// the remaining parameters. Checks that every rank has the same model, broadcasts rank 0's
 /// weights, shards, and returns the root unit (which also holds the shared state).
 /// With `scope_state` (fsdp::ShardingScope), units sharded while the model was built join as they
 /// are, and the options are the scope's.
+/// With `mesh`, `pg` is its data-parallel group ("dp"): errors name the mesh coordinates, hybrid's
+/// groups are the mesh's, and the model's tensor-parallel layers are checked against its tp group.
 std::shared_ptr<Unit> shard_model(const std::shared_ptr<torch::nn::Module>& root,
                                   const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const FullyShardOptions& options,
-                                  const std::shared_ptr<RunState>& scope_state = nullptr);
+                                  const std::shared_ptr<RunState>& scope_state = nullptr,
+                                  const MeshState* mesh = nullptr);
 
 /// Shards one unit right after its constructor returned (inside an fsdp::ShardingScope): checks
 /// that every rank built the same unit, shards it with the scope's options and attaches it.

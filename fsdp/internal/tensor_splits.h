@@ -1,0 +1,18 @@
+// Tensor parallelism as fully_shard sees it: the modules of a model that split their parameters
+// over a tensor-parallel group (fsdp::SplitModule, fsdp/tensor_split.h), checked against the
+// groups the model is wrapped over and recorded for the shard contract. Internal to the library.
+#pragma once
+
+#include <torch/nn/module.h>
+
+namespace fsdp::detail {
+
+class RunState;
+
+/// Finds every SplitModule in `root` whose group has more than one rank, checks that the model was
+/// wrapped over a DeviceMesh whose tp group is that group (so the data-parallel group holds one
+/// rank of it: sharding must never mix two ranks' parts), and records each of its parameters'
+/// TensorSplit in state.tp_splits. Throws naming the module, the ranks and the remedy.
+void record_tensor_splits(RunState& state, torch::nn::Module& root);
+
+}  // namespace fsdp::detail
