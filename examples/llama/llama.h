@@ -1,0 +1,246 @@
+// A Llama in C++ (Hugging Face's LlamaForCausalLM, its parameter names and its arithmetic):
+// RMSNorm, rotary embeddings in the "rotate half" convention, grouped-query attention, a SwiGLU
+// MLP, a tied or untied head. Built of fsdp::tp layers, so the same model runs at every
+// tensor-parallel size (a one-rank group is plain LibTorch); each decoder layer is an fsdp::Sharded
+// unit. Names: model.embed_tokens.weight, model.layers.N.self_attn.{q,k,v,o}_proj.weight,
+// model.layers.N.mlp.{gate,up,down}_proj.weight, model.layers.N.{input,post_attention}_layernorm.
+// weight, model.norm.weight, lm_head.weight (absent when tied).
+//
+// Per decoder layer the tensor-parallel collectives are Megatron's four: one all-reduce forward
+// after o_proj and one after down_proj, and backward one for the attention's input gradient (q, k
+// and v share one conjugate) and one for the MLP's (gate and up share one), each of B x T x C.
+#pragma once
+
+#include "fsdp/sharded.h"
+#include "tp/conjugates.h"
+#include "tp/cross_entropy.h"
+#include "tp/embedding.h"
+#include "tp/linear.h"
+
+#include <ATen/ops/scaled_dot_product_attention.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+
+#include <cmath>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace llama {
+
+struct Config {
+  int64_t vocab_size = 256;  // bytes, for the example's corpus
+  int64_t block_size = 64;   // the longest sequence
+  int64_t n_layer = 2;
+  int64_t n_head = 4;
+  int64_t n_kv_head = 0;     // grouped-query attention's key-value heads; 0: n_head
+  int64_t n_embd = 128;
+  int64_t intermediate = 0;  // the MLP's width; 0: 4 x n_embd
+  int64_t head_dim = 0;      // 0: n_embd / n_head
+  double rope_theta = 10000.0;
+  double rms_norm_eps = 1e-5;
+  bool tie_word_embeddings = false;
+  int64_t checkpoint_every = 0;  // activation checkpointing of every k-th decoder layer (0: none)
+
+  int64_t kv_heads() const { return n_kv_head > 0 ? n_kv_head : n_head; }
+  int64_t ffn() const { return intermediate > 0 ? intermediate : 4 * n_embd; }
+  int64_t hd() const { return head_dim > 0 ? head_dim : n_embd / n_head; }
+};
+
+/// What the model's shape must satisfy at tensor-parallel size `tp`, as one message ("" if it
+/// does): heads and key-value heads divisible by tp (each rank computes whole heads), query heads a
+/// multiple of key-value heads, the MLP's width and the vocabulary divisible by tp.
+inline std::string shape_error(const Config& c, int64_t tp) {
+  const int64_t kv = c.kv_heads();
+  if (c.head_dim == 0 && c.n_embd % c.n_head != 0) {
+    return "the embedding (" + std::to_string(c.n_embd) + ") is not a multiple of the heads (" +
+           std::to_string(c.n_head) + ")";
+  }
+  if (c.n_head % kv != 0) {
+    return "the heads (" + std::to_string(c.n_head) + ") are not a multiple of the key-value heads (" +
+           std::to_string(kv) + ")";
+  }
+  if (c.hd() % 2 != 0) return "the head dimension (" + std::to_string(c.hd()) + ") is odd: rotary embeddings pair it";
+  if (c.n_head % tp != 0 || kv % tp != 0) {
+    return "the " + std::to_string(c.n_head) + " heads and " + std::to_string(kv) +
+           " key-value heads must both be divisible by the tensor-parallel size " + std::to_string(tp) +
+           " (each rank computes whole heads)";
+  }
+  if (c.ffn() % tp != 0) {
+    return "the MLP's width (" + std::to_string(c.ffn()) + ") is not divisible by the tensor-parallel size " +
+           std::to_string(tp);
+  }
+  if (c.vocab_size % tp != 0) {
+    return "the vocabulary (" + std::to_string(c.vocab_size) + ") is not divisible by the tensor-parallel size " +
+           std::to_string(tp);
+  }
+  return "";
+}
+
+/// Hugging Face's LlamaRMSNorm: in fp32, then the weight in the input's dtype.
+struct RMSNormImpl : torch::nn::Module {
+  RMSNormImpl(int64_t dim, double eps) : eps(eps), weight(register_parameter("weight", torch::ones({dim}))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = x.to(torch::kFloat);
+    h = h * torch::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + eps);
+    return weight * h.to(x.scalar_type());
+  }
+  double eps;
+  torch::Tensor weight;
+};
+TORCH_MODULE(RMSNorm);
+
+/// The rotary tables for positions [0, T): cos and sin of [T, head_dim], as transformers computes
+/// them (inverse frequencies theta^(-2i/d) in fp32, each used twice: "rotate half").
+inline std::pair<torch::Tensor, torch::Tensor> rotary(int64_t T, int64_t hd, double theta) {
+  auto inv_freq = 1.0 / torch::pow(theta, torch::arange(0, hd, 2, torch::kLong).to(torch::kFloat) / hd);
+  auto freqs = torch::outer(torch::arange(T, torch::kLong).to(torch::kFloat), inv_freq);
+  auto emb = torch::cat({freqs, freqs}, -1);
+  return {emb.cos(), emb.sin()};
+}
+
+inline torch::Tensor rotate_half(const torch::Tensor& x) {
+  const int64_t h = x.size(-1) / 2;
+  return torch::cat({-x.narrow(-1, h, h), x.narrow(-1, 0, h)}, -1);
+}
+
+struct AttentionImpl : torch::nn::Module {
+  AttentionImpl(const Config& c, const fsdp::tp::Group& g)
+      : group(g),
+        heads(c.n_head / g.size()),
+        kv_heads(c.kv_heads() / g.size()),
+        hd(c.hd()),
+        theta(c.rope_theta),
+        q_proj(register_module("q_proj", column(g, c.n_embd, c.n_head * c.hd()))),
+        k_proj(register_module("k_proj", column(g, c.n_embd, c.kv_heads() * c.hd()))),
+        v_proj(register_module("v_proj", column(g, c.n_embd, c.kv_heads() * c.hd()))),
+        o_proj(register_module("o_proj", fsdp::tp::RowParallelLinear(
+                                             g, fsdp::tp::RowParallelLinearOptions(c.n_head * c.hd(), c.n_embd).bias(false)))) {}
+
+  static fsdp::tp::ColumnParallelLinear column(const fsdp::tp::Group& g, int64_t in, int64_t out) {
+    return fsdp::tp::ColumnParallelLinear(
+        g, fsdp::tp::ColumnParallelLinearOptions(in, out).bias(false).conjugate_input(false));
+  }
+
+  torch::Tensor forward(const torch::Tensor& x) {
+    const int64_t B = x.size(0), T = x.size(1);
+    auto in = fsdp::tp::copy_to_region(x, group);  // one conjugate for q, k and v
+    auto q = q_proj(in).view({B, T, heads, hd}).transpose(1, 2);
+    auto k = k_proj(in).view({B, T, kv_heads, hd}).transpose(1, 2);
+    auto v = v_proj(in).view({B, T, kv_heads, hd}).transpose(1, 2);
+    auto [cos, sin] = rotary(T, hd, theta);
+    cos = cos.to(q.scalar_type());
+    sin = sin.to(q.scalar_type());
+    q = q * cos + rotate_half(q) * sin;
+    k = k * cos + rotate_half(k) * sin;
+    // Grouped-query attention: each key-value head serves heads / kv_heads consecutive query heads
+    // (transformers' repeat_kv); this rank's heads use this rank's key-value heads.
+    const int64_t rep = heads / kv_heads;
+    if (rep > 1) {
+      k = k.unsqueeze(2).expand({B, kv_heads, rep, T, hd}).reshape({B, heads, T, hd});
+      v = v.unsqueeze(2).expand({B, kv_heads, rep, T, hd}).reshape({B, heads, T, hd});
+    }
+    auto y = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
+    return o_proj(y.transpose(1, 2).reshape({B, T, heads * hd}));
+  }
+
+  fsdp::tp::Group group;
+  int64_t heads, kv_heads, hd;
+  double theta;
+  fsdp::tp::ColumnParallelLinear q_proj, k_proj, v_proj;
+  fsdp::tp::RowParallelLinear o_proj;
+};
+TORCH_MODULE(Attention);
+
+/// SwiGLU: down(silu(gate(x)) * up(x)); gate and up share one conjugate.
+struct MLPImpl : torch::nn::Module {
+  MLPImpl(const Config& c, const fsdp::tp::Group& g)
+      : group(g),
+        gate_proj(register_module("gate_proj", AttentionImpl::column(g, c.n_embd, c.ffn()))),
+        up_proj(register_module("up_proj", AttentionImpl::column(g, c.n_embd, c.ffn()))),
+        down_proj(register_module(
+            "down_proj", fsdp::tp::RowParallelLinear(g, fsdp::tp::RowParallelLinearOptions(c.ffn(), c.n_embd).bias(false)))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto in = fsdp::tp::copy_to_region(x, group);
+    return down_proj(torch::silu(gate_proj(in)) * up_proj(in));
+  }
+  fsdp::tp::Group group;
+  fsdp::tp::ColumnParallelLinear gate_proj, up_proj;
+  fsdp::tp::RowParallelLinear down_proj;
+};
+TORCH_MODULE(MLP);
+
+struct DecoderLayerImpl : torch::nn::Module {
+  DecoderLayerImpl(const Config& c, const fsdp::tp::Group& g)
+      : self_attn(register_module("self_attn", Attention(c, g))),
+        mlp(register_module("mlp", MLP(c, g))),
+        input_layernorm(register_module("input_layernorm", RMSNorm(c.n_embd, c.rms_norm_eps))),
+        post_attention_layernorm(register_module("post_attention_layernorm", RMSNorm(c.n_embd, c.rms_norm_eps))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = x + self_attn(input_layernorm(x));
+    return h + mlp(post_attention_layernorm(h));
+  }
+  Attention self_attn;
+  MLP mlp;
+  RMSNorm input_layernorm, post_attention_layernorm;
+};
+
+struct LlamaModelImpl : torch::nn::Module {
+  LlamaModelImpl(const Config& c, const fsdp::tp::Group& blocks, const fsdp::tp::Group& vocab)
+      : embed_tokens(register_module(
+            "embed_tokens",
+            fsdp::tp::VocabParallelEmbedding(vocab, fsdp::tp::VocabParallelEmbeddingOptions(c.vocab_size, c.n_embd)))),
+        layers(register_module("layers", torch::nn::ModuleList())) {
+    for (int64_t i = 0; i < c.n_layer; ++i) {
+      fsdp::Sharded<DecoderLayerImpl> layer(c, blocks);
+      if (c.checkpoint_every > 0 && (i + 1) % c.checkpoint_every == 0) layer->set_activation_checkpointing(true);
+      layers->push_back(layer);
+      unit.push_back(layer);
+    }
+    norm = register_module("norm", RMSNorm(c.n_embd, c.rms_norm_eps));
+  }
+  torch::Tensor forward(const torch::Tensor& ids) {
+    auto h = embed_tokens(ids);
+    for (auto& l : unit) h = l(h);
+    return norm(h);
+  }
+  fsdp::tp::VocabParallelEmbedding embed_tokens;
+  torch::nn::ModuleList layers;
+  std::vector<fsdp::Sharded<DecoderLayerImpl>> unit;  // the same modules as `layers`, typed
+  RMSNorm norm{nullptr};
+};
+TORCH_MODULE(LlamaModel);
+
+/// LlamaForCausalLM. forward(ids) returns this rank's vocabulary columns of the logits, [B, T, V /
+/// tp]; loss(ids, targets) the mean cross-entropy without full logits on any rank.
+struct LlamaForCausalLMImpl : torch::nn::Module {
+  LlamaForCausalLMImpl(const Config& c, const fsdp::tp::Group& blocks, const fsdp::tp::Group& vocab)
+      : config(checked(c, blocks.size())), vocab(vocab), model(register_module("model", LlamaModel(c, blocks, vocab))) {
+    if (!c.tie_word_embeddings) {
+      lm_head = register_module("lm_head", fsdp::tp::ColumnParallelLinear(
+                                               vocab, fsdp::tp::ColumnParallelLinearOptions(c.n_embd, c.vocab_size).bias(false)));
+    }
+  }
+  /// `c`, or std::invalid_argument with shape_error's message: before any layer is built.
+  static const Config& checked(const Config& c, int64_t tp) {
+    const std::string err = shape_error(c, tp);
+    if (!err.empty()) throw std::invalid_argument("llama: " + err);
+    return c;
+  }
+  torch::Tensor forward(const torch::Tensor& ids) {
+    auto h = model(ids);
+    if (lm_head) return lm_head(h);
+    // Tied: the embedding's rows are this rank's vocabulary, the head's rows too.
+    return torch::linear(fsdp::tp::copy_to_region(h, vocab), model->embed_tokens->weight);
+  }
+  torch::Tensor loss(const torch::Tensor& ids, const torch::Tensor& targets) {
+    return fsdp::tp::vocab_parallel_cross_entropy(forward(ids), targets, vocab);
+  }
+  Config config;
+  fsdp::tp::Group vocab;
+  LlamaModel model;
+  fsdp::tp::ColumnParallelLinear lm_head{nullptr};
+};
+TORCH_MODULE(LlamaForCausalLM);
+
+}  // namespace llama

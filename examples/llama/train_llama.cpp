@@ -1,0 +1,281 @@
+// Trains a Llama (examples/llama/llama.h) with tensor parallelism and FSDP on a 2-D mesh.
+//
+//   build/examples/train_llama --steps 20                                            # one process
+//   torchrun --no-python --nproc-per-node 4 build/examples/train_llama --tp 2        # FSDP 2 x TP 2
+//
+// The mesh is (dp_shard N/T, tp T), or (dp_replicate N/(T S), dp_shard S, tp T) with --strategy
+// hybrid --shard-group-size S. Each data-parallel rank takes its share of each global batch; the
+// tensor-parallel ranks of one data-parallel coordinate take the same rows, so the data seen and
+// the losses printed depend on neither size. --json prints one JSON object per step on rank 0,
+// with `tp`, `dp` and `tp_collectives`: the tensor-parallel collectives the decoder layers issued
+// in the step (not the embedding's, the head's or the loss's), counted by the library.
+//
+// Exit status: 0 trained; 2 a bad flag, --data file or model shape (nothing trained); 1 anything
+// else, printed as "train_llama (rank R): <message>".
+#include "examples/cli.h"
+#include "examples/corpus.h"
+#include "examples/llama/llama.h"
+#include "examples/run_flags.h"
+#include "examples/strategy_flags.h"
+#include "fsdp/fsdp.h"
+
+#include <torch/optim/adamw.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
+#include <optional>
+#include <string>
+
+#ifndef FSDP_EXAMPLE_CORPUS
+#define FSDP_EXAMPLE_CORPUS "examples/data/corpus.txt"
+#endif
+
+namespace {
+
+struct Args : cli::RunFlags {
+  int64_t n_kv_head = 0;     // 0: --n-head
+  int64_t intermediate = 0;  // 0: 4 x --n-embd
+  int64_t tp = 1;
+  double lr = 1e-3;
+  double weight_decay = 0.1;
+  double clip = 0;
+  bool fused = false;
+  bool tied = false;
+  bool json = false;
+  std::string data = FSDP_EXAMPLE_CORPUS;
+  double max_data_mb = 64;
+  bool help = false;
+};
+
+const char* const kUsage =
+    "usage: train_llama [--steps N] [--batch-size B] [--seed S] [--lr LR] [--weight-decay WD]\n"
+    "                   [--n-layer L] [--n-head H] [--n-kv-head K] [--n-embd C] [--intermediate I]\n"
+    "                   [--block-size T] [--tied] [--tp T] [--data FILE] [--max-data-mb MB] [--prefetch K]\n"
+    "                   [--clip MAX_NORM] [--fused] [--json] [--timeout SECONDS]\n"
+    "                   [--strategy full|grad-op|optimizer|replicate|hybrid] [--shard-group-size S]\n"
+    "                   [--mixed-precision bf16|fp16] [--activation-checkpointing [K]]\n"
+    "  A Llama (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU) with Hugging Face's names.\n"
+    "  --tp T: tensor-parallel size; the data-parallel size is the world size over T (the mesh\n"
+    "  (dp_shard N/T, tp T); with --strategy hybrid --shard-group-size S, (dp_replicate N/(T S), dp_shard S,\n"
+    "  tp T)). The heads and --n-kv-head (default: the heads) must be divisible by T.\n"
+    "  --intermediate: the MLP's width (default 4 x --n-embd); --tied: the head shares the embedding.\n"
+    "  --batch-size is the global batch: each data-parallel rank takes B/(N/T) rows of it.\n"
+    "  Other flags as train_gpt's. Exit status: 0 trained, 2 bad flags, --data or shape, 1 other errors.\n";
+
+int g_rank = -1;
+bool g_json = false;
+std::string who() {
+  if (g_rank >= 0) return "train_llama (rank " + std::to_string(g_rank) + ")";
+  const char* env = std::getenv("RANK");
+  if (env != nullptr && *env != '\0') return std::string("train_llama (rank ") + env + ")";
+  return "train_llama";
+}
+
+[[noreturn]] void usage_error(const std::string& error) {
+  throw cli::InputError(error, true);
+}
+
+Args parse(int argc, char** argv) {
+  Args a;
+  a.model.n_layer = 2;
+  for (int i = 1; i < argc; ++i) {
+    const std::string k = argv[i];
+    if (k == "--help" || k == "-h" || k == "--json" || k == "--fused" || k == "--tied") {
+      (k == "--json" ? a.json : k == "--fused" ? a.fused : k == "--tied" ? a.tied : a.help) = true;
+      continue;
+    }
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc || std::string(argv[i + 1]).rfind("--", 0) == 0) usage_error("missing value after " + k);
+      return argv[++i];
+    };
+    if (cli::parse_run_flag(k, value, a, [&] { return i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0; }))
+      continue;
+    if (k == "--n-kv-head")
+      a.n_kv_head = cli::parse_int(k, value(), 1, INT_MAX);
+    else if (k == "--intermediate")
+      a.intermediate = cli::parse_int(k, value(), 1, INT_MAX);
+    else if (k == "--tp")
+      a.tp = cli::parse_int(k, value(), 1, INT_MAX);
+    else if (k == "--lr")
+      a.lr = cli::parse_double(k, value(), 0, false);
+    else if (k == "--weight-decay")
+      a.weight_decay = cli::parse_double(k, value(), 0, true);
+    else if (k == "--clip")
+      a.clip = cli::parse_double(k, value(), 0, true);
+    else if (k == "--data")
+      a.data = value();
+    else if (k == "--max-data-mb")
+      a.max_data_mb = cli::parse_double(k, value(), 0, false, 1 << 20);
+    else
+      usage_error("unknown flag '" + k + "'");
+  }
+  cli::check_run_flags(a);
+  if (a.build_sharded) usage_error("--build-sharded is not supported by train_llama (a ShardingScope over a mesh)");
+  if (!a.wrap.empty()) usage_error("--wrap is train_gpt's; train_llama's units are its decoder layers");
+  return a;
+}
+
+llama::Config config_of(const Args& a) {
+  llama::Config c;
+  c.block_size = a.model.block_size;
+  c.n_layer = a.model.n_layer;
+  c.n_head = a.model.n_head;
+  c.n_kv_head = a.n_kv_head;
+  c.n_embd = a.model.n_embd;
+  c.intermediate = a.intermediate;
+  c.tie_word_embeddings = a.tied;
+  c.checkpoint_every = a.model.checkpoint_every;
+  return c;
+}
+
+int run(const Args& args) {
+  const llama::Config cfg = config_of(args);
+  const std::string shape = llama::shape_error(cfg, args.tp);
+  if (!shape.empty()) usage_error(shape);
+  const int64_t T = cfg.block_size;
+  auto data = corpus::load(args.data, args.max_data_mb, T);
+  const int64_t samples = corpus::samples(data, T);
+  if (samples < args.batch_size) {
+    corpus::data_error(args.data, "has " + std::to_string(samples) + " windows of --block-size + 1 tokens, fewer " +
+                                      "than one global batch (--batch-size " + std::to_string(args.batch_size) + ")");
+  }
+  std::optional<std::chrono::milliseconds> timeout;
+  if (args.timeout_s) timeout = std::chrono::milliseconds(std::max<int64_t>(1, std::llround(*args.timeout_s * 1000)));
+  fsdp::InitOptions init;
+  if (timeout) init.timeout(*timeout);
+  auto world = fsdp::init_process_group(init);
+  const int rank = world->getRank(), W = world->getSize();
+  g_rank = rank;
+  if (W % args.tp != 0) {
+    usage_error("--tp " + std::to_string(args.tp) + " does not divide the " + std::to_string(W) +
+                " ranks: the data-parallel size is the world size over --tp");
+  }
+  const int dp = W / static_cast<int>(args.tp);
+  const fsdp::ShardingStrategy strategy = gpt::strategy_flags().at(args.strategy);
+  std::vector<fsdp::MeshDim> dims{{fsdp::kShardDim, dp}, {fsdp::kTensorDim, static_cast<int>(args.tp)}};
+  if (strategy == fsdp::ShardingStrategy::kHybridShard) {
+    const int S = args.shard_group_size > 0 ? args.shard_group_size : std::max(1, dp / 2);
+    if (dp % S != 0) {
+      usage_error("--shard-group-size " + std::to_string(S) + " does not divide the " + std::to_string(dp) +
+                  " data-parallel ranks");
+    }
+    dims = {{fsdp::kReplicateDim, dp / S}, {fsdp::kShardDim, S}, {fsdp::kTensorDim, static_cast<int>(args.tp)}};
+  }
+  fsdp::DeviceMesh mesh(world, dims);
+  if (args.batch_size % dp != 0) {
+    usage_error("--batch-size " + std::to_string(args.batch_size) + " cannot be split over the " + std::to_string(dp) +
+                " data-parallel ranks into equal shares; " + fsdp::data::divisible_sizes(args.batch_size, dp));
+  }
+  auto options = fsdp::FullyShardOptions()
+                     .prefetch(args.prefetch)
+                     .strategy(strategy == fsdp::ShardingStrategy::kHybridShard ? fsdp::ShardingStrategy::kFullShard
+                                                                                : strategy)
+                     .mixed_precision(cli::mixed_precision_policy(args));
+  if (timeout) options.timeout(*timeout);
+
+  fsdp::tp::Group blocks(mesh), vocab(mesh);  // one set of ranks, counted apart
+  torch::manual_seed(args.seed);
+  auto model = fsdp::fully_shard(llama::LlamaForCausalLM(cfg, blocks, vocab), mesh, options);
+  int64_t n_params = 0;  // Ψ: the full model's parameters (every tensor-parallel part once)
+  for (const auto& s : model.shard_specs()) {
+    int64_t n = 1;
+    for (int64_t d : s.global_shape) n *= d;
+    n_params += n * (s.tp.split() ? s.tp.parts : 1);
+  }
+  std::unique_ptr<torch::optim::Optimizer> opt;
+  const auto adamw = torch::optim::AdamWOptions(args.lr).weight_decay(args.weight_decay);
+  if (args.fused) {
+    opt = std::make_unique<fsdp::optim::FusedAdamW>(model, adamw);
+  } else {
+    opt = std::make_unique<torch::optim::AdamW>(model.parameters(), adamw);
+  }
+  fsdp::optim::ShardedGradScaler scaler(model,
+                                        fsdp::optim::GradScalerOptions().enabled(args.mixed_precision == "fp16"));
+  fsdp::data::DistributedSampler sampler(samples, mesh.coordinate(fsdp::kDataDim), dp,
+                                         fsdp::data::SamplerOptions(args.batch_size).seed(args.seed));
+  if (rank == 0 && !args.json) {
+    std::cout << "train_llama: " << W << " rank(s) as mesh " << mesh.shape_text() << ", " << n_params
+              << " parameters, " << cfg.n_layer << " layers, " << cfg.n_head << " heads (" << cfg.kv_heads()
+              << " key-value), width " << cfg.n_embd << ", MLP " << cfg.ffn() << (cfg.tie_word_embeddings ? ", tied" : "")
+              << "\n";
+  }
+  for (int64_t step = 0; step < args.steps; ++step) {
+    opt->zero_grad();
+    blocks.reset_comm_stats();
+    const auto t0 = std::chrono::steady_clock::now();
+    auto share = sampler.next_share();
+    if (!share) share = sampler.next_share();
+    auto [x, y] = corpus::batch(data, share->indices, T);
+    auto loss = fsdp::tp::vocab_parallel_cross_entropy(model(x), y, vocab);  // no full logits on any rank
+    scaler.scale(loss).backward();
+    scaler.unscale_(*opt);
+    const double grad_norm = scaler.found_inf() ? std::nan("")
+                             : args.clip > 0    ? fsdp::optim::clip_grad_norm(model, args.clip, 2.0, true)
+                                                : fsdp::optim::grad_norm(model, 2.0, true);
+    scaler.step(*opt);
+    scaler.update();
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    const fsdp::CommStats tps = blocks.comm_stats();
+    auto mean = loss.detach().to(torch::kDouble).reshape({1});
+    fsdp::all_reduce(mesh.group(fsdp::kDataDim), mean);
+    const double l = mean.item<double>() / dp;
+    if (rank == 0) {
+      if (args.json) {
+        std::printf(
+            "{\"step\": %lld, \"loss\": %s, \"grad_norm\": %s, \"step_ms\": %s, \"world_size\": %d, \"tp\": %lld, "
+            "\"dp\": %d, \"tp_collectives\": %lld, \"tp_elements\": %lld, \"params\": %lld, \"epoch\": %lld, "
+            "\"samples_consumed\": %lld}\n",
+            static_cast<long long>(step), cli::json_number(l).c_str(), cli::json_number(grad_norm).c_str(),
+            cli::json_number(ms, "%.3f").c_str(), W, static_cast<long long>(args.tp), dp,
+            static_cast<long long>(tps.all_gathers + tps.reduce_scatters + tps.all_reduces),
+            static_cast<long long>(tps.elements), static_cast<long long>(n_params),
+            static_cast<long long>(share->epoch), static_cast<long long>(sampler.state().samples_consumed));
+      } else {
+        std::printf("step %4lld | loss %.4f | grad norm %.4g | %8.1f ms | %lld tensor-parallel collectives\n",
+                    static_cast<long long>(step), l, grad_norm, ms,
+                    static_cast<long long>(tps.all_gathers + tps.reduce_scatters + tps.all_reduces));
+      }
+      std::fflush(stdout);
+    }
+    if (!std::isfinite(l)) {
+      throw std::runtime_error("the loss of step " + std::to_string(step) +
+                               " is not finite: training diverged. Lower --lr, or clip with --clip MAX_NORM.");
+    }
+  }
+  if (rank == 0 && args.json) {
+    std::printf("{\"summary\": true, \"world_size\": %d, \"tp\": %lld, \"dp\": %d, \"mesh\": %s, \"params\": %lld}\n", W,
+                static_cast<long long>(args.tp), dp, cli::json_string(mesh.shape_text()).c_str(),
+                static_cast<long long>(n_params));
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  fsdp::memory::enable_cpu_counting();
+  try {
+    const Args args = parse(argc, argv);
+    g_json = args.json;
+    if (args.help) {
+      std::cout << kUsage;
+      return 0;
+    }
+    return run(args);
+  } catch (const cli::InputError& e) {
+    std::cerr << who() << ": " << e.what() << "\n";
+    if (e.show_usage) std::cerr << kUsage;
+    return cli::kUsageExit;
+  } catch (const std::exception& e) {
+    const std::string message =
+        cli::without_backtrace(dynamic_cast<const c10::Error*>(&e) != nullptr
+                                   ? dynamic_cast<const c10::Error*>(&e)->what_without_backtrace()
+                                   : e.what());
+    std::cerr << who() << ": " << message << "\n";
+    if (g_json) std::cout << "{\"error\": " << cli::json_string(message) << ", \"rank\": " << g_rank << "}" << std::endl;
+  }
+  return cli::kErrorExit;
+}

@@ -1,0 +1,58 @@
+#!/usr/bin/env python3
+"""End-to-end check of examples/llama/train_llama under torchrun (issue 27's check, first part).
+
+`train_llama --n-layer 2 --steps 5 --seed 1 --json` at 4 ranks with --tp 2 (FSDP 2 x TP 2) and
+--tp 4 gives the 1-rank losses (1e-5 relative), every row with tp, dp and tp_collectives = 4 per
+decoder layer (2 all-reduces forward, 2 backward, each of B/dp x T x C elements: tp_elements from
+shapes); grouped-query attention (--n-kv-head 2) at --tp 2 too; and a shape the tensor-parallel
+size cannot split (--n-embd 96 --n-head 6 --n-kv-head 3) runs at --tp 1 but is refused at --tp 2.
+"""
+import argparse
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+from train_gpt_runs import command, run  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--train-llama", required=True)
+    ap.add_argument("--torchrun", required=True)
+    ap.add_argument("--timeout", type=int, default=300)
+    a = ap.parse_args()
+    L, B, T, C = 2, 12, 64, 128  # --n-layer, train_llama's default --batch-size, --block-size, --n-embd
+    base = ["--n-layer", str(L), "--steps", "5", "--seed", "1", "--json"]
+    for extra, tp in (([], 2), ([], 4), (["--n-kv-head", "2"], 2)):
+        one, _ = run(command(a.train_llama, a.torchrun, 1, base + extra), a.timeout)
+        many, summary = run(command(a.train_llama, a.torchrun, 4, base + extra + ["--tp", str(tp)]), a.timeout)
+        assert len(one) == len(many) == 5, (len(one), len(many))
+        dp = 4 // tp
+        worst = 0.0
+        for r1, rn in zip(one, many):
+            rel = abs(rn["loss"] - r1["loss"]) / abs(r1["loss"])
+            worst = max(worst, rel)
+            if rel > 1e-5:
+                sys.exit(f"FAILED: --tp {tp} {extra}: step {r1['step']}: loss {rn['loss']} vs {r1['loss']} (rel {rel:.2e})")
+            want = {"tp": tp, "dp": dp, "tp_collectives": 4 * L, "tp_elements": 4 * L * 2 * (B // dp) * T * C}
+            got = {k: rn[k] for k in want}
+            if got != want:
+                sys.exit(f"FAILED: --tp {tp} {extra}: step {rn['step']} has {got}, want {want}")
+            if r1["tp_collectives"] != 4 * L or r1["tp"] != 1:
+                sys.exit(f"FAILED: one rank's row {r1}: tp 1 and 4 collectives per layer (counted over one rank too)")
+        print(f"--tp {tp} {' '.join(extra)} on 4 ranks (mesh {summary['mesh']}): 5 losses within {worst:.2e} of one "
+              f"rank's; {4 * L} tensor-parallel collectives per step, {4 * L * 2 * (B // dp) * T * C} elements")
+
+    gqa = ["--n-embd", "96", "--n-head", "6", "--n-kv-head", "3", "--steps", "2", "--json"]
+    run(command(a.train_llama, a.torchrun, 1, gqa), a.timeout)
+    cmd = command(a.train_llama, a.torchrun, 2, gqa + ["--tp", "2"])
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    want = "the 6 heads and 3 key-value heads must both be divisible by the tensor-parallel size 2"
+    if p.returncode == 0 or want not in p.stderr:
+        sys.exit(f"FAILED: {' '.join(cmd)} exited {p.returncode} without '{want}'\n{p.stdout}\n{p.stderr}")
+    print("--n-embd 96 --n-head 6 --n-kv-head 3 runs at --tp 1 and is refused at --tp 2: " + want)
+
+
+if __name__ == "__main__":
+    main()
