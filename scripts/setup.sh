@@ -61,5 +61,23 @@ if ! have_safetensors; then
   have_safetensors || "$venv/bin/python" -m pip install -q "safetensors==$SAFETENSORS_VERSION" >&2
   flock -u 9
 fi
+# Python's transformers, for the tests that compare the C++ Llama with LlamaForCausalLM (never the
+# library). Every package it brings is pinned, so that the reference does not move under the tests.
+TRANSFORMERS_VERSION=5.25.0
+TRANSFORMERS_PINS=(transformers==$TRANSFORMERS_VERSION huggingface_hub==2.4.0 tokenizers==0.23.3 hf-xet==1.8.0
+  click==8.5.1 httpx2==2.16.2 httpcore2==2.16.2 kernels==0.19.1 anyio==4.16.0 h11==0.16.0 idna==3.20
+  packaging==26.4 PyYAML==6.0.4 regex==2026.11.19 tomlkit==0.15.3 tqdm==4.70.1 truststore==0.10.5 typer==0.29.2
+  annotated-doc==0.0.7 pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 rich==15.0.0
+  Pygments==2.21.0 markdown-it-py==4.3.0 mdurl==0.1.2 shellingham==1.5.4 typing-inspection==0.4.5)
+have_transformers() {
+  "$venv/bin/python" -c "import transformers,sys; sys.exit(0 if transformers.__version__=='$TRANSFORMERS_VERSION' else 1)" 2>/dev/null
+}
+if ! have_transformers; then
+  log "installing transformers==$TRANSFORMERS_VERSION (and its pinned dependencies) into $venv"
+  exec 9>"$(dirname "$venv")/.setup.lock"
+  flock 9
+  have_transformers || "$venv/bin/python" -m pip install -q "${TRANSFORMERS_PINS[@]}" >&2
+  flock -u 9
+fi
 log "torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)' 2>/dev/null) in $venv"
 echo "$venv"

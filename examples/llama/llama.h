@@ -33,7 +33,7 @@ struct Config {
   int64_t block_size = 64;   // the longest sequence
   int64_t n_layer = 2;
   int64_t n_head = 4;
-  int64_t n_kv_head = 0;     // grouped-query attention's key-value heads; 0: n_head
+  int64_t n_kv_head = 0;  // grouped-query attention's key-value heads; 0: n_head
   int64_t n_embd = 128;
   int64_t intermediate = 0;  // the MLP's width; 0: 4 x n_embd
   int64_t head_dim = 0;      // 0: n_embd / n_head
@@ -114,8 +114,9 @@ struct AttentionImpl : torch::nn::Module {
         q_proj(register_module("q_proj", column(g, c.n_embd, c.n_head * c.hd()))),
         k_proj(register_module("k_proj", column(g, c.n_embd, c.kv_heads() * c.hd()))),
         v_proj(register_module("v_proj", column(g, c.n_embd, c.kv_heads() * c.hd()))),
-        o_proj(register_module("o_proj", fsdp::tp::RowParallelLinear(
-                                             g, fsdp::tp::RowParallelLinearOptions(c.n_head * c.hd(), c.n_embd).bias(false)))) {}
+        o_proj(register_module("o_proj",
+                               fsdp::tp::RowParallelLinear(
+                                   g, fsdp::tp::RowParallelLinearOptions(c.n_head * c.hd(), c.n_embd).bias(false)))) {}
 
   static fsdp::tp::ColumnParallelLinear column(const fsdp::tp::Group& g, int64_t in, int64_t out) {
     return fsdp::tp::ColumnParallelLinear(
@@ -159,7 +160,8 @@ struct MLPImpl : torch::nn::Module {
         gate_proj(register_module("gate_proj", AttentionImpl::column(g, c.n_embd, c.ffn()))),
         up_proj(register_module("up_proj", AttentionImpl::column(g, c.n_embd, c.ffn()))),
         down_proj(register_module(
-            "down_proj", fsdp::tp::RowParallelLinear(g, fsdp::tp::RowParallelLinearOptions(c.ffn(), c.n_embd).bias(false)))) {}
+            "down_proj",
+            fsdp::tp::RowParallelLinear(g, fsdp::tp::RowParallelLinearOptions(c.ffn(), c.n_embd).bias(false)))) {}
   torch::Tensor forward(const torch::Tensor& x) {
     auto in = fsdp::tp::copy_to_region(x, group);
     return down_proj(torch::silu(gate_proj(in)) * up_proj(in));
@@ -217,8 +219,9 @@ struct LlamaForCausalLMImpl : torch::nn::Module {
   LlamaForCausalLMImpl(const Config& c, const fsdp::tp::Group& blocks, const fsdp::tp::Group& vocab)
       : config(checked(c, blocks.size())), vocab(vocab), model(register_module("model", LlamaModel(c, blocks, vocab))) {
     if (!c.tie_word_embeddings) {
-      lm_head = register_module("lm_head", fsdp::tp::ColumnParallelLinear(
-                                               vocab, fsdp::tp::ColumnParallelLinearOptions(c.n_embd, c.vocab_size).bias(false)));
+      lm_head = register_module("lm_head",
+                                fsdp::tp::ColumnParallelLinear(
+                                    vocab, fsdp::tp::ColumnParallelLinearOptions(c.n_embd, c.vocab_size).bias(false)));
     }
   }
   /// `c`, or std::invalid_argument with shape_error's message: before any layer is built.

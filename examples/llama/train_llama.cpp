@@ -14,6 +14,7 @@
 // else, printed as "train_llama (rank R): <message>".
 #include "examples/cli.h"
 #include "examples/corpus.h"
+#include "examples/llama/hf.h"
 #include "examples/llama/llama.h"
 #include "examples/run_flags.h"
 #include "examples/strategy_flags.h"
@@ -27,6 +28,7 @@
 #include <cstdlib>
 #include <iostream>
 #include <optional>
+#include <sstream>
 #include <string>
 
 #ifndef FSDP_EXAMPLE_CORPUS
@@ -47,6 +49,10 @@ struct Args : cli::RunFlags {
   bool json = false;
   std::string data = FSDP_EXAMPLE_CORPUS;
   double max_data_mb = 64;
+  std::string from_hf;          // a Hugging Face directory: the shape and the weights
+  std::vector<int64_t> prompt;  // token ids for --logits-out
+  std::string logits_out;       // safetensors file of the prompt's logits, before any step
+  std::string export_hf;        // a directory to write in Hugging Face's layout after training
   bool help = false;
 };
 
@@ -57,12 +63,18 @@ const char* const kUsage =
     "                   [--clip MAX_NORM] [--fused] [--json] [--timeout SECONDS]\n"
     "                   [--strategy full|grad-op|optimizer|replicate|hybrid] [--shard-group-size S]\n"
     "                   [--mixed-precision bf16|fp16] [--activation-checkpointing [K]]\n"
+    "                   [--from-hf DIR] [--prompt 1,5,9,... --logits-out FILE.safetensors] [--export-hf OUT]\n"
     "  A Llama (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU) with Hugging Face's names.\n"
     "  --tp T: tensor-parallel size; the data-parallel size is the world size over T (the mesh\n"
     "  (dp_shard N/T, tp T); with --strategy hybrid --shard-group-size S, (dp_replicate N/(T S), dp_shard S,\n"
     "  tp T)). The heads and --n-kv-head (default: the heads) must be divisible by T.\n"
     "  --intermediate: the MLP's width (default 4 x --n-embd); --tied: the head shares the embedding.\n"
     "  --batch-size is the global batch: each data-parallel rank takes B/(N/T) rows of it.\n"
+    "  --from-hf DIR: the shape from DIR/config.json (LlamaForCausalLM; it overrides the shape flags) and the\n"
+    "  weights from DIR/model.safetensors or its index, each rank reading only its parts.\n"
+    "  --prompt with --logits-out: rank 0 writes the prompt's logits (one fp32 tensor 'logits', [length,\n"
+    "  vocabulary]) before any step; --steps 0 runs nothing else. --export-hf OUT: after training,\n"
+    "  OUT/config.json and OUT/model.safetensors in Hugging Face's layout (from_pretrained loads it).\n"
     "  Other flags as train_gpt's. Exit status: 0 trained, 2 bad flags, --data or shape, 1 other errors.\n";
 
 int g_rank = -1;
@@ -91,6 +103,17 @@ Args parse(int argc, char** argv) {
       if (i + 1 >= argc || std::string(argv[i + 1]).rfind("--", 0) == 0) usage_error("missing value after " + k);
       return argv[++i];
     };
+    if (k == "--steps") {  // train_llama takes 0: logits or an export of a --from-hf model only
+      a.steps = cli::parse_int(k, value(), 0);
+      continue;
+    }
+    if (k == "--prompt") {
+      std::string item;
+      std::stringstream in(value());
+      while (std::getline(in, item, ',')) a.prompt.push_back(cli::parse_int(k, item, 0));
+      if (a.prompt.empty()) usage_error("--prompt needs token ids, e.g. --prompt 1,5,9");
+      continue;
+    }
     if (cli::parse_run_flag(k, value, a, [&] { return i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0; }))
       continue;
     if (k == "--n-kv-head")
@@ -109,12 +132,19 @@ Args parse(int argc, char** argv) {
       a.data = value();
     else if (k == "--max-data-mb")
       a.max_data_mb = cli::parse_double(k, value(), 0, false, 1 << 20);
+    else if (k == "--from-hf")
+      a.from_hf = value();
+    else if (k == "--logits-out")
+      a.logits_out = value();
+    else if (k == "--export-hf")
+      a.export_hf = value();
     else
       usage_error("unknown flag '" + k + "'");
   }
   cli::check_run_flags(a);
   if (a.build_sharded) usage_error("--build-sharded is not supported by train_llama (a ShardingScope over a mesh)");
   if (!a.wrap.empty()) usage_error("--wrap is train_gpt's; train_llama's units are its decoder layers");
+  if (a.prompt.empty() != a.logits_out.empty()) usage_error("--prompt and --logits-out go together");
   return a;
 }
 
@@ -132,7 +162,17 @@ llama::Config config_of(const Args& a) {
 }
 
 int run(const Args& args) {
-  const llama::Config cfg = config_of(args);
+  llama::Config cfg = config_of(args);
+  if (!args.from_hf.empty()) {
+    cfg = llama::hf::read_config(args.from_hf, args.model.block_size);
+    cfg.checkpoint_every = args.model.checkpoint_every;
+  }
+  for (int64_t t : args.prompt) {
+    if (t >= cfg.vocab_size) {
+      usage_error("--prompt token " + std::to_string(t) + " is outside the vocabulary [0, " +
+                  std::to_string(cfg.vocab_size) + ")");
+    }
+  }
   const std::string shape = llama::shape_error(cfg, args.tp);
   if (!shape.empty()) usage_error(shape);
   const int64_t T = cfg.block_size;
@@ -169,16 +209,18 @@ int run(const Args& args) {
     usage_error("--batch-size " + std::to_string(args.batch_size) + " cannot be split over the " + std::to_string(dp) +
                 " data-parallel ranks into equal shares; " + fsdp::data::divisible_sizes(args.batch_size, dp));
   }
-  auto options = fsdp::FullyShardOptions()
-                     .prefetch(args.prefetch)
-                     .strategy(strategy == fsdp::ShardingStrategy::kHybridShard ? fsdp::ShardingStrategy::kFullShard
-                                                                                : strategy)
-                     .mixed_precision(cli::mixed_precision_policy(args));
+  auto options =
+      fsdp::FullyShardOptions()
+          .prefetch(args.prefetch)
+          .strategy(strategy == fsdp::ShardingStrategy::kHybridShard ? fsdp::ShardingStrategy::kFullShard : strategy)
+          .mixed_precision(cli::mixed_precision_policy(args));
   if (timeout) options.timeout(*timeout);
 
   fsdp::tp::Group blocks(mesh), vocab(mesh);  // one set of ranks, counted apart
   torch::manual_seed(args.seed);
-  auto model = fsdp::fully_shard(llama::LlamaForCausalLM(cfg, blocks, vocab), mesh, options);
+  llama::LlamaForCausalLM net(cfg, blocks, vocab);
+  if (!args.from_hf.empty()) llama::hf::load_weights(args.from_hf, *net);  // this rank's parts only
+  auto model = fsdp::fully_shard(net, mesh, options);
   int64_t n_params = 0;  // Ψ: the full model's parameters (every tensor-parallel part once)
   for (const auto& s : model.shard_specs()) {
     int64_t n = 1;
@@ -197,10 +239,15 @@ int run(const Args& args) {
   fsdp::data::DistributedSampler sampler(samples, mesh.coordinate(fsdp::kDataDim), dp,
                                          fsdp::data::SamplerOptions(args.batch_size).seed(args.seed));
   if (rank == 0 && !args.json) {
-    std::cout << "train_llama: " << W << " rank(s) as mesh " << mesh.shape_text() << ", " << n_params
-              << " parameters, " << cfg.n_layer << " layers, " << cfg.n_head << " heads (" << cfg.kv_heads()
-              << " key-value), width " << cfg.n_embd << ", MLP " << cfg.ffn() << (cfg.tie_word_embeddings ? ", tied" : "")
-              << "\n";
+    std::cout << "train_llama: " << W << " rank(s) as mesh " << mesh.shape_text() << ", " << n_params << " parameters, "
+              << cfg.n_layer << " layers, " << cfg.n_head << " heads (" << cfg.kv_heads() << " key-value), width "
+              << cfg.n_embd << ", MLP " << cfg.ffn() << (cfg.tie_word_embeddings ? ", tied" : "") << "\n";
+  }
+  if (!args.prompt.empty()) {
+    torch::NoGradGuard no_grad;
+    auto ids = torch::tensor(args.prompt, torch::kLong).unsqueeze(0);
+    auto logits = fsdp::tp::gather_from_region(model(ids), vocab);  // [1, P, V] on every tp rank
+    if (rank == 0) llama::hf::write_logits(args.logits_out, logits.squeeze(0));
   }
   for (int64_t step = 0; step < args.steps; ++step) {
     opt->zero_grad();
@@ -245,9 +292,13 @@ int run(const Args& args) {
                                " is not finite: training diverged. Lower --lr, or clip with --clip MAX_NORM.");
     }
   }
+  if (!args.export_hf.empty()) {
+    llama::hf::export_model(args.export_hf, model, mesh, cfg);
+    if (rank == 0 && !args.json) std::cout << "train_llama: exported to " << args.export_hf << "\n";
+  }
   if (rank == 0 && args.json) {
-    std::printf("{\"summary\": true, \"world_size\": %d, \"tp\": %lld, \"dp\": %d, \"mesh\": %s, \"params\": %lld}\n", W,
-                static_cast<long long>(args.tp), dp, cli::json_string(mesh.shape_text()).c_str(),
+    std::printf("{\"summary\": true, \"world_size\": %d, \"tp\": %lld, \"dp\": %d, \"mesh\": %s, \"params\": %lld}\n",
+                W, static_cast<long long>(args.tp), dp, cli::json_string(mesh.shape_text()).c_str(),
                 static_cast<long long>(n_params));
   }
   return 0;
@@ -270,12 +321,12 @@ int main(int argc, char** argv) {
     if (e.show_usage) std::cerr << kUsage;
     return cli::kUsageExit;
   } catch (const std::exception& e) {
-    const std::string message =
-        cli::without_backtrace(dynamic_cast<const c10::Error*>(&e) != nullptr
-                                   ? dynamic_cast<const c10::Error*>(&e)->what_without_backtrace()
-                                   : e.what());
+    const std::string message = cli::without_backtrace(
+        dynamic_cast<const c10::Error*>(&e) != nullptr ? dynamic_cast<const c10::Error*>(&e)->what_without_backtrace()
+                                                       : e.what());
     std::cerr << who() << ": " << message << "\n";
-    if (g_json) std::cout << "{\"error\": " << cli::json_string(message) << ", \"rank\": " << g_rank << "}" << std::endl;
+    if (g_json)
+      std::cout << "{\"error\": " << cli::json_string(message) << ", \"rank\": " << g_rank << "}" << std::endl;
   }
   return cli::kErrorExit;
 }
