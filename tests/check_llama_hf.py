@@ -4,7 +4,8 @@
 A small random LlamaForCausalLM made and saved here (grouped-query attention, an untied head, a
 hidden size every tensor-parallel size divides, a non-default rope_theta) loads through
 `train_llama --from-hf` at (tp, dp) = (1, 1), (2, 1), (1, 2), (2, 2), (4, 1), and the prompt's
-logits (`--logits-out`, before any step) equal transformers' (1e-5, fp32); a tied head too. After
+logits (`--logits-out`, before any step) equal transformers' (1e-5, fp32); with sequence
+parallelism and with a tied head too. After
 3 training steps at (2, 2), `--export-hf` output loads with from_pretrained and its logits equal
 the C++ model's on the same files. Configurations the C++ model does not implement are refused by
 name (exit 2).
@@ -83,6 +84,10 @@ def check(a, tmp):
         launch(a, tp * dp, ["--from-hf", src, "--tp", str(tp), "--logits-out", out] + prompt)
         err = compare(out, want, f"(tp {tp}, dp {dp})")
         print(f"(tp {tp}, dp {dp}): logits equal transformers' (max difference {err:.2e})")
+
+    out = os.path.join(tmp, "logits-sp.safetensors")
+    launch(a, 4, ["--from-hf", src, "--tp", "2", "--sequence-parallel", "--logits-out", out] + prompt)
+    print(f"sequence parallel, (tp 2, dp 2): max difference {compare(out, want, 'sequence parallel'):.2e}")
 
     tied = os.path.join(tmp, "tied")
     make(tied, tie_word_embeddings=True)

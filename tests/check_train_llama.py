@@ -4,7 +4,8 @@
 `train_llama --n-layer 2 --steps 5 --seed 1 --json` at 4 ranks with --tp 2 (FSDP 2 x TP 2) and
 --tp 4 gives the 1-rank losses (1e-5 relative), every row with tp, dp and tp_collectives = 4 per
 decoder layer (2 all-reduces forward, 2 backward, each of B/dp x T x C elements: tp_elements from
-shapes); grouped-query attention (--n-kv-head 2) at --tp 2 too; and a shape the tensor-parallel
+shapes); grouped-query attention (--n-kv-head 2) and sequence parallelism (10 collectives per
+layer: 4 all-gathers, 4 reduce-scatters, the 2 norms' weight gradients) at --tp 2 too; and a shape the tensor-parallel
 size cannot split (--n-embd 96 --n-head 6 --n-kv-head 3) runs at --tp 1 but is refused at --tp 2.
 """
 import argparse
@@ -24,8 +25,10 @@ def main():
     a = ap.parse_args()
     L, B, T, C = 2, 12, 64, 128  # --n-layer, train_llama's default --batch-size, --block-size, --n-embd
     base = ["--n-layer", str(L), "--steps", "5", "--seed", "1", "--json"]
-    for extra, tp in (([], 2), ([], 4), (["--n-kv-head", "2"], 2)):
-        one, _ = run(command(a.train_llama, a.torchrun, 1, base + extra), a.timeout)
+    for extra, tp in (([], 2), ([], 4), (["--n-kv-head", "2"], 2), (["--sequence-parallel"], 2)):
+        sp = "--sequence-parallel" in extra
+        one, _ = run(command(a.train_llama, a.torchrun, 1, base + [e for e in extra if e != "--sequence-parallel"]),
+                     a.timeout)
         many, summary = run(command(a.train_llama, a.torchrun, 4, base + extra + ["--tp", str(tp)]), a.timeout)
         assert len(one) == len(many) == 5, (len(one), len(many))
         dp = 4 // tp
@@ -35,14 +38,19 @@ def main():
             worst = max(worst, rel)
             if rel > 1e-5:
                 sys.exit(f"FAILED: --tp {tp} {extra}: step {r1['step']}: loss {rn['loss']} vs {r1['loss']} (rel {rel:.2e})")
-            want = {"tp": tp, "dp": dp, "tp_collectives": 4 * L, "tp_elements": 4 * L * 2 * (B // dp) * T * C}
+            bTC = (B // dp) * T * C
+            # Sequence parallel: 4 all-gathers + 4 reduce-scatters of bTC (counted once each) and
+            # the two norms' weight gradients all-reduced (2 x C) per layer; else 4 all-reduces.
+            want = {"tp": tp, "dp": dp, "tp_collectives": (10 if sp else 4) * L,
+                    "tp_elements": L * (8 * bTC + 2 * 2 * C) if sp else 4 * L * 2 * bTC}
             got = {k: rn[k] for k in want}
             if got != want:
                 sys.exit(f"FAILED: --tp {tp} {extra}: step {rn['step']} has {got}, want {want}")
             if r1["tp_collectives"] != 4 * L or r1["tp"] != 1:
                 sys.exit(f"FAILED: one rank's row {r1}: tp 1 and 4 collectives per layer (counted over one rank too)")
         print(f"--tp {tp} {' '.join(extra)} on 4 ranks (mesh {summary['mesh']}): 5 losses within {worst:.2e} of one "
-              f"rank's; {4 * L} tensor-parallel collectives per step, {4 * L * 2 * (B // dp) * T * C} elements")
+              f"rank's; {many[-1]['tp_collectives']} tensor-parallel collectives per step, "
+              f"{many[-1]['tp_elements']} elements")
 
     gqa = ["--n-embd", "96", "--n-head", "6", "--n-kv-head", "3", "--steps", "2", "--json"]
     run(command(a.train_llama, a.torchrun, 1, gqa), a.timeout)

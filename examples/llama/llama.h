@@ -9,6 +9,9 @@
 // Per decoder layer the tensor-parallel collectives are Megatron's four: one all-reduce forward
 // after o_proj and one after down_proj, and backward one for the attention's input gradient (q, k
 // and v share one conjugate) and one for the MLP's (gate and up share one), each of B x T x C.
+// With sequence parallelism (Config::sequence_parallel) each becomes an all-gather and a
+// reduce-scatter (2 + 2 forward, 2 + 2 backward, of B x T x C each), plus one all-reduce backward
+// of each norm's weight gradient (C elements): 10 per layer.
 #pragma once
 
 #include "fsdp/sharded.h"
@@ -22,6 +25,7 @@
 #include <torch/nn/modules/container/modulelist.h>
 
 #include <cmath>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -41,6 +45,10 @@ struct Config {
   double rms_norm_eps = 1e-5;
   bool tie_word_embeddings = false;
   int64_t checkpoint_every = 0;  // activation checkpointing of every k-th decoder layer (0: none)
+  /// Sequence parallelism: between the tensor-parallel regions (the norms, the residual stream)
+  /// each rank holds block_size / tp positions; the regions' all-reduces become all-gathers and
+  /// reduce-scatters.
+  bool sequence_parallel = false;
 
   int64_t kv_heads() const { return n_kv_head > 0 ? n_kv_head : n_head; }
   int64_t ffn() const { return intermediate > 0 ? intermediate : 4 * n_embd; }
@@ -70,6 +78,10 @@ inline std::string shape_error(const Config& c, int64_t tp) {
     return "the MLP's width (" + std::to_string(c.ffn()) + ") is not divisible by the tensor-parallel size " +
            std::to_string(tp);
   }
+  if (c.sequence_parallel && c.block_size % tp != 0) {
+    return "sequence parallelism splits the sequence (" + std::to_string(c.block_size) +
+           ") over the tensor-parallel size " + std::to_string(tp) + ", which does not divide it";
+  }
   if (c.vocab_size % tp != 0) {
     return "the vocabulary (" + std::to_string(c.vocab_size) + ") is not divisible by the tensor-parallel size " +
            std::to_string(tp);
@@ -77,15 +89,19 @@ inline std::string shape_error(const Config& c, int64_t tp) {
   return "";
 }
 
-/// Hugging Face's LlamaRMSNorm: in fp32, then the weight in the input's dtype.
+/// Hugging Face's LlamaRMSNorm: in fp32, then the weight in the input's dtype. Under sequence
+/// parallelism (`sp` set) it sees this rank's positions only, so its weight's gradient is partial:
+/// copy_to_region on the weight sums it over the group in backward.
 struct RMSNormImpl : torch::nn::Module {
-  RMSNormImpl(int64_t dim, double eps) : eps(eps), weight(register_parameter("weight", torch::ones({dim}))) {}
+  RMSNormImpl(int64_t dim, double eps, std::optional<fsdp::tp::Group> sp = std::nullopt)
+      : eps(eps), sp(std::move(sp)), weight(register_parameter("weight", torch::ones({dim}))) {}
   torch::Tensor forward(const torch::Tensor& x) {
     auto h = x.to(torch::kFloat);
     h = h * torch::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + eps);
-    return weight * h.to(x.scalar_type());
+    return (sp ? fsdp::tp::copy_to_region(weight, *sp) : weight) * h.to(x.scalar_type());
   }
   double eps;
+  std::optional<fsdp::tp::Group> sp;
   torch::Tensor weight;
 };
 TORCH_MODULE(RMSNorm);
@@ -107,6 +123,7 @@ inline torch::Tensor rotate_half(const torch::Tensor& x) {
 struct AttentionImpl : torch::nn::Module {
   AttentionImpl(const Config& c, const fsdp::tp::Group& g)
       : group(g),
+        sp(c.sequence_parallel),
         heads(c.n_head / g.size()),
         kv_heads(c.kv_heads() / g.size()),
         hd(c.hd()),
@@ -114,9 +131,16 @@ struct AttentionImpl : torch::nn::Module {
         q_proj(register_module("q_proj", column(g, c.n_embd, c.n_head * c.hd()))),
         k_proj(register_module("k_proj", column(g, c.n_embd, c.kv_heads() * c.hd()))),
         v_proj(register_module("v_proj", column(g, c.n_embd, c.kv_heads() * c.hd()))),
-        o_proj(register_module("o_proj",
-                               fsdp::tp::RowParallelLinear(
-                                   g, fsdp::tp::RowParallelLinearOptions(c.n_head * c.hd(), c.n_embd).bias(false)))) {}
+        o_proj(register_module("o_proj", fsdp::tp::RowParallelLinear(g, row_options(c.n_head * c.hd(), c)))) {}
+
+  static fsdp::tp::RowParallelLinearOptions row_options(int64_t in, const Config& c) {
+    return fsdp::tp::RowParallelLinearOptions(in, c.n_embd).bias(false).sequence_parallel(c.sequence_parallel);
+  }
+  /// The conjugate before the column-parallel layers that share `x`: copy_to_region, or under
+  /// sequence parallelism the all-gather of the sequence (reduce-scatter backward).
+  static torch::Tensor enter(const torch::Tensor& x, const fsdp::tp::Group& g, bool sp) {
+    return sp ? fsdp::tp::gather_from_sequence_region(x, g, 1) : fsdp::tp::copy_to_region(x, g);
+  }
 
   static fsdp::tp::ColumnParallelLinear column(const fsdp::tp::Group& g, int64_t in, int64_t out) {
     return fsdp::tp::ColumnParallelLinear(
@@ -124,8 +148,8 @@ struct AttentionImpl : torch::nn::Module {
   }
 
   torch::Tensor forward(const torch::Tensor& x) {
-    const int64_t B = x.size(0), T = x.size(1);
-    auto in = fsdp::tp::copy_to_region(x, group);  // one conjugate for q, k and v
+    auto in = enter(x, group, sp);  // one conjugate for q, k and v: [B, T, C]
+    const int64_t B = in.size(0), T = in.size(1);
     auto q = q_proj(in).view({B, T, heads, hd}).transpose(1, 2);
     auto k = k_proj(in).view({B, T, kv_heads, hd}).transpose(1, 2);
     auto v = v_proj(in).view({B, T, kv_heads, hd}).transpose(1, 2);
@@ -146,6 +170,7 @@ struct AttentionImpl : torch::nn::Module {
   }
 
   fsdp::tp::Group group;
+  bool sp;
   int64_t heads, kv_heads, hd;
   double theta;
   fsdp::tp::ColumnParallelLinear q_proj, k_proj, v_proj;
@@ -157,16 +182,17 @@ TORCH_MODULE(Attention);
 struct MLPImpl : torch::nn::Module {
   MLPImpl(const Config& c, const fsdp::tp::Group& g)
       : group(g),
+        sp(c.sequence_parallel),
         gate_proj(register_module("gate_proj", AttentionImpl::column(g, c.n_embd, c.ffn()))),
         up_proj(register_module("up_proj", AttentionImpl::column(g, c.n_embd, c.ffn()))),
-        down_proj(register_module(
-            "down_proj",
-            fsdp::tp::RowParallelLinear(g, fsdp::tp::RowParallelLinearOptions(c.ffn(), c.n_embd).bias(false)))) {}
+        down_proj(
+            register_module("down_proj", fsdp::tp::RowParallelLinear(g, AttentionImpl::row_options(c.ffn(), c)))) {}
   torch::Tensor forward(const torch::Tensor& x) {
-    auto in = fsdp::tp::copy_to_region(x, group);
+    auto in = AttentionImpl::enter(x, group, sp);
     return down_proj(torch::silu(gate_proj(in)) * up_proj(in));
   }
   fsdp::tp::Group group;
+  bool sp;
   fsdp::tp::ColumnParallelLinear gate_proj, up_proj;
   fsdp::tp::RowParallelLinear down_proj;
 };
@@ -176,8 +202,12 @@ struct DecoderLayerImpl : torch::nn::Module {
   DecoderLayerImpl(const Config& c, const fsdp::tp::Group& g)
       : self_attn(register_module("self_attn", Attention(c, g))),
         mlp(register_module("mlp", MLP(c, g))),
-        input_layernorm(register_module("input_layernorm", RMSNorm(c.n_embd, c.rms_norm_eps))),
-        post_attention_layernorm(register_module("post_attention_layernorm", RMSNorm(c.n_embd, c.rms_norm_eps))) {}
+        input_layernorm(register_module("input_layernorm", RMSNorm(c.n_embd, c.rms_norm_eps, sp_group(c, g)))),
+        post_attention_layernorm(
+            register_module("post_attention_layernorm", RMSNorm(c.n_embd, c.rms_norm_eps, sp_group(c, g)))) {}
+  static std::optional<fsdp::tp::Group> sp_group(const Config& c, const fsdp::tp::Group& g) {
+    return c.sequence_parallel ? std::optional<fsdp::tp::Group>(g) : std::nullopt;
+  }
   torch::Tensor forward(const torch::Tensor& x) {
     auto h = x + self_attn(input_layernorm(x));
     return h + mlp(post_attention_layernorm(h));
@@ -191,7 +221,8 @@ struct LlamaModelImpl : torch::nn::Module {
   LlamaModelImpl(const Config& c, const fsdp::tp::Group& blocks, const fsdp::tp::Group& vocab)
       : embed_tokens(register_module(
             "embed_tokens",
-            fsdp::tp::VocabParallelEmbedding(vocab, fsdp::tp::VocabParallelEmbeddingOptions(c.vocab_size, c.n_embd)))),
+            fsdp::tp::VocabParallelEmbedding(vocab, fsdp::tp::VocabParallelEmbeddingOptions(c.vocab_size, c.n_embd)
+                                                        .sequence_parallel(c.sequence_parallel)))),
         layers(register_module("layers", torch::nn::ModuleList())) {
     for (int64_t i = 0; i < c.n_layer; ++i) {
       fsdp::Sharded<DecoderLayerImpl> layer(c, blocks);
@@ -199,7 +230,7 @@ struct LlamaModelImpl : torch::nn::Module {
       layers->push_back(layer);
       unit.push_back(layer);
     }
-    norm = register_module("norm", RMSNorm(c.n_embd, c.rms_norm_eps));
+    norm = register_module("norm", RMSNorm(c.n_embd, c.rms_norm_eps, DecoderLayerImpl::sp_group(c, vocab)));
   }
   torch::Tensor forward(const torch::Tensor& ids) {
     auto h = embed_tokens(ids);
@@ -219,9 +250,10 @@ struct LlamaForCausalLMImpl : torch::nn::Module {
   LlamaForCausalLMImpl(const Config& c, const fsdp::tp::Group& blocks, const fsdp::tp::Group& vocab)
       : config(checked(c, blocks.size())), vocab(vocab), model(register_module("model", LlamaModel(c, blocks, vocab))) {
     if (!c.tie_word_embeddings) {
-      lm_head = register_module("lm_head",
-                                fsdp::tp::ColumnParallelLinear(
-                                    vocab, fsdp::tp::ColumnParallelLinearOptions(c.n_embd, c.vocab_size).bias(false)));
+      lm_head = register_module(
+          "lm_head", fsdp::tp::ColumnParallelLinear(vocab, fsdp::tp::ColumnParallelLinearOptions(c.n_embd, c.vocab_size)
+                                                               .bias(false)
+                                                               .sequence_parallel(c.sequence_parallel)));
     }
   }
   /// `c`, or std::invalid_argument with shape_error's message: before any layer is built.
@@ -234,7 +266,7 @@ struct LlamaForCausalLMImpl : torch::nn::Module {
     auto h = model(ids);
     if (lm_head) return lm_head(h);
     // Tied: the embedding's rows are this rank's vocabulary, the head's rows too.
-    return torch::linear(fsdp::tp::copy_to_region(h, vocab), model->embed_tokens->weight);
+    return torch::linear(AttentionImpl::enter(h, vocab, config.sequence_parallel), model->embed_tokens->weight);
   }
   torch::Tensor loss(const torch::Tensor& ids, const torch::Tensor& targets) {
     return fsdp::tp::vocab_parallel_cross_entropy(forward(ids), targets, vocab);

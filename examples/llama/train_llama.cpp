@@ -46,6 +46,7 @@ struct Args : cli::RunFlags {
   double clip = 0;
   bool fused = false;
   bool tied = false;
+  bool sequence_parallel = false;
   bool json = false;
   std::string data = FSDP_EXAMPLE_CORPUS;
   double max_data_mb = 64;
@@ -59,7 +60,8 @@ struct Args : cli::RunFlags {
 const char* const kUsage =
     "usage: train_llama [--steps N] [--batch-size B] [--seed S] [--lr LR] [--weight-decay WD]\n"
     "                   [--n-layer L] [--n-head H] [--n-kv-head K] [--n-embd C] [--intermediate I]\n"
-    "                   [--block-size T] [--tied] [--tp T] [--data FILE] [--max-data-mb MB] [--prefetch K]\n"
+    "                   [--block-size T] [--tied] [--tp T [--sequence-parallel]] [--data FILE] [--max-data-mb MB] "
+    "[--prefetch K]\n"
     "                   [--clip MAX_NORM] [--fused] [--json] [--timeout SECONDS]\n"
     "                   [--strategy full|grad-op|optimizer|replicate|hybrid] [--shard-group-size S]\n"
     "                   [--mixed-precision bf16|fp16] [--activation-checkpointing [K]]\n"
@@ -68,6 +70,8 @@ const char* const kUsage =
     "  --tp T: tensor-parallel size; the data-parallel size is the world size over T (the mesh\n"
     "  (dp_shard N/T, tp T); with --strategy hybrid --shard-group-size S, (dp_replicate N/(T S), dp_shard S,\n"
     "  tp T)). The heads and --n-kv-head (default: the heads) must be divisible by T.\n"
+    "  --sequence-parallel: between the tensor-parallel regions each rank holds --block-size / T positions\n"
+    "  (all-gathers and reduce-scatters instead of the all-reduces; the norms' weight gradients all-reduced).\n"
     "  --intermediate: the MLP's width (default 4 x --n-embd); --tied: the head shares the embedding.\n"
     "  --batch-size is the global batch: each data-parallel rank takes B/(N/T) rows of it.\n"
     "  --from-hf DIR: the shape from DIR/config.json (LlamaForCausalLM; it overrides the shape flags) and the\n"
@@ -95,8 +99,12 @@ Args parse(int argc, char** argv) {
   a.model.n_layer = 2;
   for (int i = 1; i < argc; ++i) {
     const std::string k = argv[i];
-    if (k == "--help" || k == "-h" || k == "--json" || k == "--fused" || k == "--tied") {
-      (k == "--json" ? a.json : k == "--fused" ? a.fused : k == "--tied" ? a.tied : a.help) = true;
+    if (k == "--help" || k == "-h" || k == "--json" || k == "--fused" || k == "--tied" || k == "--sequence-parallel") {
+      (k == "--json"                ? a.json
+       : k == "--fused"             ? a.fused
+       : k == "--tied"              ? a.tied
+       : k == "--sequence-parallel" ? a.sequence_parallel
+                                    : a.help) = true;
       continue;
     }
     auto value = [&]() -> std::string {
@@ -158,6 +166,7 @@ llama::Config config_of(const Args& a) {
   c.intermediate = a.intermediate;
   c.tie_word_embeddings = a.tied;
   c.checkpoint_every = a.model.checkpoint_every;
+  c.sequence_parallel = a.sequence_parallel;
   return c;
 }
 
@@ -166,6 +175,11 @@ int run(const Args& args) {
   if (!args.from_hf.empty()) {
     cfg = llama::hf::read_config(args.from_hf, args.model.block_size);
     cfg.checkpoint_every = args.model.checkpoint_every;
+    cfg.sequence_parallel = args.sequence_parallel;
+  }
+  if (args.sequence_parallel && !args.prompt.empty() && static_cast<int64_t>(args.prompt.size()) % args.tp != 0) {
+    usage_error("--sequence-parallel splits the --prompt's " + std::to_string(args.prompt.size()) +
+                " tokens over --tp " + std::to_string(args.tp) + ", which does not divide them");
   }
   for (int64_t t : args.prompt) {
     if (t >= cfg.vocab_size) {
