@@ -235,11 +235,14 @@ int run(const Args& args) {
   llama::LlamaForCausalLM net(cfg, blocks, vocab);
   if (!args.from_hf.empty()) llama::hf::load_weights(args.from_hf, *net);  // this rank's parts only
   auto model = fsdp::fully_shard(net, mesh, options);
-  int64_t n_params = 0;  // Ψ: the full model's parameters (every tensor-parallel part once)
+  // Ψ: the full model's parameters (every tensor-parallel part once), of which those tensor
+  // parallelism splits (the rest, the norms, every tp rank holds whole).
+  int64_t n_params = 0, n_split = 0;
   for (const auto& s : model.shard_specs()) {
     int64_t n = 1;
     for (int64_t d : s.global_shape) n *= d;
     n_params += n * (s.tp.split() ? s.tp.parts : 1);
+    if (s.tp.split() || args.tp == 1) n_split += n * (s.tp.split() ? s.tp.parts : 1);
   }
   std::unique_ptr<torch::optim::Optimizer> opt;
   const auto adamw = torch::optim::AdamWOptions(args.lr).weight_decay(args.weight_decay);
@@ -263,9 +266,13 @@ int run(const Args& args) {
     auto logits = fsdp::tp::gather_from_region(model(ids), vocab);  // [1, P, V] on every tp rank
     if (rank == 0) llama::hf::write_logits(args.logits_out, logits.squeeze(0));
   }
+  double total_ms = 0;  // steps after the first
   for (int64_t step = 0; step < args.steps; ++step) {
     opt->zero_grad();
     blocks.reset_comm_stats();
+    vocab.reset_comm_stats();
+    model.reset_comm_stats();
+    fsdp::memory::reset_peak();
     const auto t0 = std::chrono::steady_clock::now();
     auto share = sampler.next_share();
     if (!share) share = sampler.next_share();
@@ -280,6 +287,14 @@ int run(const Args& args) {
     scaler.update();
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     const fsdp::CommStats tps = blocks.comm_stats();
+    // Model state at the optimizer step (parameter shards, gradients, AdamW) and the allocator's
+    // peak, each the largest over the ranks; what the step sent (fsdp: the data-parallel
+    // all-gathers and reduce-scatters; tp: the blocks', then the embedding's, head's and loss's).
+    auto mem = torch::tensor(
+        {fsdp::optim::state_bytes(model.parameters(), opt.get()).total(), fsdp::memory::stats().peak_bytes},
+        torch::kLong);
+    fsdp::all_reduce(world, mem, c10d::ReduceOp::MAX);
+    if (step > 0) total_ms += ms;
     auto mean = loss.detach().to(torch::kDouble).reshape({1});
     fsdp::all_reduce(mesh.group(fsdp::kDataDim), mean);
     const double l = mean.item<double>() / dp;
@@ -287,12 +302,15 @@ int run(const Args& args) {
       if (args.json) {
         std::printf(
             "{\"step\": %lld, \"loss\": %s, \"grad_norm\": %s, \"step_ms\": %s, \"world_size\": %d, \"tp\": %lld, "
-            "\"dp\": %d, \"tp_collectives\": %lld, \"tp_elements\": %lld, \"params\": %lld, \"epoch\": %lld, "
-            "\"samples_consumed\": %lld}\n",
+            "\"dp\": %d, \"tp_collectives\": %lld, \"tp_elements\": %lld, \"tp_vocab_elements\": %lld, "
+            "\"fsdp_elements\": %lld, \"state_bytes\": %lld, \"peak_bytes\": %lld, \"params\": %lld, "
+            "\"epoch\": %lld, \"samples_consumed\": %lld}\n",
             static_cast<long long>(step), cli::json_number(l).c_str(), cli::json_number(grad_norm).c_str(),
             cli::json_number(ms, "%.3f").c_str(), W, static_cast<long long>(args.tp), dp,
             static_cast<long long>(tps.all_gathers + tps.reduce_scatters + tps.all_reduces),
-            static_cast<long long>(tps.elements), static_cast<long long>(n_params),
+            static_cast<long long>(tps.elements), static_cast<long long>(vocab.comm_stats().elements),
+            static_cast<long long>(model.comm_stats().elements), static_cast<long long>(mem[0].item<int64_t>()),
+            static_cast<long long>(mem[1].item<int64_t>()), static_cast<long long>(n_params),
             static_cast<long long>(share->epoch), static_cast<long long>(sampler.state().samples_consumed));
       } else {
         std::printf("step %4lld | loss %.4f | grad norm %.4g | %8.1f ms | %lld tensor-parallel collectives\n",
@@ -311,9 +329,21 @@ int run(const Args& args) {
     if (rank == 0 && !args.json) std::cout << "train_llama: exported to " << args.export_hf << "\n";
   }
   if (rank == 0 && args.json) {
-    std::printf("{\"summary\": true, \"world_size\": %d, \"tp\": %lld, \"dp\": %d, \"mesh\": %s, \"params\": %lld}\n",
-                W, static_cast<long long>(args.tp), dp, cli::json_string(mesh.shape_text()).c_str(),
-                static_cast<long long>(n_params));
+    // The model state's formula, 16 bytes per parameter (fp32 parameter, gradient, two AdamW
+    // moments) over the ranks that split it: 16Ψ/(dp tp), and exactly, the parameters tensor
+    // parallelism does not split counted whole on each tp rank.
+    const double T_ = static_cast<double>(args.tp);
+    std::printf(
+        "{\"summary\": true, \"world_size\": %d, \"tp\": %lld, \"dp\": %d, \"mesh\": %s, \"params\": %lld, "
+        "\"params_split\": %lld, \"mean_step_ms\": %s, \"formula_state_bytes\": %s, \"formula_state_bytes_exact\": "
+        "%s}\n",
+        W, static_cast<long long>(args.tp), dp, cli::json_string(mesh.shape_text()).c_str(),
+        static_cast<long long>(n_params), static_cast<long long>(n_split),
+        cli::json_number(args.steps > 1 ? total_ms / static_cast<double>(args.steps - 1) : 0.0, "%.3f").c_str(),
+        cli::json_number(16.0 * static_cast<double>(n_params) / (dp * T_), "%.1f").c_str(),
+        cli::json_number(16.0 * (static_cast<double>(n_split) / T_ + static_cast<double>(n_params - n_split)) / dp,
+                         "%.1f")
+            .c_str());
   }
   return 0;
 }
