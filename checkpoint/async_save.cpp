@@ -1,6 +1,7 @@
 // AsyncSaver: the snapshot on the caller's thread, the write and the commit on a background thread
 // over the saver's own process group (checkpoint/async_save.h, internal/save_steps.h).
 #include "checkpoint/async_save.h"
+#include "checkpoint/plan.h"
 #include "fsdp/error.h"
 #include "fsdp/internal/check.h"
 
@@ -242,11 +243,13 @@ AsyncSaver::~AsyncSaver() {
 }
 
 AsyncSaveStarted AsyncSaver::save(const std::string& root, const SaveOptions& options) {
+  refuse_tensor_parallel(impl_->model.shard_specs(), "fsdp::checkpoint::AsyncSaver::save of '" + root + "'");
   return impl_->save(root, nullptr, options);
 }
 
 AsyncSaveStarted AsyncSaver::save(const std::string& root, const torch::optim::Optimizer& optimizer,
                                   const SaveOptions& options) {
+  refuse_tensor_parallel(impl_->model.shard_specs(), "fsdp::checkpoint::AsyncSaver::save of '" + root + "'");
   return impl_->save(root, &optimizer, options);
 }
 

@@ -269,6 +269,7 @@ LoadResult load_checkpoint(const std::string& path, FSDPModule& model, torch::op
                            const LoadOptions& options,
                            const std::function<std::string(const std::string&)>* hf_names = nullptr) {
   const auto t0 = std::chrono::steady_clock::now();
+  checkpoint::refuse_tensor_parallel(model.shard_specs(), "fsdp::checkpoint::load of '" + path + "'");
   const int rank = model.rank(), W = model.world_size();
   const std::string where =
       "fsdp::checkpoint::load (rank " + std::to_string(rank) + " of " + std::to_string(W) + ") of '" + path + "'";

@@ -2,6 +2,7 @@
 // rank 0 gathers each rank's list of chunks (not the data), writes the manifest and commits
 // (internal/save_steps.h), all on the caller's thread over the model's process group.
 #include "checkpoint/checkpoint.h"
+#include "checkpoint/plan.h"
 
 #include "checkpoint/internal/save_steps.h"
 
@@ -14,6 +15,7 @@ namespace {
 SaveResult save_checkpoint(const std::string& root, const FSDPModule& model, const torch::optim::Optimizer* opt,
                            const SaveOptions& options) {
   const auto t0 = std::chrono::steady_clock::now();
+  refuse_tensor_parallel(model.shard_specs(), "fsdp::checkpoint::save of '" + root + "'");
   detail::PreparedSave prepared;  // named now, for the errors of the first phase
   prepared.root = root;
   prepared.name = detail::checkpoint_name(options);

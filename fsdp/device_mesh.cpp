@@ -120,6 +120,9 @@ DeviceMesh::DeviceMesh(const c10::intrusive_ptr<c10d::ProcessGroup>& world, std:
   // A fresh name per mesh for the subgroups' store keys: rank 0's random id, broadcast (as hybrid
   // sharding's groups; no process-wide counter that would have to agree between ranks).
   detail::Comm comm(world, s.timeout);
+  detail::Fingerprint dims_print;
+  for (const MeshDim& d : s.dims) dims_print.add(d.name).add(d.size);
+  comm.agree(detail::Call::kDeviceMesh, dims_print.value(), "fsdp::DeviceMesh " + detail::dims_text(s.dims));
   at::Tensor id = at::empty({1}, at::kLong);
   id[0] = static_cast<int64_t>(std::random_device{}() >> 1) << 31 ^ static_cast<int64_t>(std::random_device{}());
   comm.broadcast(id, 0, "broadcast of the device mesh's name");

@@ -264,8 +264,13 @@ bool FSDPModule::requires_gradient_sync() const {
 
 int64_t FSDPModule::num_parameters() const {
   int64_t n = 0;
-  root_->state().for_each_unit([&](const detail::Unit& u) {
-    for (const auto& s : u.slots()) n += s.layout.numel();
+  const RunState& state = root_->state();
+  state.for_each_unit([&](const detail::Unit& u) {
+    for (const auto& s : u.slots()) {
+      // Tensor parallel: this rank holds one part of a split parameter; the model has them all.
+      const auto split = state.tp_splits.find(s.param.unsafeGetTensorImpl());
+      n += s.layout.numel() * (split != state.tp_splits.end() && split->second.split() ? split->second.parts : 1);
+    }
   });
   return n;
 }

@@ -67,13 +67,15 @@ class FSDPModule {
   /// What this rank holds of every parameter, units in units() order and each unit's parameters in
   /// flat-shard order (fsdp/shard_spec.h). Between steps.
   std::vector<ShardSpec> shard_specs() const;
-  /// Elements of all parameters of the full (unsharded) model.
+  /// Elements of all parameters of the full (unsharded) model: with tensor parallelism, every
+  /// rank's part of each split parameter (Ψ of the whole model, as the formulas take it).
   int64_t num_parameters() const;
   /// Drops (or zeroes) the sharded gradients: model->zero_grad() and an optimizer's zero_grad()
   /// do the same. Throws when gradients accumulated with sync off were never reduced (see
   /// set_requires_gradient_sync).
   void zero_grad(bool set_to_none = true);
-  /// The full (unsharded) parameters and the buffers, by name, as new CPU tensors: gathered unit by
+  /// The full (unsharded) parameters and the buffers, by name, as new CPU tensors (with tensor
+  /// parallelism, this rank's parts: gathered over the data-parallel ranks only): gathered unit by
   /// unit, so this rank holds at most one unit's gathered buffer beyond the result. Collective:
   /// every rank calls it, between steps. With `rank0_only`, ranks other than 0 get an empty dict
   /// (and keep no more than one unit at a time).

@@ -50,7 +50,7 @@ def compare(got_file, want, what):
     return err
 
 
-def make(path, **overrides):
+def make(path, max_shard_size=None, **overrides):
     cfg = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
                num_key_value_heads=4, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False)
     cfg.update(overrides)
@@ -61,7 +61,10 @@ def make(path, **overrides):
     with torch.no_grad():  # weights well away from their init scale, so that errors show
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    model.save_pretrained(path)
+    if max_shard_size:
+        model.save_pretrained(path, max_shard_size=max_shard_size)
+    else:
+        model.save_pretrained(path)
 
 
 def main():
@@ -88,6 +91,13 @@ def check(a, tmp):
     out = os.path.join(tmp, "logits-sp.safetensors")
     launch(a, 4, ["--from-hf", src, "--tp", "2", "--sequence-parallel", "--logits-out", out] + prompt)
     print(f"sequence parallel, (tp 2, dp 2): max difference {compare(out, want, 'sequence parallel'):.2e}")
+
+    sharded = os.path.join(tmp, "sharded")  # several files and model.safetensors.index.json
+    make(sharded, max_shard_size="40KB")
+    out = os.path.join(tmp, "logits-sharded.safetensors")
+    launch(a, 4, ["--from-hf", sharded, "--tp", "2", "--logits-out", out] + prompt)
+    files = len([f for f in os.listdir(sharded) if f.endswith(".safetensors")])
+    print(f"{files} files and an index, (tp 2, dp 2): max difference {compare(out, want, 'sharded'):.2e}")
 
     tied = os.path.join(tmp, "tied")
     make(tied, tie_word_embeddings=True)

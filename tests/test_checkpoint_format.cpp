@@ -8,8 +8,8 @@
 #include "tests/temp_dir.h"
 
 #include <gtest/gtest.h>
-#include <nlohmann/json.hpp>
 #include <torch/torch.h>
+#include <nlohmann/json.hpp>
 
 #include <sys/stat.h>
 #include <unistd.h>
@@ -250,8 +250,13 @@ TEST(ManifestPart, RoundTripsRefusesMalformedAndAssemblesAsTheJsonParts) {
     return j.dump();
   };
   const nlohmann::ordered_json header = {
-      {"name", h.name},     {"step", h.step}, {"world_size", h.world_size}, {"block_bytes", h.block_bytes},
-      {"strategies", h.strategies}, {"metadata", h.metadata}, {"optimizer", h.optimizer},
+      {"name", h.name},
+      {"step", h.step},
+      {"world_size", h.world_size},
+      {"block_bytes", h.block_bytes},
+      {"strategies", h.strategies},
+      {"metadata", h.metadata},
+      {"optimizer", h.optimizer},
       {"tensors", {{"model/w", {{"kind", "parameter"}, {"dtype", "F32"}, {"shape", {4, 3}}}}}}};
   EXPECT_EQ(checkpoint::manifest_from_parts(header.dump(), {as_json(first), as_json(part)}, total_json), text);
   EXPECT_EQ(total, 24 + 24 + 24 + 24 + 16);

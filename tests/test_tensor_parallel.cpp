@@ -194,12 +194,37 @@ TEST(TensorParallel, LayersMatchOneProcessAtEveryTensorParallelSize) {
     EXPECT_NE(e.find("input's last dimension must be 8 (this rank's columns"), std::string::npos) << e;
     e = error_of([&] { tp::reduce_scatter_to_sequence_region(torch::zeros({2, 6, 3}), g); });
     EXPECT_NE(e.find("6 elements, which the 4 tensor-parallel ranks cannot split evenly"), std::string::npos) << e;
+    // Sequence parallelism needs a sequence dimension; a layer's input must have its dtype.
+    tp::VocabParallelEmbedding emb_sp(g, tp::VocabParallelEmbeddingOptions(kV, 4).sequence_parallel(true));
+    e = error_of([&] { emb_sp(torch::zeros({8}, torch::kLong)); });
+    EXPECT_NE(e.find("sequence_parallel reduce-scatters its output along the sequence, dimension 1 of [batch, "
+                     "sequence] ids"),
+              std::string::npos)
+        << e;
+    tp::RowParallelLinear row_sp(g, tp::RowParallelLinearOptions(kH, kC).sequence_parallel(true));
+    e = error_of([&] { row_sp(torch::zeros({8, kH / 4})); });
+    EXPECT_NE(e.find("the input has shape [8, 8]"), std::string::npos) << e;
+    e = error_of([&] { row(torch::zeros({2, kH / 4}, torch::kDouble)); });
+    EXPECT_NE(e.find("the input is Double but the weight is Float"), std::string::npos) << e;
     e = error_of([&] { DeviceMesh(r.pg, {{kShardDim, 3}, {kTensorDim, 2}}); });
     EXPECT_NE(e.find("mesh (dp_shard 3, tp 2) spans 6 rank(s), but the world has 4"), std::string::npos) << e;
     e = error_of([&] { DeviceMesh(r.pg, {{"pp", 2}, {kTensorDim, 2}}); });
     EXPECT_NE(e.find("unknown dimension 'pp'"), std::string::npos) << e;
     e = error_of([&] { (void)mesh.group("cp"); });
     EXPECT_NE(e.find("no dimension 'cp'"), std::string::npos) << e;
+    // Ranks that build different meshes fail at once, each rank's dimensions named (not a
+    // subgroup's connection timeout).
+    const auto t0 = std::chrono::steady_clock::now();
+    e = error_of([&] {
+      if (r.rank == 0) {
+        DeviceMesh(r.pg, {{kTensorDim, 4}});
+      } else {
+        DeviceMesh(r.pg, {{kShardDim, 2}, {kTensorDim, 2}});
+      }
+    });
+    EXPECT_NE(e.find("fsdp::DeviceMesh (tp 4)"), std::string::npos) << e;
+    EXPECT_NE(e.find("fsdp::DeviceMesh (dp_shard 2, tp 2)"), std::string::npos) << e;
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10));
   });
 }
 

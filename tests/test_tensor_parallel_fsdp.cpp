@@ -149,6 +149,9 @@ void check_mesh(const DeviceMesh& mesh, const FullyShardOptions& options = {}, b
     EXPECT_NEAR(got, want.losses[s], tol * std::abs(want.losses[s])) << label << ", step " << s;
     EXPECT_NEAR(norm, want.norms[s], tol * want.norms[s]) << label << ", step " << s;
   }
+  int64_t psi = 0;  // Ψ of the whole model, every part counted
+  for (const auto& p : plain->parameters()) psi += p.numel();
+  EXPECT_EQ(model.num_parameters(), psi) << label;
   // The weights: this rank's tensor-parallel part of the plain model's, for every parameter.
   const auto specs = model.shard_specs();
   const auto full = model.full_state_dict();

@@ -35,6 +35,11 @@ at::Tensor VocabParallelEmbeddingImpl::forward(const at::Tensor& ids) {
   FSDP_CHECK(!at::isFloatingType(ids.scalar_type()) && !ids.is_complex(), "fsdp::tp::VocabParallelEmbedding on ",
              group.where(), ": token ids must be integers, not ", ids.scalar_type(), ".");
   const int64_t V = options.num_embeddings();
+  FSDP_CHECK(!options.sequence_parallel() || (ids.dim() >= 2 && ids.size(1) % group.size() == 0),
+             "fsdp::tp::VocabParallelEmbedding(", V, ", ", options.embedding_dim(), ") on ", group.where(),
+             ": sequence_parallel reduce-scatters its output along the sequence, dimension 1 of [batch, sequence] "
+             "ids, which the ",
+             group.size(), " tensor-parallel ranks must divide; the ids have shape ", ids.sizes(), ".");
   if (ids.is_cpu() && ids.numel() > 0) {
     // A token outside [0, V) would be zero on every rank, silently: refused as torch::nn::Embedding
     // refuses it. (On a GPU this check would stop the CPU at every forward: not made there.)

@@ -6,9 +6,11 @@
 //   ... layers built over `blocks` ...
 //   blocks.comm_stats().all_reduces              // what those layers sent since the last reset
 //
-// Every collective of fsdp::tp is bounded by the mesh's timeout (the world group's), recorded by
-// the flight recorder, and fails with an error naming the global rank, the mesh coordinates, the
-// operation and the layer's shapes. Copies of a Group share its statistics; two Groups made from
+// Every collective of fsdp::tp is bounded by the mesh's timeout (the world group's, not a model's
+// FullyShardOptions::timeout), recorded by the flight recorder, and fails with an error naming the
+// global rank, the mesh coordinates, the operation and the layer's shapes. With
+// $FSDP_VERIFY_COLLECTIVES=1 each is preceded by a cross-rank check of its size and description,
+// as the model's are (fsdp/options.h, verify_collectives). Copies of a Group share its statistics; two Groups made from
 // one mesh are the same ranks with separate statistics (a model's blocks apart from its
 // embedding and loss, as train_llama's `tp_collectives` reports them).
 #pragma once

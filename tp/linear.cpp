@@ -56,6 +56,15 @@ at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& input) {
              options.in_features(), ", out ", options.out_features(), ") on ", group.where(),
              ": its input's last dimension must be ", options.in_features(), ", but the input has shape ",
              input.sizes(), ".");
+  FSDP_CHECK(input.scalar_type() == weight.scalar_type(), "fsdp::tp::ColumnParallelLinear(in ", options.in_features(),
+             ", out ", options.out_features(), ") on ", group.where(), ": the input is ", input.scalar_type(),
+             " but the weight is ", weight.scalar_type(), "; convert one (module->to(dtype), or the input).");
+  FSDP_CHECK(!options.sequence_parallel() || !options.conjugate_input() || input.dim() >= 3,
+             "fsdp::tp::ColumnParallelLinear(in ", options.in_features(), ", out ", options.out_features(), ") on ",
+             group.where(),
+             ": sequence_parallel takes [batch, sequence / T, in] inputs, split along dimension 1, "
+             "but the input has shape ",
+             input.sizes(), ".");
   at::Tensor x = input;
   if (options.conjugate_input()) {
     x = options.sequence_parallel() ? gather_from_sequence_region(x, group, 1) : copy_to_region(x, group);
@@ -106,6 +115,14 @@ at::Tensor RowParallelLinearImpl::forward(const at::Tensor& input) {
              ", out ", options.out_features(), ") on ", group.where(), ": its input's last dimension must be ", in,
              options.input_is_parallel() ? " (this rank's columns: in / tensor-parallel size)" : "",
              ", but the input has shape ", input.sizes(), ".");
+  FSDP_CHECK(input.scalar_type() == weight.scalar_type(), "fsdp::tp::RowParallelLinear(in ", options.in_features(),
+             ", out ", options.out_features(), ") on ", group.where(), ": the input is ", input.scalar_type(),
+             " but the weight is ", weight.scalar_type(), "; convert one (module->to(dtype), or the input).");
+  FSDP_CHECK(!options.sequence_parallel() || (input.dim() >= 3 && input.size(1) % group.size() == 0),
+             "fsdp::tp::RowParallelLinear(in ", options.in_features(), ", out ", options.out_features(), ") on ",
+             group.where(), ": sequence_parallel reduce-scatters its output along the sequence, dimension 1 of a ",
+             "[batch, sequence, in / T] input, which the ", group.size(),
+             " tensor-parallel ranks must divide; the input has shape ", input.sizes(), ".");
   at::Tensor x = options.input_is_parallel() ? input : scatter_to_region(input, group);
   at::Tensor partial = at::linear(x, weight);
   at::Tensor y = options.sequence_parallel() ? reduce_scatter_to_sequence_region(partial, group, 1)

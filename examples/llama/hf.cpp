@@ -6,8 +6,10 @@
 #include <torch/torch.h>
 #include <nlohmann/json.hpp>
 
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <map>
 #include <set>
 
@@ -75,7 +77,12 @@ Config read_config(const std::string& dir, int64_t block_size) {
                     " tokens; the example trains on a byte corpus, which needs at least 256");
   }
   if (c.n_embd < 1 || c.n_layer < 1 || c.n_head < 1 || c.n_kv_head < 1 || c.intermediate < 1 || c.head_dim < 0) {
-    refuse(dir, "config.json has a size below 1");
+    refuse(dir,
+           "config.json has a size below 1 (vocab_size, hidden_size, num_hidden_layers, num_attention_heads, "
+           "num_key_value_heads, intermediate_size, head_dim: " +
+               std::to_string(c.vocab_size) + ", " + std::to_string(c.n_embd) + ", " + std::to_string(c.n_layer) +
+               ", " + std::to_string(c.n_head) + ", " + std::to_string(c.n_kv_head) + ", " +
+               std::to_string(c.intermediate) + ", " + std::to_string(c.head_dim) + ")");
   }
   return c;
 }
@@ -92,13 +99,15 @@ void load_weights(const std::string& dir, torch::nn::Module& model) {
     return it->second;
   };
   if (std::filesystem::exists(index)) {
-    for (const auto& [name, file] : read_json(index, dir).at("weight_map").items())
-      file_of[name] = file.get<std::string>();
+    const nlohmann::json map = read_json(index, dir);  // named: items() iterates into it
+    if (!map.contains("weight_map") || !map["weight_map"].is_object()) refuse(dir, index + " has no weight_map");
+    for (const auto& [name, file] : map["weight_map"].items()) file_of[name] = file.get<std::string>();
   } else {
     if (!std::filesystem::exists(dir + "/model.safetensors")) refuse(dir, "has neither model.safetensors nor " + index);
     for (const auto& t : header("model.safetensors").tensors) file_of[t.name] = "model.safetensors";
   }
   torch::NoGradGuard no_grad;
+  std::set<std::string> used;
   for (const auto& item : model.named_modules()) {
     const auto* split = dynamic_cast<const fsdp::SplitModule*>(item.value().get());
     std::map<std::string, fsdp::TensorSplit> splits;
@@ -108,22 +117,21 @@ void load_weights(const std::string& dir, torch::nn::Module& model) {
     for (auto& p : item.value()->named_parameters(/*recurse=*/false)) {
       const std::string name = item.key().empty() ? p.key() : item.key() + "." + p.key();
       const auto f = file_of.find(name);
-      if (f == file_of.end())
-        throw std::runtime_error("--from-hf " + dir + ": no tensor '" + name + "' in its weights");
+      if (f == file_of.end()) refuse(dir, "no tensor '" + name + "' in its weights (is config.json this model's?)");
+      used.insert(name);
       const ck::FileRecord& rec = header(f->second);
       const auto t = std::find_if(rec.tensors.begin(), rec.tensors.end(),
                                   [&](const ck::TensorRecord& r) { return r.name == name; });
       if (t == rec.tensors.end()) {
-        throw std::runtime_error("--from-hf " + dir + ": " + f->second + " has no tensor '" + name + "'");
+        refuse(dir, f->second + " has no tensor '" + name + "', which the index says it holds");
       }
       at::Tensor& local = p.value();
       const fsdp::TensorSplit how = splits.count(p.key()) != 0U ? splits[p.key()] : fsdp::TensorSplit{};
       std::vector<int64_t> full = local.sizes().vec();
       if (how.split()) full[how.dim] *= how.parts;
       if (t->shape != full) {
-        throw std::runtime_error("--from-hf " + dir + ": tensor '" + name + "' in " + f->second + " has shape " +
-                                 c10::str(c10::IntArrayRef(t->shape)) + ", the model's is " +
-                                 c10::str(c10::IntArrayRef(full)) + " (is config.json this file's?)");
+        refuse(dir, "tensor '" + name + "' in " + f->second + " has shape " + c10::str(c10::IntArrayRef(t->shape)) +
+                        ", the model's is " + c10::str(c10::IntArrayRef(full)) + " (is config.json this file's?)");
       }
       // This rank's part: for each index over the dimensions before the split one, one run of
       // part-size x (the elements after it); a tensor not split is one run.
@@ -143,6 +151,16 @@ void load_weights(const std::string& dir, torch::nn::Module& model) {
       }
       local.copy_(buf);
     }
+  }
+  // Tensors the model has no parameter for (more layers than config.json says, another model's
+  // file): loaded nothing from them, said so. A tied head's lm_head.weight, if stored, is one.
+  std::vector<std::string> unused;
+  for (const auto& [name, file] : file_of) {
+    if (used.count(name) == 0U) unused.push_back(name);
+  }
+  if (!unused.empty() && (std::getenv("RANK") == nullptr || std::string(std::getenv("RANK")) == "0")) {
+    std::cerr << "train_llama: warning: --from-hf " << dir << ": " << unused.size()
+              << " tensor(s) the model has no parameter for were not loaded, e.g. '" << unused.front() << "'\n";
   }
 }
 

@@ -255,6 +255,27 @@ struct LlamaForCausalLMImpl : torch::nn::Module {
                                                                .bias(false)
                                                                .sequence_parallel(c.sequence_parallel)));
     }
+    init_weights();
+  }
+  /// transformers' initialization (LlamaPreTrainedModel._init_weights): every linear and embedding
+  /// weight drawn from N(0, 0.02), the norms' ones. Each weight is drawn in full, in module order,
+  /// and this rank keeps its part (fsdp::SplitModule): the same model at every tensor-parallel size.
+  /// (The layers' own initialization is torch::nn's, N(0, 1) for the embedding: as a tied head's
+  /// logits, far too large to train from.)
+  void init_weights() {
+    torch::NoGradGuard no_grad;
+    for (const auto& item : named_modules("", /*include_self=*/false)) {  // the root holds no parameter itself
+      const auto* split = dynamic_cast<const fsdp::SplitModule*>(item.value().get());
+      if (split == nullptr) continue;
+      for (const auto& [name, how] : split->parameter_splits()) {
+        at::Tensor& p = item.value()->named_parameters(/*recurse=*/false)[name];
+        std::vector<int64_t> full = p.sizes().vec();
+        if (how.split()) full[how.dim] *= how.parts;
+        auto w = torch::randn(full) * 0.02;
+        if (how.split()) w = w.narrow(how.dim, how.part * p.size(how.dim), p.size(how.dim));
+        p.copy_(w);
+      }
+    }
   }
   /// `c`, or std::invalid_argument with shape_error's message: before any layer is built.
   static const Config& checked(const Config& c, int64_t tp) {

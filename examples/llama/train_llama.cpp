@@ -22,10 +22,12 @@
 
 #include <torch/optim/adamw.h>
 
+#include <unistd.h>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <iostream>
 #include <optional>
 #include <sstream>
@@ -118,6 +120,8 @@ Args parse(int argc, char** argv) {
     if (k == "--prompt") {
       std::string item;
       std::stringstream in(value());
+      std::string list = in.str();
+      if (list.empty() || list.back() == ',') usage_error("--prompt '" + list + "' ends without a token id");
       while (std::getline(in, item, ',')) a.prompt.push_back(cli::parse_int(k, item, 0));
       if (a.prompt.empty()) usage_error("--prompt needs token ids, e.g. --prompt 1,5,9");
       continue;
@@ -153,6 +157,21 @@ Args parse(int argc, char** argv) {
   if (a.build_sharded) usage_error("--build-sharded is not supported by train_llama (a ShardingScope over a mesh)");
   if (!a.wrap.empty()) usage_error("--wrap is train_gpt's; train_llama's units are its decoder layers");
   if (a.prompt.empty() != a.logits_out.empty()) usage_error("--prompt and --logits-out go together");
+  // Where the results go, checked before any work (a fine-tune must not end in a path error).
+  auto writable_dir = [](const std::string& d) { return ::access(d.empty() ? "." : d.c_str(), W_OK | X_OK) == 0; };
+  if (!a.logits_out.empty()) {
+    const std::string parent = std::filesystem::path(a.logits_out).parent_path().string();
+    if (std::filesystem::is_directory(a.logits_out) || !writable_dir(parent)) {
+      usage_error("--logits-out " + a.logits_out + ": not a file in a writable directory");
+    }
+  }
+  if (!a.export_hf.empty()) {
+    namespace fs = std::filesystem;
+    const fs::path out(a.export_hf);
+    const bool ok =
+        fs::exists(out) ? fs::is_directory(out) && writable_dir(a.export_hf) : writable_dir(out.parent_path().string());
+    if (!ok) usage_error("--export-hf " + a.export_hf + ": not a writable directory, nor one that can be made");
+  }
   return a;
 }
 
