@@ -32,10 +32,8 @@ FSDPModule::FSDPModule(std::shared_ptr<torch::nn::Module> module, ShardingScope&
   reset_comm_stats();
 }
 
-namespace {
+namespace detail {
 
-// The options a mesh implies: hybrid sharding when both data-parallel dimensions have more than
-// one rank (the given strategy must then be full or hybrid sharding).
 FullyShardOptions options_for_mesh(const DeviceMesh& mesh, FullyShardOptions options) {
   const int R = mesh.size(kReplicateDim), S = mesh.size(kShardDim);
   if (R > 1 && S > 1) {
@@ -54,12 +52,12 @@ FullyShardOptions options_for_mesh(const DeviceMesh& mesh, FullyShardOptions opt
   return options;
 }
 
-}  // namespace
+}  // namespace detail
 
 FSDPModule::FSDPModule(std::shared_ptr<torch::nn::Module> module, const DeviceMesh& mesh,
                        const FullyShardOptions& options)
     : module_(std::move(module)),
-      root_(shard_model(module_, mesh.group(kDataDim), options_for_mesh(mesh, options), nullptr,
+      root_(shard_model(module_, mesh.group(kDataDim), detail::options_for_mesh(mesh, options), nullptr,
                         &detail::mesh_state(mesh))) {
   reset_comm_stats();
 }

@@ -2,6 +2,7 @@
 
 #include "fsdp/internal/access.h"
 #include "fsdp/internal/check.h"
+#include "fsdp/internal/mesh_state.h"
 #include "fsdp/internal/options_check.h"
 #include "fsdp/internal/wrap.h"
 
@@ -23,6 +24,16 @@ ShardingScope::ShardingScope(c10::intrusive_ptr<c10d::ProcessGroup> pg, FullySha
   FSDP_CHECK(pg_, "fsdp::ShardingScope: the process group is null; create one with fsdp::init_process_group()");
   detail::check_options(options, "fsdp::ShardingScope");
   state_ = std::make_shared<detail::RunState>(pg_, options);
+  g_open.push_back(this);
+  open_ = true;
+}
+
+ShardingScope::ShardingScope(const DeviceMesh& mesh, FullyShardOptions options) : pg_(mesh.group(kDataDim)) {
+  const detail::MeshState& m = detail::mesh_state(mesh);
+  options = detail::options_for_mesh(mesh, options);
+  detail::check_options(options, "fsdp::ShardingScope");
+  state_ = std::make_shared<detail::RunState>(pg_, options, m.group_info(kDataDim));
+  state_->init_mesh(m);
   g_open.push_back(this);
   open_ = true;
 }

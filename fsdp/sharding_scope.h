@@ -14,6 +14,7 @@
 // unit in full from the same random stream, so a seed gives the same weights at any rank count.
 #pragma once
 
+#include "fsdp/device_mesh.h"
 #include "fsdp/options.h"
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -29,6 +30,10 @@ struct Access;
 class ShardingScope {
  public:
   ShardingScope(c10::intrusive_ptr<c10d::ProcessGroup> pg, FullyShardOptions options = {});
+  /// Over the data-parallel dimensions of `mesh`, as fsdp::fully_shard(model, mesh, options): a
+  /// model of fsdp::tp layers built inside has each unit's tensor-parallel parts sharded over the
+  /// ranks holding the same parts as soon as the unit is built.
+  ShardingScope(const DeviceMesh& mesh, FullyShardOptions options = {});
   /// Closes the scope (if fully_shard did not already).
   ~ShardingScope();
   ShardingScope(const ShardingScope&) = delete;

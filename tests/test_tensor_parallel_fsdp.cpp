@@ -4,7 +4,7 @@
 // by side in one 4-rank launch], (2, 2), (4, 1), hybrid over a 1-D dp mesh, and hybrid with tensor
 // parallelism (dp_replicate 2 x dp_shard 2 x tp 2, 8 ranks). Losses and the clipped norm within
 // 1e-5 relative at every step, the final weights (each rank's part) within 1e-5; with activation
-// checkpointing and FusedAdamW too.
+// checkpointing and FusedAdamW too, and built in a ShardingScope over the mesh.
 #include "fsdp/fsdp.h"
 #include "tests/harness.h"
 
@@ -110,7 +110,8 @@ Trace train_plain(PlainNet& net) {
 }
 
 // Trains the tensor-parallel model over `mesh` and compares it with the plain one.
-void check_mesh(const DeviceMesh& mesh, const FullyShardOptions& options = {}, bool fused = false) {
+void check_mesh(const DeviceMesh& mesh, const FullyShardOptions& options = {}, bool fused = false,
+                bool built_sharded = false) {
   // bf16 compute (fp32 master weights and reduction) against the fp32 plain model: bf16 keeps 8
   // bits of mantissa (relative rounding 2^-9 per operation), so the loss and norm agree to 2e-2;
   // fp32 to 1e-5. The weights are compared in fp32 only: AdamW normalizes each gradient element,
@@ -119,15 +120,20 @@ void check_mesh(const DeviceMesh& mesh, const FullyShardOptions& options = {}, b
   const double tol = bf16 ? 2e-2 : 1e-5;
   const std::string label = "mesh " + mesh.shape_text() + " at " + mesh.coordinates_text() + (bf16 ? ", bf16" : "") +
                             (options.activation_checkpointing_every() > 0 ? ", activation checkpointing" : "") +
-                            (fused ? ", FusedAdamW" : "");
+                            (fused ? ", FusedAdamW" : "") + (built_sharded ? ", built in a ShardingScope" : "");
   torch::manual_seed(3);
   PlainNet plain;
   const Trace want = train_plain(plain);
 
   tp::Group blocks(mesh), vocab(mesh);
   torch::manual_seed(3);
-  TPNet net(blocks, vocab);
-  auto model = fully_shard(net, mesh, options);
+  // Built in a ShardingScope over the mesh, each block is sharded (its parts over dp_shard) as
+  // soon as it is built; the same weights either way.
+  auto model = built_sharded ? [&] {
+    ShardingScope scope(mesh, options);
+    return fully_shard(TPNet(blocks, vocab), scope);
+  }()
+                             : fully_shard(TPNet(blocks, vocab), mesh, options);
   std::unique_ptr<torch::optim::Optimizer> opt;
   if (fused) {
     opt = std::make_unique<optim::FusedAdamW>(model, torch::optim::AdamWOptions(1e-2));
@@ -192,6 +198,7 @@ TEST(TensorParallelFSDP, TrainsAsOneProcessOnEveryMesh) {
     check_mesh(DeviceMesh(r.pg, {{kShardDim, 2}, {kTensorDim, 2}}),
                FullyShardOptions().activation_checkpointing_every(1),
                /*fused=*/true);
+    check_mesh(DeviceMesh(r.pg, {{kShardDim, 2}, {kTensorDim, 2}}), {}, false, /*built_sharded=*/true);
     check_mesh(DeviceMesh(r.pg, {{kShardDim, 2}, {kTensorDim, 2}}),
                FullyShardOptions().mixed_precision(
                    MixedPrecisionPolicy().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat)));

@@ -4,6 +4,7 @@
 
 #include "fsdp/device_mesh.h"
 #include "fsdp/internal/comm.h"
+#include "fsdp/options.h"
 
 #include <chrono>
 #include <map>
@@ -37,5 +38,10 @@ struct MeshState {
 
 /// A DeviceMesh's shared state (declared in fsdp/device_mesh.h, its friend).
 const MeshState& mesh_state(const DeviceMesh& mesh);
+
+/// The options a mesh implies for fully_shard and ShardingScope: hybrid sharding when both
+/// data-parallel dimensions have more than one rank (the given strategy must then be full or hybrid
+/// sharding, shard_group_size unset or the dp_shard size). Defined in fsdp/fully_shard.cpp.
+FullyShardOptions options_for_mesh(const DeviceMesh& mesh, FullyShardOptions options);
 
 }  // namespace fsdp::detail
