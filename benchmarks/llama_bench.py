@@ -21,19 +21,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def run(cmd, timeout):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    if p.returncode != 0:
-        sys.exit(f"FAILED: {' '.join(cmd)} exited {p.returncode}\n{p.stdout}\n{p.stderr}")
-    rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
-    return [r for r in rows if "step" in r], next(r for r in rows if r.get("summary"))
+sys.path.insert(0, HERE)
+from train_gpt_runs import run  # noqa: E402  (one process's JSON rows and summary, or exit with its output)
 
 
 def padded(rows, inner, dp):

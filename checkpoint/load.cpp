@@ -304,7 +304,6 @@ LoadResult load_checkpoint(const std::string& path, FSDPModule& model, torch::op
     }
     std::vector<Wanted> wanted;
     const std::vector<ShardSpec> specs = model.shard_specs();  // the model's and the optimizer's
-    checkpoint::refuse_tensor_parallel(specs, "fsdp::checkpoint::load");
     for (const ShardSpec& s : specs) {
       wanted.push_back({"model/" + s.name, "parameter", s.dtype, s.global_shape, s.row_begin, s.row_end, s.local});
     }

@@ -21,12 +21,14 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+from train_gpt_runs import command  # noqa: E402  (train_llama alone, or under torchrun --standalone --no-python)
+
 PROMPT = [1, 5, 9, 200, 3, 77, 12, 255, 0, 31]
 
 
 def launch(a, ranks, args, expect_ok=True):
-    cmd = ([a.train_llama] if ranks == 1 else
-           [a.torchrun, "--standalone", "--no-python", "--nproc-per-node", str(ranks), a.train_llama]) + args
+    cmd = command(a.train_llama, a.torchrun, ranks, args)
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, env=dict(os.environ, OMP_NUM_THREADS="1"))
     if expect_ok and p.returncode != 0:
         sys.exit(f"FAILED: {' '.join(cmd)} exited {p.returncode}\n{p.stdout}\n{p.stderr}")

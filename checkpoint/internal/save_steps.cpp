@@ -93,7 +93,6 @@ PreparedSave prepare_save(const std::string& root, const FSDPModule& model, cons
     p.tensors.emplace_back(key + "[" + std::to_string(b) + ":" + std::to_string(e) + "]", data);
   };
   const auto specs = model.shard_specs();
-  refuse_tensor_parallel(specs, "fsdp::checkpoint::save");
   if (p.rank == 0) {
     for (const auto& s : specs) {
       p.model_tensors.push_back({"model/" + s.name, "parameter", safetensors_dtype(s.dtype), s.global_shape});
