@@ -74,13 +74,13 @@ struct AsyncSaver::Impl {
   std::atomic<bool> done{false};  // the background thread has ended
 
   Impl(const FSDPModule& m, const AsyncSaveOptions& o) : model(m), options(o) {
-    const auto& pg = m.process_group();
-    if (m.world_size() == 1) {
+    const auto& pg = detail::checkpoint_group(m);  // the model's, or a tensor-parallel one's mesh
+    if (pg->getSize() == 1) {
       group = detail::Group::own(pg, m.options().timeout());  // one rank: no collective is ever issued
       return;
     }
     static std::atomic<int> count{0};  // every rank creates its savers in the same order
-    std::vector<int> ranks(m.world_size());
+    std::vector<int> ranks(pg->getSize());
     std::iota(ranks.begin(), ranks.end(), 0);
     group = detail::Group::own(fsdp::new_subgroup(pg, ranks, "fsdp-checkpoint-async-saver-" + std::to_string(count++)),
                                m.options().timeout());
@@ -98,9 +98,9 @@ struct AsyncSaver::Impl {
   AsyncSaveStarted save(const std::string& root, const torch::optim::Optimizer* opt, const SaveOptions& save_options) {
     const auto t0 = Clock::now();
     AsyncSaveStarted out;
-    const std::string who = "fsdp::checkpoint::AsyncSaver::save (rank " + std::to_string(model.rank()) + " of " +
-                            std::to_string(model.world_size()) + ", '" + root + "/" +
-                            detail::checkpoint_name(save_options) + "')";
+    const std::string who = "fsdp::checkpoint::AsyncSaver::save (rank " + std::to_string(group.rank()) + " of " +
+                            std::to_string(group.size()) + ", '" + root + "/" + detail::checkpoint_name(save_options) +
+                            "')";
     if (options.if_busy() != IfBusy::kWait) {
       // Every rank must make the same choice, or their saves would pair up wrongly: whether any
       // rank's previous save is still being written is agreed on the caller's thread, over the
@@ -130,7 +130,7 @@ struct AsyncSaver::Impl {
     p->name = detail::checkpoint_name(save_options);
     std::exception_ptr failed;
     try {
-      *p = detail::prepare_save(root, model, opt, save_options);
+      *p = detail::prepare_save(root, model, opt, save_options, group.rank(), group.size());
       take_snapshot(*p);
     } catch (...) {
       failed = std::current_exception();
@@ -243,13 +243,11 @@ AsyncSaver::~AsyncSaver() {
 }
 
 AsyncSaveStarted AsyncSaver::save(const std::string& root, const SaveOptions& options) {
-  refuse_tensor_parallel(impl_->model.shard_specs(), "fsdp::checkpoint::AsyncSaver::save of '" + root + "'");
   return impl_->save(root, nullptr, options);
 }
 
 AsyncSaveStarted AsyncSaver::save(const std::string& root, const torch::optim::Optimizer& optimizer,
                                   const SaveOptions& options) {
-  refuse_tensor_parallel(impl_->model.shard_specs(), "fsdp::checkpoint::AsyncSaver::save of '" + root + "'");
   return impl_->save(root, &optimizer, options);
 }
 
@@ -257,8 +255,8 @@ SaveResult AsyncSaver::wait() {
   if (impl_->started()) {
     bool reportable = true;
     const std::exception_ptr e = impl_->collect(reportable);
-    FSDP_CHECK_IN(context_of(e), !e || !reportable, "fsdp::checkpoint::AsyncSaver::wait (rank ", impl_->model.rank(),
-                  " of ", impl_->model.world_size(), "): ", impl_->what, " failed: ", error_text(e));
+    FSDP_CHECK_IN(context_of(e), !e || !reportable, "fsdp::checkpoint::AsyncSaver::wait (rank ", impl_->group.rank(),
+                  " of ", impl_->group.size(), "): ", impl_->what, " failed: ", error_text(e));
   }
   return impl_->result;
 }

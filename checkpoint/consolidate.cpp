@@ -1,10 +1,12 @@
 #include "checkpoint/consolidate.h"
 
 #include "checkpoint/commit.h"
+#include "checkpoint/internal/reader.h"
 #include "checkpoint/manifest.h"
 #include "checkpoint/safetensors.h"
 #include "fsdp/internal/check.h"
 
+#include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 
@@ -66,6 +68,10 @@ class Consolidator {
 
   // Streams `t`'s chunks, in row order, into `w`, verifying every block.
   void copy(const ManifestTensor& t, SafetensorsWriter& w) {
+    if (std::any_of(t.chunks.begin(), t.chunks.end(), [](const ManifestChunk& c) { return !c.inner.whole(); })) {
+      copy_parts(t, w);
+      return;
+    }
     for (const ManifestChunk& c : t.chunks) {
       const int fd = open_file(c.file, t);
       const std::string path = m_.dir + "/" + m_.files[c.file].name;
@@ -87,6 +93,31 @@ class Consolidator {
   }
 
  private:
+  // A tensor held as parts of its width (tensor-parallel parts): its rows are assembled a block of
+  // at most kPiece bytes at a time by the load's reader (every checksum block verified), and
+  // written in order.
+  void copy_parts(const ManifestTensor& t, SafetensorsWriter& w) {
+    const int64_t rows = t.rows();
+    const uint64_t row_bytes = t.bytes() / static_cast<uint64_t>(std::max<int64_t>(rows, 1));
+    const int64_t step = std::max<int64_t>(1, static_cast<int64_t>(kPiece / std::max<uint64_t>(row_bytes, 1)));
+    const size_t index = static_cast<size_t>(&t - m_.tensors.data());
+    std::vector<int64_t> shape = t.shape;
+    for (int64_t r = 0; r < rows; r += step) {
+      const int64_t n = std::min(step, rows - r);
+      shape[0] = n;
+      const at::Tensor block = at::empty(shape, at::TensorOptions().dtype(scalar_type_of(t.dtype, t.key)));
+      try {
+        detail::ShardReader reader(m_, {detail::ReadTarget{index, r, r + n, block, {}}});
+        reader.open_files();
+        reader.read();
+        reader.apply();
+      } catch (const c10::Error& e) {
+        FSDP_CHECK(false, "fsdp::checkpoint::consolidate: ", e.what_without_backtrace(), " Nothing was written.");
+      }
+      w.write(static_cast<const uint8_t*>(block.data_ptr()), block.nbytes());
+    }
+  }
+
   int open_file(size_t f, const ManifestTensor& t) {
     if (fds_[f] >= 0) return fds_[f];
     const std::string path = m_.dir + "/" + m_.files[f].name;

@@ -3,7 +3,8 @@
 // `model.safetensors.index.json` ({"metadata": {"total_size"}, "weight_map"}), each tensor whole
 // under its LibTorch name; optionally the optimizer's state the same way (`optimizer*.safetensors`,
 // tensors named "<parameter>/<state>"). Streamed chunk by chunk, every checksum verified: memory
-// stays a few MiB whatever the model's size.
+// stays a few MiB whatever the model's size (a tensor saved as parts of its width, by a
+// tensor-parallel model, is assembled a few MiB of rows at a time).
 //
 //   fsdp::checkpoint::consolidate("ckpts", "export");        // ckpts' latest -> export/model.safetensors
 //   build/tools/fsdp-ckpt consolidate ckpts export [--max-shard-bytes N] [--optimizer]

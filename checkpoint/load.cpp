@@ -40,7 +40,15 @@ struct Wanted {
   std::vector<int64_t> shape;  // global
   int64_t row_begin = 0, row_end = 0;
   at::Tensor dst;
+  InnerBox inner;  // along the dimensions from 1 (a tensor-parallel part); whole otherwise
 };
+
+// Where a parameter's rows on this rank go (its tensor-parallel part's place in the whole tensor).
+Wanted wanted_of(const ShardSpec& s, const std::string& key, const std::string& kind, const at::Tensor& dst) {
+  const TensorPlace place = place_of(s);
+  return {key, kind,       s.dtype, place.shape, place.row_offset + s.row_begin, place.row_offset + s.row_end,
+          dst, place.inner};
+}
 
 std::string describe(const std::string& dtype, const std::vector<int64_t>& shape) {
   std::ostringstream os;
@@ -70,7 +78,7 @@ std::vector<detail::ReadTarget> match(const Manifest& m, const std::vector<Wante
                           " " + describe(safetensors_dtype(w.dtype), w.shape) + " in the model");
       continue;
     }
-    if (w.row_end > w.row_begin) targets.push_back({it->second, w.row_begin, w.row_end, w.dst});
+    if (w.row_end > w.row_begin) targets.push_back({it->second, w.row_begin, w.row_end, w.dst, w.inner});
   }
   for (const auto& t : m.tensors) {
     if (t.key.rfind("model/", 0) == 0 && seen.count(t.key) == 0) unexpected.push_back(t.key);
@@ -179,8 +187,7 @@ OptimizerPlan plan_optimizer(const Manifest& m, const std::vector<ShardSpec>& sp
       }
       p.dst = detail::state_destinations(opt, plan.type, param, p.names);
       for (size_t k = 0; k < p.names.size(); ++k) {
-        wanted.push_back({"optim/" + s.name + "/" + p.names[k], "optimizer", s.dtype, s.global_shape, s.row_begin,
-                          s.row_end, p.dst[k]});
+        wanted.push_back(wanted_of(s, "optim/" + s.name + "/" + p.names[k], "optimizer", p.dst[k]));
       }
       const auto step = m.optimizer.steps.find(s.name);
       if (step != m.optimizer.steps.end()) p.step = step->second;
@@ -269,8 +276,9 @@ LoadResult load_checkpoint(const std::string& path, FSDPModule& model, torch::op
                            const LoadOptions& options,
                            const std::function<std::string(const std::string&)>* hf_names = nullptr) {
   const auto t0 = std::chrono::steady_clock::now();
-  checkpoint::refuse_tensor_parallel(model.shard_specs(), "fsdp::checkpoint::load of '" + path + "'");
-  const int rank = model.rank(), W = model.world_size();
+  // Every rank of the model's checkpoint group (a tensor-parallel model's: the mesh's world).
+  const detail::Group group = detail::Group::of(model);
+  const int rank = group.rank(), W = group.size();
   const std::string where =
       "fsdp::checkpoint::load (rank " + std::to_string(rank) + " of " + std::to_string(W) + ") of '" + path + "'";
   // The same on every rank (the agreements compare it): a sampler restored on some ranks only is
@@ -281,7 +289,7 @@ LoadResult load_checkpoint(const std::string& path, FSDPModule& model, torch::op
   // leaves the model untouched on all: nothing is written before the last agreement.
   auto phase = [&](const char* what, const std::function<void()>& fn,
                    const char* consequence = "the model was left as it was") {
-    detail::agree(detail::Group::of(model), call, where, what, consequence, fn);
+    detail::agree(group, call, where, what, consequence, fn);
   };
 
   Manifest m;
@@ -305,7 +313,7 @@ LoadResult load_checkpoint(const std::string& path, FSDPModule& model, torch::op
     std::vector<Wanted> wanted;
     const std::vector<ShardSpec> specs = model.shard_specs();  // the model's and the optimizer's
     for (const ShardSpec& s : specs) {
-      wanted.push_back({"model/" + s.name, "parameter", s.dtype, s.global_shape, s.row_begin, s.row_end, s.local});
+      wanted.push_back(wanted_of(s, "model/" + s.name, "parameter", s.local));
     }
     for (const auto& kv : model.named_buffers()) {
       const at::Tensor& b = kv.value();

@@ -25,6 +25,12 @@ int64_t first_bad_block(const ManifestChunk& c, uint64_t at, const uint8_t* data
   return -1;
 }
 
+int64_t InnerBox::row_numel(const std::vector<int64_t>& shape) const {
+  int64_t n = 1;
+  for (size_t d = 1; d < shape.size(); ++d) n *= whole() || d - 1 >= lengths.size() ? shape[d] : lengths[d - 1];
+  return n;
+}
+
 uint64_t ManifestTensor::bytes() const {
   uint64_t n = c10::elementSize(scalar_type_of(dtype, key));
   for (int64_t d : shape) n *= static_cast<uint64_t>(d);
@@ -100,8 +106,7 @@ Manifest read_manifest(const std::string& dir) {
       mt.kind = t.at("kind").get<std::string>();
       mt.dtype = t.at("dtype").get<std::string>();
       mt.shape = t.at("shape").get<std::vector<int64_t>>();
-      const uint64_t row_bytes = mt.bytes() / static_cast<uint64_t>(std::max<int64_t>(mt.rows(), 1));
-      int64_t next = 0;
+      const uint64_t element = c10::elementSize(scalar_type_of(mt.dtype, key));
       for (const auto& c : t.at("chunks")) {
         ManifestChunk ch;
         const auto rows = c.at("rows").get<std::vector<int64_t>>();
@@ -110,26 +115,41 @@ Manifest read_manifest(const std::string& dir) {
                    "' has a chunk whose rows or bytes are not a pair.");
         ch.row_begin = rows[0];
         ch.row_end = rows[1];
+        if (c.contains("inner")) {
+          FSDP_CHECK(m.format_version >= 4, "fsdp::checkpoint: tensor '", key, "' in '", path,
+                     "' has a chunk with an \"inner\" box, which format version ", m.format_version,
+                     " does not have: the manifest is corrupt.");
+          ch.inner = detail::inner_from_json(c["inner"], "tensor '" + key + "' in '" + path + "'");
+        }
         ch.file = c.at("file").get<size_t>();
         ch.begin = bytes[0];
         ch.end = bytes[1];
         ch.block_bytes = c.at("block_bytes").get<uint64_t>();
         ch.crc32c = c.at("crc32c").get<std::vector<uint32_t>>();
-        FSDP_CHECK(
-            ch.row_begin == next && ch.row_end > ch.row_begin && ch.file < m.files.size() && ch.end >= ch.begin &&
-                ch.end - ch.begin == static_cast<uint64_t>(ch.row_end - ch.row_begin) * row_bytes &&
-                ch.block_bytes > 0 && ch.block_bytes <= m.block_bytes &&
-                ch.crc32c.size() == (ch.end - ch.begin + ch.block_bytes - 1) / ch.block_bytes,
-            "fsdp::checkpoint: tensor '", key, "' in '", path, "' has a chunk (rows ", ch.row_begin, " to ", ch.row_end,
-            ", file ", ch.file, ", bytes ", ch.begin, " to ", ch.end, ", checksum block ", ch.block_bytes,
-            ") that does not follow the previous one, does not fit its rows or names no file: the manifest "
-            "is corrupt.");
-        next = ch.row_end;
         mt.chunks.push_back(std::move(ch));
       }
-      FSDP_CHECK(next == mt.rows() || (mt.bytes() == 0 && mt.chunks.empty()), "fsdp::checkpoint: tensor '", key,
-                 "' in '", path, "' has rows up to ", next, " of ", mt.rows(),
-                 " in its chunks: the manifest is corrupt.");
+      // The chunks together: every element once (their boxes checked before their sizes).
+      std::vector<detail::ChunkExtent> extents;
+      extents.reserve(mt.chunks.size());
+      for (const auto& ch : mt.chunks) extents.push_back({ch.row_begin, ch.row_end, &ch.inner});
+      const std::string fault = detail::coverage_fault(mt.shape, std::move(extents));
+      FSDP_CHECK(fault.empty(), "fsdp::checkpoint: tensor '", key, "' (shape ", c10::IntArrayRef(mt.shape), ") in '",
+                 path, "': its chunks do not hold it once: ", fault, ". The manifest is corrupt.");
+      for (const auto& ch : mt.chunks) {
+        const uint64_t row_bytes = static_cast<uint64_t>(ch.inner.row_numel(mt.shape)) * element;
+        FSDP_CHECK(ch.file < m.files.size() && ch.end >= ch.begin &&
+                       ch.end - ch.begin == static_cast<uint64_t>(ch.row_end - ch.row_begin) * row_bytes &&
+                       ch.block_bytes > 0 && ch.block_bytes <= m.block_bytes &&
+                       ch.crc32c.size() == (ch.end - ch.begin + ch.block_bytes - 1) / ch.block_bytes,
+                   "fsdp::checkpoint: tensor '", key, "' in '", path, "' has a chunk (rows ", ch.row_begin, " to ",
+                   ch.row_end, ", inner ", detail::inner_text(ch.inner), ", file ", ch.file, ", bytes ", ch.begin,
+                   " to ", ch.end, ", checksum block ", ch.block_bytes,
+                   ") whose bytes do not fit its extent, or that names no file: the manifest is corrupt.");
+      }
+      // Grouped by inner box, each group in row order: what consolidate streams and the reader plans.
+      std::sort(mt.chunks.begin(), mt.chunks.end(), [](const ManifestChunk& a, const ManifestChunk& b) {
+        return a.inner == b.inner ? a.row_begin < b.row_begin : a.inner < b.inner;
+      });
       m.tensors.push_back(std::move(mt));
     }
   } catch (const nlohmann::json::exception& e) {

@@ -13,11 +13,27 @@
 namespace fsdp::checkpoint {
 
 /// The format version this library writes and reads; a manifest of a newer one is refused. 2 added
-/// "data" (a sampler's state); version 1 manifests read as having none.
-inline constexpr int kFormatVersion = 3;
+/// "data" (a sampler's state; version 1 manifests read as having none), 3 the manifest's own
+/// checksum, 4 chunks that hold part of a tensor's width ("inner": tensor-parallel parts).
+inline constexpr int kFormatVersion = 4;
 
+/// A chunk's extent along a tensor's dimensions from 1 on: [offsets[d], offsets[d] + lengths[d])
+/// along dimension d + 1. Empty: the whole extent (every chunk before format version 4).
+struct InnerBox {
+  std::vector<int64_t> offsets, lengths;
+  bool whole() const { return offsets.empty(); }
+  /// Elements of one row (dimension 0) of the box, in a tensor of `shape`.
+  int64_t row_numel(const std::vector<int64_t>& shape) const;
+  bool operator==(const InnerBox& o) const { return offsets == o.offsets && lengths == o.lengths; }
+  bool operator<(const InnerBox& o) const { return offsets != o.offsets ? offsets < o.offsets : lengths < o.lengths; }
+};
+
+/// A chunk: rows [row_begin, row_end) of a tensor, within `inner` along the other dimensions, laid
+/// out row-major as a tensor of its own (a tensor-parallel part split along dimension 1 is
+/// contiguous in its file, never strided).
 struct ManifestChunk {
   int64_t row_begin = 0, row_end = 0;  ///< global rows [row_begin, row_end)
+  InnerBox inner;                      ///< along dimensions 1 and on (format 4)
   size_t file = 0;                     ///< index into Manifest::files
   uint64_t begin = 0, end = 0;         ///< bytes [begin, end) of that file
   uint64_t block_bytes = 0;            ///< the checksum block (at most Manifest::block_bytes)
@@ -35,7 +51,9 @@ struct ManifestTensor {
   std::string kind;  ///< "parameter", "buffer", "optimizer"
   std::string dtype;
   std::vector<int64_t> shape;
-  std::vector<ManifestChunk> chunks;  ///< in row order, covering every row once
+  /// Grouped by InnerBox (ordered), each group in row order and covering every row once; the
+  /// groups' boxes tile the dimensions from 1 on (one group, the whole width, before format 4).
+  std::vector<ManifestChunk> chunks;
   int64_t rows() const { return shape.empty() ? 1 : shape[0]; }
   uint64_t bytes() const;  ///< of the whole tensor
 };
@@ -74,8 +92,9 @@ struct Manifest {
 };
 
 /// Reads `dir`/manifest.json and checks it: JSON, format version (a newer one is refused), dtypes,
-/// each tensor's chunks in row order covering its rows exactly once with bytes that match the rows,
-/// files referenced by index. Errors name the file and the tensor. Reads no data.
+/// each tensor's chunks covering it exactly once (boxes inside its shape, per box every row once,
+/// the boxes tiling the other dimensions) with bytes that match their extent, files referenced by
+/// index. Errors name the file and the tensor. Reads no data.
 Manifest read_manifest(const std::string& dir);
 
 /// The text of manifest.json as rank 0 of a save assembles it from the part each rank sends it, for
@@ -86,8 +105,8 @@ Manifest read_manifest(const std::string& dir);
 /// model's: key -> {"kind", "dtype", "shape"}, in the model's order). `parts`, in rank order: JSON
 /// objects {"rank", "file", "bytes" (its size), "tensors" (the others it wrote, as above), "steps"
 /// (optimizer steps by parameter name), "chunks" ([{"tensor", "rows", "bytes", "block_bytes",
-/// "crc32c"}])}. Checks that the chunks cover every tensor's rows once and that the ranks' steps
-/// agree; `bytes_total` gets the bytes of all chunks.
+/// "crc32c", and "inner" ([[offset, length], ...] along dimensions 1 and on) for part of a row)}])}. Checks that the
+/// chunks cover every tensor's rows once and that the ranks' steps agree; `bytes_total` gets the bytes of all chunks.
 std::string manifest_from_parts(const std::string& header, const std::vector<std::string>& parts, int64_t& bytes_total);
 
 }  // namespace fsdp::checkpoint

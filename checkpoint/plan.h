@@ -3,6 +3,7 @@
 // the ranks that hold it, so that per-rank bytes stay balanced however the model is replicated.
 #pragma once
 
+#include "checkpoint/manifest.h"
 #include "fsdp/shard_spec.h"
 
 #include <cstdint>
@@ -11,12 +12,25 @@
 
 namespace fsdp::checkpoint {
 
-/// Rows [row_begin, row_end) of parameter `spec` (an index into FSDPModule::shard_specs()) that
-/// this rank writes: rows it holds, `local_row` rows into its local tensor.
+/// Where a parameter's rows on this rank lie in the whole tensor a checkpoint holds. Without tensor
+/// parallelism, its global_shape and rows. A tensor-parallel part (ShardSpec::tp) split along
+/// dimension 0 (a column-parallel weight, a vocabulary-parallel embedding) is rows shifted by
+/// part x its rows; one split along dimension d >= 1 (a row-parallel weight) is every row, within
+/// [part x n, (part + 1) x n) along d: an InnerBox.
+struct TensorPlace {
+  std::vector<int64_t> shape;  ///< the whole tensor's
+  int64_t row_offset = 0;      ///< added to the spec's global rows
+  InnerBox inner;              ///< along dimensions 1 and on (whole unless split along one)
+};
+TensorPlace place_of(const ShardSpec& s);
+
+/// Rows [row_begin, row_end) of parameter `spec` (an index into FSDPModule::shard_specs()), within
+/// `inner`, that this rank writes: rows it holds, `local_row` rows into its local tensor.
 struct WriteChunk {
   size_t spec = 0;
-  int64_t row_begin = 0, row_end = 0;  ///< global rows
-  int64_t local_row = 0;               ///< row_begin - the spec's row_begin
+  int64_t row_begin = 0, row_end = 0;  ///< rows of the whole tensor (TensorPlace)
+  int64_t local_row = 0;               ///< into the spec's local rows
+  InnerBox inner;
   /// Bytes of these rows of `s`.
   int64_t bytes(const ShardSpec& s) const {
     return (row_end - row_begin) * s.layout.row_numel * static_cast<int64_t>(c10::elementSize(s.dtype));
@@ -24,18 +38,13 @@ struct WriteChunk {
 };
 
 /// Which rows of each parameter this rank writes, in `specs`' order. Rows held by one rank are
-/// written by it; rows held by R replicas (replicated units, hybrid's groups) are split into R
-/// contiguous parts of equal size (give or take a row), one per replica, the parts rotating with
-/// the parameter's index so that tensors of a row or a few spread over the replicas too. The same
-/// call on every rank gives each row of each parameter to exactly one rank. No chunk for a
-/// parameter (or a part) with no rows here.
+/// written by it; rows held by R replicas (replicated units, hybrid's groups, and the T
+/// tensor-parallel ranks for a parameter they do not split) are split into R contiguous parts of
+/// equal size (give or take a row), one per replica, the parts rotating with the parameter's index
+/// so that tensors of a row or a few spread over the replicas too. The same call on every rank of
+/// the mesh gives each element of each parameter to exactly one rank. No chunk for a parameter (or
+/// a part) with no rows here.
 std::vector<WriteChunk> plan_writes(const std::vector<ShardSpec>& specs);
-
-/// Throws, naming `operation`, when `specs` describe a tensor-parallel model (ShardSpec::tp_size >
-/// 1): this format records each tensor's rows, not a part along another dimension, so the ranks'
-/// parts would overwrite each other. Checkpoints of tensor-parallel models come with N-dimensional
-/// chunks (docs/roadmap.md, issue 27).
-void refuse_tensor_parallel(const std::vector<ShardSpec>& specs, const std::string& operation);
 
 /// The rows [first, last) out of `rows` held alike by `replicas` ranks that replica `replica_rank`
 /// writes, for the `index`-th tensor: part (replica_rank + index) % replicas of `replicas` equal

@@ -1,8 +1,8 @@
 // fsdp::checkpoint::save: each rank writes its rows into its own file in the staging directory;
 // rank 0 gathers each rank's list of chunks (not the data), writes the manifest and commits
-// (internal/save_steps.h), all on the caller's thread over the model's process group.
+// (internal/save_steps.h), all on the caller's thread over the model's process group (a
+// tensor-parallel model's: the mesh's world).
 #include "checkpoint/checkpoint.h"
-#include "checkpoint/plan.h"
 
 #include "checkpoint/internal/save_steps.h"
 
@@ -15,14 +15,15 @@ namespace {
 SaveResult save_checkpoint(const std::string& root, const FSDPModule& model, const torch::optim::Optimizer* opt,
                            const SaveOptions& options) {
   const auto t0 = std::chrono::steady_clock::now();
-  refuse_tensor_parallel(model.shard_specs(), "fsdp::checkpoint::save of '" + root + "'");
   detail::PreparedSave prepared;  // named now, for the errors of the first phase
   prepared.root = root;
   prepared.name = detail::checkpoint_name(options);
   // Prepared inside the first agreement: a rank that cannot (an unsupported optimizer) fails
   // every rank before anything is on disk.
-  SaveResult r = detail::write_and_commit(prepared, detail::Group::of(model), "fsdp::checkpoint::save",
-                                          [&] { prepared = detail::prepare_save(root, model, opt, options); });
+  const detail::Group group = detail::Group::of(model);
+  SaveResult r = detail::write_and_commit(prepared, group, "fsdp::checkpoint::save", [&] {
+    prepared = detail::prepare_save(root, model, opt, options, group.rank(), group.size());
+  });
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return r;
 }

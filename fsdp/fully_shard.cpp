@@ -234,6 +234,7 @@ std::vector<ShardSpec> FSDPModule::shard_specs() const {
       const auto split = state.tp_splits.find(s.param.unsafeGetTensorImpl());
       if (split != state.tp_splits.end()) p.tp = split->second;
       p.tp_size = state.tp_size();
+      p.tp_rank = state.tp_comm ? state.tp_comm->rank() : 0;
       out.push_back(std::move(p));
     }
     ++unit;

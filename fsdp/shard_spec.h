@@ -55,6 +55,9 @@ struct ShardSpec {
   /// those of this rank's tensor-parallel part, sharded over the data-parallel ranks.
   TensorSplit tp;
   int tp_size = 1;
+  /// This rank's coordinate along the mesh's tensor-parallel dimension (tp.part when split): the
+  /// ranks of one data-parallel group with different tp_rank hold an unsplit parameter alike.
+  int tp_rank = 0;
 };
 
 /// One unit (an fsdp::Sharded module, or the root's own parameters) as this rank holds it.

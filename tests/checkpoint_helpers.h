@@ -155,16 +155,27 @@ double train_step(Model& model, torch::optim::Optimizer& opt, Rank& r, int step)
   return l.item<double>();
 }
 
-// Every tensor of a checkpoint, whole, read chunk by chunk.
+// Every tensor of a checkpoint, whole, read chunk by chunk (each into its rows and inner box).
 inline std::map<std::string, at::Tensor> read_all(const std::string& dir) {
   const auto m = checkpoint::read_manifest(dir);
   std::map<std::string, at::Tensor> out;
   for (const auto& t : m.tensors) {
-    at::Tensor full = at::empty(t.shape, at::TensorOptions().dtype(checkpoint::scalar_type_of(t.dtype, t.key)));
-    const uint64_t row_bytes = t.rows() > 0 ? t.bytes() / t.rows() : 0;
+    const auto options = at::TensorOptions().dtype(checkpoint::scalar_type_of(t.dtype, t.key));
+    at::Tensor full = at::empty(t.shape, options);
     for (const auto& c : t.chunks) {
+      // The chunk as it lies in its file (its rows, within its inner box), then into its place.
+      std::vector<int64_t> shape{c.row_end - c.row_begin};
+      for (size_t d = 1; d < t.shape.size(); ++d)
+        shape.push_back(c.inner.whole() ? t.shape[d] : c.inner.lengths[d - 1]);
+      if (t.shape.empty()) shape.clear();
+      at::Tensor piece = at::empty(shape, options);
       checkpoint::read_bytes(dir + "/" + m.files[c.file].name, c.begin, c.end - c.begin,
-                             static_cast<char*>(full.data_ptr()) + c.row_begin * row_bytes);
+                             static_cast<char*>(piece.data_ptr()));
+      at::Tensor place = t.shape.empty() ? full : full.narrow(0, c.row_begin, c.row_end - c.row_begin);
+      for (size_t d = 0; d < c.inner.offsets.size(); ++d) {
+        place = place.narrow(static_cast<int64_t>(d + 1), c.inner.offsets[d], c.inner.lengths[d]);
+      }
+      place.copy_(piece);
     }
     out[t.key] = full;
   }

@@ -189,9 +189,9 @@ TEST(ManifestPart, RoundTripsRefusesMalformedAndAssemblesAsTheJsonParts) {
   part.file_bytes = 12345;
   part.tensors = {{"optim/w/exp_avg", "optimizer", "F32", {4, 3}}, {"rng/rank-00001/cpu", "rng", "U8", {16}}};
   part.steps = {{"w", 7}};
-  part.chunks = {{"model/w", 2, 4, 4096, 4120, 4096, {0xdeadbeefu}},
-                 {"optim/w/exp_avg", 2, 4, 4120, 4144, 4096, {1u}},
-                 {"rng/rank-00001/cpu", 0, 16, 4144, 4160, 4096, {2u}}};
+  part.chunks = {{"model/w", 2, 4, {}, 4096, 4120, 4096, {0xdeadbeefu}},
+                 {"optim/w/exp_avg", 2, 4, {}, 4120, 4144, 4096, {1u}},
+                 {"rng/rank-00001/cpu", 0, 16, {}, 4144, 4160, 4096, {2u}}};
   const std::string bytes = part.encode();
   const RankPart back = RankPart::decode(bytes, 1);
   EXPECT_EQ(back.encode(), bytes);
@@ -223,7 +223,7 @@ TEST(ManifestPart, RoundTripsRefusesMalformedAndAssemblesAsTheJsonParts) {
   RankPart first = part;
   first.file = "rank-00000.safetensors";
   first.tensors = {{"optim/w/exp_avg", "optimizer", "F32", {4, 3}}};
-  first.chunks = {{"model/w", 0, 2, 4096, 4120, 4096, {5u}}, {"optim/w/exp_avg", 0, 2, 4120, 4144, 4096, {6u}}};
+  first.chunks = {{"model/w", 0, 2, {}, 4096, 4120, 4096, {5u}}, {"optim/w/exp_avg", 0, 2, {}, 4120, 4144, 4096, {6u}}};
   checkpoint::detail::ManifestHeader h;
   h.name = "step-000007";
   h.step = 7;
@@ -286,6 +286,44 @@ std::string error_reading(const std::string& path) {
     return e.what_without_backtrace();
   }
   return "no error";
+}
+
+TEST(ManifestPart, InnerBoxesCoverATensorOnceOrAreRefused) {
+  using checkpoint::InnerBox;
+  using checkpoint::detail::ChunkExtent;
+  using checkpoint::detail::coverage_fault;
+  // A [4, 8, 6] tensor in two parts along dimension 1 (each [0:4] and [4:8], all of dimension 2),
+  // each part's rows in two chunks: held once.
+  const InnerBox left{{0, 0}, {4, 6}}, right{{4, 0}, {4, 6}}, wide{{2, 0}, {6, 6}}, out{{4, 0}, {5, 6}};
+  const std::vector<int64_t> shape{4, 8, 6};
+  EXPECT_EQ(coverage_fault(shape, {{0, 2, &left}, {2, 4, &left}, {0, 4, &right}}), "");
+  EXPECT_EQ(coverage_fault(shape, {{2, 4, &right}, {0, 4, &left}, {0, 2, &right}}), "");  // any order
+  EXPECT_EQ(coverage_fault(shape, {{0, 4, nullptr}}), "");                                // whole width
+  EXPECT_EQ(coverage_fault({0, 8}, {}), "");                                              // no elements
+  // Each fault with its own sentence (from shapes).
+  EXPECT_EQ(coverage_fault(shape, {{0, 2, &left}, {0, 4, &right}}),
+            "its chunks in inner box [0:4, 0:6] cover rows up to 2 of 4 (rows missing, or written twice)");
+  EXPECT_EQ(coverage_fault(shape, {{0, 4, &left}}), "its inner boxes cover 24 of the 48 elements of a row");
+  EXPECT_EQ(coverage_fault(shape, {{0, 4, &left}, {0, 4, &wide}}), "its inner boxes [0:4, 0:6] and [2:8, 0:6] overlap");
+  EXPECT_EQ(coverage_fault(shape, {{0, 4, &left}, {0, 4, &out}}),
+            "a chunk (rows 0 to 4, inner [4:9, 0:6]) lies outside the tensor: dimension 1 outside its extent 8");
+  const InnerBox flat{{0}, {8}};
+  EXPECT_EQ(
+      coverage_fault(shape, {{0, 4, &flat}}),
+      "a chunk (rows 0 to 4, inner [0:8]) lies outside the tensor: a box of 1 dimension(s) where the tensor has 2 "
+      "after its rows");
+  EXPECT_EQ(coverage_fault(shape, {{0, 5, &left}, {0, 4, &right}}),
+            "a chunk (rows 0 to 5, inner [0:4, 0:6]) lies outside the tensor: rows outside the tensor's 4 (or none)");
+  // A part's box crosses the binary part and the JSON part alike.
+  checkpoint::detail::RankPart part;
+  part.file = "rank-00000.safetensors";
+  part.chunks = {{"model/w", 0, 4, right, 0, 384, 4096, {7u}}};
+  const auto back = checkpoint::detail::RankPart::decode(part.encode(), 0);
+  EXPECT_TRUE(back.chunks[0].inner == right);
+  const auto json = checkpoint::detail::RankPart::from_json(nlohmann::ordered_json::parse(
+      R"({"file": "f", "bytes": 1, "tensors": {}, "steps": {}, "chunks": [{"tensor": "model/w", "rows": [0, 4],
+          "inner": [[4, 4], [0, 6]], "bytes": [0, 384], "block_bytes": 4096, "crc32c": [7]}]})"));
+  EXPECT_TRUE(json.chunks[0].inner == right);
 }
 
 TEST(Safetensors, BrokenFilesAreRefusedEachWithItsReason) {

@@ -91,11 +91,15 @@ TEST(CheckpointTool, VerifiesAGoodCheckpointAndNamesEachFault) {
     EXPECT_EQ(tool("verify " + res.path, tmp.path).rc, 0);
 
     std::string newer = good_manifest;  // a newer format
-    newer.replace(newer.find("\"format_version\": 3"), 19, "\"format_version\": 99");
+    const std::string version = "\"format_version\": " + std::to_string(checkpoint::kFormatVersion);
+    newer.replace(newer.find(version), version.size(), "\"format_version\": 99");
     spill(manifest, newer);
     auto v = tool("verify " + res.path, tmp.path);
     EXPECT_EQ(v.rc, 1);
-    EXPECT_NE(v.out.find("has format version 99, newer than this library's (3)"), std::string::npos) << v.out;
+    EXPECT_NE(v.out.find("has format version 99, newer than this library's (" +
+                         std::to_string(checkpoint::kFormatVersion) + ")"),
+              std::string::npos)
+        << v.out;
 
     std::string edited = good_manifest;             // a chunk's rows edited
     const auto at = edited.find("\"rows\": [0, ");  // a tensor's first chunk now starts at row 1

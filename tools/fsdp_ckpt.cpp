@@ -23,6 +23,7 @@
 #include <cstdlib>
 #include <iostream>
 #include <mutex>
+#include <set>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -56,8 +57,13 @@ int inspect(const std::string& dir) {
     std::printf("  %s  rank %d  %llu bytes\n", f.name.c_str(), f.rank, static_cast<unsigned long long>(f.bytes));
   std::printf("tensors (%zu, %llu bytes):\n", m.tensors.size(), static_cast<unsigned long long>(total));
   for (const auto& t : m.tensors) {
-    std::printf("  %-40s %-9s %-5s %-16s %10llu bytes  %zu chunks\n", t.key.c_str(), t.kind.c_str(), t.dtype.c_str(),
-                shape_text(t.shape).c_str(), static_cast<unsigned long long>(t.bytes()), t.chunks.size());
+    // Tensor-parallel parts: chunks that hold part of the width, in how many boxes.
+    std::set<std::vector<int64_t>> boxes;
+    for (const auto& c : t.chunks) boxes.insert(c.inner.offsets);
+    const std::string parts = boxes.size() > 1 ? "  in " + std::to_string(boxes.size()) + " parts of its width" : "";
+    std::printf("  %-40s %-9s %-5s %-16s %10llu bytes  %zu chunks%s\n", t.key.c_str(), t.kind.c_str(), t.dtype.c_str(),
+                shape_text(t.shape).c_str(), static_cast<unsigned long long>(t.bytes()), t.chunks.size(),
+                parts.c_str());
   }
   return 0;
 }

@@ -5,8 +5,9 @@
     model.load_state_dict(state)                  # names are LibTorch's, which match PyTorch's
 
 Each rank file is a safetensors file holding row ranges of tensors, named "<key>[first:last]";
-manifest.json says, for every tensor, which file holds which rows (docs/checkpoint-format.md).
-This reads every tensor's rows in order and concatenates them. It does not verify the checksums
+manifest.json says, for every tensor, which file holds which rows (and, for a tensor-parallel
+part, which part of the width: "inner") (docs/checkpoint-format.md). This reads every chunk into
+its place in the whole tensor. It does not verify the checksums
 (`fsdp-ckpt verify DIR` does); for one safetensors file per model, use `fsdp-ckpt consolidate`.
 
     python read_checkpoint.py DIR    # prints each tensor's name, dtype and shape
@@ -33,8 +34,8 @@ def read_checkpoint(path, prefix="model/"):
     path = resolve(path)
     with open(os.path.join(path, "manifest.json")) as f:
         manifest = json.load(f)
-    if manifest["format_version"] > 3:
-        raise ValueError(f"{path}: format version {manifest['format_version']} is newer than this reader's (3)")
+    if manifest["format_version"] > 4:
+        raise ValueError(f"{path}: format version {manifest['format_version']} is newer than this reader's (4)")
     files = [os.path.join(path, entry["name"]) for entry in manifest["files"]]
     handles = {}
     out = {}
@@ -42,22 +43,26 @@ def read_checkpoint(path, prefix="model/"):
         for key, t in manifest["tensors"].items():
             if not key.startswith(prefix):
                 continue
-            pieces = []
+            dtype = {"F32": torch.float32, "F64": torch.float64, "F16": torch.float16, "BF16": torch.bfloat16,
+                     "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8, "BOOL": torch.bool}[t["dtype"]]
+            shape = t["shape"]
+            whole = torch.empty(shape, dtype=dtype)
             for c in t["chunks"]:
                 i = c["file"]
                 if i not in handles:
                     handles[i] = safe_open(files[i], framework="pt")
                 first, last = c["rows"]
-                pieces.append(handles[i].get_tensor(f"{key}[{first}:{last}]"))
-            shape = t["shape"]
-            if not pieces:  # a tensor with no elements
-                dtype = {"F32": torch.float32, "F64": torch.float64, "F16": torch.float16, "BF16": torch.bfloat16,
-                         "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8, "BOOL": torch.bool}[t["dtype"]]
-                out[key[len(prefix):]] = torch.empty(shape, dtype=dtype)
-            elif len(shape) == 0:  # a scalar: its one row
-                out[key[len(prefix):]] = pieces[0].reshape([])
-            else:
-                out[key[len(prefix):]] = torch.cat(pieces, 0) if len(pieces) > 1 else pieces[0]
+                # Format 4: a chunk may hold part of the width ("inner": [offset, length] per
+                # dimension from 1, a tensor-parallel part), named "key[first:last, a:b, ...]".
+                inner = c.get("inner")
+                box = "".join(f", {o}:{o + n}" for o, n in inner) if inner else ""
+                piece = handles[i].get_tensor(f"{key}[{first}:{last}{box}]")
+                if len(shape) == 0:  # a scalar: its one row
+                    whole = piece.reshape([])
+                    continue
+                index = [slice(first, last)] + ([slice(o, o + n) for o, n in inner] if inner else [])
+                whole[tuple(index)] = piece
+            out[key[len(prefix):]] = whole
     finally:
         handles.clear()
     return out

@@ -9,12 +9,19 @@ namespace fsdp::checkpoint::detail {
 using fsdp::detail::Call;
 using fsdp::detail::Fingerprint;
 
+const c10::intrusive_ptr<c10d::ProcessGroup>& checkpoint_group(const FSDPModule& model) {
+  const auto& state = fsdp::detail::Access::state(model);
+  return state.mesh_comm ? state.mesh_comm->process_group() : state.comm.process_group();
+}
+
 Group Group::of(const FSDPModule& model) {
   Group g;
   g.model_ = &model;
   // The model's own communication context (not a copy): its statistics and call log.
   auto& state = fsdp::detail::Access::state(model);
-  g.comm_ = std::shared_ptr<fsdp::detail::Comm>(state.shared_from_this(), &state.comm);
+  g.mesh_world_ = state.mesh_comm != nullptr;
+  g.comm_ = std::shared_ptr<fsdp::detail::Comm>(state.shared_from_this(),
+                                                g.mesh_world_ ? state.mesh_comm.get() : &state.comm);
   return g;
 }
 
@@ -30,12 +37,27 @@ Group Group::own(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, std::chrono::
 
 std::vector<int> Group::agree(const std::string& what, bool failed) const {
   const uint64_t payload = Fingerprint().add(what).value();
-  const std::vector<int64_t> votes =
-      model_ != nullptr ? fsdp::detail::agree(*model_, Call::kCheckpointPhase, payload, what, failed ? 1 : 0)
-                        : comm_->agree(Call::kCheckpointPhase, payload, what, {}, failed ? 1 : 0);
+  std::vector<int64_t> votes;
+  if (model_ == nullptr) {
+    votes = comm_->agree(Call::kCheckpointPhase, payload, what, {}, failed ? 1 : 0);
+  } else if (!mesh_world_) {
+    votes = fsdp::detail::agree(*model_, Call::kCheckpointPhase, payload, what, failed ? 1 : 0);
+  } else {
+    // The data-parallel group's step-boundary check, then every rank of the mesh; a rank whose
+    // check failed votes so, and every rank learns it before this one throws.
+    std::exception_ptr dp_error;
+    try {
+      fsdp::detail::agree(*model_, Call::kCheckpointPhase, payload, what, failed ? 1 : 0);
+    } catch (...) {
+      dp_error = std::current_exception();
+    }
+    votes = comm_->agree(Call::kCheckpointPhase, payload, what, {}, failed || dp_error ? 1 : 0);
+    if (dp_error) std::rethrow_exception(dp_error);
+  }
   std::vector<int> out;
   for (size_t r = 0; r < votes.size(); ++r) {
-    if (votes[r] != 0) out.push_back(comm_->global_ranks().at(r));
+    const auto& ranks = comm_->global_ranks();  // empty: the world's, group rank = global rank
+    if (votes[r] != 0) out.push_back(ranks.empty() ? static_cast<int>(r) : ranks.at(r));
   }
   return out;
 }

@@ -20,11 +20,17 @@
 
 namespace fsdp::checkpoint::detail {
 
+/// The process group a checkpoint of `model` spans: the model's own, or for a tensor-parallel model
+/// (wrapped over a DeviceMesh with a "tp" dimension) the mesh's whole world, since its
+/// tensor-parallel ranks hold different parts of the parameters.
+const c10::intrusive_ptr<c10d::ProcessGroup>& checkpoint_group(const FSDPModule& model);
+
 /// The ranks a save or a load agrees over.
 class Group {
  public:
   Group() = default;
-  /// The model's own group, on the caller's thread between steps.
+  /// The model's checkpoint_group, on the caller's thread between steps: its agreements are the
+  /// model's step-boundary agreements (over a mesh's world, those of its data-parallel group first).
   static Group of(const FSDPModule& model);
   /// A group used by nothing else (an asynchronous saver's), bounded by `timeout`.
   static Group own(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, std::chrono::milliseconds timeout);
@@ -43,6 +49,7 @@ class Group {
  private:
   std::vector<std::string> exchange(const std::string& text, const std::string& what, int root) const;
   const FSDPModule* model_ = nullptr;  // set: agreements are the model's step-boundary agreements
+  bool mesh_world_ = false;            // comm_ is the mesh's world, not the model's group
   std::shared_ptr<fsdp::detail::Comm> comm_;
 };
 

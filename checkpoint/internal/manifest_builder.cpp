@@ -22,7 +22,7 @@ using fsdp::detail::append_json_array;
 using fsdp::detail::append_json_number;
 using fsdp::detail::append_json_string;
 
-constexpr std::string_view kPartMagic = "fsdp-manifest-part-1";
+constexpr std::string_view kPartMagic = "fsdp-manifest-part-2";
 constexpr std::string_view kSealKey = ",\n \"manifest_crc32c\": ";
 
 // RankPart's bytes: fixed-width integers in the machine's order, strings and arrays after their
@@ -83,6 +83,101 @@ struct Decoder {
 
 }  // namespace
 
+InnerBox inner_from_json(const nlohmann::json& j, const std::string& what) {
+  InnerBox box;
+  FSDP_CHECK(j.is_array(), "fsdp::checkpoint: ", what,
+             " has an \"inner\" box that is not a list of [offset, length] "
+             "pairs: the manifest is corrupt.");
+  for (const auto& pair : j) {
+    FSDP_CHECK(pair.is_array() && pair.size() == 2 && pair[0].is_number_integer() && pair[1].is_number_integer(),
+               "fsdp::checkpoint: ", what, " has an \"inner\" box entry ", pair.dump(),
+               " that is not an [offset, length] pair of integers: the manifest is corrupt.");
+    box.offsets.push_back(pair[0].get<int64_t>());
+    box.lengths.push_back(pair[1].get<int64_t>());
+  }
+  return box;
+}
+
+std::string inner_text(const InnerBox& inner) {
+  if (inner.whole()) return "whole width";
+  std::string out = "[";
+  for (size_t d = 0; d < inner.offsets.size(); ++d) {
+    out += (d ? ", " : "") + std::to_string(inner.offsets[d]) + ":" +
+           std::to_string(inner.offsets[d] + (d < inner.lengths.size() ? inner.lengths[d] : 0));
+  }
+  return out + "]";
+}
+
+std::string coverage_fault(const std::vector<int64_t>& shape, std::vector<ChunkExtent> chunks) {
+  int64_t numel = 1;
+  for (const int64_t d : shape) numel *= d;
+  if (numel == 0) return "";
+  const int64_t rows = shape.empty() ? 1 : shape[0];
+  const size_t inner_dims = shape.empty() ? 0 : shape.size() - 1;
+  static const InnerBox kWhole;
+  for (auto& c : chunks) {
+    if (c.inner == nullptr) c.inner = &kWhole;
+    const InnerBox& b = *c.inner;
+    std::string bad;
+    if (c.row_begin < 0 || c.row_end <= c.row_begin || c.row_end > rows) {
+      bad = "rows outside the tensor's " + std::to_string(rows) + " (or none)";
+    } else if (!b.whole() && (b.offsets.size() != inner_dims || b.lengths.size() != inner_dims)) {
+      bad = "a box of " + std::to_string(b.offsets.size()) + " dimension(s) where the tensor has " +
+            std::to_string(inner_dims) + " after its rows";
+    } else {
+      for (size_t d = 0; d < b.offsets.size() && bad.empty(); ++d) {
+        if (b.offsets[d] < 0 || b.lengths[d] <= 0 || b.offsets[d] + b.lengths[d] > shape[d + 1]) {
+          bad = "dimension " + std::to_string(d + 1) + " outside its extent " + std::to_string(shape[d + 1]);
+        }
+      }
+    }
+    if (!bad.empty()) {
+      return "a chunk (rows " + std::to_string(c.row_begin) + " to " + std::to_string(c.row_end) + ", inner " +
+             inner_text(b) + ") lies outside the tensor: " + bad;
+    }
+  }
+  // Per inner box, every row once.
+  std::sort(chunks.begin(), chunks.end(), [](const ChunkExtent& a, const ChunkExtent& b) {
+    return *a.inner == *b.inner ? a.row_begin < b.row_begin : *a.inner < *b.inner;
+  });
+  std::vector<const InnerBox*> boxes;
+  for (size_t i = 0; i < chunks.size();) {
+    const InnerBox& box = *chunks[i].inner;
+    int64_t next = 0;
+    for (; i < chunks.size() && *chunks[i].inner == box; ++i) {
+      if (chunks[i].row_begin != next) break;
+      next = chunks[i].row_end;
+    }
+    if (next != rows) {
+      return "its chunks in inner box " + inner_text(box) + " cover rows up to " + std::to_string(next) + " of " +
+             std::to_string(rows) + " (rows missing, or written twice)";
+    }
+    boxes.push_back(&box);
+  }
+  // The boxes tile the other dimensions: no two overlap, and together they are the whole.
+  int64_t inner_numel = 1, covered = 0;
+  for (size_t d = 0; d < inner_dims; ++d) inner_numel *= shape[d + 1];
+  for (size_t i = 0; i < boxes.size(); ++i) {
+    covered += boxes[i]->whole() ? inner_numel : boxes[i]->row_numel(shape);
+    for (size_t k = 0; k < i; ++k) {
+      bool overlap = true;
+      for (size_t d = 0; d < inner_dims && overlap; ++d) {
+        const int64_t a0 = boxes[i]->whole() ? 0 : boxes[i]->offsets[d];
+        const int64_t a1 = boxes[i]->whole() ? shape[d + 1] : a0 + boxes[i]->lengths[d];
+        const int64_t b0 = boxes[k]->whole() ? 0 : boxes[k]->offsets[d];
+        const int64_t b1 = boxes[k]->whole() ? shape[d + 1] : b0 + boxes[k]->lengths[d];
+        overlap = a0 < b1 && b0 < a1;
+      }
+      if (overlap) return "its inner boxes " + inner_text(*boxes[k]) + " and " + inner_text(*boxes[i]) + " overlap";
+    }
+  }
+  if (covered != inner_numel) {
+    return "its inner boxes cover " + std::to_string(covered) + " of the " + std::to_string(inner_numel) +
+           " elements of a row";
+  }
+  return "";
+}
+
 std::string RankPart::encode() const {
   Encoder e;
   e.str(kPartMagic);
@@ -105,6 +200,8 @@ std::string RankPart::encode() const {
     e.str(c.tensor);
     e.i64(c.row_begin);
     e.i64(c.row_end);
+    e.shape(c.inner.offsets);
+    e.shape(c.inner.lengths);
     e.u64(c.begin);
     e.u64(c.end);
     e.u64(c.block_bytes);
@@ -133,11 +230,13 @@ RankPart RankPart::decode(const std::string& bytes, int rank) {
     name = d.str();
     step = d.i64();
   }
-  p.chunks.resize(d.count(7 * sizeof(uint64_t)));
+  p.chunks.resize(d.count(9 * sizeof(uint64_t)));
   for (auto& c : p.chunks) {
     c.tensor = d.str();
     c.row_begin = d.i64();
     c.row_end = d.i64();
+    c.inner.offsets = d.shape();
+    c.inner.lengths = d.shape();
     c.begin = d.u64();
     c.end = d.u64();
     c.block_bytes = d.u64();
@@ -174,6 +273,8 @@ RankPart RankPart::from_json(const ordered_json& j) {
     r.end = bytes[1];
     r.block_bytes = c.at("block_bytes").get<uint64_t>();
     r.crc32c = c.at("crc32c").get<std::vector<uint32_t>>();
+    if (c.contains("inner"))
+      r.inner = inner_from_json(nlohmann::json(c["inner"]), "a manifest part's chunk of tensor '" + r.tensor + "'");
     p.chunks.push_back(std::move(r));
   }
   return p;
@@ -299,20 +400,20 @@ std::string assemble_manifest(const ManifestHeader& header, const std::vector<Te
   out += "{";
   for (size_t i = 0; i < tensors.size(); ++i) {
     auto& [meta, chunks] = tensors[i];
-    std::sort(chunks.begin(), chunks.end(),
-              [](const auto& a, const auto& b) { return a.second->row_begin < b.second->row_begin; });
-    // Every row once: an optimizer state that some of its writers lack (a rank that never
+    std::sort(chunks.begin(), chunks.end(), [](const auto& a, const auto& b) {
+      const ChunkRecord &x = *a.second, &y = *b.second;
+      return x.inner == y.inner ? x.row_begin < y.row_begin : x.inner < y.inner;
+    });
+    // Every element once: an optimizer state that some of its writers lack (a rank that never
     // stepped) leaves rows without a chunk.
-    int64_t next = 0;
-    for (const auto& c : chunks) {
-      if (c.second->row_begin != next) break;
-      next = c.second->row_end;
-    }
+    std::vector<ChunkExtent> extents;
+    extents.reserve(chunks.size());
+    for (const auto& c : chunks) extents.push_back({c.second->row_begin, c.second->row_end, &c.second->inner});
     const auto& shape = meta->shape;
-    const bool empty = std::find(shape.begin(), shape.end(), 0) != shape.end();
-    FSDP_CHECK(empty || next == (shape.empty() ? 1 : shape[0]), "tensor '", meta->key, "' has rows ", next,
-               " and on without a writer: the ranks that hold them have no such state. Step the optimizer on "
-               "every rank before saving.");
+    const std::string fault = coverage_fault(shape, std::move(extents));
+    FSDP_CHECK(fault.empty(), "tensor '", meta->key, "' is not written once in all by the ranks: ", fault,
+               ". An optimizer state some ranks lack: step the optimizer on every rank before saving; otherwise the "
+               "ranks' tensor-parallel parts do not tile the tensor.");
     out += i == 0 ? "\n  " : ",\n  ";
     append_json_string(out, meta->key);
     out += ": {\"kind\": ";
@@ -326,6 +427,14 @@ std::string assemble_manifest(const ManifestHeader& header, const std::vector<Te
       const ChunkRecord& c = *chunks[k].second;
       out += k == 0 ? "\n   {\"rows\": " : ",\n   {\"rows\": ";
       append_json_array(out, std::array<int64_t, 2>{c.row_begin, c.row_end});
+      if (!c.inner.whole()) {
+        out += ", \"inner\": [";
+        for (size_t d = 0; d < c.inner.offsets.size(); ++d) {
+          out += d == 0 ? "" : ", ";
+          append_json_array(out, std::array<int64_t, 2>{c.inner.offsets[d], c.inner.lengths[d]});
+        }
+        out += "]";
+      }
       out += ", \"file\": ";
       append_json_number(out, chunks[k].first);
       out += ", \"bytes\": ";

@@ -9,6 +9,7 @@
 // manifest_from_parts, which the checkpoint benchmark times at 1024 simulated ranks).
 #pragma once
 
+#include "checkpoint/manifest.h"
 #include "data/distributed_sampler.h"
 
 #include <nlohmann/json.hpp>
@@ -44,11 +45,12 @@ struct TensorMeta {
   static TensorMeta from_json(const std::string& key, const ordered_json& j);
 };
 
-/// Rows [row_begin, row_end) of `tensor`, at bytes [begin, end) of its rank's file, with the
-/// CRC32C of each block of `block_bytes`.
+/// Rows [row_begin, row_end) of `tensor` within `inner` (the whole width when empty), at bytes
+/// [begin, end) of its rank's file, with the CRC32C of each block of `block_bytes`.
 struct ChunkRecord {
   std::string tensor;
   int64_t row_begin = 0, row_end = 0;
+  InnerBox inner;
   uint64_t begin = 0, end = 0, block_bytes = 0;
   std::vector<uint32_t> crc32c;
 };
@@ -69,6 +71,25 @@ struct RankPart {
   static RankPart from_json(const ordered_json& j);
 };
 
+/// A chunk's extent, for coverage_fault.
+struct ChunkExtent {
+  int64_t row_begin = 0, row_end = 0;
+  const InnerBox* inner = nullptr;
+};
+
+/// Why `chunks` do not cover a tensor of `shape` exactly once, as a sentence; "" when they do. The
+/// rule (docs/checkpoint-format.md, "Chunks"): each chunk's box lies inside the shape; the chunks of
+/// one inner box cover every row once; the distinct inner boxes tile the dimensions from 1 on
+/// (volumes sum to the whole, no two overlap). Linear in the chunks but for the distinct boxes,
+/// which are compared pairwise (one per tensor-parallel part). A tensor without elements needs none.
+std::string coverage_fault(const std::vector<int64_t>& shape, std::vector<ChunkExtent> chunks);
+
+/// A chunk's "inner" member ([[offset, length], ...]); a malformed one is refused naming `what`.
+InnerBox inner_from_json(const nlohmann::json& j, const std::string& what);
+
+/// `inner` as text: "[0:8, 4:8]" (offset:end per dimension from 1), "whole width" when empty.
+std::string inner_text(const InnerBox& inner);
+
 /// A sampler's state as the manifest's "data" object, and back (refusing a malformed one, named
 /// with the manifest's `path`).
 ordered_json sampler_state_json(const data::SamplerState& s);
@@ -85,8 +106,8 @@ std::string seal_manifest(std::string open);
 std::string check_manifest_seal(const std::string& text, uint32_t sealed_crc32c);
 
 /// The manifest's text from `header`, the model's tensors (in the model's order) and every rank's
-/// part, in rank order. Checks that every tensor's chunks cover its rows once and that the ranks
-/// agree on each optimizer step; `bytes_total` gets the tensor bytes of all chunks.
+/// part, in rank order. Checks that every tensor's chunks cover it once (coverage_fault) and that the
+/// ranks agree on each optimizer step; `bytes_total` gets the tensor bytes of all chunks.
 std::string assemble_manifest(const ManifestHeader& header, const std::vector<TensorMeta>& model_tensors,
                               const std::vector<RankPart>& parts, int64_t& bytes_total);
 

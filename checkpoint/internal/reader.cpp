@@ -29,9 +29,12 @@ struct ShardReader::Piece {
   const ManifestTensor* tensor = nullptr;
   const ManifestChunk* chunk = nullptr;
   int64_t row_begin = 0, row_end = 0;  // global rows copied
-  uint64_t lo = 0, hi = 0;             // file bytes read: the copied ones rounded out to blocks
-  uint64_t copy_begin = 0;             // file offset of the first copied byte
-  uint64_t copy_bytes = 0;
+  // Along the dimensions from 1: the part copied (absolute), and the chunk's and the target's
+  // extents it is cut from and put into.
+  std::vector<int64_t> offsets, lengths, chunk_offsets, chunk_lengths, target_offsets;
+  uint64_t lo = 0, hi = 0;    // file bytes read: the chunk's rows copied from, rounded out to blocks
+  uint64_t copy_begin = 0;    // file offset of the first of those rows
+  uint64_t copy_bytes = 0;    // bytes of those rows (all of the chunk's width)
   size_t range = 0;           // the read that holds it (staged pieces)
   uint8_t* direct = nullptr;  // in place: the destination's first byte, read straight into
 };
@@ -82,6 +85,17 @@ struct ShardReader::Range {
 
 namespace {
 
+// `box`'s offsets and lengths along the dimensions from 1 of a tensor of `shape`, a whole box's too.
+void extent(const InnerBox& box, const std::vector<int64_t>& shape, std::vector<int64_t>& offsets,
+            std::vector<int64_t>& lengths) {
+  const size_t n = shape.empty() ? 0 : shape.size() - 1;
+  offsets.assign(n, 0);
+  lengths.assign(shape.begin() + (shape.empty() ? 0 : 1), shape.end());
+  if (box.whole()) return;
+  offsets = box.offsets;
+  lengths = box.lengths;
+}
+
 std::string hex(uint32_t v) {
   char text[16];
   std::snprintf(text, sizeof(text), "0x%08x", v);
@@ -95,13 +109,28 @@ ShardReader::ShardReader(const Manifest& manifest, std::vector<ReadTarget> targe
   for (size_t i = 0; i < targets_.size(); ++i) {
     const ReadTarget& t = targets_[i];
     const ManifestTensor& mt = m_.tensors.at(t.tensor);
-    const uint64_t row_bytes = mt.bytes() / static_cast<uint64_t>(std::max<int64_t>(mt.rows(), 1));
-    stats_.bytes_needed += static_cast<uint64_t>(t.row_end - t.row_begin) * row_bytes;
-    // The chunks are in row order (read_manifest checked it): those that overlap [row_begin, row_end).
+    const uint64_t element = c10::elementSize(scalar_type_of(mt.dtype, mt.key));
+    std::vector<int64_t> t_off, t_len;
+    extent(t.inner, mt.shape, t_off, t_len);
+    stats_.bytes_needed +=
+        static_cast<uint64_t>(t.row_end - t.row_begin) * static_cast<uint64_t>(t.inner.row_numel(mt.shape)) * element;
     for (const ManifestChunk& c : mt.chunks) {
       const int64_t a = std::max(t.row_begin, c.row_begin), b = std::min(t.row_end, c.row_end);
+      const uint64_t row_bytes = static_cast<uint64_t>(c.inner.row_numel(mt.shape)) * element;
       if (a >= b || row_bytes == 0) continue;
       Piece p;
+      extent(c.inner, mt.shape, p.chunk_offsets, p.chunk_lengths);
+      bool overlaps = true, same_width = true;
+      for (size_t d = 0; d < t_off.size(); ++d) {
+        const int64_t lo = std::max(t_off[d], p.chunk_offsets[d]);
+        const int64_t hi = std::min(t_off[d] + t_len[d], p.chunk_offsets[d] + p.chunk_lengths[d]);
+        overlaps = overlaps && lo < hi;
+        same_width = same_width && t_off[d] == p.chunk_offsets[d] && t_len[d] == p.chunk_lengths[d];
+        p.offsets.push_back(lo);
+        p.lengths.push_back(hi - lo);
+      }
+      if (!overlaps) continue;
+      p.target_offsets = t_off;
       p.target = i;
       p.tensor = &mt;
       p.chunk = &c;
@@ -118,14 +147,14 @@ ShardReader::ShardReader(const Manifest& manifest, std::vector<ReadTarget> targe
         p.lo = c.begin + from / c.block_bytes * c.block_bytes;
         p.hi = std::min(c.end, c.begin + (to + c.block_bytes - 1) / c.block_bytes * c.block_bytes);
       }
-      if (in_place && p.lo == p.copy_begin && p.hi == p.copy_begin + p.copy_bytes) {
+      if (in_place && same_width && p.lo == p.copy_begin && p.hi == p.copy_begin + p.copy_bytes) {
         const at::Tensor dst = t.dst.dim() == 0 ? t.dst : t.dst.narrow(0, a - t.row_begin, b - a);
         if (dst.is_cpu() && dst.is_contiguous() && dst.scalar_type() == scalar_type_of(mt.dtype, mt.key) &&
             dst.nbytes() == p.copy_bytes) {
           p.direct = static_cast<uint8_t*>(dst.data_ptr());
         }
       }
-      pieces_.push_back(p);
+      pieces_.push_back(std::move(p));
     }
   }
   // Sorted by file and offset; ranges that touch or overlap are merged into one read.
@@ -254,17 +283,27 @@ void ShardReader::apply() {
     const ReadTarget& t = targets_[p.target];
     const Range& r = ranges_[p.range];
     const at::ScalarType type = scalar_type_of(p.tensor->dtype, p.tensor->key);
-    at::Tensor dst = t.dst.dim() == 0 ? t.dst : t.dst.narrow(0, p.row_begin - t.row_begin, p.row_end - p.row_begin);
+    // The chunk's rows, as they lie in the file (all of its width) ...
+    std::vector<int64_t> shape{p.row_end - p.row_begin};
+    shape.insert(shape.end(), p.chunk_lengths.begin(), p.chunk_lengths.end());
+    if (t.dst.dim() == 0) shape.clear();
     const uint8_t* src = r.data.get() + (p.copy_begin - r.begin);
     at::Tensor rows;
     if (reinterpret_cast<uintptr_t>(src) % c10::elementSize(type) == 0) {
-      rows = at::from_blob(const_cast<uint8_t*>(src), dst.sizes(), at::TensorOptions().dtype(type));
+      rows = at::from_blob(const_cast<uint8_t*>(src), shape, at::TensorOptions().dtype(type));
     } else {  // a tensor after one of an odd number of 2-byte elements: copied to aligned memory
-      rows = at::empty(dst.sizes(), at::TensorOptions().dtype(type));
+      rows = at::empty(shape, at::TensorOptions().dtype(type));
       std::memcpy(rows.data_ptr(), src, p.copy_bytes);
     }
     FSDP_CHECK(static_cast<uint64_t>(rows.numel()) * rows.element_size() == p.copy_bytes, "tensor '", p.tensor->key,
                "' rows ", p.row_begin, " to ", p.row_end, " do not fit their destination");
+    // ... cut to the part the target needs, into its place there.
+    at::Tensor dst = t.dst.dim() == 0 ? t.dst : t.dst.narrow(0, p.row_begin - t.row_begin, p.row_end - p.row_begin);
+    for (size_t d = 0; d < p.offsets.size() && t.dst.dim() > 0; ++d) {
+      const auto dim = static_cast<int64_t>(d + 1);
+      rows = rows.narrow(dim, p.offsets[d] - p.chunk_offsets[d], p.lengths[d]);
+      dst = dst.narrow(dim, p.offsets[d] - p.target_offsets[d], p.lengths[d]);
+    }
     dst.copy_(rows);
   }
   for (Range& r : ranges_) r.data.reset();

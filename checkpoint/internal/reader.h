@@ -1,7 +1,9 @@
 // Reading the rows a rank needs out of a checkpoint, whatever number of ranks saved it: the byte
 // ranges of the chunks that overlap each destination's rows, rounded out to their checksum blocks
-// only (never whole chunks or files), read with sorted preads through one descriptor per file,
-// every block checked against the manifest's CRC32C before a byte is applied. A chunk without
+// only (never whole chunks or files; a chunk's rows whole when it and the destination hold
+// different parts of the width, as tensor-parallel parts on another number of ranks do: what is
+// read beyond the need is then at most the chunk's width over the overlap's), read with sorted preads through one
+// descriptor per file, every block checked against the manifest's CRC32C before a byte is applied. A chunk without
 // checksums (a Hugging Face file's tensor) is read for exactly the bytes needed, unverified. Internal to the
 // checkpoint library (checkpoint/load.cpp).
 #pragma once
@@ -17,12 +19,14 @@
 
 namespace fsdp::checkpoint::detail {
 
-/// Rows [row_begin, row_end) of the manifest's tensor `tensor` go into `dst` (those rows, any
-/// device and strides; a scalar tensor's one row is the scalar).
+/// Rows [row_begin, row_end) of the manifest's tensor `tensor`, within `inner` along its other
+/// dimensions (the whole width when empty), go into `dst` (that extent, any device and strides; a
+/// scalar tensor's one row is the scalar).
 struct ReadTarget {
   size_t tensor = 0;
   int64_t row_begin = 0, row_end = 0;
   at::Tensor dst;
+  InnerBox inner;
 };
 
 struct ReadStats {

@@ -71,12 +71,12 @@ int64_t PreparedSave::bytes() const {
 }
 
 PreparedSave prepare_save(const std::string& root, const FSDPModule& model, const torch::optim::Optimizer* opt,
-                          const SaveOptions& options) {
+                          const SaveOptions& options, int rank, int world_size) {
   PreparedSave p;
   p.root = root;
   p.name = checkpoint_name(options);
-  p.rank = model.rank();
-  p.world_size = model.world_size();
+  p.rank = rank;
+  p.world_size = world_size;
   p.options = options;
   FSDP_CHECK(options.io_threads() >= 1, "SaveOptions::io_threads is ", options.io_threads(),
              ": give at least 1 thread.");
@@ -87,15 +87,18 @@ PreparedSave prepare_save(const std::string& root, const FSDPModule& model, cons
              ": give the number of newest checkpoints to keep, or 0 to keep all.");
   // An optimizer the format cannot hold is refused before anything is on disk.
   const std::string type = opt != nullptr ? detail::optimizer_type(*opt, "fsdp::checkpoint::save") : "";
-  auto add = [&](const std::string& key, int64_t b, int64_t e, const at::Tensor& data) {
+  auto add = [&](const std::string& key, int64_t b, int64_t e, const at::Tensor& data, const InnerBox& inner = {}) {
     p.keys.push_back(key);
     p.rows.emplace_back(b, e);
-    p.tensors.emplace_back(key + "[" + std::to_string(b) + ":" + std::to_string(e) + "]", data);
+    p.inners.push_back(inner);
+    // The entry's name in this rank's file: "model/w[0:4]", a part of the width "model/w[0:4, 8:16]".
+    const std::string box = inner.whole() ? "" : ", " + inner_text(inner).substr(1, inner_text(inner).size() - 2);
+    p.tensors.emplace_back(key + "[" + std::to_string(b) + ":" + std::to_string(e) + box + "]", data);
   };
   const auto specs = model.shard_specs();
   if (p.rank == 0) {
     for (const auto& s : specs) {
-      p.model_tensors.push_back({"model/" + s.name, "parameter", safetensors_dtype(s.dtype), s.global_shape});
+      p.model_tensors.push_back({"model/" + s.name, "parameter", safetensors_dtype(s.dtype), place_of(s).shape});
     }
     for (const auto& u : model.units()) p.strategies[u.name.empty() ? "<root>" : u.name] = to_string(u.strategy);
     if (opt != nullptr) p.optimizer = optimizer_record(specs, *opt, type);
@@ -128,11 +131,13 @@ PreparedSave prepare_save(const std::string& root, const FSDPModule& model, cons
   for (const auto& w : plan_writes(specs)) {
     const ShardSpec& s = specs[w.spec];
     const int64_t n = w.row_end - w.row_begin;
-    add("model/" + s.name, w.row_begin, w.row_end, rows_of(s.local.detach(), w.local_row, n));
+    add("model/" + s.name, w.row_begin, w.row_end, rows_of(s.local.detach(), w.local_row, n), w.inner);
     for (const auto& [name, t] : states[w.spec].tensors) {
       const std::string key = "optim/" + s.name + "/" + name;
-      if (!described[w.spec]) p.extra_tensors.push_back({key, "optimizer", safetensors_dtype(s.dtype), s.global_shape});
-      add(key, w.row_begin, w.row_end, rows_of(t.detach(), w.local_row, n));
+      if (!described[w.spec]) {
+        p.extra_tensors.push_back({key, "optimizer", safetensors_dtype(s.dtype), place_of(s).shape});
+      }
+      add(key, w.row_begin, w.row_end, rows_of(t.detach(), w.local_row, n), w.inner);
     }
     described[w.spec] = true;
   }
@@ -227,7 +232,8 @@ SaveResult write_and_commit(PreparedSave& p, const Group& group, const std::stri
     mine.steps = p.steps;
     for (size_t i = 0; i < p.keys.size(); ++i) {
       const auto& t = file.tensors[i];
-      mine.chunks.push_back({p.keys[i], p.rows[i].first, p.rows[i].second, t.begin, t.end, t.block_bytes, t.crc32c});
+      mine.chunks.push_back(
+          {p.keys[i], p.rows[i].first, p.rows[i].second, p.inners[i], t.begin, t.end, t.block_bytes, t.crc32c});
     }
     part = mine.encode();
   });

@@ -26,9 +26,11 @@ struct PreparedSave {
   std::string root, name;
   int rank = 0, world_size = 1;
   SaveOptions options;
-  /// This rank's file, in order: each entry's manifest key, global rows, file entry name and data.
+  /// This rank's file, in order: each entry's manifest key, global rows, inner box (along the
+  /// dimensions from 1: a tensor-parallel part), file entry name and data.
   std::vector<std::string> keys;
   std::vector<std::pair<int64_t, int64_t>> rows;
+  std::vector<InnerBox> inners;
   std::vector<std::pair<std::string, at::Tensor>> tensors;
   /// Kind, dtype and shape of the optimizer and generator tensors this rank writes; the optimizer
   /// steps of the parameters it has state for.
@@ -46,11 +48,12 @@ struct PreparedSave {
 /// The checkpoint's directory name under the root: SaveOptions::name, else step_name(step).
 std::string checkpoint_name(const SaveOptions& options);
 
-/// What this rank saves of `model` (and `optimizer`, when not null) under `root`. Refuses an
-/// optimizer the format cannot hold and one built on other parameters. Reads the live tensors'
-/// metadata only; their bytes are read when the file is written.
+/// What this rank saves of `model` (and `optimizer`, when not null) under `root`, as rank `rank` of
+/// the `world_size` ranks the save spans (checkpoint_group). Refuses an optimizer the format cannot
+/// hold and one built on other parameters. Reads the live tensors' metadata only; their bytes are
+/// read when the file is written.
 PreparedSave prepare_save(const std::string& root, const FSDPModule& model, const torch::optim::Optimizer* optimizer,
-                          const SaveOptions& options);
+                          const SaveOptions& options, int rank, int world_size);
 
 /// Writes this rank's file into the staging directory, agrees with every rank of `group` after
 /// each phase, gathers the parts and (rank 0) writes the manifest and commits. `first` runs in the

@@ -70,7 +70,12 @@ void RunState::init_mesh(const MeshState& mesh) {
     shard_comm = comm_over(kShardDim);
     replicate_comm = comm_over(kReplicateDim);
   }
-  if (mesh.group(kTensorDim).global_ranks.size() > 1) tp_comm = comm_over(kTensorDim);
+  if (mesh.group(kTensorDim).global_ranks.size() > 1) {
+    tp_comm = comm_over(kTensorDim);
+    GroupInfo world{"the mesh's world", {}, mesh.world->getSize()};
+    world.mesh = mesh.where();
+    mesh_comm = std::make_unique<Comm>(mesh.world, comm.timeout(), comm.shared(), world, comm.verify());
+  }
 }
 
 std::vector<int64_t> RunState::check_boundary(Call call, Fingerprint args, const std::string& description,

@@ -51,6 +51,9 @@ class RunState : public std::enable_shared_from_this<RunState> {
   /// (clipping's norm, the scaler's overflow), and each split parameter's TensorSplit (by
   /// TensorImpl, fsdp/internal/tensor_splits.cpp).
   std::unique_ptr<Comm> tp_comm;
+  /// With tp_comm: the mesh's whole world (sharing comm's statistics), which a checkpoint spans,
+  /// since its tensor-parallel ranks hold different parts of the model.
+  std::unique_ptr<Comm> mesh_comm;
   std::unordered_map<const c10::TensorImpl*, TensorSplit> tp_splits;
   int tp_size() const { return tp_comm ? tp_comm->world_size() : 1; }
   /// Between the first pre-backward hook of a backward and its end-of-backward callback.
