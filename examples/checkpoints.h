@@ -1,5 +1,5 @@
-// train_gpt's checkpoints: its flags, the resume at start-up (the latest checkpoint, its seed first, then the
-// model, the optimizer, the generators and the sampler), and the saves every --save-every steps,
+// The examples' checkpoints (train_gpt, train_llama): their flags, the resume at start-up (the latest checkpoint, its
+// seed first, then the model, the optimizer, the generators and the sampler), and the saves every --save-every steps,
 // synchronous, or with --async-save in the background (fsdp::checkpoint::AsyncSaver), where a save
 // that finds the previous one still being written is skipped on every rank and counted. After each
 // step it also counts the steps a failure would lose: those since the latest committed checkpoint.
@@ -80,7 +80,7 @@ class Checkpoints {
     const auto saved = fsdp::checkpoint::read_manifest(path).data;
     if (!saved) {
       throw std::runtime_error("checkpoint '" + path +
-                               "' holds no data sampler state: it was not saved by this train_gpt. Pass another "
+                               "' holds no data sampler state: it was not saved by this example. Pass another "
                                "--save-dir.");
     }
     seed = saved->seed;

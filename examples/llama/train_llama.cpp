@@ -12,6 +12,7 @@
 //
 // Exit status: 0 trained; 2 a bad flag, --data file or model shape (nothing trained); 1 anything
 // else, printed as "train_llama (rank R): <message>".
+#include "examples/checkpoints.h"
 #include "examples/cli.h"
 #include "examples/corpus.h"
 #include "examples/llama/hf.h"
@@ -56,6 +57,7 @@ struct Args : cli::RunFlags {
   std::vector<int64_t> prompt;  // token ids for --logits-out
   std::string logits_out;       // safetensors file of the prompt's logits, before any step
   std::string export_hf;        // a directory to write in Hugging Face's layout after training
+  examples::CheckpointFlags ckpt;
   bool help = false;
 };
 
@@ -68,6 +70,7 @@ const char* const kUsage =
     "                   [--strategy full|grad-op|optimizer|replicate|hybrid] [--shard-group-size S]\n"
     "                   [--mixed-precision bf16|fp16] [--activation-checkpointing [K]]\n"
     "                   [--from-hf DIR] [--prompt 1,5,9,... --logits-out FILE.safetensors] [--export-hf OUT]\n"
+    "                   [--save-dir DIR [--save-every K] [--resume] [--async-save] [--keep-last N] [--direct-io]]\n"
     "  A Llama (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU) with Hugging Face's names.\n"
     "  --tp T: tensor-parallel size; the data-parallel size is the world size over T (the mesh\n"
     "  (dp_shard N/T, tp T); with --strategy hybrid --shard-group-size S, (dp_replicate N/(T S), dp_shard S,\n"
@@ -81,6 +84,8 @@ const char* const kUsage =
     "  --prompt with --logits-out: rank 0 writes the prompt's logits (one fp32 tensor 'logits', [length,\n"
     "  vocabulary]) before any step; --steps 0 runs nothing else. --export-hf OUT: after training,\n"
     "  OUT/config.json and OUT/model.safetensors in Hugging Face's layout (from_pretrained loads it).\n"
+    "  --save-dir DIR --save-every K: a sharded checkpoint (model, AdamW, sampler) every K steps, over the\n"
+    "  whole mesh; --resume continues from DIR's latest on any mesh (another --tp or world size).\n"
     "  Other flags as train_gpt's. Exit status: 0 trained, 2 bad flags, --data or shape, 1 other errors.\n";
 
 int g_rank = -1;
@@ -150,10 +155,11 @@ Args parse(int argc, char** argv) {
       a.logits_out = value();
     else if (k == "--export-hf")
       a.export_hf = value();
-    else
+    else if (!a.ckpt.parse(k, value))
       usage_error("unknown flag '" + k + "'");
   }
   cli::check_run_flags(a);
+  a.ckpt.check();
   if (a.build_sharded) usage_error("--build-sharded is not supported by train_llama (a ShardingScope over a mesh)");
   if (!a.wrap.empty()) usage_error("--wrap is train_gpt's; train_llama's units are its decoder layers");
   if (a.prompt.empty() != a.logits_out.empty()) usage_error("--prompt and --logits-out go together");
@@ -272,8 +278,33 @@ int run(const Args& args) {
   }
   fsdp::optim::ShardedGradScaler scaler(model,
                                         fsdp::optim::GradScalerOptions().enabled(args.mixed_precision == "fp16"));
+  // --resume: the latest checkpoint's seed (the sampler's), then the model, AdamW, the generators
+  // and the sampler's place, on whatever mesh this run has (the checkpoint records whole tensors).
+  int64_t first_step = 0;
+  uint64_t seed = args.seed;
+  examples::Checkpoints checkpoints(args.ckpt);
+  const std::string resume_from = args.ckpt.resume ? checkpoints.latest(seed) : "";
+  if (args.ckpt.resume && resume_from.empty() && rank == 0) {
+    std::cerr << who() << ": no checkpoint under '" << args.ckpt.dir << "'; starting at step 0\n";
+  }
   fsdp::data::DistributedSampler sampler(samples, mesh.coordinate(fsdp::kDataDim), dp,
-                                         fsdp::data::SamplerOptions(args.batch_size).seed(args.seed));
+                                         fsdp::data::SamplerOptions(args.batch_size).seed(seed));
+  if (!resume_from.empty()) {
+    const auto res = fsdp::checkpoint::load(resume_from, model, *opt,
+                                            fsdp::checkpoint::LoadOptions().sampler(&sampler).in_place(true));
+    first_step = res.step;
+    if (rank == 0 && args.json) {  // what the load read, over every rank, against what it needed
+      std::printf(
+          "{\"resumed\": %s, \"step\": %lld, \"saved_world_size\": %d, \"mesh\": %s, \"bytes_needed\": %lld, "
+          "\"bytes_read\": %lld, \"load_seconds\": %s}\n",
+          cli::json_string(res.path).c_str(), static_cast<long long>(res.step), res.saved_world_size,
+          cli::json_string(mesh.shape_text()).c_str(), static_cast<long long>(res.bytes_needed_total),
+          static_cast<long long>(res.bytes_read_total), cli::json_number(res.seconds, "%.4f").c_str());
+    } else if (rank == 0) {
+      std::cerr << who() << ": resumed from '" << res.path << "' (saved by " << res.saved_world_size
+                << " rank(s)) at step " << first_step << " on mesh " << mesh.shape_text() << "\n";
+    }
+  }
   if (rank == 0 && !args.json) {
     std::cout << "train_llama: " << W << " rank(s) as mesh " << mesh.shape_text() << ", " << n_params << " parameters, "
               << cfg.n_layer << " layers, " << cfg.n_head << " heads (" << cfg.kv_heads() << " key-value), width "
@@ -286,7 +317,7 @@ int run(const Args& args) {
     if (rank == 0) llama::hf::write_logits(args.logits_out, logits.squeeze(0));
   }
   double total_ms = 0;  // steps after the first
-  for (int64_t step = 0; step < args.steps; ++step) {
+  for (int64_t step = first_step; step < args.steps; ++step) {
     opt->zero_grad();
     blocks.reset_comm_stats();
     vocab.reset_comm_stats();
@@ -313,7 +344,7 @@ int run(const Args& args) {
         {fsdp::optim::state_bytes(model.parameters(), opt.get()).total(), fsdp::memory::stats().peak_bytes},
         torch::kLong);
     fsdp::all_reduce(world, mem, c10d::ReduceOp::MAX);
-    if (step > 0) total_ms += ms;
+    if (step > first_step) total_ms += ms;
     auto mean = loss.detach().to(torch::kDouble).reshape({1});
     fsdp::all_reduce(mesh.group(fsdp::kDataDim), mean);
     const double l = mean.item<double>() / dp;
@@ -342,7 +373,13 @@ int run(const Args& args) {
       throw std::runtime_error("the loss of step " + std::to_string(step) +
                                " is not finite: training diverged. Lower --lr, or clip with --clip MAX_NORM.");
     }
+    const std::string saved = checkpoints.after_step(step, model, *opt, sampler,
+                                                     {{"seed", std::to_string(seed)},
+                                                      {"global_batch", std::to_string(args.batch_size)},
+                                                      {"example", "train_llama"}});
+    if (rank == 0 && !saved.empty() && !args.json) std::cerr << who() << ": " << saved << "\n";
   }
+  checkpoints.finish();
   if (!args.export_hf.empty()) {
     llama::hf::export_model(args.export_hf, model, mesh, cfg);
     if (rank == 0 && !args.json) std::cout << "train_llama: exported to " << args.export_hf << "\n";
@@ -358,7 +395,9 @@ int run(const Args& args) {
         "%s}\n",
         W, static_cast<long long>(args.tp), dp, cli::json_string(mesh.shape_text()).c_str(),
         static_cast<long long>(n_params), static_cast<long long>(n_split),
-        cli::json_number(args.steps > 1 ? total_ms / static_cast<double>(args.steps - 1) : 0.0, "%.3f").c_str(),
+        cli::json_number(
+            args.steps - first_step > 1 ? total_ms / static_cast<double>(args.steps - first_step - 1) : 0.0, "%.3f")
+            .c_str(),
         cli::json_number(16.0 * static_cast<double>(n_params) / (dp * T_), "%.1f").c_str(),
         cli::json_number(16.0 * (static_cast<double>(n_split) / T_ + static_cast<double>(n_params - n_split)) / dp,
                          "%.1f")
