@@ -16,6 +16,7 @@
 #include "examples/cli.h"
 #include "examples/corpus.h"
 #include "examples/gpt.h"
+#include "examples/program.h"
 #include "examples/run_flags.h"
 #include "examples/strategy_flags.h"
 #include "fsdp/fsdp.h"
@@ -95,24 +96,16 @@ const char* const kUsage =
     "  --direct-io: write the checkpoints with O_DIRECT (no page-cache copy: less CPU taken from training).\n"
     "  Exit status: 0 trained, 2 bad flags or --data, 1 other errors (a non-finite loss or gradient norm).\n";
 
-/// "train_gpt (rank R)" for messages; the rank from the launcher's RANK until the group exists.
-int g_rank = -1;
 // Wall-clock seconds at main()'s entry, for --json's start row (the recovery of an elastic run).
 double g_t_main = 0;
 double wall_seconds() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
-bool g_json = false;  // --json: an error also ends stdout with {"error": ...}
+cli::Program g_program{"train_gpt", kUsage};  // its name in messages, its rank once known
 std::string who() {
-  if (g_rank >= 0) return "train_gpt (rank " + std::to_string(g_rank) + ")";
-  const char* env = std::getenv("RANK");
-  if (env != nullptr && *env != '\0') return std::string("train_gpt (rank ") + env + ")";
-  return "train_gpt";
+  return g_program.who();
 }
-
-[[noreturn]] void usage_error(const std::string& error) {
-  throw cli::InputError(error, true);
-}
+using cli::usage_error;
 
 Args parse(int argc, char** argv) {
   Args a;
@@ -191,7 +184,7 @@ int run(const Args& args) {
   auto pg = fsdp::init_process_group(init);
   const double t_group = wall_seconds();
   const int rank = pg->getRank(), world = pg->getSize();
-  g_rank = rank;
+  g_program.rank = rank;
   // Each step's global batch: this rank's share of it, in K micro-batches of `micro` rows.
   if (args.batch_size % world != 0) {
     usage_error("--batch-size " + std::to_string(args.batch_size) + " cannot be split over the " +
@@ -450,37 +443,16 @@ int run(const Args& args) {
 
 }  // namespace
 
-// On stderr; with --json also as the last line of stdout, so that a reader of the JSON stream
-// sees why it ended (a NaN stop, a failed collective) and on which rank.
-void report_error(const std::string& message) {
-  std::cerr << who() << ": " << message << "\n";
-  if (g_json) {
-    std::cout << "{\"error\": " << cli::json_string(message) << ", \"rank\": " << g_rank << "}" << std::endl;
-  }
-}
-
 int main(int argc, char** argv) {
   g_t_main = wall_seconds();
   fsdp::memory::enable_cpu_counting();  // first: count every allocation from here on
-  // Every error ends here with a message and an exit status, never an abort with a backtrace.
-  try {
+  return g_program.main([&] {
     const Args args = parse(argc, argv);
-    g_json = args.json;
+    g_program.json = args.json;
     if (args.help) {
       std::cout << kUsage;
       return 0;
     }
     return run(args);
-  } catch (const cli::InputError& e) {
-    std::cerr << who() << ": " << e.what() << "\n";
-    if (e.show_usage) std::cerr << kUsage;
-    return cli::kUsageExit;
-  } catch (const c10::Error& e) {
-    report_error(cli::without_backtrace(e.what_without_backtrace()));
-  } catch (const std::exception& e) {
-    report_error(cli::without_backtrace(e.what()));
-  } catch (...) {
-    report_error("stopped by an unknown exception");
-  }
-  return cli::kErrorExit;
+  });
 }

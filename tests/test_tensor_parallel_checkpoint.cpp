@@ -3,8 +3,9 @@
 // by an AsyncSaver), then loaded on other meshes: FSDP 2 x TP 2 again, FSDP 3 (ranks 0-2), TP 4 and
 // one rank, and into the plain net. Every parameter bit-exact, every element written once (bytes
 // from shapes), training continuing as the uninterrupted one-process run (1e-5 relative), the read
-// amplification of a load at another TP size within the ratio of the TP sizes; consolidation and
-// Python's reader assemble the parts; corrupt inner boxes are refused with their own messages.
+// amplification of a load at another TP size within the ratio of the TP sizes; consolidation,
+// Python's reader and fsdp-ckpt verify/inspect read the parts; corrupt inner boxes are refused
+// with their own messages.
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/consolidate.h"
 #include "fsdp/fsdp.h"
@@ -136,6 +137,18 @@ void save_and_reshard(Rank& r) {
     EXPECT_EQ(rc, 0) << text;
     std::cout << text;
 #endif
+    // The command-line tool: every block verified; the row-parallel weights listed in 2 parts.
+    const std::string tool_log = shared_dir() + "/tool.log";
+    EXPECT_EQ(std::system((std::string(FSDP_CKPT_TOOL) + " verify " + path + " > " + tool_log + " 2>&1").c_str()), 0);
+    EXPECT_EQ(std::system((std::string(FSDP_CKPT_TOOL) + " inspect " + path + " > " + tool_log + " 2>&1").c_str()), 0);
+    std::ifstream tool_out(tool_log);
+    const std::string listing((std::istreambuf_iterator<char>(tool_out)), std::istreambuf_iterator<char>());
+    for (const char* key : {"model/h0.down.weight", "model/h1.down.weight", "optim/h0.down.weight/exp_avg"}) {
+      const size_t at = listing.find(key);
+      ASSERT_NE(at, std::string::npos) << listing;
+      EXPECT_NE(listing.substr(at, listing.find('\n', at) - at).find("in 2 parts of its width"), std::string::npos)
+          << listing;
+    }
     // Damaged copies: a box outside the tensor, boxes that overlap, a box in a format-3 manifest.
     auto edit_box = [&](const std::string& name, const std::function<void(nlohmann::json&)>& edit) {
       copy_checkpoint(path, root + "/" + name);

@@ -4,7 +4,8 @@
 // by side in one 4-rank launch], (2, 2), (4, 1), hybrid over a 1-D dp mesh, and hybrid with tensor
 // parallelism (dp_replicate 2 x dp_shard 2 x tp 2, 8 ranks). Losses and the clipped norm within
 // 1e-5 relative at every step, the final weights (each rank's part) within 1e-5; with activation
-// checkpointing and FusedAdamW too, and built in a ShardingScope over the mesh.
+// checkpointing and FusedAdamW too, built in a ShardingScope over the mesh, and with CPU offload
+// (its CPU seam) at (2, 2).
 #include "fsdp/fsdp.h"
 #include "tests/harness.h"
 #include "tests/tp_models.h"
@@ -26,7 +27,8 @@ void check_mesh(const DeviceMesh& mesh, const FullyShardOptions& options = {}, b
   const double tol = bf16 ? 2e-2 : 1e-5;
   const std::string label = "mesh " + mesh.shape_text() + " at " + mesh.coordinates_text() + (bf16 ? ", bf16" : "") +
                             (options.activation_checkpointing_every() > 0 ? ", activation checkpointing" : "") +
-                            (fused ? ", FusedAdamW" : "") + (built_sharded ? ", built in a ShardingScope" : "");
+                            (fused ? ", FusedAdamW" : "") + (built_sharded ? ", built in a ShardingScope" : "") +
+                            (options.offload_policy().has_value() ? ", CPU offload" : "");
   torch::manual_seed(3);
   PlainNet plain;
   const Trace want = train_plain(plain);
@@ -80,50 +82,58 @@ void check_mesh(const DeviceMesh& mesh, const FullyShardOptions& options = {}, b
 }
 
 TEST(TensorParallelFSDP, TrainsAsOneProcessOnEveryMesh) {
-  run_ranks(4, [](Rank& r) {
-    {
-      // Two 2-rank jobs side by side: ranks 0-1 as TP 2, ranks 2-3 as FSDP 2.
-      const int half = r.rank / 2;
-      auto world2 = new_subgroup(r.pg, {2 * half, 2 * half + 1}, "half" + std::to_string(half));
-      check_mesh(DeviceMesh(world2, {{half == 0 ? kTensorDim : kShardDim, 2}}));
-    }
-    check_mesh(DeviceMesh(r.pg, {{kShardDim, 2}, {kTensorDim, 2}}));
-    check_mesh(DeviceMesh(r.pg, {{kTensorDim, 4}}));
-    check_mesh(DeviceMesh(r.pg, {{kReplicateDim, 2}, {kShardDim, 2}}));  // hybrid as the mesh's 2-D case
-    // Activation checkpointing (the blocks' forwards, collectives included, run again in backward)
-    // and the fused optimizer, over FSDP 2 x TP 2.
-    check_mesh(DeviceMesh(r.pg, {{kShardDim, 2}, {kTensorDim, 2}}),
-               FullyShardOptions().activation_checkpointing_every(1),
-               /*fused=*/true);
-    check_mesh(DeviceMesh(r.pg, {{kShardDim, 2}, {kTensorDim, 2}}), {}, false, /*built_sharded=*/true);
-    check_mesh(DeviceMesh(r.pg, {{kShardDim, 2}, {kTensorDim, 2}}),
-               FullyShardOptions().mixed_precision(
-                   MixedPrecisionPolicy().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat)));
+  RunOptions offload_seam;  // a CPU model may take CPUOffloadPolicy (FSDP_TEST_OFFLOAD_ON_CPU)
+  offload_seam.env["FSDP_TEST_OFFLOAD_ON_CPU"] = "1";
+  run_ranks(
+      4,
+      [](Rank& r) {
+        {
+          // Two 2-rank jobs side by side: ranks 0-1 as TP 2, ranks 2-3 as FSDP 2.
+          const int half = r.rank / 2;
+          auto world2 = new_subgroup(r.pg, {2 * half, 2 * half + 1}, "half" + std::to_string(half));
+          check_mesh(DeviceMesh(world2, {{half == 0 ? kTensorDim : kShardDim, 2}}));
+        }
+        check_mesh(DeviceMesh(r.pg, {{kShardDim, 2}, {kTensorDim, 2}}));
+        check_mesh(DeviceMesh(r.pg, {{kTensorDim, 4}}));
+        check_mesh(DeviceMesh(r.pg, {{kReplicateDim, 2}, {kShardDim, 2}}));  // hybrid as the mesh's 2-D case
+        // Activation checkpointing (the blocks' forwards, collectives included, run again in backward)
+        // and the fused optimizer, over FSDP 2 x TP 2.
+        check_mesh(DeviceMesh(r.pg, {{kShardDim, 2}, {kTensorDim, 2}}),
+                   FullyShardOptions().activation_checkpointing_every(1),
+                   /*fused=*/true);
+        check_mesh(DeviceMesh(r.pg, {{kShardDim, 2}, {kTensorDim, 2}}), {}, false, /*built_sharded=*/true);
+        // CPU offload (through its CPU seam: host shards and gradients, every copy of the CUDA path).
+        check_mesh(DeviceMesh(r.pg, {{kShardDim, 2}, {kTensorDim, 2}}),
+                   FullyShardOptions().offload_policy(CPUOffloadPolicy()));
+        check_mesh(DeviceMesh(r.pg, {{kShardDim, 2}, {kTensorDim, 2}}),
+                   FullyShardOptions().mixed_precision(
+                       MixedPrecisionPolicy().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat)));
 
-    // Refused: tensor-parallel layers wrapped over the world (sharding would mix the parts), and a
-    // strategy a 2-D data-parallel mesh cannot mean.
-    DeviceMesh mesh(r.pg, {{kShardDim, 2}, {kTensorDim, 2}});
-    tp::Group g(mesh);
-    std::string e;
-    try {
-      fully_shard(TPNet(g, g), r.pg);
-    } catch (const std::exception& x) {
-      e = x.what();
-    }
-    EXPECT_NE(e.find("module 'emb' is tensor parallel over global ranks " + std::to_string(r.rank / 2 * 2) + ", " +
-                     std::to_string(r.rank / 2 * 2 + 1)),
-              std::string::npos)
-        << e;
-    EXPECT_NE(e.find("fsdp::fully_shard(model, mesh)"), std::string::npos) << e;
-    e.clear();
-    try {
-      fully_shard(TPNet(g, g), DeviceMesh(r.pg, {{kReplicateDim, 2}, {kShardDim, 2}}),
-                  FullyShardOptions().strategy(ShardingStrategy::kNoShard));
-    } catch (const std::exception& x) {
-      e = x.what();
-    }
-    EXPECT_NE(e.find("means hybrid sharding, but the options ask for no-shard"), std::string::npos) << e;
-  });
+        // Refused: tensor-parallel layers wrapped over the world (sharding would mix the parts), and a
+        // strategy a 2-D data-parallel mesh cannot mean.
+        DeviceMesh mesh(r.pg, {{kShardDim, 2}, {kTensorDim, 2}});
+        tp::Group g(mesh);
+        std::string e;
+        try {
+          fully_shard(TPNet(g, g), r.pg);
+        } catch (const std::exception& x) {
+          e = x.what();
+        }
+        EXPECT_NE(e.find("module 'emb' is tensor parallel over global ranks " + std::to_string(r.rank / 2 * 2) + ", " +
+                         std::to_string(r.rank / 2 * 2 + 1)),
+                  std::string::npos)
+            << e;
+        EXPECT_NE(e.find("fsdp::fully_shard(model, mesh)"), std::string::npos) << e;
+        e.clear();
+        try {
+          fully_shard(TPNet(g, g), DeviceMesh(r.pg, {{kReplicateDim, 2}, {kShardDim, 2}}),
+                      FullyShardOptions().strategy(ShardingStrategy::kNoShard));
+        } catch (const std::exception& x) {
+          e = x.what();
+        }
+        EXPECT_NE(e.find("means hybrid sharding, but the options ask for no-shard"), std::string::npos) << e;
+      },
+      offload_seam);
 }
 
 TEST(TensorParallelFSDP, HybridWithTensorParallelTrainsAsOneProcess) {

@@ -17,6 +17,7 @@
 #include "examples/corpus.h"
 #include "examples/llama/hf.h"
 #include "examples/llama/llama.h"
+#include "examples/program.h"
 #include "examples/run_flags.h"
 #include "examples/strategy_flags.h"
 #include "fsdp/fsdp.h"
@@ -88,18 +89,11 @@ const char* const kUsage =
     "  whole mesh; --resume continues from DIR's latest on any mesh (another --tp or world size).\n"
     "  Other flags as train_gpt's. Exit status: 0 trained, 2 bad flags, --data or shape, 1 other errors.\n";
 
-int g_rank = -1;
-bool g_json = false;
+cli::Program g_program{"train_llama", kUsage};  // its name in messages, its rank once known
 std::string who() {
-  if (g_rank >= 0) return "train_llama (rank " + std::to_string(g_rank) + ")";
-  const char* env = std::getenv("RANK");
-  if (env != nullptr && *env != '\0') return std::string("train_llama (rank ") + env + ")";
-  return "train_llama";
+  return g_program.who();
 }
-
-[[noreturn]] void usage_error(const std::string& error) {
-  throw cli::InputError(error, true);
-}
+using cli::usage_error;
 
 Args parse(int argc, char** argv) {
   Args a;
@@ -227,7 +221,7 @@ int run(const Args& args) {
   if (timeout) init.timeout(*timeout);
   auto world = fsdp::init_process_group(init);
   const int rank = world->getRank(), W = world->getSize();
-  g_rank = rank;
+  g_program.rank = rank;
   if (W % args.tp != 0) {
     usage_error("--tp " + std::to_string(args.tp) + " does not divide the " + std::to_string(W) +
                 " ranks: the data-parallel size is the world size over --tp");
@@ -410,25 +404,13 @@ int run(const Args& args) {
 
 int main(int argc, char** argv) {
   fsdp::memory::enable_cpu_counting();
-  try {
+  return g_program.main([&] {
     const Args args = parse(argc, argv);
-    g_json = args.json;
+    g_program.json = args.json;
     if (args.help) {
       std::cout << kUsage;
       return 0;
     }
     return run(args);
-  } catch (const cli::InputError& e) {
-    std::cerr << who() << ": " << e.what() << "\n";
-    if (e.show_usage) std::cerr << kUsage;
-    return cli::kUsageExit;
-  } catch (const std::exception& e) {
-    const std::string message = cli::without_backtrace(
-        dynamic_cast<const c10::Error*>(&e) != nullptr ? dynamic_cast<const c10::Error*>(&e)->what_without_backtrace()
-                                                       : e.what());
-    std::cerr << who() << ": " << message << "\n";
-    if (g_json)
-      std::cout << "{\"error\": " << cli::json_string(message) << ", \"rank\": " << g_rank << "}" << std::endl;
-  }
-  return cli::kErrorExit;
+  });
 }
