@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <iostream>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -67,6 +68,7 @@ class Checkpoints {
  public:
   explicit Checkpoints(const CheckpointFlags& flags)
       : dir_(flags.dir),
+        resume_(flags.resume),
         every_(flags.every),
         async_(flags.async),
         keep_last_(static_cast<int>(flags.keep_last)),
@@ -84,6 +86,15 @@ class Checkpoints {
                                "--save-dir.");
     }
     seed = saved->seed;
+    return path;
+  }
+
+  /// With --resume, the checkpoint to resume from (its sampler's seed into `seed`); "" without
+  /// --resume, or when the directory holds none yet, which rank 0 says on stderr (after `who`).
+  std::string resume_from(uint64_t& seed, int rank, const std::string& who) const {
+    if (!resume_) return "";
+    const std::string path = latest(seed);
+    if (path.empty() && rank == 0) std::cerr << who << ": no checkpoint under '" << dir_ << "'; starting at step 0\n";
     return path;
   }
 
@@ -151,6 +162,7 @@ class Checkpoints {
 
  private:
   std::string dir_;
+  bool resume_;
   int64_t every_;
   bool async_;
   int keep_last_;

@@ -248,10 +248,7 @@ int run(const Args& args) {
   int64_t first_step = 0;
   uint64_t seed = args.seed;
   examples::Checkpoints checkpoints(args.ckpt);
-  const std::string resume_from = args.ckpt.resume ? checkpoints.latest(seed) : "";
-  if (args.ckpt.resume && resume_from.empty() && rank == 0) {
-    std::cerr << who() << ": no checkpoint under '" << args.ckpt.dir << "'; starting at step 0\n";
-  }
+  const std::string resume_from = checkpoints.resume_from(seed, rank, who());
   // The order of the corpus's windows, the same on any number of ranks; each step takes the next
   // global batch of it, this rank its share.
   fsdp::data::DistributedSampler sampler(samples, rank, world, fsdp::data::SamplerOptions(args.batch_size).seed(seed));

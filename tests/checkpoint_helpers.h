@@ -9,6 +9,7 @@
 #include "checkpoint/manifest.h"
 #include "checkpoint/safetensors.h"
 #include "optim/fused_adamw.h"
+#include "tests/harness.h"
 #include "tests/models.h"
 #include "tests/temp_dir.h"
 
@@ -17,8 +18,11 @@
 
 #include <sys/stat.h>
 
+#include <cstdlib>
 #include <fstream>
 #include <functional>
+#include <iostream>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <string>
@@ -205,6 +209,33 @@ inline void edit_manifest(const std::string& dir, const std::function<void(nlohm
   text.erase(text.size() - 2);  // the closing "\n}"
   std::ofstream(path) << checkpoint::detail::seal_manifest(text);
 }
+
+/// Runs the shell `command` with its output into a log in the test's shared directory: the exit
+/// status and the output.
+inline std::pair<int, std::string> run_logged(const std::string& command) {
+  const std::string log = shared_dir() + "/command.log";
+  const int rc = std::system((command + " > " + log + " 2>&1").c_str());
+  std::ifstream in(log);
+  return {rc, std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>())};
+}
+
+#ifdef FSDP_PYTHON
+/// Python reads what C++ wrote (tests/check_consolidated_in_python.py): the consolidated `single`
+/// file and `sharded` files (with the optimizer), and `checkpoint` itself through
+/// tools/read_checkpoint.py, each equal to `full` bit for bit.
+inline void expect_python_reads(const torch::OrderedDict<std::string, at::Tensor>& full, const std::string& checkpoint,
+                                const std::string& single, const std::string& sharded) {
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (const auto& kv : full) tensors.emplace_back(kv.key(), kv.value());
+  const std::string reference = shared_dir() + "/reference.safetensors";
+  checkpoint::write_safetensors(reference, tensors);
+  const auto [rc, text] =
+      run_logged(std::string(FSDP_PYTHON) + " " + FSDP_SOURCE_DIR + "/tests/check_consolidated_in_python.py " +
+                 reference + " " + checkpoint + " " + single + " " + sharded);
+  EXPECT_EQ(rc, 0) << text;
+  std::cout << text;
+}
+#endif
 
 inline void flip_byte(const std::string& path, uint64_t offset) {
   std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);

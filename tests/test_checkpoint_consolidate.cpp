@@ -83,18 +83,7 @@ void check_consolidate(Rank& r) {
 
 #ifdef FSDP_PYTHON
   // Python: both forms with safetensors.torch.load_file, and the sharded checkpoint itself.
-  std::vector<std::pair<std::string, at::Tensor>> tensors;
-  for (const auto& kv : full) tensors.emplace_back(kv.key(), kv.value());
-  const std::string reference = shared_dir() + "/reference.safetensors";
-  checkpoint::write_safetensors(reference, tensors);
-  const std::string log = shared_dir() + "/python.log";
-  const std::string cmd = std::string(FSDP_PYTHON) + " " + FSDP_SOURCE_DIR + "/tests/check_consolidated_in_python.py " +
-                          reference + " " + root + " " + single + " " + sharded + " > " + log + " 2>&1";
-  const int rc = std::system(cmd.c_str());
-  std::ifstream in(log);
-  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  EXPECT_EQ(rc, 0) << text;
-  std::cout << text;
+  expect_python_reads(full, root, single, sharded);
 #endif
 }
 
