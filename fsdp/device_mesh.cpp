@@ -2,6 +2,7 @@
 
 #include "fsdp/internal/check.h"
 #include "fsdp/internal/mesh_state.h"
+#include "fsdp/internal/subgroups.h"
 #include "fsdp/process_group.h"
 
 #include <ATen/ops/empty.h>
@@ -73,6 +74,11 @@ GroupInfo MeshState::group_info(const std::string& name) const {
   info.name = g.name;
   info.global_ranks = g.global_ranks;
   info.world_size = world->getSize();
+  // A mesh over a group fsdp::new_subgroup made: its ranks by the job's global ranks.
+  if (auto sub = subgroup_info(world.get())) {
+    for (int& r : info.global_ranks) r = sub->global_ranks.at(static_cast<size_t>(r));
+    info.world_size = sub->world_size;
+  }
   info.mesh = where();
   return info;
 }

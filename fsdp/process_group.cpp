@@ -1,6 +1,7 @@
 #include "fsdp/process_group.h"
 #include "fsdp/internal/check.h"
 #include "fsdp/internal/env.h"
+#include "fsdp/internal/subgroups.h"
 
 #include "fsdp/env.h"
 #include "fsdp/fake_process_group.h"
@@ -159,8 +160,19 @@ c10::intrusive_ptr<c10d::ProcessGroup> new_subgroup(const c10::intrusive_ptr<c10
   const auto it = std::find(ranks.begin(), ranks.end(), me);
   FSDP_CHECK(it != ranks.end(), "fsdp::new_subgroup (rank ", me, "): this rank is not among the ranks of subgroup '",
              name, "'");
+  // The members' global ranks (through the parent's when it is a subgroup too), for messages.
+  const auto parent_info = detail::subgroup_info(pg.get());
+  std::vector<int> global;
+  for (const int r : ranks) {
+    FSDP_CHECK(r >= 0 && r < pg->getSize(), "fsdp::new_subgroup (rank ", me, "): rank ", r, " of subgroup '", name,
+               "' is not a rank of the parent group of ", pg->getSize());
+    global.push_back(parent_info ? parent_info->global_ranks.at(static_cast<size_t>(r)) : r);
+  }
+  const int job = parent_info ? parent_info->world_size : pg->getSize();
   if (detail::is_fake_backend(*pg->getBackend(c10::DeviceType::CPU))) {  // a simulated job's subgroup
-    return make_fake_process_group(static_cast<int>(it - ranks.begin()), static_cast<int>(ranks.size()));
+    auto fake = make_fake_process_group(static_cast<int>(it - ranks.begin()), static_cast<int>(ranks.size()));
+    detail::remember_subgroup(fake, name, global, job);
+    return fake;
   }
   auto store = pg->getStore();
   FSDP_CHECK(store, "fsdp::new_subgroup (rank ", me,
@@ -192,6 +204,7 @@ c10::intrusive_ptr<c10d::ProcessGroup> new_subgroup(const c10::intrusive_ptr<c10
     env.world_size = size;
     detail::maybe_add_nccl_backend(*sub, prefixed, env, opts->timeout);
   }
+  detail::remember_subgroup(sub, name, global, job);
   return sub;
 }
 

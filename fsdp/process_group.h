@@ -74,7 +74,8 @@ c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const InitOptions& opt
 /// A process group of `ranks` (ranks of `pg`, this rank among them, in the order that defines the
 /// new ranks) with the same backends and options as `pg`, rendezvousing through `pg`'s store
 /// under `name`. Only the members take part, and all of them must call it with the same `ranks`
-/// and `name`; a name must be new for the store.
+/// and `name`; a name must be new for the store. The library's errors over it (a model wrapped
+/// over it, a DeviceMesh over it) name its members by their global ranks in the job.
 c10::intrusive_ptr<c10d::ProcessGroup> new_subgroup(const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
                                                     const std::vector<int>& ranks, const std::string& name);
 

@@ -228,17 +228,20 @@ TEST(TensorParallel, LayersMatchOneProcessAtEveryTensorParallelSize) {
   });
 }
 
-// A collective that a peer never joins fails within the timeout, naming the mesh coordinates.
+// A collective that a peer never joins fails within the timeout, naming the mesh coordinates and
+// the global ranks: two meshes over subgroups of a 4-rank job (ranks 2 and 3 are global ranks 2
+// and 3 of 4, not ranks 0 and 1 of their group).
 TEST(TensorParallel, FailedCollectiveNamesTheMeshCoordinates) {
   RunOptions o;
   o.collective_timeout = std::chrono::seconds(3);
   run_ranks(
-      2,
+      4,
       [](Rank& r) {
-        DeviceMesh mesh(r.pg, {{kTensorDim, 2}});
+        const int half = r.rank / 2;
+        DeviceMesh mesh(new_subgroup(r.pg, {2 * half, 2 * half + 1}, "half" + std::to_string(half)), {{kTensorDim, 2}});
         tp::Group g(mesh);
-        const std::string done = shared_dir() + "/done";
-        if (r.rank == 1) {  // never joins, but stays until rank 0 has seen its collective fail
+        const std::string done = shared_dir() + "/done" + std::to_string(half);
+        if (r.rank % 2 == 1) {  // never joins, but stays until its peer has seen its collective fail
           for (int i = 0; i < 300 && !std::filesystem::exists(done); ++i) {
             std::this_thread::sleep_for(std::chrono::milliseconds(100));
           }
@@ -246,7 +249,8 @@ TEST(TensorParallel, FailedCollectiveNamesTheMeshCoordinates) {
         }
         auto e = error_of([&] { tp::reduce_from_region(torch::ones({4}), g); });
         std::ofstream(done) << "1";
-        EXPECT_NE(e.find("global rank 0 of 2 at (tp 0) of mesh (tp 2)"), std::string::npos) << e;
+        EXPECT_NE(e.find("global rank " + std::to_string(r.rank) + " of 4 at (tp 0) of mesh (tp 2)"), std::string::npos)
+            << e;
         EXPECT_NE(e.find("tensor parallel g forward: all-reduce of a [4] Float activation"), std::string::npos) << e;
       },
       o);

@@ -27,9 +27,8 @@ Group Group::of(const FSDPModule& model) {
 
 Group Group::own(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, std::chrono::milliseconds timeout) {
   Group g;
-  std::vector<int> ranks(static_cast<size_t>(pg->getSize()));
-  for (int r = 0; r < pg->getSize(); ++r) ranks[static_cast<size_t>(r)] = r;
-  fsdp::detail::GroupInfo info{"the asynchronous saver's group", ranks};
+  // Its members by global rank: the Comm finds them when fsdp::new_subgroup made `pg`.
+  fsdp::detail::GroupInfo info{"the asynchronous saver's group", {}};
   info.background = true;  // its agreements are not where the training hangs
   g.comm_ = std::make_shared<fsdp::detail::Comm>(pg, timeout, std::make_shared<fsdp::detail::CommShared>(), info);
   return g;

@@ -1,4 +1,5 @@
 #include "fsdp/internal/comm.h"
+#include "fsdp/internal/subgroups.h"
 
 #include "fsdp/env.h"
 #include "fsdp/internal/check.h"
@@ -107,7 +108,14 @@ Comm::Comm(c10::intrusive_ptr<c10d::ProcessGroup> pg, milliseconds timeout, std:
       verify_(verify) {
   FSDP_CHECK(timeout_.count() > 0, "fsdp: the collective timeout must be positive, not ", timeout_.count(), " ms");
   if (group_.global_ranks.empty()) {
-    for (int r = 0; r < world_size_; ++r) group_.global_ranks.push_back(r);
+    // A group fsdp::new_subgroup made: its members by global rank; otherwise the world's.
+    if (auto sub = subgroup_info(pg_.get())) {
+      group_.global_ranks = sub->global_ranks;
+      group_.world_size = sub->world_size;
+      if (group_.name == "world") group_.name = sub->name;
+    } else {
+      for (int r = 0; r < world_size_; ++r) group_.global_ranks.push_back(r);
+    }
   }
   TORCH_INTERNAL_ASSERT(static_cast<int>(group_.global_ranks.size()) == world_size_);
   if (group_.world_size == 0) group_.world_size = world_size_;
