@@ -404,9 +404,9 @@ LoadResult load(const std::string& path, torch::nn::Module& module, const LoadOp
       wanted.push_back(
           {"model/" + kv.key(), "buffer", b.scalar_type(), b.sizes().vec(), 0, b.dim() == 0 ? 1 : b.size(0), b});
     }
-    detail::ShardReader reader(m,
-                               match(m, wanted, options.strict(),
-                                     " (A module wrapped by fsdp::fully_shard holds shards: pass the wrapped model.)"));
+    detail::ShardReader reader(m, match(m, wanted, options.strict(),
+                                        " (If the module is wrapped by fsdp::fully_shard, pass the wrapped model: the "
+                                        "module itself holds shards.)"));
     reader.open_files();
     reader.read();
     check_sampler(m, options.sampler());

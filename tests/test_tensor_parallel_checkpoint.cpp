@@ -178,6 +178,21 @@ void save_and_reshard(Rank& r) {
     EXPECT_EQ(continue_on(DeviceMesh(new_subgroup(r.pg, {0}, "one"), {{kShardDim, 1}}), path, plain, want), 1.0);
   }
   EXPECT_EQ(continue_on(mesh, root + "/async", plain, want), 1.0);
+
+  // A parameter held alike over the TP ranks (the final norm's weight) changed on one of them: the
+  // save refuses on every rank, naming it, before a file is written.
+  {
+    torch::NoGradGuard no_grad;
+    for (const auto& s : model.shard_specs()) {
+      if (s.name == "lnf.weight" && r.rank == 1) s.local.add_(1.0);
+    }
+  }
+  const std::string msg =
+      error_of([&] { checkpoint::save(root, model, opt, checkpoint::SaveOptions().name("mixed")); });
+  EXPECT_NE(msg.find("parameter 'lnf.weight' differs between global ranks"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("nothing was committed"), std::string::npos) << msg;
+  struct stat st {};
+  EXPECT_NE(::stat((root + "/mixed").c_str(), &st), 0) << "nothing committed";
 }
 
 TEST(TensorParallelFSDP, CheckpointsLoadOnAnyMesh) {

@@ -8,6 +8,7 @@
 // (its CPU seam) at (2, 2).
 #include "fsdp/fsdp.h"
 #include "tests/harness.h"
+#include "tests/models.h"
 #include "tests/tp_models.h"
 
 #include <gtest/gtest.h>
@@ -81,6 +82,40 @@ void check_mesh(const DeviceMesh& mesh, const FullyShardOptions& options = {}, b
   }
 }
 
+// A parameter that is this rank's part of a [8] scale (its values differ between the TP ranks),
+// declared wrongly on purpose: mode 0 a SplitModule naming no parameter, 1 a split along a
+// dimension it lacks, 2 no SplitModule at all.
+struct ScaleImpl : torch::nn::Module, SplitModule {
+  ScaleImpl(const tp::Group& g, int mode) : g(g), mode(mode) {
+    scale = register_parameter("scale", torch::arange(4.0) + 4.0 * g.rank());
+  }
+  std::vector<std::pair<std::string, TensorSplit>> parameter_splits() const override {
+    if (mode == 0) return {};
+    return {{"scale", TensorSplit{1, g.rank(), g.size()}}};
+  }
+  std::vector<int> split_ranks() const override { return g.global_ranks(); }
+  tp::Group g;
+  int mode;
+  torch::Tensor scale;
+};
+struct PlainScaleImpl : torch::nn::Module {
+  explicit PlainScaleImpl(const tp::Group& g) {
+    scale = register_parameter("scale", torch::arange(4.0) + 4.0 * g.rank());
+  }
+  torch::Tensor scale;
+};
+struct PartScaleImpl : torch::nn::Module {
+  PartScaleImpl(const tp::Group& g, int mode) {
+    if (mode < 2) {
+      register_module("h", std::make_shared<ScaleImpl>(g, mode));
+    } else {
+      register_module("h", std::make_shared<PlainScaleImpl>(g));
+    }
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return x; }
+};
+TORCH_MODULE(PartScale);
+
 TEST(TensorParallelFSDP, TrainsAsOneProcessOnEveryMesh) {
   RunOptions offload_seam;  // a CPU model may take CPUOffloadPolicy (FSDP_TEST_OFFLOAD_ON_CPU)
   offload_seam.env["FSDP_TEST_OFFLOAD_ON_CPU"] = "1";
@@ -132,6 +167,17 @@ TEST(TensorParallelFSDP, TrainsAsOneProcessOnEveryMesh) {
           e = x.what();
         }
         EXPECT_NE(e.find("means hybrid sharding, but the options ask for no-shard"), std::string::npos) << e;
+        // A user's SplitModule that leaves out its parameter, or claims a split the mesh cannot hold,
+        // and a plain module whose parameter differs between the tensor-parallel ranks: refused at
+        // wrapping (a checkpoint would otherwise mix the ranks' values and clipping miss the parts).
+        for (const auto& [mode, expect] : std::vector<std::pair<int, std::string>>{
+                 {0, "is a SplitModule but its parameter_splits() does not name its parameter 'scale'"},
+                 {1, "says parameter 'scale' (shape [4]) is part " + std::to_string(r.rank % 2) +
+                         " of 2 along dimension 1"},
+                 {2, "parameter 'h.scale' differs between this rank and global rank "}}) {
+          e = error_of([&, mode = mode] { fully_shard(PartScale(g, mode), mesh); });
+          EXPECT_NE(e.find(expect), std::string::npos) << mode << ": " << e;
+        }
       },
       offload_seam);
 }

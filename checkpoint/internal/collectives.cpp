@@ -14,6 +14,11 @@ const c10::intrusive_ptr<c10d::ProcessGroup>& checkpoint_group(const FSDPModule&
   return state.mesh_comm ? state.mesh_comm->process_group() : state.comm.process_group();
 }
 
+std::vector<int> tensor_parallel_ranks(const FSDPModule& model) {
+  const auto& state = fsdp::detail::Access::state(model);
+  return state.tp_comm ? state.tp_comm->global_ranks() : std::vector<int>{};
+}
+
 Group Group::of(const FSDPModule& model) {
   Group g;
   g.model_ = &model;

@@ -25,6 +25,10 @@ namespace fsdp::checkpoint::detail {
 /// tensor-parallel ranks hold different parts of the parameters.
 const c10::intrusive_ptr<c10d::ProcessGroup>& checkpoint_group(const FSDPModule& model);
 
+/// The global ranks of `model`'s tensor-parallel group, in part order (empty without tensor
+/// parallelism).
+std::vector<int> tensor_parallel_ranks(const FSDPModule& model);
+
 /// The ranks a save or a load agrees over.
 class Group {
  public:
@@ -36,6 +40,8 @@ class Group {
   static Group own(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, std::chrono::milliseconds timeout);
   int rank() const { return comm_->rank(); }
   int size() const { return comm_->world_size(); }
+  /// Each group rank's global rank.
+  const std::vector<int>& global_ranks() const { return comm_->global_ranks(); }
   /// Agrees that a phase went well: see agree() below. Returns whether any rank voted `failed`.
   /// The global ranks that voted `failed`, in order (empty: none).
   std::vector<int> agree(const std::string& what, bool failed) const;

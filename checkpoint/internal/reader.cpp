@@ -223,7 +223,10 @@ namespace {
                       : "nothing was loaded",
              in_place ? ". Build the model and optimizer again, then restore the file or load an earlier checkpoint"
                       : ". Restore it or load an earlier checkpoint",
-             " ('fsdp-ckpt verify ", m.dir, "' lists every fault).");
+             " ('fsdp-ckpt verify ", m.dir, "' lists every fault).",
+             t.kind == "rng" ? " This tensor is a rank's random generator state, not the model's: "
+                               "LoadOptions().rng_states(false) loads the rest without it."
+                             : "");
 }
 
 }  // namespace

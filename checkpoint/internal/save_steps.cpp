@@ -9,12 +9,15 @@
 #include "checkpoint/plan.h"
 #include "checkpoint/safetensors.h"
 #include "fsdp/internal/check.h"
+#include "fsdp/internal/tensor_fingerprint.h"
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <map>
+#include <sstream>
 
 namespace fsdp::checkpoint::detail {
 namespace {
@@ -56,6 +59,31 @@ json optimizer_record(const std::vector<ShardSpec>& specs, const torch::optim::O
     groups.push_back({{"options", detail::group_options(group, type)}, {"params", names}});
   }
   return {{"type", type}, {"param_groups", groups}};
+}
+
+// Every rank compares every tensor-parallel group's fingerprints of what its ranks hold alike
+// (parameters no SplitModule splits), so that all fail together: one of them writes such a
+// parameter's rows for all, which is only right when their values are the same.
+void check_held_alike(const Group& group, const std::string& call, const std::string& where,
+                      const std::vector<std::vector<int>>& tp_ranks, const std::vector<std::string>& alike) {
+  const auto& global = group.global_ranks();
+  for (size_t r = 0; r < alike.size(); ++r) {
+    for (const int peer : tp_ranks[r]) {
+      const auto q = static_cast<size_t>(std::find(global.begin(), global.end(), peer) - global.begin());
+      if (q >= alike.size() || alike[q] == alike[r]) continue;
+      std::istringstream a(alike[r]), b(alike[q]);
+      std::string la, lb;
+      while (std::getline(a, la) && std::getline(b, lb) && la == lb) {
+      }
+      FSDP_CHECK_IN(group.error_context(call + ": comparing what the tensor-parallel ranks hold alike"), false, where,
+                    ": parameter '", la.substr(0, la.rfind(' ')), "' differs between global ranks ", global[r], " and ",
+                    peer,
+                    " of one tensor-parallel group, though no fsdp::SplitModule declares it split: the checkpoint "
+                    "would write its rows from one rank's values for all. Keep it alike on the tensor-parallel ranks "
+                    "(its gradient summed over them, as fsdp::tp's layers do for what they hold whole), or declare it "
+                    "split in its module's parameter_splits(); nothing was committed.");
+    }
+  }
 }
 
 }  // namespace
@@ -127,6 +155,11 @@ PreparedSave prepare_save(const std::string& root, const FSDPModule& model, cons
     }
   }
 
+  p.tp_ranks = tensor_parallel_ranks(model);
+  for (const auto& s : specs) {
+    if (s.tp_size > 1 && !s.tp.split())
+      p.alike += s.name + " " + std::to_string(fsdp::detail::tensor_fingerprint(s.local)) + "\n";
+  }
   std::vector<bool> described(specs.size(), false);  // its optimizer states are in extra_tensors
   for (const auto& w : plan_writes(specs)) {
     const ShardSpec& s = specs[w.spec];
@@ -200,7 +233,21 @@ SaveResult write_and_commit(PreparedSave& p, const Group& group, const std::stri
   // before any file is written, so that every rank's error names the rank that differs; every rank
   // compares the same gathered states, so every rank fails alike without a further agreement.
   const ordered_json data = p.options.sampler_state() ? sampler_state_json(*p.options.sampler_state()) : nullptr;
-  const auto states = group.all_gather(data.is_null() ? "none" : data.dump(), "the data sampler states for " + where);
+  // With it, each rank's tensor-parallel ranks and the fingerprints of what they hold alike.
+  std::string peers;
+  for (const int g : p.tp_ranks) peers += std::to_string(g) + " ";
+  const auto gathered = group.all_gather((data.is_null() ? "none" : data.dump()) + '\x1e' + peers + '\x1e' + p.alike,
+                                         "the data sampler states for " + where);
+  std::vector<std::string> states(W), alike(W);
+  std::vector<std::vector<int>> tp_ranks(W);
+  for (int r = 0; r < W; ++r) {
+    const std::string& g = gathered[r];
+    const size_t a = g.find('\x1e'), b = g.find('\x1e', a + 1);
+    states[r] = g.substr(0, a);
+    std::istringstream in(g.substr(a + 1, b - a - 1));
+    for (int x = 0; in >> x;) tp_ranks[r].push_back(x);
+    alike[r] = g.substr(b + 1);
+  }
   for (int r = 0; r < W; ++r) {
     FSDP_CHECK_IN(group.error_context(call + ": comparing the ranks' data sampler states"), states[r] == states[0],
                   where, ": the data sampler's state differs between ranks: rank 0 saves ", states[0], ", rank ", r,
@@ -208,6 +255,7 @@ SaveResult write_and_commit(PreparedSave& p, const Group& group, const std::stri
                   ". Pass SaveOptions::sampler_state on every rank, each sampler having taken the same global batches; "
                   "nothing was committed.");
   }
+  check_held_alike(group, call, where, tp_ranks, alike);
 
   std::string part;  // this rank's chunks, for the manifest
   SaveResult result;

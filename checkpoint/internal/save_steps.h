@@ -41,6 +41,11 @@ struct PreparedSave {
   std::vector<TensorMeta> model_tensors;
   nlohmann::ordered_json strategies = nlohmann::ordered_json::object();
   nlohmann::ordered_json optimizer = nullptr;
+  /// Tensor parallelism: the global ranks of this rank's tensor-parallel group, and a line
+  /// "<name> <fingerprint>" per parameter they hold alike (not split), which the save compares
+  /// across them before writing: rows of such a parameter are written by one of them for all.
+  std::vector<int> tp_ranks;
+  std::string alike;
   /// Bytes of this rank's tensors (its file's data).
   int64_t bytes() const;
 };

@@ -2,7 +2,12 @@
 
 #include "fsdp/internal/check.h"
 #include "fsdp/internal/run_state.h"
+#include "fsdp/internal/tensor_fingerprint.h"
 #include "fsdp/tensor_split.h"
+
+#include <set>
+#include <string>
+#include <vector>
 
 namespace fsdp::detail {
 
@@ -26,13 +31,68 @@ void record_tensor_splits(RunState& state, torch::nn::Module& root) {
                   ", but the mesh the model is wrapped over has tensor-parallel group ",
                   list_ranks(state.tp_comm->global_ranks()),
                   " here. Build the layers over fsdp::tp::Group(mesh) of the mesh you pass to fully_shard.");
+    const auto own = item.value()->named_parameters(/*recurse=*/false);
+    std::set<std::string> named;
+    const int part = state.tp_comm->rank(), parts = state.tp_comm->world_size();
     for (const auto& [param, how] : split->parameter_splits()) {
-      const auto own = item.value()->named_parameters(/*recurse=*/false);
       const at::Tensor* p = own.find(param);
       FSDP_CHECK_IN(context, p != nullptr, "fsdp::fully_shard (", dp.where(), "): module '", name,
                     "' names a split of parameter '", param, "', which it does not have.");
+      named.insert(param);
+      // A split must be one the checkpoint and clipping can place: along one of the parameter's
+      // dimensions, one part per rank of the group, this rank's part its place in the group.
+      FSDP_CHECK_IN(context, !how.split() || (how.dim < p->dim() && how.parts == parts && how.part == part),
+                    "fsdp::fully_shard (", dp.where(), "): module '", name, "' says parameter '", param, "' (shape ",
+                    p->sizes(), ") is part ", how.part, " of ", how.parts, " along dimension ", how.dim,
+                    ", but this rank is part ", part, " of the ", parts,
+                    " ranks of its tensor-parallel group and the parameter has ", p->dim(),
+                    " dimension(s). Return TensorSplit{dim, the rank's index in split_ranks(), split_ranks().size()} "
+                    "with a dimension the parameter has, or TensorSplit{} for one every rank holds whole.");
       state.tp_splits[p->unsafeGetTensorImpl()] = how;
     }
+    for (const auto& kv : own) {
+      FSDP_CHECK_IN(context, named.count(kv.key()) == 1, "fsdp::fully_shard (", dp.where(), "): module '", name,
+                    "' is a SplitModule but its parameter_splits() does not name its parameter '", kv.key(),
+                    "': name every parameter of the module, TensorSplit{} for one the tensor-parallel ranks hold "
+                    "whole, so that nothing is taken as held alike when it is a part.");
+    }
+  }
+  check_held_alike(state, root);
+}
+
+void check_held_alike(RunState& state, torch::nn::Module& root) {
+  if (!state.tp_comm) return;
+  // What this rank holds of every parameter not split: the same values on every tensor-parallel
+  // rank, or the checkpoint would take its rows from different ranks' values and clipping would
+  // count one rank's norm for all.
+  std::vector<std::string> names;
+  std::string mine;
+  for (const auto& kv : root.named_parameters()) {
+    if (state.tp_splits.count(kv.value().unsafeGetTensorImpl()) != 0) continue;
+    names.push_back(kv.key());
+    mine += std::to_string(tensor_fingerprint(kv.value())) + "\n";
+  }
+  const Comm& tp = *state.tp_comm;
+  const auto all = state.tp_comm->exchange_strings(mine, "fsdp::fully_shard: the parameters held alike");
+  for (int r = 0; r < tp.world_size(); ++r) {
+    if (all[static_cast<size_t>(r)] == mine) continue;
+    // The first parameter that differs, by line.
+    size_t line = 0;
+    for (size_t a = 0, b = 0; a < mine.size() && b < all[static_cast<size_t>(r)].size(); ++line) {
+      const size_t ea = mine.find('\n', a), eb = all[static_cast<size_t>(r)].find('\n', b);
+      if (mine.compare(a, ea - a, all[static_cast<size_t>(r)], b, eb - b) != 0) break;
+      a = ea + 1;
+      b = eb + 1;
+    }
+    ErrorContext context = tp.error_context("fsdp::fully_shard");
+    context.peer(tp.global_ranks()[static_cast<size_t>(r)]);
+    FSDP_CHECK_IN(context, false, "fsdp::fully_shard (", tp.where(), "): parameter '",
+                  line < names.size() ? names[line] : std::string("?"), "' differs between this rank and global rank ",
+                  tp.global_ranks()[static_cast<size_t>(r)],
+                  " of its tensor-parallel group, but no fsdp::SplitModule declares it split, so it is taken as held "
+                  "alike (a checkpoint would write its rows from different ranks' values, clipping would count one "
+                  "rank's). If it is a part of a larger tensor, declare it in the module's parameter_splits(); if "
+                  "not, initialize it alike on every tensor-parallel rank (the same seed before building the model).");
   }
 }
 
