@@ -6,7 +6,7 @@
 
 train_llama at llama_bench.py's shape (4 layers, width 256, 8 heads, 4 key-value heads, MLP 1024)
 saves after 2 steps on 4 ranks at each mesh (--tp 1, 2, 4), then resumes from it at every other
-mesh (and on one rank) for one step; each resume's JSON row gives the bytes the load read and
+mesh of 4 ranks, on 2 ranks (--tp 1 and 2) and on one rank, for one step; each resume's JSON row gives the bytes the load read and
 needed, summed over its ranks. A part split along dimension 0 (q, k, v, gate, up, the embedding,
 the head) is read at its need rounded to checksum blocks; one split along dimension 1 (o, down)
 is read as whole saved rows: x(saved TP / loaded TP) for those tensors when the load's TP is
@@ -36,7 +36,7 @@ def main():
         with tempfile.TemporaryDirectory() as d:
             run(command(a.train_llama, a.torchrun, 4,
                         SHAPE + ["--steps", "2", "--tp", str(saved_tp), "--save-dir", d, "--save-every", "2"]))
-            for ranks, tp in ((4, 1), (4, 2), (4, 4), (1, 1)):
+            for ranks, tp in ((4, 1), (4, 2), (4, 4), (2, 1), (2, 2), (1, 1)):
                 if (ranks, tp) == (4, saved_tp):
                     continue
                 out, _ = run(command(a.train_llama, a.torchrun, ranks,
