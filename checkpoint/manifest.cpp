@@ -27,7 +27,7 @@ int64_t first_bad_block(const ManifestChunk& c, uint64_t at, const uint8_t* data
 
 int64_t InnerBox::row_numel(const std::vector<int64_t>& shape) const {
   int64_t n = 1;
-  for (size_t d = 1; d < shape.size(); ++d) n *= whole() || d - 1 >= lengths.size() ? shape[d] : lengths[d - 1];
+  for (size_t d = 0; d + 1 < shape.size(); ++d) n *= length(d, shape);
   return n;
 }
 

@@ -22,6 +22,12 @@ inline constexpr int kFormatVersion = 4;
 struct InnerBox {
   std::vector<int64_t> offsets, lengths;
   bool whole() const { return offsets.empty(); }
+  /// Its offset and length along dimension d + 1 of a tensor of `shape` (a whole box: 0 and the
+  /// dimension's size).
+  int64_t offset(size_t d) const { return whole() ? 0 : offsets.at(d); }
+  int64_t length(size_t d, const std::vector<int64_t>& shape) const {
+    return whole() ? shape.at(d + 1) : lengths.at(d);
+  }
   /// Elements of one row (dimension 0) of the box, in a tensor of `shape`.
   int64_t row_numel(const std::vector<int64_t>& shape) const;
   bool operator==(const InnerBox& o) const { return offsets == o.offsets && lengths == o.lengths; }

@@ -169,8 +169,7 @@ inline std::map<std::string, at::Tensor> read_all(const std::string& dir) {
     for (const auto& c : t.chunks) {
       // The chunk as it lies in its file (its rows, within its inner box), then into its place.
       std::vector<int64_t> shape{c.row_end - c.row_begin};
-      for (size_t d = 1; d < t.shape.size(); ++d)
-        shape.push_back(c.inner.whole() ? t.shape[d] : c.inner.lengths[d - 1]);
+      for (size_t d = 0; d + 1 < t.shape.size(); ++d) shape.push_back(c.inner.length(d, t.shape));
       if (t.shape.empty()) shape.clear();
       at::Tensor piece = at::empty(shape, options);
       checkpoint::read_bytes(dir + "/" + m.files[c.file].name, c.begin, c.end - c.begin,

@@ -60,8 +60,7 @@ std::vector<int> Group::agree(const std::string& what, bool failed) const {
   }
   std::vector<int> out;
   for (size_t r = 0; r < votes.size(); ++r) {
-    const auto& ranks = comm_->global_ranks();  // empty: the world's, group rank = global rank
-    if (votes[r] != 0) out.push_back(ranks.empty() ? static_cast<int>(r) : ranks.at(r));
+    if (votes[r] != 0) out.push_back(comm_->global_ranks().at(r));
   }
   return out;
 }

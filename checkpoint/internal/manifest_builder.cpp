@@ -158,14 +158,12 @@ std::string coverage_fault(const std::vector<int64_t>& shape, std::vector<ChunkE
   int64_t inner_numel = 1, covered = 0;
   for (size_t d = 0; d < inner_dims; ++d) inner_numel *= shape[d + 1];
   for (size_t i = 0; i < boxes.size(); ++i) {
-    covered += boxes[i]->whole() ? inner_numel : boxes[i]->row_numel(shape);
+    covered += boxes[i]->row_numel(shape);
     for (size_t k = 0; k < i; ++k) {
       bool overlap = true;
       for (size_t d = 0; d < inner_dims && overlap; ++d) {
-        const int64_t a0 = boxes[i]->whole() ? 0 : boxes[i]->offsets[d];
-        const int64_t a1 = boxes[i]->whole() ? shape[d + 1] : a0 + boxes[i]->lengths[d];
-        const int64_t b0 = boxes[k]->whole() ? 0 : boxes[k]->offsets[d];
-        const int64_t b1 = boxes[k]->whole() ? shape[d + 1] : b0 + boxes[k]->lengths[d];
+        const int64_t a0 = boxes[i]->offset(d), a1 = a0 + boxes[i]->length(d, shape);
+        const int64_t b0 = boxes[k]->offset(d), b1 = b0 + boxes[k]->length(d, shape);
         overlap = a0 < b1 && b0 < a1;
       }
       if (overlap) return "its inner boxes " + inner_text(*boxes[k]) + " and " + inner_text(*boxes[i]) + " overlap";

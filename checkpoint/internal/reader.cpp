@@ -85,17 +85,6 @@ struct ShardReader::Range {
 
 namespace {
 
-// `box`'s offsets and lengths along the dimensions from 1 of a tensor of `shape`, a whole box's too.
-void extent(const InnerBox& box, const std::vector<int64_t>& shape, std::vector<int64_t>& offsets,
-            std::vector<int64_t>& lengths) {
-  const size_t n = shape.empty() ? 0 : shape.size() - 1;
-  offsets.assign(n, 0);
-  lengths.assign(shape.begin() + (shape.empty() ? 0 : 1), shape.end());
-  if (box.whole()) return;
-  offsets = box.offsets;
-  lengths = box.lengths;
-}
-
 std::string hex(uint32_t v) {
   char text[16];
   std::snprintf(text, sizeof(text), "0x%08x", v);
@@ -110,8 +99,7 @@ ShardReader::ShardReader(const Manifest& manifest, std::vector<ReadTarget> targe
     const ReadTarget& t = targets_[i];
     const ManifestTensor& mt = m_.tensors.at(t.tensor);
     const uint64_t element = c10::elementSize(scalar_type_of(mt.dtype, mt.key));
-    std::vector<int64_t> t_off, t_len;
-    extent(t.inner, mt.shape, t_off, t_len);
+    const size_t inner_dims = mt.shape.empty() ? 0 : mt.shape.size() - 1;
     stats_.bytes_needed +=
         static_cast<uint64_t>(t.row_end - t.row_begin) * static_cast<uint64_t>(t.inner.row_numel(mt.shape)) * element;
     for (const ManifestChunk& c : mt.chunks) {
@@ -119,18 +107,19 @@ ShardReader::ShardReader(const Manifest& manifest, std::vector<ReadTarget> targe
       const uint64_t row_bytes = static_cast<uint64_t>(c.inner.row_numel(mt.shape)) * element;
       if (a >= b || row_bytes == 0) continue;
       Piece p;
-      extent(c.inner, mt.shape, p.chunk_offsets, p.chunk_lengths);
       bool overlaps = true, same_width = true;
-      for (size_t d = 0; d < t_off.size(); ++d) {
-        const int64_t lo = std::max(t_off[d], p.chunk_offsets[d]);
-        const int64_t hi = std::min(t_off[d] + t_len[d], p.chunk_offsets[d] + p.chunk_lengths[d]);
-        overlaps = overlaps && lo < hi;
-        same_width = same_width && t_off[d] == p.chunk_offsets[d] && t_len[d] == p.chunk_lengths[d];
-        p.offsets.push_back(lo);
-        p.lengths.push_back(hi - lo);
+      for (size_t d = 0; d < inner_dims; ++d) {
+        const int64_t t0 = t.inner.offset(d), t1 = t0 + t.inner.length(d, mt.shape);
+        const int64_t c0 = c.inner.offset(d), c1 = c0 + c.inner.length(d, mt.shape);
+        overlaps = overlaps && std::max(t0, c0) < std::min(t1, c1);
+        same_width = same_width && t0 == c0 && t1 == c1;
+        p.offsets.push_back(std::max(t0, c0));
+        p.lengths.push_back(std::min(t1, c1) - std::max(t0, c0));
+        p.chunk_offsets.push_back(c0);
+        p.chunk_lengths.push_back(c1 - c0);
+        p.target_offsets.push_back(t0);
       }
       if (!overlaps) continue;
-      p.target_offsets = t_off;
       p.target = i;
       p.tensor = &mt;
       p.chunk = &c;

@@ -71,13 +71,9 @@ void check_held_alike(const Group& group, const std::string& call, const std::st
     for (const int peer : tp_ranks[r]) {
       const auto q = static_cast<size_t>(std::find(global.begin(), global.end(), peer) - global.begin());
       if (q >= alike.size() || alike[q] == alike[r]) continue;
-      std::istringstream a(alike[r]), b(alike[q]);
-      std::string la, lb;
-      while (std::getline(a, la) && std::getline(b, lb) && la == lb) {
-      }
       FSDP_CHECK_IN(group.error_context(call + ": comparing what the tensor-parallel ranks hold alike"), false, where,
-                    ": parameter '", la.substr(0, la.rfind(' ')), "' differs between global ranks ", global[r], " and ",
-                    peer,
+                    ": parameter '", fsdp::detail::first_difference(alike[r], alike[q]),
+                    "' differs between global ranks ", global[r], " and ", peer,
                     " of one tensor-parallel group, though no fsdp::SplitModule declares it split: the checkpoint "
                     "would write its rows from one rank's values for all. Keep it alike on the tensor-parallel ranks "
                     "(its gradient summed over them, as fsdp::tp's layers do for what they hold whole), or declare it "
@@ -120,7 +116,8 @@ PreparedSave prepare_save(const std::string& root, const FSDPModule& model, cons
     p.rows.emplace_back(b, e);
     p.inners.push_back(inner);
     // The entry's name in this rank's file: "model/w[0:4]", a part of the width "model/w[0:4, 8:16]".
-    const std::string box = inner.whole() ? "" : ", " + inner_text(inner).substr(1, inner_text(inner).size() - 2);
+    const std::string text = inner_text(inner);  // "[8:16]"
+    const std::string box = inner.whole() ? "" : ", " + text.substr(1, text.size() - 2);
     p.tensors.emplace_back(key + "[" + std::to_string(b) + ":" + std::to_string(e) + box + "]", data);
   };
   const auto specs = model.shard_specs();
@@ -156,10 +153,11 @@ PreparedSave prepare_save(const std::string& root, const FSDPModule& model, cons
   }
 
   p.tp_ranks = tensor_parallel_ranks(model);
+  std::vector<std::pair<std::string, at::Tensor>> alike;
   for (const auto& s : specs) {
-    if (s.tp_size > 1 && !s.tp.split())
-      p.alike += s.name + " " + std::to_string(fsdp::detail::tensor_fingerprint(s.local)) + "\n";
+    if (s.tp_size > 1 && !s.tp.split()) alike.emplace_back(s.name, s.local);
   }
+  p.alike = fsdp::detail::fingerprint_lines(alike);
   std::vector<bool> described(specs.size(), false);  // its optimizer states are in extra_tensors
   for (const auto& w : plan_writes(specs)) {
     const ShardSpec& s = specs[w.spec];

@@ -65,29 +65,19 @@ void check_held_alike(RunState& state, torch::nn::Module& root) {
   // What this rank holds of every parameter not split: the same values on every tensor-parallel
   // rank, or the checkpoint would take its rows from different ranks' values and clipping would
   // count one rank's norm for all.
-  std::vector<std::string> names;
-  std::string mine;
+  std::vector<std::pair<std::string, at::Tensor>> alike;
   for (const auto& kv : root.named_parameters()) {
-    if (state.tp_splits.count(kv.value().unsafeGetTensorImpl()) != 0) continue;
-    names.push_back(kv.key());
-    mine += std::to_string(tensor_fingerprint(kv.value())) + "\n";
+    if (state.tp_splits.count(kv.value().unsafeGetTensorImpl()) == 0) alike.emplace_back(kv.key(), kv.value());
   }
+  const std::string mine = fingerprint_lines(alike);
   const Comm& tp = *state.tp_comm;
   const auto all = state.tp_comm->exchange_strings(mine, "fsdp::fully_shard: the parameters held alike");
   for (int r = 0; r < tp.world_size(); ++r) {
     if (all[static_cast<size_t>(r)] == mine) continue;
-    // The first parameter that differs, by line.
-    size_t line = 0;
-    for (size_t a = 0, b = 0; a < mine.size() && b < all[static_cast<size_t>(r)].size(); ++line) {
-      const size_t ea = mine.find('\n', a), eb = all[static_cast<size_t>(r)].find('\n', b);
-      if (mine.compare(a, ea - a, all[static_cast<size_t>(r)], b, eb - b) != 0) break;
-      a = ea + 1;
-      b = eb + 1;
-    }
     ErrorContext context = tp.error_context("fsdp::fully_shard");
     context.peer(tp.global_ranks()[static_cast<size_t>(r)]);
     FSDP_CHECK_IN(context, false, "fsdp::fully_shard (", tp.where(), "): parameter '",
-                  line < names.size() ? names[line] : std::string("?"), "' differs between this rank and global rank ",
+                  first_difference(mine, all[static_cast<size_t>(r)]), "' differs between this rank and global rank ",
                   tp.global_ranks()[static_cast<size_t>(r)],
                   " of its tensor-parallel group, but no fsdp::SplitModule declares it split, so it is taken as held "
                   "alike (a checkpoint would write its rows from different ranks' values, clipping would count one "
