@@ -32,17 +32,9 @@ void expect_parts_of(FSDPModule& model, PlainNet& plain, const std::string& labe
   const auto full = model.full_state_dict();
   const auto ref = plain->named_parameters();
   for (const ShardSpec& s : model.shard_specs()) {
-    torch::Tensor r = ref[s.name];
-    if (s.tp.split()) {
-      const int64_t n = r.size(s.tp.dim) / s.tp.parts;
-      r = r.narrow(s.tp.dim, s.tp.part * n, n);
-    }
+    const torch::Tensor r = part_of(ref[s.name], s);
     EXPECT_TRUE(full[s.name].sizes() == r.sizes() && full[s.name].equal(r)) << label << ": " << s.name;
   }
-}
-
-auto forward_of(FullyShardedModule<TPNetImpl>& model) {
-  return [&model](const at::Tensor& ids, const at::Tensor& targets) { return model(ids, targets); };
 }
 
 // Loads `path` into a fresh model (other weights) and AdamW over `mesh`, checks the weights against
@@ -59,7 +51,7 @@ double continue_on(const DeviceMesh& mesh, const std::string& path, PlainNet& pl
   EXPECT_EQ(res.saved_world_size, 4) << label;
   expect_parts_of(model, plain, label);
   for (int s = kSaved; s < kSteps; ++s) {
-    const double loss = tp_step(model, forward_of(model), opt, mesh, s).first;
+    const double loss = tp_step(model, opt, mesh, s).first;
     EXPECT_NEAR(loss, want.losses[s], 1e-5 * want.losses[s]) << label << ", step " << s;
   }
   const double ratio = static_cast<double>(res.bytes_read_total) / static_cast<double>(res.bytes_needed_total);
@@ -85,7 +77,7 @@ void save_and_reshard(Rank& r) {
   auto model = fully_shard(TPNet(blocks, vocab), mesh);
   torch::optim::AdamW opt(model.parameters(), torch::optim::AdamWOptions(1e-2));
   for (int s = 0; s < kSaved; ++s) {
-    const double loss = tp_step(model, forward_of(model), opt, mesh, s).first;
+    const double loss = tp_step(model, opt, mesh, s).first;
     ASSERT_NEAR(loss, want.losses[s], 1e-5 * want.losses[s]) << "step " << s;
   }
   const auto saved = checkpoint::save(root, model, opt, checkpoint::SaveOptions().name("tp2dp2").step(kSaved));
@@ -102,7 +94,7 @@ void save_and_reshard(Rank& r) {
   checkpoint::load(path, *plain);
   expect_parts_of(model, plain, "the saved model");
   for (int s = kSaved; s < kSteps; ++s) {  // uninterrupted, for comparison
-    const double loss = tp_step(model, forward_of(model), opt, mesh, s).first;
+    const double loss = tp_step(model, opt, mesh, s).first;
     EXPECT_NEAR(loss, want.losses[s], 1e-5 * want.losses[s]) << "uninterrupted, step " << s;
   }
 

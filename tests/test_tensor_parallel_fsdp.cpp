@@ -50,8 +50,7 @@ void check_mesh(const DeviceMesh& mesh, const FullyShardOptions& options = {}, b
     opt = std::make_unique<torch::optim::AdamW>(model.parameters(), torch::optim::AdamWOptions(1e-2));
   }
   for (int s = 0; s < kSteps; ++s) {
-    const auto [got, norm] = tp_step(
-        model, [&](const at::Tensor& ids, const at::Tensor& targets) { return model(ids, targets); }, *opt, mesh, s);
+    const auto [got, norm] = tp_step(model, *opt, mesh, s);
     EXPECT_NEAR(got, want.losses[s], tol * std::abs(want.losses[s])) << label << ", step " << s;
     EXPECT_NEAR(norm, want.norms[s], tol * want.norms[s]) << label << ", step " << s;
   }
@@ -64,11 +63,7 @@ void check_mesh(const DeviceMesh& mesh, const FullyShardOptions& options = {}, b
   const auto ref = plain->named_parameters();
   for (const ShardSpec& s : specs) {
     EXPECT_EQ(s.tp_size, mesh.size(kTensorDim)) << s.name;
-    torch::Tensor r = ref[s.name];
-    if (s.tp.split()) {
-      const int64_t n = r.size(s.tp.dim) / s.tp.parts;
-      r = r.narrow(s.tp.dim, s.tp.part * n, n);
-    }
+    const torch::Tensor r = part_of(ref[s.name], s);
     ASSERT_EQ(full[s.name].sizes(), r.sizes()) << label << ": " << s.name;
     if (bf16) continue;
     const double err = (full[s.name] - r).abs().max().item<double>();

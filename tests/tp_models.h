@@ -7,7 +7,6 @@
 
 #include <torch/torch.h>
 
-#include <functional>
 #include <utility>
 #include <vector>
 
@@ -108,15 +107,22 @@ inline Trace train_plain(PlainNet& net) {
   return t;
 }
 
+// This rank's tensor-parallel part of the plain net's `full` tensor for parameter `s` (all of it
+// when tensor parallelism does not split it).
+inline torch::Tensor part_of(const torch::Tensor& full, const ShardSpec& s) {
+  if (!s.tp.split()) return full;
+  const int64_t n = full.size(s.tp.dim) / s.tp.parts;
+  return full.narrow(s.tp.dim, s.tp.part * n, n);
+}
+
 // One step of the tensor-parallel model on this data-parallel rank's rows of batch `step`: the
 // loss averaged over the data-parallel ranks, and the clipped norm.
-inline std::pair<double, double> tp_step(FSDPModule& model,
-                                         const std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>& forward,
-                                         torch::optim::Optimizer& opt, const DeviceMesh& mesh, int step) {
+inline std::pair<double, double> tp_step(FullyShardedModule<TPNetImpl>& model, torch::optim::Optimizer& opt,
+                                         const DeviceMesh& mesh, int step) {
   const int dp = mesh.size(kDataDim), me = mesh.coordinate(kDataDim);
   auto [ids, targets] = batch(step);
   const int64_t rows = kBatch / dp;  // this data-parallel rank's sequences
-  auto loss = forward(ids.narrow(0, me * rows, rows), targets.narrow(0, me * rows, rows));
+  auto loss = model(ids.narrow(0, me * rows, rows), targets.narrow(0, me * rows, rows));
   loss.backward();
   const double norm = optim::clip_grad_norm(model, kMaxNorm);
   opt.step();
