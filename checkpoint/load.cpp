@@ -360,7 +360,7 @@ LoadResult load_checkpoint(const std::string& path, FSDPModule& model, torch::op
   LoadResult r = result_of(m, reader->stats());
   r.rng = rng_outcome;
   at::Tensor totals = at::tensor({r.bytes_needed, r.bytes_read}, at::kLong);
-  fsdp::detail::all_reduce(model, totals, c10d::ReduceOp::SUM, call + ": totals");
+  fsdp::detail::all_reduce(model, totals, c10d::ReduceOp::SUM, call + ": totals", fsdp::detail::Span::kModel);
   r.bytes_needed_total = totals[0].item<int64_t>();
   r.bytes_read_total = totals[1].item<int64_t>();
   r.seconds = since(t0);

@@ -16,6 +16,7 @@
 #include "examples/cli.h"
 #include "examples/corpus.h"
 #include "examples/gpt.h"
+#include "examples/outer_step.h"
 #include "examples/program.h"
 #include "examples/run_flags.h"
 #include "examples/strategy_flags.h"
@@ -59,6 +60,7 @@ struct Args : cli::RunFlags {
   double clip = 0;         // max global gradient norm (0: no clipping)
   bool fused = false;      // fsdp::optim::FusedAdamW instead of torch::optim::AdamW
   examples::CheckpointFlags ckpt;
+  examples::OuterFlags outer;  // --local-sgd / --diloco
   bool help = false;
 };
 
@@ -72,6 +74,7 @@ const char* const kUsage =
     "                 [--bucket-mb MB] [--build-sharded] [--save-dir DIR [--save-every K] [--resume]\n"
     "                 [--async-save] [--keep-last N] [--direct-io]]\n"
     "                 [--mixed-precision bf16|fp16] [--activation-checkpointing [K]] [--wrap torchtitan|blocks]\n"
+    "                 [--local-sgd H | --diloco H [--outer-lr LR] [--outer-momentum M]] [--fragments F]\n"
     "  --strategy: full sharding (ZeRO-3), SHARD_GRAD_OP (ZeRO-2), optimizer state only (ZeRO-1),\n"
     "  replicated (DDP), or hybrid: full sharding inside groups of S consecutive ranks (default N/2).\n"
     "  --build-sharded: shard each block while the model is built (a model larger than one rank).\n"
@@ -94,6 +97,11 @@ const char* const kUsage =
     "  --async-save: save in the background while training goes on; a save due while the previous one is\n"
     "  still being written is skipped on every rank (counted in the summary). --keep-last N: keep N checkpoints.\n"
     "  --direct-io: write the checkpoints with O_DIRECT (no page-cache copy: less CPU taken from training).\n"
+    "  --local-sgd H / --diloco H (with --strategy hybrid): each hybrid group is a replica that trains alone;\n"
+    "  every H steps LocalSGD averages the replicas' parameters, DiLoCo applies an outer Nesterov SGD (--outer-lr,\n"
+    "  default 0.7; --outer-momentum, default 0.9, 0: plain SGD) to their mean change; --fragments F: F groups of\n"
+    "  units synchronized in turn, one every H/F steps. The loss, norm and memory printed are replica 0's; every\n"
+    "  JSON step row carries replica_comm_bytes, the bytes one replica sent to the others in that step.\n"
     "  Exit status: 0 trained, 2 bad flags or --data, 1 other errors (a non-finite loss or gradient norm).\n";
 
 // Wall-clock seconds at main()'s entry, for --json's start row (the recovery of an elastic run).
@@ -127,6 +135,7 @@ Args parse(int argc, char** argv) {
     if (cli::parse_run_flag(k, value, a, [&] { return i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0; }))
       continue;
     if (a.ckpt.parse(k, value)) continue;
+    if (a.outer.parse(k, value)) continue;
     if (k == "--lr")
       a.lr = cli::parse_double(k, value(), 0, false);
     else if (k == "--weight-decay")
@@ -156,6 +165,12 @@ Args parse(int argc, char** argv) {
   }
   if (a.fused && a.optimizer != "adamw") usage_error("--fused is an AdamW; it cannot be used with --optimizer sgd");
   a.ckpt.check();
+  a.outer.check(a.strategy == "hybrid");
+  if (a.outer.on() && !a.ckpt.dir.empty()) {
+    usage_error(
+        "--save-dir with --local-sgd or --diloco: checkpoints of replicas that train apart are not "
+        "supported yet (each replica's state would have to be kept apart)");
+  }
   return a;
 }
 
@@ -239,6 +254,19 @@ int run(const Args& args) {
         model.parameters(), torch::optim::SGDOptions(args.lr).momentum(0.9).weight_decay(args.weight_decay));
   }
 
+  // --local-sgd / --diloco: the step goes through the outer optimizer, and what is logged each step
+  // is summed over this replica's ranks only (metrics_pg), so that no collective of a step spans
+  // the replicas; without them, over every rank.
+  examples::OuterStep outer(args.outer, model, *opt);
+  const int replicas = strategy == fsdp::ShardingStrategy::kHybridShard ? world / group : 1;
+  auto metrics_pg = pg;
+  if (args.outer.on()) {
+    std::vector<int> members;
+    for (int i = 0; i < group; ++i) members.push_back(rank / group * group + i);
+    metrics_pg = fsdp::new_subgroup(pg, members, "train_gpt/replica" + std::to_string(rank / group));
+  }
+  const int metrics_world = metrics_pg->getSize();
+
   // fp16's range needs the loss scaled; bf16 has fp32's (the scaler is then off and does nothing).
   fsdp::optim::ShardedGradScaler scaler(model,
                                         fsdp::optim::GradScalerOptions().enabled(args.mixed_precision == "fp16"));
@@ -309,6 +337,7 @@ int run(const Args& args) {
     fsdp::memory::reset_peak();
     model.track_state_peak(true);
     const auto t0 = std::chrono::steady_clock::now();
+    const int64_t replica_bytes_before = model.comm_stats().replica_bytes;
 
     // This rank's share of the step's global batch (a step never spans two epochs: at an epoch's
     // end, the next epoch's first global batch).
@@ -332,12 +361,17 @@ int run(const Args& args) {
     const double grad_norm = scaler.found_inf() ? std::nan("")
                              : args.clip > 0    ? fsdp::optim::clip_grad_norm(model, args.clip, 2.0, true)
                                                 : fsdp::optim::grad_norm(model, 2.0, true);
-    scaler.step(*opt);
+    outer.step([&] { scaler.step(*opt); });
     scaler.update();
 
     // Model state at the optimizer step: sharded parameters, gradients, optimizer state.
     const auto at_step = fsdp::optim::state_bytes(model.parameters(), opt.get());
-    const int64_t state = at_step.total(), peak = fsdp::memory::stats().peak_bytes;
+    // DiLoCo's outer state (global shards, outer momentum) is model state too.
+    const int64_t outer_state =
+        outer.diloco() == nullptr
+            ? 0
+            : fsdp::optim::state_bytes(outer.diloco()->global_shards(), &outer.diloco()->outer_optimizer()).total();
+    const int64_t state = at_step.total() + outer_state, peak = fsdp::memory::stats().peak_bytes;
     // The peak split: model state at its own peak, the library's buffers, the rest (activations
     // and temporaries; a lower bound, as the state may be below its peak at the peak's moment).
     const int64_t state_peak = std::max(model.state_peak_bytes() + at_step.optimizer, state);
@@ -346,26 +380,34 @@ int run(const Args& args) {
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     if (step > first_step) total_ms += ms;
 
-    auto global_loss = loss.detach().to(torch::kDouble).reshape({1});
-    fsdp::all_reduce(pg, global_loss);
+    // The loss and the bytes this step sent across replicas, summed over the ranks of the sum.
+    auto sums = torch::tensor(
+        {loss.item<double>(), static_cast<double>(model.comm_stats().replica_bytes - replica_bytes_before)},
+        torch::kDouble);
+    fsdp::all_reduce(metrics_pg, sums);
     auto mem = torch::tensor({peak, state, state_peak, buffers, peak - state_peak - buffers}, torch::kLong);
-    fsdp::all_reduce(pg, mem, c10d::ReduceOp::MAX);
+    fsdp::all_reduce(metrics_pg, mem, c10d::ReduceOp::MAX);
     last_peak = peak;
     last_state = state;
-    const double l = global_loss.item<double>() / world;  // the same on every rank
+    const double l = sums[0].item<double>() / metrics_world;  // the same on every rank (of the replica)
+    // One replica's bytes: every replica sends the same (its ranks hold the same shapes).
+    // One replica's bytes (the sum is one replica's ranks, or every replica's), each replica sending
+    // the same (its ranks hold the same shapes).
+    const auto replica_comm_bytes = std::llround(sums[1].item<double>() / (args.outer.on() ? 1 : replicas));
     if (rank == 0) {
       if (args.json) {
         std::printf(
             "{\"step\": %lld, \"loss\": %s, \"peak_bytes\": %lld, \"state_bytes\": %lld, \"state_peak_bytes\": "
             "%lld, \"buffer_bytes\": %lld, \"other_bytes\": %lld, \"step_ms\": %s, \"world_size\": %d, \"params\": "
-            "%lld, \"grad_norm\": %s, \"epoch\": %lld, \"samples_consumed\": %lld, \"committed_step\": %lld}\n",
+            "%lld, \"grad_norm\": %s, \"epoch\": %lld, \"samples_consumed\": %lld, \"committed_step\": %lld, "
+            "\"replica_comm_bytes\": %lld}\n",
             static_cast<long long>(step), cli::json_number(l).c_str(), static_cast<long long>(mem[0].item<int64_t>()),
             static_cast<long long>(mem[1].item<int64_t>()), static_cast<long long>(mem[2].item<int64_t>()),
             static_cast<long long>(mem[3].item<int64_t>()), static_cast<long long>(mem[4].item<int64_t>()),
             cli::json_number(ms, "%.3f").c_str(), world, static_cast<long long>(n_params),
             cli::json_number(grad_norm).c_str(), static_cast<long long>(share->epoch),
             static_cast<long long>(sampler.state().samples_consumed),
-            static_cast<long long>(checkpoints.committed_step()));
+            static_cast<long long>(checkpoints.committed_step()), static_cast<long long>(replica_comm_bytes));
       } else {
         std::printf(
             "step %4lld | epoch %lld | loss %.4f | grad norm %.4g | %8.1f ms | peak %s | state %s (max over ranks)\n",
@@ -411,8 +453,13 @@ int run(const Args& args) {
       times += sep + cli::json_number(step_ms[r].item<double>(), "%.6f");
     }
     // The model state the strategy's formula gives (fsdp/strategy.h), for the scripts that check it.
-    const fsdp::FormulaInputs in{static_cast<double>(n_params), 0, 0, world,
-                                 fsdp::traits(strategy).shard_over == fsdp::ShardOver::kGroup ? group : world};
+    fsdp::FormulaInputs in{static_cast<double>(n_params), 0, 0, world,
+                           fsdp::traits(strategy).shard_over == fsdp::ShardOver::kGroup ? group : world};
+    std::string formula = fsdp::traits(strategy).formula_at_step;
+    if (args.outer.diloco > 0) {
+      in.outer_bytes = args.outer.outer_momentum > 0 ? fsdp::kDiLoCoOuterBytes : 4;
+      formula += in.outer_bytes == fsdp::kDiLoCoOuterBytes ? " + 8Ψ/S" : " + 4Ψ/S";  // DiLoCo's outer state
+    }
     std::printf(
         "{\"summary\": true, \"world_size\": %d, \"params\": %lld, \"strategy\": \"%s\", \"shard_group_size\": %d, "
         "\"per_rank_peak_bytes\": [%s], \"per_rank_state_bytes\": [%s], \"per_rank_mean_step_ms\": [%s], "
@@ -420,7 +467,7 @@ int run(const Args& args) {
         "\"steps_lost_max\": %lld, \"steps_lost_mean\": %s, \"save_held_s\": %s}\n",
         world, static_cast<long long>(n_params), fsdp::to_string(strategy), group, peaks.c_str(), states.c_str(),
         times.c_str(), cli::json_number(fsdp::state_bytes_at_step(strategy, in), "%.1f").c_str(),
-        cli::json_string(fsdp::traits(strategy).formula_at_step).c_str(), static_cast<long long>(checkpoints.started()),
+        cli::json_string(formula).c_str(), static_cast<long long>(checkpoints.started()),
         static_cast<long long>(checkpoints.skipped()), static_cast<long long>(checkpoints.lost_max()),
         cli::json_number(checkpoints.lost_mean(), "%.3f").c_str(),
         cli::json_number(checkpoints.held_seconds(), "%.4f").c_str());

@@ -17,6 +17,11 @@ struct CommStats {
   int64_t all_gathers = 0, reduce_scatters = 0, all_reduces = 0, broadcasts = 0;
   int64_t elements = 0;  ///< the ZeRO paper's volume (above)
   int64_t checks = 0;    ///< cross-rank agreements
+  /// Bytes sent across replicas: the collectives over hybrid sharding's replicate groups (the
+  /// gradients' all-reduce of every step; fsdp::optim::LocalSGD's and DiLoCo's outer steps and
+  /// their first broadcast), counted as `elements` is (twice each all-reduce) but in bytes of the
+  /// tensors' dtype. Part of the counts above, not in addition to them.
+  int64_t replica_bytes = 0;
 };
 
 /// The library's temporary buffers (FSDPModule::buffer_cache_stats): a unit's all-gather output,

@@ -329,13 +329,14 @@ std::vector<int64_t> agree(const FSDPModule& model, Call call, uint64_t payload,
   return state.check_boundary(call, Fingerprint().add(payload), what, vote);
 }
 
-void all_reduce(const FSDPModule& model, at::Tensor& tensor, c10d::ReduceOp op, const std::string& what) {
+void all_reduce(const FSDPModule& model, at::Tensor& tensor, c10d::ReduceOp op, const std::string& what,
+                Span span) {
   // Every rank must be at this call: one rank reducing while another runs its next forward would
   // pair this all-reduce with a collective of another size.
   agree(model, Call::kModelCollective, Fingerprint().add(what).add(tensor.numel()).value(), what);
   RunState& state = Access::state(model);
   state.breaks_on_failure([&] {
-    state.comm.all_reduce(tensor, op, what);
+    (span == Span::kStep ? state.step_comm() : state.comm).all_reduce(tensor, op, what);
     // Tensor parallel: the data-parallel result, then over the parts (every rank of the mesh).
     if (state.tp_comm) state.tp_comm->all_reduce(tensor, op, what + " over the tensor-parallel ranks");
   });

@@ -34,7 +34,7 @@ bool strategy_from_string(const std::string& text, ShardingStrategy& out) {
 
 double state_bytes_at_step(ShardingStrategy s, const FormulaInputs& in) {
   const StrategyTraits& t = traits(s);
-  return bytes(t.at_step, in.psi, divisor(t, in));
+  return bytes(t.at_step, in.psi, divisor(t, in)) + in.outer_bytes * in.psi / divisor(t, in);
 }
 
 double state_bytes_peak(ShardingStrategy s, const FormulaInputs& in) {
@@ -48,7 +48,7 @@ double state_bytes_peak(ShardingStrategy s, const FormulaInputs& in) {
   // and one unit's packed (or in flight). Other strategies count full gradients in their 4Ψ already.
   const double grads =
       t.grads_sharded ? in.param_bytes * (in.root + in.largest_unit) + in.reduce_bytes * in.largest_unit : 0.0;
-  return bytes(c, in.psi, divisor(t, in)) + gathered + grads;
+  return bytes(c, in.psi, divisor(t, in)) + gathered + grads + in.outer_bytes * in.psi / divisor(t, in);
 }
 
 double comm_elements(ShardingStrategy s, const FormulaInputs& in) {

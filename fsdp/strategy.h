@@ -174,9 +174,17 @@ struct FormulaInputs {
   double param_bytes = 4;
   /// Bytes of a gradient element packed for the reduction: reduce_dtype's (4 unless set).
   double reduce_bytes = 4;
+  /// Semi-synchronous training's outer state (fsdp::optim::LocalSGD, DiLoCo) per parameter this
+  /// rank holds, added to the state at the step and at its peak: kDiLoCoOuterBytes for DiLoCo
+  /// with outer momentum, 4 without it (the fp32 global shards alone), 0 for LocalSGD (none).
+  double outer_bytes = 0;
 };
 
-/// Model-state bytes per rank at the optimizer step (traits.at_step).
+/// DiLoCo's outer state per parameter a rank holds: an fp32 global shard and the outer Nesterov
+/// momentum, 4 + 4 bytes (8Ψ/S with hybrid sharding's groups of S).
+inline constexpr double kDiLoCoOuterBytes = 8;
+
+/// Model-state bytes per rank at the optimizer step (traits.at_step, plus the outer state).
 double state_bytes_at_step(ShardingStrategy s, const FormulaInputs& in);
 /// Model-state bytes per rank at their peak during the step (traits.peak, plus the gathered units
 /// and, with sharded gradients, the full gradients of the root and of one unit and one unit's packed

@@ -28,10 +28,13 @@ struct ShardGrad {
 double global_norm(const FSDPModule& model, double norm_type, bool error_if_nonfinite, const char* caller,
                    std::vector<ShardGrad>& grads) {
   fsdp::detail::check_gradients_reduced(model, caller);
+  // While replicas train apart (LocalSGD, DiLoCo) the norm is each replica's: the sum spans its
+  // shard group only, where no other rank holds the same rows.
+  const bool per_replica = fsdp::detail::replicas_apart(model);
   for (const auto& p : model.shard_specs()) {  // each parameter once (a tied weight is one tensor)
     // A parameter tensor parallelism does not split is the same on each of the tp_size ranks:
     // counted once over them, as a replica is.
-    const int64_t copies = static_cast<int64_t>(p.replicas) * (p.tp.split() ? 1 : p.tp_size);
+    const int64_t copies = static_cast<int64_t>(per_replica ? 1 : p.replicas) * (p.tp.split() ? 1 : p.tp_size);
     if (p.local.grad().defined()) grads.push_back({p.local.grad(), copies, p.name});
   }
   const bool inf = std::isinf(norm_type);

@@ -24,9 +24,19 @@ Group Group::of(const FSDPModule& model) {
   g.model_ = &model;
   // The model's own communication context (not a copy): its statistics and call log.
   auto& state = fsdp::detail::Access::state(model);
-  g.mesh_world_ = state.mesh_comm != nullptr;
+  // Between outer steps the replicas hold different values of the same rows, and a checkpoint
+  // splits replicated rows over the replicas: it would mix them. Refused until each replica's state
+  // is kept apart (docs/roadmap.md, issue 28).
+  FSDP_CHECK_IN(state.comm.error_context("fsdp::checkpoint"), !state.replicas_apart, "fsdp::checkpoint (",
+                state.comm.where(),
+                "): the model's replicas train apart (fsdp::optim::LocalSGD or DiLoCo), and checkpoints do not keep "
+                "each replica's shards apart yet: a save would mix the replicas' rows, a load would leave the outer "
+                "state behind. Neither was done; nothing was written or read.");
+  // Over a mesh with tensor parallelism, or while replicas train apart (LocalSGD), the model's
+  // step-boundary agreement spans fewer ranks than the checkpoint: the checkpoint's group agrees too.
+  g.wider_than_step_ = state.mesh_comm != nullptr || state.replicas_apart;
   g.comm_ = std::shared_ptr<fsdp::detail::Comm>(state.shared_from_this(),
-                                                g.mesh_world_ ? state.mesh_comm.get() : &state.comm);
+                                                state.mesh_comm ? state.mesh_comm.get() : &state.comm);
   return g;
 }
 
@@ -44,11 +54,12 @@ std::vector<int> Group::agree(const std::string& what, bool failed) const {
   std::vector<int64_t> votes;
   if (model_ == nullptr) {
     votes = comm_->agree(Call::kCheckpointPhase, payload, what, {}, failed ? 1 : 0);
-  } else if (!mesh_world_) {
+  } else if (!wider_than_step_) {
     votes = fsdp::detail::agree(*model_, Call::kCheckpointPhase, payload, what, failed ? 1 : 0);
   } else {
-    // The data-parallel group's step-boundary check, then every rank of the mesh; a rank whose
-    // check failed votes so, and every rank learns it before this one throws.
+    // The model's step-boundary check (its data-parallel group, or its shard group), then every
+    // rank of the checkpoint; a rank whose check failed votes so, and every rank learns it before
+    // this one throws.
     std::exception_ptr dp_error;
     try {
       fsdp::detail::agree(*model_, Call::kCheckpointPhase, payload, what, failed ? 1 : 0);

@@ -34,7 +34,8 @@ class Group {
  public:
   Group() = default;
   /// The model's checkpoint_group, on the caller's thread between steps: its agreements are the
-  /// model's step-boundary agreements (over a mesh's world, those of its data-parallel group first).
+  /// model's step-boundary agreements (over a mesh's world, or while replicas train apart, those of
+  /// the step's group first, then the checkpoint group's).
   static Group of(const FSDPModule& model);
   /// A group used by nothing else (an asynchronous saver's), bounded by `timeout`.
   static Group own(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, std::chrono::milliseconds timeout);
@@ -55,7 +56,7 @@ class Group {
  private:
   std::vector<std::string> exchange(const std::string& text, const std::string& what, int root) const;
   const FSDPModule* model_ = nullptr;  // set: agreements are the model's step-boundary agreements
-  bool mesh_world_ = false;            // comm_ is the mesh's world, not the model's group
+  bool wider_than_step_ = false;       // comm_ spans more ranks than the model's step agreements
   std::shared_ptr<fsdp::detail::Comm> comm_;
 };
 

@@ -25,6 +25,7 @@ enum class Call : int64_t {
   kFullStateDict = 105,
   kModelCheck = 106,  ///< fully_shard's model check (internal/model_check.cpp)
   kDeviceMesh = 107,  ///< every rank builds a DeviceMesh of the same dimensions (fsdp/device_mesh.cpp)
+  kOuterStep = 108,   ///< LocalSGD / DiLoCo: the same settings everywhere, the same outer step across replicas
   // fsdp::all_reduce over a process group (metrics).
   kUserAllReduce = 201,
   // A phase of a checkpoint's save or load succeeded on every rank (checkpoint/internal/collectives.cpp).

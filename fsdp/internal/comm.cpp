@@ -380,6 +380,7 @@ Pending Comm::reduce_scatter_sum_async(at::Tensor& out, at::Tensor& in, const st
 
 Pending Comm::all_reduce_async(at::Tensor& t, c10d::ReduceOp op, const std::string& what) {
   record(Call::kAllReduce, t.numel(), what);
+  if (group_.across_replicas) stats().replica_bytes += 2 * t.numel() * static_cast<int64_t>(t.element_size());
   if (world_size_ == 1 && !shared_->launch_alone) return {nullptr, what};
   verify_call(Call::kAllReduce, t.numel(), t, what, static_cast<int64_t>(op.op_));
   return launch(
@@ -402,6 +403,7 @@ void Comm::all_reduce(at::Tensor& t, c10d::ReduceOp op, const std::string& what)
 
 void Comm::broadcast(const at::Tensor& t, int root, const std::string& what) {
   ++stats().broadcasts;
+  if (group_.across_replicas) stats().replica_bytes += t.numel() * static_cast<int64_t>(t.element_size());
   log().add(Call::kBroadcast, t.numel(), what);
   if (world_size_ == 1) return;
   verify_call(Call::kBroadcast, t.numel(), t, what);

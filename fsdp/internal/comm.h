@@ -39,6 +39,9 @@ struct GroupInfo {
   /// A group of a DeviceMesh: this rank's coordinates and the mesh's shape, "(dp_shard 1, tp 0) of
   /// mesh (dp_shard 2, tp 2)", named in errors beside the global rank. Empty otherwise.
   std::string mesh;
+  /// A group of ranks that hold the same shard in different replicas (hybrid's replicate group, a
+  /// mesh's dp_replicate): its traffic is also counted in CommStats::replica_bytes.
+  bool across_replicas = false;
 };
 
 /// The collectives a model issued since its last cross-rank check, as a count and a hash of their

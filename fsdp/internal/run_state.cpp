@@ -56,15 +56,16 @@ void RunState::init_hybrid(int group_size) {
   shard_comm = std::make_unique<Comm>(shard_pg, comm.timeout(), comm.shared(),
                                       GroupInfo{"hybrid shard group " + std::to_string(r / group_size), shard_ranks, W},
                                       comm.verify());
-  replicate_comm = std::make_unique<Comm>(
-      replicate_pg, comm.timeout(), comm.shared(),
-      GroupInfo{"hybrid replicate group " + std::to_string(r % group_size), replicate_ranks, W}, comm.verify());
+  GroupInfo replicas{"hybrid replicate group " + std::to_string(r % group_size), replicate_ranks, W};
+  replicas.across_replicas = true;
+  replicate_comm = std::make_unique<Comm>(replicate_pg, comm.timeout(), comm.shared(), replicas, comm.verify());
 }
 
 void RunState::init_mesh(const MeshState& mesh) {
   auto comm_over = [&](const char* dim) {
-    return std::make_unique<Comm>(mesh.group(dim).pg, comm.timeout(), comm.shared(), mesh.group_info(dim),
-                                  comm.verify());
+    GroupInfo info = mesh.group_info(dim);
+    info.across_replicas = std::string(dim) == kReplicateDim;
+    return std::make_unique<Comm>(mesh.group(dim).pg, comm.timeout(), comm.shared(), info, comm.verify());
   };
   if (mesh.group(kReplicateDim).global_ranks.size() > 1 && mesh.group(kShardDim).global_ranks.size() > 1) {
     shard_comm = comm_over(kShardDim);
@@ -83,7 +84,7 @@ std::vector<int64_t> RunState::check_boundary(Call call, Fingerprint args, const
   CallLog& log = comm.log();
   std::vector<int64_t> votes;
   breaks_on_failure([&] {
-    votes = comm.agree(
+    votes = step_comm().agree(
         call, args.add(log.count).add(log.hash.value()).value(), description,
         [&log] {
           std::ostringstream os;

@@ -56,6 +56,16 @@ class RunState : public std::enable_shared_from_this<RunState> {
   std::unique_ptr<Comm> mesh_comm;
   std::unordered_map<const c10::TensorImpl*, TensorSplit> tp_splits;
   int tp_size() const { return tp_comm ? tp_comm->world_size() : 1; }
+  /// Set by fsdp::optim::LocalSGD and DiLoCo (optim/internal/replica_sync.h), never cleared: hybrid
+  /// sharding's replicas (its shard groups) train apart between outer steps. Gradients are then
+  /// reduced within the shard group only (its mean: divided by S, not N), and the per-step
+  /// agreements and sums (check_boundary, detail::all_reduce: clipping's norm, the scaler's
+  /// overflow) span the shard group: nothing crosses replicas until the outer step.
+  bool replicas_apart = false;
+  /// The group a step's agreements and sums span: the shard group when replicas train apart, else
+  /// the whole data-parallel group.
+  Comm& step_comm() { return replicas_apart ? *shard_comm : comm; }
+  const Comm& step_comm() const { return replicas_apart ? *shard_comm : comm; }
   /// Between the first pre-backward hook of a backward and its end-of-backward callback.
   bool in_backward() const { return callback_queued_; }
   /// False while accumulating gradients without communication (set_requires_gradient_sync).

@@ -1,9 +1,10 @@
 // The unit's reduce path, FSDP2's foreach_reduce: once backward has produced a unit's gradients
 // they are packed into one buffer in reduce_dtype (the cast of mixed precision happens in this
 // copy), reduce-scattered over the unit's shard ranks (kNoShard: all-reduced in buckets, see
-// bucket_reducer.h), all-reduced across hybrid's groups, divided by the world size, cast back to
-// the master dtype, copied to host memory with offload, and made the sharded gradients (ZeRO-1:
-// written into the full gradients' rows). The strategy's traits decide which. A unit only partly
+// bucket_reducer.h), all-reduced across hybrid's groups (unless its replicas train apart:
+// fsdp::optim::LocalSGD), divided by the ranks that summed them, cast back to the master dtype,
+// copied to host memory with offload, and made the sharded gradients (ZeRO-1: written into the
+// full gradients' rows). The strategy's traits decide which. A unit only partly
 // used is reduced at the end of backward (Unit::finalize_backward); without gradient sync, nothing
 // is sent and the micro-batches accumulate (in the master dtype with mixed precision).
 //
@@ -97,8 +98,9 @@ void Unit::finish_reduce() {
         shard_comm_->wait(reduce_);
         run_->pool.give_back(reduce_in_);
         reduced = std::move(reduce_out_);
-        if (replicate_comm_ != nullptr && replicate_comm_->world_size() > 1) {
-          // Hybrid: the group's sum of this shard, summed again over the groups holding it.
+        if (replicate_comm_ != nullptr && replicate_comm_->world_size() > 1 && !run_->replicas_apart) {
+          // Hybrid: the group's sum of this shard, summed again over the groups holding it (not
+          // while the replicas train apart: LocalSGD / DiLoCo average them at their outer step).
           replicate_comm_->all_reduce(reduced, c10d::ReduceOp::SUM, describe("all-reduce of gradients across groups"));
         }
       },
@@ -108,7 +110,9 @@ void Unit::finish_reduce() {
 }
 
 void Unit::place_reduced(at::Tensor reduced) {
-  reduced.div_(static_cast<double>(run_->comm.world_size()));
+  // The mean over the ranks whose gradients were summed: the data-parallel group's, or the shard
+  // group's while the replicas train apart.
+  reduced.div_(static_cast<double>(run_->step_comm().world_size()));
   if (reduced.scalar_type() != master_dtype_) reduced = reduced.to(master_dtype_);  // the optimizer's dtype
   if (offload_) reduced = copy_grads_out(reduced);
   if (shards_are_rows_of_full()) {

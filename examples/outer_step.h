@@ -1,0 +1,103 @@
+// train_gpt's semi-synchronous training: --local-sgd H or --diloco H [--outer-lr --outer-momentum]
+// [--fragments F] over --strategy hybrid. Each hybrid group of --shard-group-size ranks is a replica
+// that trains alone; every H steps fsdp::optim::LocalSGD averages the replicas' parameters, or
+// fsdp::optim::DiLoCo applies its outer optimizer to their mean pseudo-gradient (docs/local-sgd.md).
+#pragma once
+
+#include "examples/cli.h"
+#include "optim/diloco.h"
+#include "optim/local_sgd.h"
+
+#include <torch/optim/optimizer.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+namespace examples {
+
+struct OuterFlags {
+  int64_t local_sgd = 0;  // H of LocalSGD (0: off)
+  int64_t diloco = 0;     // H of DiLoCo (0: off)
+  double outer_lr = 0.7, outer_momentum = 0.9;
+  int64_t fragments = 1;
+  bool outer_set = false;  // --outer-lr or --outer-momentum given
+
+  bool on() const { return local_sgd > 0 || diloco > 0; }
+
+  /// Takes `flag` when it is one of these, its value from `value()`; false when it is not.
+  template <typename Value>
+  bool parse(const std::string& flag, Value&& value) {
+    if (flag == "--local-sgd" || flag == "--diloco") {
+      (flag == "--local-sgd" ? local_sgd : diloco) = cli::parse_int(flag, value(), 1, 1 << 20);
+    } else if (flag == "--outer-lr") {
+      outer_lr = cli::parse_double(flag, value(), 0, false, 1e6);
+      outer_set = true;
+    } else if (flag == "--outer-momentum") {
+      outer_momentum = cli::parse_double(flag, value(), 0, true, 1);
+      outer_set = true;
+      if (outer_momentum >= 1) throw cli::InputError("--outer-momentum must be below 1", true);
+    } else if (flag == "--fragments") {
+      fragments = cli::parse_int(flag, value(), 1, 1 << 20);
+    } else {
+      return false;
+    }
+    return true;
+  }
+
+  /// A flag without the ones it needs is an input error that says what to add. `hybrid`: whether
+  /// --strategy is hybrid.
+  void check(bool hybrid) const {
+    auto refuse = [](const std::string& what) { throw cli::InputError(what, true); };
+    if (local_sgd > 0 && diloco > 0) refuse("--local-sgd and --diloco are two outer steps: pass one");
+    if (outer_set && diloco == 0)
+      refuse("--outer-lr and --outer-momentum set DiLoCo's outer optimizer: add --diloco H");
+    if (fragments > 1 && !on()) refuse("--fragments needs --local-sgd H or --diloco H");
+    const int64_t H = local_sgd + diloco;
+    if (on() && H % fragments != 0) {
+      refuse("--fragments " + std::to_string(fragments) + " does not divide H = " + std::to_string(H) +
+             " (a fragment is synchronized every H / F steps, in turn)");
+    }
+    if (on() && !hybrid) {
+      refuse(std::string(local_sgd > 0 ? "--local-sgd" : "--diloco") +
+             " trains hybrid sharding's replicas apart: add --strategy hybrid --shard-group-size S (each group of S "
+             "ranks is a replica)");
+    }
+  }
+};
+
+/// The optimizer's step through LocalSGD or DiLoCo when they are on, else the step itself.
+class OuterStep {
+ public:
+  OuterStep(const OuterFlags& f, const fsdp::FSDPModule& model, torch::optim::Optimizer& inner) {
+    if (f.local_sgd > 0) {
+      local_ = std::make_unique<fsdp::optim::LocalSGD>(
+          model, inner, fsdp::optim::LocalSGDOptions(f.local_sgd).fragments(f.fragments));
+    } else if (f.diloco > 0) {
+      diloco_ = std::make_unique<fsdp::optim::DiLoCo>(model, inner,
+                                                      fsdp::optim::DiLoCoOptions(f.diloco)
+                                                          .outer_lr(f.outer_lr)
+                                                          .outer_momentum(f.outer_momentum)
+                                                          .fragments(f.fragments));
+    }
+  }
+  /// Runs `inner_step` (the optimizer's step), then the outer step when one is due.
+  void step(const std::function<void()>& inner_step) {
+    if (local_) {
+      local_->step(inner_step);
+    } else if (diloco_) {
+      diloco_->step(inner_step);
+    } else {
+      inner_step();
+    }
+  }
+  /// DiLoCo, when on (its outer state is model state too).
+  fsdp::optim::DiLoCo* diloco() const { return diloco_.get(); }
+
+ private:
+  std::unique_ptr<fsdp::optim::LocalSGD> local_;
+  std::unique_ptr<fsdp::optim::DiLoCo> diloco_;
+};
+
+}  // namespace examples

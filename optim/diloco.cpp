@@ -1,0 +1,115 @@
+#include "optim/diloco.h"
+
+#include "optim/internal/replica_sync.h"
+
+#include "fsdp/internal/check.h"
+
+#include <torch/optim/sgd.h>
+
+#include <cmath>
+#include <sstream>
+#include <string>
+
+namespace fsdp::optim {
+namespace {
+
+// The options in words (compared across ranks), after checking them: nothing is set up or sent
+// for options that are refused.
+std::string checked_settings(const DiLoCoOptions& o, int rank) {
+  const std::string where = "fsdp::optim::DiLoCo (rank " + std::to_string(rank) + ")";
+  std::ostringstream os;
+  os << "sync_every " << o.sync_every() << ", fragments " << o.fragments();
+  if (o.outer_optimizer()) {
+    os << ", an outer optimizer of the program's";
+    return os.str();
+  }
+  FSDP_CHECK(o.outer_lr() > 0 && std::isfinite(o.outer_lr()), where, ": outer_lr is ", o.outer_lr(),
+             "; it must be positive and finite (the paper's is 0.7).");
+  FSDP_CHECK(o.outer_momentum() >= 0 && o.outer_momentum() < 1, where, ": outer_momentum is ", o.outer_momentum(),
+             "; it must be in [0, 1) (the paper's is 0.9; 0 means plain SGD).");
+  os << ", outer SGD lr " << o.outer_lr() << " momentum " << o.outer_momentum();
+  return os.str();
+}
+
+// Parameter `p`'s rows in a flat tensor laid out as its unit's flat shard.
+at::Tensor view_of(const at::Tensor& flat, const detail::ReplicaSync::Param& p) {
+  return flat.narrow(0, p.offset, p.local.numel()).view(p.local.sizes());
+}
+
+}  // namespace
+
+DiLoCo::DiLoCo(const FSDPModule& model, torch::optim::Optimizer& inner, const DiLoCoOptions& options)
+    : inner_(inner),
+      options_(options),
+      sync_(std::make_unique<detail::ReplicaSync>(model, "fsdp::optim::DiLoCo", options.sync_every(),
+                                                  options.fragments(), checked_settings(options, model.rank()))) {
+  const std::string where = "fsdp::optim::DiLoCo (rank " + std::to_string(model.rank()) + ")";
+  // The global shards: fp32 whatever the parameters' dtype (the outer step accumulates small
+  // differences of the replicas' parameters), one flat copy per unit, padding included (it stays
+  // 0), and each parameter's a view of it, as the parameters are of the flat shard.
+  for (const auto& f : sync_->fragments()) {
+    global_flats_.emplace_back();
+    for (size_t u = 0; u < f.flats.size(); ++u) {
+      global_flats_.back().push_back(f.flats[u].detach().to(at::kFloat, /*non_blocking=*/false, /*copy=*/true));
+      for (const auto& p : f.params[u]) global_.push_back(view_of(global_flats_.back().back(), p));
+    }
+  }
+  if (options.outer_optimizer()) {
+    outer_ = options.outer_optimizer()(global_);
+    FSDP_CHECK(outer_ != nullptr, where, ": DiLoCoOptions::outer_optimizer returned no optimizer.");
+    return;
+  }
+  auto sgd = torch::optim::SGDOptions(options.outer_lr());
+  if (options.outer_momentum() > 0) sgd.momentum(options.outer_momentum()).nesterov(true);
+  outer_ = std::make_unique<torch::optim::SGD>(global_, sgd);
+}
+
+DiLoCo::~DiLoCo() = default;
+DiLoCo::DiLoCo(DiLoCo&&) noexcept = default;
+
+int64_t DiLoCo::inner_steps() const {
+  return sync_->inner_steps();
+}
+int DiLoCo::replicas() const {
+  return sync_->replicas();
+}
+int DiLoCo::replica() const {
+  return sync_->replica();
+}
+
+void DiLoCo::step() {
+  step([this] { inner_.step(); });
+}
+
+void DiLoCo::step(const std::function<void()>& inner_step) {
+  inner_step();
+  for (size_t f : sync_->count_inner_step()) outer_step(f);
+}
+
+void DiLoCo::outer_step(size_t fragment) {
+  at::NoGradGuard no_grad;
+  const auto& f = sync_->fragments()[fragment];
+  auto& global = global_flats_[fragment];
+  // The pseudo-gradient, global - local, per unit (padding: 0 - 0), averaged over the replicas.
+  std::vector<at::Tensor> delta;
+  delta.reserve(f.flats.size());
+  for (size_t u = 0; u < f.flats.size(); ++u) delta.push_back(global[u] - f.flats[u].detach().to(at::kFloat));
+  sync_->average(fragment, delta, "DiLoCo's mean pseudo-gradient");
+  // The outer optimizer steps this fragment's global shards only: the others have no gradient,
+  // which torch::optim's optimizers skip (their state untouched).
+  for (auto& g : global_) g.mutable_grad() = at::Tensor();
+  size_t first = 0;  // this fragment's first parameter in global_
+  for (size_t k = 0; k < fragment; ++k) {
+    for (const auto& params : sync_->fragments()[k].params) first += params.size();
+  }
+  size_t i = first;
+  for (size_t u = 0; u < f.flats.size(); ++u) {
+    for (const auto& p : f.params[u]) global_[i++].mutable_grad() = view_of(delta[u], p);
+  }
+  outer_->step();
+  for (size_t u = 0; u < f.flats.size(); ++u) f.flats[u].detach().copy_(global[u]);
+  for (size_t k = first; k < i; ++k) global_[k].mutable_grad() = at::Tensor();
+  sync_->model().mark_shards_written();
+}
+
+}  // namespace fsdp::optim

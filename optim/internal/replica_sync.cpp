@@ -1,0 +1,124 @@
+#include "optim/internal/replica_sync.h"
+
+#include "fsdp/internal/access.h"
+#include "fsdp/internal/check.h"
+#include "fsdp/internal/comm.h"
+
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <utility>
+
+namespace fsdp::optim::detail {
+
+using fsdp::detail::Call;
+using fsdp::detail::Fingerprint;
+
+ReplicaSync::ReplicaSync(const FSDPModule& model, std::string caller, int64_t sync_every, int64_t fragments,
+                         const std::string& settings)
+    : model_(model), caller_(std::move(caller)), sync_every_(sync_every) {
+  const std::string where = caller_ + " (rank " + std::to_string(model.rank()) + ")";
+  FSDP_CHECK(sync_every >= 1, where, ": sync_every (H, the inner steps between outer steps) is ", sync_every,
+             "; it must be at least 1.");
+  FSDP_CHECK(fragments >= 1 && sync_every % fragments == 0, where, ": ", fragments,
+             " fragment(s) do not divide sync_every = ", sync_every,
+             ": a fragment is synchronized every H / F inner steps, in turn. Choose F dividing H.");
+  // Units holding parameters, in units() order; a fragment is a run of consecutive ones.
+  const std::vector<UnitInfo> units = model.units();
+  const std::vector<ShardSpec> specs = model.shard_specs();
+  std::vector<const UnitInfo*> holding;
+  for (const auto& u : units) {
+    if (!u.specs.empty() && u.flat_shard.defined()) holding.push_back(&u);
+  }
+  const auto n = static_cast<int64_t>(holding.size());
+  FSDP_CHECK(fragments <= n, where, ": ", fragments, " fragments, but the model has ", n,
+             " unit(s) holding parameters; a fragment is one or more whole units (fsdp::Sharded modules and the "
+             "root's own parameters). Use at most ",
+             n, " fragments, or mark more modules fsdp::Sharded.");
+  fragments_.resize(static_cast<size_t>(fragments));
+  std::vector<std::pair<std::string, std::string>> span(fragments_.size());  // first and last unit
+  for (int64_t i = 0; i < n; ++i) {
+    const auto f = static_cast<size_t>(i * fragments / n);
+    const UnitInfo& u = *holding[static_cast<size_t>(i)];
+    const std::string name = u.name.empty() ? "<root>" : u.name;
+    if (span[f].first.empty()) span[f].first = name;
+    span[f].second = name;
+    Fragment& frag = fragments_[f];
+    frag.flats.push_back(u.flat_shard);
+    frag.numel += u.flat_shard.numel();
+    frag.params.emplace_back();
+    for (size_t s : u.specs) frag.params.back().push_back({specs[s].flat_offset, specs[s].local});
+  }
+  for (size_t f = 0; f < fragments_.size(); ++f) {
+    const auto& [first, last] = span[f];
+    fragments_[f].units = first == last ? "unit '" + first + "'" : "units '" + first + "' to '" + last + "'";
+  }
+  replicate_ = &fsdp::detail::train_replicas_apart(
+      model, caller_, Fingerprint().add(caller_).add(settings).add(sync_every).add(fragments).value(), settings);
+  // The replicas start from the same shards: the first replica's (a model trained apart before,
+  // by an earlier LocalSGD, has diverged). One broadcast per fragment, counted across replicas.
+  at::NoGradGuard no_grad;
+  for (size_t f = 0; f < fragments_.size(); ++f) {
+    at::Tensor flat = pack(fragments_[f].flats);
+    fsdp::detail::breaks_on_failure(model_, [&] {
+      replicate_->broadcast(flat, 0, caller_ + ": the first replica's shards of fragment " + std::to_string(f));
+    });
+    unpack(flat, fragments_[f].flats);
+  }
+  model_.mark_shards_written();
+}
+
+int ReplicaSync::replicas() const {
+  return replicate_->world_size();
+}
+
+int ReplicaSync::replica() const {
+  return replicate_->rank();
+}
+
+std::vector<size_t> ReplicaSync::count_inner_step() {
+  ++inner_steps_;
+  const auto F = static_cast<int64_t>(fragments_.size());
+  const int64_t t = inner_steps_ % sync_every_;
+  std::vector<size_t> due;
+  for (int64_t f = 0; f < F; ++f) {
+    if ((f + 1) * sync_every_ / F % sync_every_ == t) due.push_back(static_cast<size_t>(f));
+  }
+  return due;
+}
+
+void ReplicaSync::average(size_t f, const std::vector<at::Tensor>& tensors, const std::string& what) {
+  at::NoGradGuard no_grad;
+  at::Tensor flat = pack(tensors);
+  const std::string name = caller_ + ": " + what + " of fragment " + std::to_string(f) + " (" + fragments_[f].units +
+                           ") at inner step " + std::to_string(inner_steps_);
+  fsdp::detail::breaks_on_failure(model_, [&] {
+    // Replicas at different outer steps (other settings, or a replica that stepped more often)
+    // would pair this all-reduce with another of another size: every replica must be here first.
+    replicate_->agree(Call::kOuterStep,
+                      Fingerprint().add(what).add(static_cast<int64_t>(f)).add(flat.numel()).add(outer_steps_).value(),
+                      name);
+    replicate_->all_reduce(flat, c10d::ReduceOp::SUM, name);
+  });
+  ++outer_steps_;
+  flat.div_(static_cast<double>(replicas()));
+  unpack(flat, tensors);
+}
+
+at::Tensor ReplicaSync::pack(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> flat;
+  flat.reserve(tensors.size());
+  for (const auto& t : tensors) flat.push_back(t.detach().reshape({-1}).to(at::kFloat));
+  return at::cat(flat);
+}
+
+void ReplicaSync::unpack(const at::Tensor& flat, const std::vector<at::Tensor>& tensors) {
+  int64_t offset = 0;
+  for (const auto& t : tensors) {
+    t.detach().copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
+    offset += t.numel();
+  }
+}
+
+}  // namespace fsdp::optim::detail

@@ -1,0 +1,239 @@
+// LocalSGD and DiLoCo over hybrid sharding's replicas (4 ranks: 2 replicas x 2 shards), in one
+// launch: LocalSGD at H = 1 with plain SGD equals hybrid sharding; at H = 4 with AdamW and
+// clipping it equals a one-process reference that runs the two replicas in turn on their rows and
+// averages (every step, each replica's own weights); DiLoCo with outer SGD at lr 1 and momentum 0
+// equals LocalSGD while its default outer optimizer does not; streaming fragments average in turn;
+// a replica may run forwards the other does not (nothing crosses replicas between outer steps);
+// the bytes across replicas of every step from shapes; settings refused by name.
+#include "fsdp/fsdp.h"
+#include "tests/harness.h"
+#include "tests/models.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace fsdp::testing {
+namespace {
+
+constexpr int kWorld = 4, kS = 2, kReplicas = kWorld / kS;
+using MLP = UnevenMLPImpl<true>;  // units: the root (head, scale), fc1, fc2
+using Plain = std::shared_ptr<UnevenMLPImpl<false>>;
+
+// Step `s`'s global batch: replica r's rows are [6r, 6r + 6), rank k's [3k, 3k + 3).
+std::pair<torch::Tensor, torch::Tensor> batch(int s) {
+  torch::manual_seed(1000 + s);
+  return {torch::randn({kGlobalBatch, 7}), torch::randn({kGlobalBatch, 3})};
+}
+
+FullyShardedModule<MLP> hybrid(const Rank& r) {
+  torch::manual_seed(1);
+  return fully_shard(std::make_shared<MLP>(), r.pg, test_options(ShardingStrategy::kHybridShard, kS));
+}
+
+Plain plain_model() {
+  torch::manual_seed(1);
+  return std::make_shared<UnevenMLPImpl<false>>();
+}
+
+// One step of the wrapped model on this rank's rows; returns the loss.
+double train_step(FullyShardedModule<MLP>& model, const Rank& r, int s) {
+  const auto [x, y] = batch(s);
+  auto loss = torch::mse_loss(model(local_rows(x, r.rank, kWorld)), local_rows(y, r.rank, kWorld));
+  loss.backward();
+  return loss.item<double>();
+}
+
+// The replica's whole weights (gathered over its shard group), by name.
+torch::OrderedDict<std::string, torch::Tensor> weights(const FSDPModule& model) {
+  return model.full_state_dict();
+}
+
+void expect_close(const FSDPModule& model, torch::nn::Module& ref, double rtol, const std::string& label) {
+  const auto mine = weights(model);
+  for (const auto& kv : ref.named_parameters())
+    EXPECT_TRUE(close(mine[kv.key()], kv.value(), rtol)) << label << ": " << kv.key();
+}
+
+double max_difference(const FSDPModule& a, const FSDPModule& b) {
+  const auto wa = weights(a), wb = weights(b);
+  double d = 0;
+  for (const auto& kv : wa) d = std::max(d, (kv.value() - wb[kv.key()]).abs().max().item<double>());
+  return d;
+}
+
+// Bytes from shapes: twice the fp32 bytes of an all-reduce of `numel` elements.
+int64_t all_reduce_bytes(int64_t numel) {
+  return 2 * 4 * numel;
+}
+
+// Elements of this rank's rows of every parameter (`padded`: each parameter's c rows, as a unit's
+// flat shard holds them), of the parameters `in` accepts (all without it).
+int64_t shard_elements(const Rank& r, torch::nn::Module& ref, bool padded,
+                       const std::function<bool(const std::string&)>& in = {}) {
+  int64_t n = 0;
+  for (const auto& kv : ref.named_parameters()) {
+    if (in && !in(kv.key())) continue;
+    const RowLayout l = row_layout(kv.value().sizes(), kS);
+    n += (padded ? l.chunk_rows() : l.local_rows(r.rank % kS)) * l.row_numel;
+  }
+  return n;
+}
+
+// LocalSGD at H = 1 with plain SGD is hybrid sharding: the mean of the replicas' SGD steps is the
+// step on the mean gradient. Hybrid's bytes across replicas per step: its gradients' all-reduce.
+void local_sgd_h1_is_hybrid(const Rank& r) {
+  auto a = hybrid(r);
+  auto b = hybrid(r);
+  torch::optim::SGD sa(a.parameters(), 0.1), sb(b.parameters(), 0.1);
+  optim::LocalSGD local(b, sb, optim::LocalSGDOptions(1));
+  Plain ref = plain_model();
+  const int64_t padded = shard_elements(r, *ref, /*padded=*/true);
+  for (int s = 0; s < 4; ++s) {
+    a.reset_comm_stats();
+    train_step(a, r, s);
+    EXPECT_EQ(a.comm_stats().replica_bytes, all_reduce_bytes(padded)) << "hybrid, step " << s;
+    sa.step();
+    sa.zero_grad();
+    train_step(b, r, s);
+    local.step();
+    sb.zero_grad();
+    EXPECT_LE(max_difference(a, b), 1e-6 * weights(a)["fc1.weight"].abs().max().item<double>()) << "step " << s;
+  }
+  // Not yet: a checkpoint of replicas that train apart would mix their rows. Refused, nothing written.
+  const std::string saved = error_of([&] { checkpoint::save(shared_dir() + "/apart", b, sb); });
+  EXPECT_NE(saved.find("replicas train apart"), std::string::npos) << saved;
+}
+
+// The reference: the two replicas trained one after another in this process, each on its rows,
+// with its own AdamW and clipping; every H steps (fragment by fragment: `fragment_of` a name) the
+// parameters of the fragments due are replaced by the replicas' mean.
+struct Reference {
+  Plain replica[kReplicas] = {plain_model(), plain_model()};
+  std::vector<std::unique_ptr<torch::optim::AdamW>> opt;
+  Reference() {
+    for (auto& m : replica) opt.push_back(std::make_unique<torch::optim::AdamW>(m->parameters(), 1e-2));
+  }
+  void step(int s, const std::vector<bool>& due, const std::function<int(const std::string&)>& fragment_of) {
+    const auto [x, y] = batch(s);
+    for (int k = 0; k < kReplicas; ++k) {
+      auto loss = torch::mse_loss(replica[k]->forward(x.narrow(0, 6 * k, 6)), y.narrow(0, 6 * k, 6));
+      loss.backward();
+      torch::nn::utils::clip_grad_norm_(replica[k]->parameters(), 0.05);
+      opt[k]->step();
+      opt[k]->zero_grad();
+    }
+    torch::NoGradGuard no_grad;
+    auto p0 = replica[0]->named_parameters(), p1 = replica[1]->named_parameters();
+    for (const auto& kv : p0) {
+      if (!due[fragment_of(kv.key())]) continue;
+      const torch::Tensor mean = (kv.value() + p1[kv.key()]) / 2;
+      kv.value().copy_(mean);
+      p1[kv.key()].copy_(mean);
+    }
+  }
+};
+
+// H = 4 with AdamW and clipping (each replica's norm), against the reference; one fragment or two
+// (the root and fc1, then fc2: averaged after steps 2 and 4 of each period). Replica 0 also runs
+// no-grad forwards that replica 1 does not: no agreement of a step spans both replicas.
+void local_sgd_h4_matches_reference(const Rank& r, int fragments) {
+  const std::string label = "LocalSGD H 4, " + std::to_string(fragments) + " fragment(s)";
+  auto model = hybrid(r);
+  torch::optim::AdamW inner(model.parameters(), 1e-2);
+  Plain shapes = plain_model();
+  // What crosses replicas is the units' flat shards: each parameter's c rows, padding included.
+  const int64_t padded = shard_elements(r, *shapes, true);
+  model.reset_comm_stats();
+  optim::LocalSGD sgd(model, inner, optim::LocalSGDOptions(4).fragments(fragments));
+  EXPECT_EQ(model.comm_stats().replica_bytes, 4 * padded) << label << ": the first replica's shards, broadcast";
+  EXPECT_EQ(sgd.replicas(), kReplicas);
+  EXPECT_EQ(sgd.replica(), r.rank / kS);
+  auto fragment_of = [&](const std::string& name) { return fragments == 2 && name.rfind("fc2", 0) == 0 ? 1 : 0; };
+  Reference ref;
+  for (int s = 0; s < 12; ++s) {
+    model.reset_comm_stats();
+    train_step(model, r, s);
+    optim::clip_grad_norm(model, 0.05);
+    sgd.step();
+    inner.zero_grad();
+    const int t = (s + 1) % 4;
+    std::vector<bool> due{fragments == 1 ? t == 0 : t == 2, fragments == 2 && t == 0};
+    int64_t want = 0;
+    for (int f = 0; f < fragments; ++f) {
+      if (due[f]) {
+        want += all_reduce_bytes(
+            shard_elements(r, *shapes, true, [&](const std::string& n) { return fragment_of(n) == f; }));
+      }
+    }
+    EXPECT_EQ(model.comm_stats().replica_bytes, want) << label << ", step " << s;
+    ref.step(s, due, fragment_of);
+    expect_close(model, *ref.replica[r.rank / kS], 1e-6, label + ", step " + std::to_string(s));
+    if (r.rank / kS == 0 && s % 3 == 1) {  // a validation forward in replica 0 only
+      torch::NoGradGuard no_grad;
+      model(torch::randn({3, 7}));
+    }
+  }
+  EXPECT_EQ(sgd.inner_steps(), 12);
+}
+
+// DiLoCo with outer SGD at lr 1, momentum 0 equals LocalSGD (the global shards become the mean);
+// at its default outer optimizer (Nesterov, 0.7, 0.9) it does not.
+void diloco_against_local_sgd(const Rank& r) {
+  auto a = hybrid(r), b = hybrid(r), c = hybrid(r);
+  torch::optim::AdamW ia(a.parameters(), 1e-2), ib(b.parameters(), 1e-2), ic(c.parameters(), 1e-2);
+  optim::LocalSGD local(a, ia, optim::LocalSGDOptions(4));
+  optim::DiLoCo plain_outer(b, ib, optim::DiLoCoOptions(4).outer_lr(1).outer_momentum(0));
+  optim::DiLoCo nesterov(c, ic, optim::DiLoCoOptions(4));
+  for (int s = 0; s < 8; ++s) {
+    for (auto* m : {&a, &b, &c}) train_step(*m, r, s);
+    local.step();
+    plain_outer.step();
+    nesterov.step();
+    for (auto* o : {&ia, &ib, &ic}) o->zero_grad();
+    const double scale = weights(a)["fc1.weight"].abs().max().item<double>();
+    EXPECT_LE(max_difference(a, b), 1e-6 * scale) << "DiLoCo (lr 1, momentum 0) vs LocalSGD, step " << s;
+    if (s == 3 || s == 7) {
+      EXPECT_GT(max_difference(a, c), 1e-3 * scale) << "DiLoCo's default outer step must move differently, step " << s;
+    }
+  }
+  // The outer state: fp32 global shards (flat per unit, padded as the flat shards are) and the
+  // momentum (one per parameter: its rows).
+  Plain shapes = plain_model();
+  const auto bytes = optim::state_bytes(nesterov.global_shards(), &nesterov.outer_optimizer());
+  EXPECT_EQ(bytes.params, 4 * shard_elements(r, *shapes, true));
+  EXPECT_EQ(bytes.optimizer, 4 * shard_elements(r, *shapes, false));
+}
+
+void refusals(const Rank& r) {
+  torch::manual_seed(1);
+  auto full = fully_shard(std::make_shared<MLP>(), r.pg, test_options());
+  torch::optim::SGD opt(full.parameters(), 0.1);
+  const std::string no_replicas = error_of([&] { optim::LocalSGD(full, opt, optim::LocalSGDOptions(4)); });
+  EXPECT_NE(no_replicas.find("not hybrid-sharded"), std::string::npos) << no_replicas;
+  EXPECT_NE(no_replicas.find("kHybridShard"), std::string::npos) << no_replicas;
+  auto model = hybrid(r);
+  torch::optim::SGD opt2(model.parameters(), 0.1);
+  const std::string fragments = error_of([&] { optim::DiLoCo(model, opt2, optim::DiLoCoOptions(4).fragments(3)); });
+  EXPECT_NE(fragments.find("3 fragment(s) do not divide sync_every = 4"), std::string::npos) << fragments;
+  const std::string too_many = error_of([&] { optim::LocalSGD(model, opt2, optim::LocalSGDOptions(8).fragments(4)); });
+  EXPECT_NE(too_many.find("the model has 3 unit(s) holding parameters"), std::string::npos) << too_many;
+  const std::string lr = error_of([&] { optim::DiLoCo(model, opt2, optim::DiLoCoOptions(4).outer_lr(0)); });
+  EXPECT_NE(lr.find("outer_lr is 0"), std::string::npos) << lr;
+}
+
+TEST(LocalSGD, ReplicasTrainApartAndAverage) {
+  run_ranks(kWorld, [](Rank& r) {
+    local_sgd_h1_is_hybrid(r);
+    local_sgd_h4_matches_reference(r, 1);
+    local_sgd_h4_matches_reference(r, 2);
+    diloco_against_local_sgd(r);
+    refusals(r);
+  });
+}
+
+}  // namespace
+}  // namespace fsdp::testing
