@@ -4,7 +4,8 @@
 train_gpt on its corpus at 4 ranks as 2 replicas x 2 shards (--strategy hybrid --shard-group-size
 2), the same seed and data for every run, side by side in one run: plain hybrid sharding (the
 gradients all-reduced across replicas every step), LocalSGD and DiLoCo at H = 10 and 50, and
-streaming DiLoCo (H = 50 in F fragments, one every H/F steps). For each: the final loss (replica
+streaming DiLoCo (H = 50 in F fragments, one every H/F steps, each exchange overlapped with the next
+inner step). For each: the final loss (replica
 0's, the mean of the last 10 steps too), the bytes sent across replicas (the sum of the step rows'
 replica_comm_bytes: one replica's), their ratio to hybrid's (the goal: 1/H), the loss gap to hybrid,
 the largest bytes one step sent (streaming's point), and the mean step time (context only: 4 ranks on
@@ -34,7 +35,7 @@ def runs(fragments):
         "LocalSGD H 50": ["--local-sgd", "50"],
         "DiLoCo H 10": ["--diloco", "10"],
         "DiLoCo H 50": ["--diloco", "50"],
-        f"streaming DiLoCo H 50, F {fragments}": ["--diloco", "50", "--fragments", str(fragments)],
+        f"streaming DiLoCo H 50, F {fragments}": ["--diloco", "50", "--fragments", str(fragments), "--overlap"],
     }
 
 

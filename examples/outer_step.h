@@ -1,5 +1,5 @@
 // train_gpt's semi-synchronous training: --local-sgd H or --diloco H [--outer-lr --outer-momentum]
-// [--fragments F] over --strategy hybrid. Each hybrid group of --shard-group-size ranks is a replica
+// [--fragments F] [--overlap] over --strategy hybrid. Each hybrid group of --shard-group-size ranks is a replica
 // that trains alone; every H steps fsdp::optim::LocalSGD averages the replicas' parameters, or
 // fsdp::optim::DiLoCo applies its outer optimizer to their mean pseudo-gradient (docs/local-sgd.md).
 #pragma once
@@ -22,6 +22,7 @@ struct OuterFlags {
   int64_t diloco = 0;     // H of DiLoCo (0: off)
   double outer_lr = 0.7, outer_momentum = 0.9;
   int64_t fragments = 1;
+  bool overlap = false;    // the outer exchange in flight during the next step
   bool outer_set = false;  // --outer-lr or --outer-momentum given
 
   bool on() const { return local_sgd > 0 || diloco > 0; }
@@ -38,6 +39,8 @@ struct OuterFlags {
       outer_momentum = cli::parse_double(flag, value(), 0, true, 1);
       outer_set = true;
       if (outer_momentum >= 1) throw cli::InputError("--outer-momentum must be below 1", true);
+    } else if (flag == "--overlap") {
+      overlap = true;
     } else if (flag == "--fragments") {
       fragments = cli::parse_int(flag, value(), 1, 1 << 20);
     } else {
@@ -54,6 +57,7 @@ struct OuterFlags {
     if (outer_set && diloco == 0)
       refuse("--outer-lr and --outer-momentum set DiLoCo's outer optimizer: add --diloco H");
     if (fragments > 1 && !on()) refuse("--fragments needs --local-sgd H or --diloco H");
+    if (overlap && !on()) refuse("--overlap needs --local-sgd H or --diloco H");
     const int64_t H = local_sgd + diloco;
     if (on() && H % fragments != 0) {
       refuse("--fragments " + std::to_string(fragments) + " does not divide H = " + std::to_string(H) +
@@ -73,13 +77,14 @@ class OuterStep {
   OuterStep(const OuterFlags& f, const fsdp::FSDPModule& model, torch::optim::Optimizer& inner) {
     if (f.local_sgd > 0) {
       local_ = std::make_unique<fsdp::optim::LocalSGD>(
-          model, inner, fsdp::optim::LocalSGDOptions(f.local_sgd).fragments(f.fragments));
+          model, inner, fsdp::optim::LocalSGDOptions(f.local_sgd).fragments(f.fragments).overlap(f.overlap));
     } else if (f.diloco > 0) {
       diloco_ = std::make_unique<fsdp::optim::DiLoCo>(model, inner,
                                                       fsdp::optim::DiLoCoOptions(f.diloco)
                                                           .outer_lr(f.outer_lr)
                                                           .outer_momentum(f.outer_momentum)
-                                                          .fragments(f.fragments));
+                                                          .fragments(f.fragments)
+                                                          .overlap(f.overlap));
     }
   }
   /// Runs `inner_step` (the optimizer's step), then the outer step when one is due.
@@ -91,6 +96,11 @@ class OuterStep {
     } else {
       inner_step();
     }
+  }
+  /// Applies an outer exchange still in flight (--overlap), at the end of training.
+  void flush() {
+    if (local_) local_->flush();
+    if (diloco_) diloco_->flush();
   }
   /// DiLoCo, when on (its outer state is model state too).
   fsdp::optim::DiLoCo* diloco() const { return diloco_.get(); }

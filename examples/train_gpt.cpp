@@ -74,7 +74,7 @@ const char* const kUsage =
     "                 [--bucket-mb MB] [--build-sharded] [--save-dir DIR [--save-every K] [--resume]\n"
     "                 [--async-save] [--keep-last N] [--direct-io]]\n"
     "                 [--mixed-precision bf16|fp16] [--activation-checkpointing [K]] [--wrap torchtitan|blocks]\n"
-    "                 [--local-sgd H | --diloco H [--outer-lr LR] [--outer-momentum M]] [--fragments F]\n"
+    "                 [--local-sgd H | --diloco H [--outer-lr LR] [--outer-momentum M]] [--fragments F] [--overlap]\n"
     "  --strategy: full sharding (ZeRO-3), SHARD_GRAD_OP (ZeRO-2), optimizer state only (ZeRO-1),\n"
     "  replicated (DDP), or hybrid: full sharding inside groups of S consecutive ranks (default N/2).\n"
     "  --build-sharded: shard each block while the model is built (a model larger than one rank).\n"
@@ -100,7 +100,8 @@ const char* const kUsage =
     "  --local-sgd H / --diloco H (with --strategy hybrid): each hybrid group is a replica that trains alone;\n"
     "  every H steps LocalSGD averages the replicas' parameters, DiLoCo applies an outer Nesterov SGD (--outer-lr,\n"
     "  default 0.7; --outer-momentum, default 0.9, 0: plain SGD) to their mean change; --fragments F: F groups of\n"
-    "  units synchronized in turn, one every H/F steps. The loss, norm and memory printed are replica 0's; every\n"
+    "  units synchronized in turn, one every H/F steps; --overlap: the exchange in flight during the next step,\n"
+    "  applied after it (one step stale). The loss, norm and memory printed are replica 0's; every\n"
     "  JSON step row carries replica_comm_bytes, the bytes one replica sent to the others in that step.\n"
     "  Exit status: 0 trained, 2 bad flags or --data, 1 other errors (a non-finite loss or gradient norm).\n";
 
@@ -121,6 +122,10 @@ Args parse(int argc, char** argv) {
     const std::string k = argv[i];
     if (k == "--help" || k == "-h") {
       a.help = true;
+      continue;
+    }
+    if (k == "--overlap") {
+      a.outer.parse(k, [] { return std::string(); });
       continue;
     }
     if (k == "--json" || k == "--no-sync" || k == "--fused") {
@@ -432,6 +437,7 @@ int run(const Args& args) {
         {{"seed", std::to_string(seed)}, {"global_batch", std::to_string(args.batch_size)}, {"example", "train_gpt"}});
     if (rank == 0 && !saved.empty()) std::cerr << who() << ": " << saved << "\n";
   }
+  outer.flush();  // --overlap: the last outer exchange, still in flight
   checkpoints.finish();
 
   // Per-rank memory of the last step, gathered on rank 0.

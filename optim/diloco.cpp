@@ -4,6 +4,7 @@
 
 #include "fsdp/internal/check.h"
 
+#include <torch/csrc/autograd/grad_mode.h>
 #include <torch/optim/sgd.h>
 
 #include <cmath>
@@ -18,7 +19,7 @@ namespace {
 std::string checked_settings(const DiLoCoOptions& o, int rank) {
   const std::string where = "fsdp::optim::DiLoCo (rank " + std::to_string(rank) + ")";
   std::ostringstream os;
-  os << "sync_every " << o.sync_every() << ", fragments " << o.fragments();
+  os << "sync_every " << o.sync_every() << ", fragments " << o.fragments() << (o.overlap() ? ", overlapped" : "");
   if (o.outer_optimizer()) {
     os << ", an outer optimizer of the program's";
     return os.str();
@@ -83,33 +84,61 @@ void DiLoCo::step() {
 
 void DiLoCo::step(const std::function<void()>& inner_step) {
   inner_step();
-  for (size_t f : sync_->count_inner_step()) outer_step(f);
+  const std::vector<size_t> due = sync_->count_inner_step();
+  flush();  // the outer step begun at the previous step, after this step's inner step
+  for (size_t f : due) {
+    std::vector<at::Tensor> delta = pseudo_gradient(f);
+    if (options_.overlap()) {
+      sync_->begin_average(f, delta, "DiLoCo's mean pseudo-gradient (overlapped)");
+      continue;
+    }
+    sync_->average(f, delta, "DiLoCo's mean pseudo-gradient");
+    outer_step(f, delta);
+    at::NoGradGuard no_grad;
+    const auto& flats = sync_->fragments()[f].flats;
+    for (size_t u = 0; u < flats.size(); ++u) flats[u].detach().copy_(global_flats_[f][u]);
+    sync_->model().mark_shards_written();
+  }
 }
 
-void DiLoCo::outer_step(size_t fragment) {
+void DiLoCo::flush() {
+  auto done = sync_->finish_average();
+  if (!done) return;
+  const size_t f = done->fragment;
+  outer_step(f, sync_->split(f, done->mean));
+  // The new global shards, plus what this replica's inner step did meanwhile.
   at::NoGradGuard no_grad;
-  const auto& f = sync_->fragments()[fragment];
-  auto& global = global_flats_[fragment];
-  // The pseudo-gradient, global - local, per unit (padding: 0 - 0), averaged over the replicas.
+  const auto& flats = sync_->fragments()[f].flats;
+  const auto then = sync_->split(f, done->snapshot);
+  for (size_t u = 0; u < flats.size(); ++u) flats[u].detach().add_(global_flats_[f][u] - then[u]);
+  sync_->model().mark_shards_written();
+}
+
+std::vector<at::Tensor> DiLoCo::pseudo_gradient(size_t f) {
+  at::NoGradGuard no_grad;
+  const auto& flats = sync_->fragments()[f].flats;
   std::vector<at::Tensor> delta;
-  delta.reserve(f.flats.size());
-  for (size_t u = 0; u < f.flats.size(); ++u) delta.push_back(global[u] - f.flats[u].detach().to(at::kFloat));
-  sync_->average(fragment, delta, "DiLoCo's mean pseudo-gradient");
+  delta.reserve(flats.size());
+  for (size_t u = 0; u < flats.size(); ++u) delta.push_back(global_flats_[f][u] - flats[u].detach().to(at::kFloat));
+  return delta;
+}
+
+void DiLoCo::outer_step(size_t f, const std::vector<at::Tensor>& mean) {
+  at::NoGradGuard no_grad;
+  const auto& frag = sync_->fragments()[f];
   // The outer optimizer steps this fragment's global shards only: the others have no gradient,
   // which torch::optim's optimizers skip (their state untouched).
   for (auto& g : global_) g.mutable_grad() = at::Tensor();
   size_t first = 0;  // this fragment's first parameter in global_
-  for (size_t k = 0; k < fragment; ++k) {
+  for (size_t k = 0; k < f; ++k) {
     for (const auto& params : sync_->fragments()[k].params) first += params.size();
   }
   size_t i = first;
-  for (size_t u = 0; u < f.flats.size(); ++u) {
-    for (const auto& p : f.params[u]) global_[i++].mutable_grad() = view_of(delta[u], p);
+  for (size_t u = 0; u < frag.flats.size(); ++u) {
+    for (const auto& p : frag.params[u]) global_[i++].mutable_grad() = view_of(mean[u], p);
   }
   outer_->step();
-  for (size_t u = 0; u < f.flats.size(); ++u) f.flats[u].detach().copy_(global[u]);
   for (size_t k = first; k < i; ++k) global_[k].mutable_grad() = at::Tensor();
-  sync_->model().mark_shards_written();
 }
 
 }  // namespace fsdp::optim

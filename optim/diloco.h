@@ -45,6 +45,11 @@ struct DiLoCoOptions {
   /// Streaming DiLoCo: F fragments (runs of consecutive units) synchronized in turn, one every
   /// H / F inner steps; F must divide H. See LocalSGDOptions::fragments.
   TORCH_ARG(int64_t, fragments) = 1;
+  /// The overlapped variant: the mean pseudo-gradient's all-reduce is begun at its step and left in
+  /// flight while the next inner step computes; after it the outer step runs and the parameters
+  /// become p += new_global - p_then (the new global shards plus this replica's last inner step):
+  /// one step stale. flush() applies one still in flight (at the end of training).
+  TORCH_ARG(bool, overlap) = false;
 };
 
 class DiLoCo {
@@ -62,6 +67,9 @@ class DiLoCo {
   /// The same with `inner_step` instead of inner.step() (e.g. [&] { scaler.step(inner); }).
   void step(const std::function<void()>& inner_step);
 
+  /// Overlapped: applies the outer step in flight now, if any (waits for it); else nothing.
+  void flush();
+
   /// The global shards: fp32 copies of this rank's parameter shards as of the last outer step (the
   /// outer optimizer's parameters), one per parameter, units in units() order.
   const std::vector<at::Tensor>& global_shards() const { return global_; }
@@ -72,7 +80,10 @@ class DiLoCo {
   const DiLoCoOptions& options() const { return options_; }
 
  private:
-  void outer_step(size_t fragment);
+  /// The pseudo-gradient of fragment f (global - local, per unit, fp32).
+  std::vector<at::Tensor> pseudo_gradient(size_t f);
+  /// Steps fragment f's global shards with `mean` (the replicas' mean pseudo-gradient, per unit).
+  void outer_step(size_t f, const std::vector<at::Tensor>& mean);
 
   torch::optim::Optimizer& inner_;
   DiLoCoOptions options_;

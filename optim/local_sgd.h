@@ -35,6 +35,11 @@ struct LocalSGDOptions {
   /// H / F inner steps (fragment f after steps t with t % H == (f + 1) H / F mod H): the same bytes
   /// per period, F-fold less at once. F must divide H and be at most the units holding parameters.
   TORCH_ARG(int64_t, fragments) = 1;
+  /// The overlapped variant: the average is begun at its step and left in flight while the next
+  /// inner step computes, then applied after it as p += mean - p_then (the replicas' mean of the
+  /// parameters as they were when it began, plus this replica's own last inner step): one step
+  /// stale. flush() applies one still in flight (at the end of training).
+  TORCH_ARG(bool, overlap) = false;
 };
 
 class LocalSGD {
@@ -52,6 +57,9 @@ class LocalSGD {
   void step();
   /// The same with `inner_step` instead of inner.step() (e.g. [&] { scaler.step(inner); }).
   void step(const std::function<void()>& inner_step);
+
+  /// Overlapped: applies the average in flight now, if any (waits for it); else nothing.
+  void flush();
 
   /// step() calls so far (a checkpoint keeps it, so that a resumed run averages on schedule).
   int64_t inner_steps() const;

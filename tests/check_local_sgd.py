@@ -81,6 +81,7 @@ def main():
     for flags, needle in ((["--local-sgd", "4"], "add --strategy hybrid"),
                           (HYBRID + ["--diloco", "4", "--fragments", "3"], "--fragments 3 does not divide H = 4"),
                           (HYBRID + ["--outer-lr", "1"], "add --diloco H"),
+                          (HYBRID + ["--overlap"], "--overlap needs --local-sgd H or --diloco H"),
                           (HYBRID + ["--local-sgd", "4", "--diloco", "4"], "pass one")):
         p = subprocess.run([a.train_gpt, "--steps", "1"] + flags, capture_output=True, text=True, timeout=60)
         if p.returncode != 2 or needle not in p.stderr:

@@ -13,6 +13,7 @@
 #include <torch/torch.h>
 
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -110,12 +111,22 @@ void local_sgd_h1_is_hybrid(const Rank& r) {
 
 // The reference: the two replicas trained one after another in this process, each on its rows,
 // with its own AdamW and clipping; every H steps (fragment by fragment: `fragment_of` a name) the
-// parameters of the fragments due are replaced by the replicas' mean.
+// parameters of the fragments due are replaced by the replicas' mean. Overlapped: the mean of the
+// parameters as they are at the due step is applied after the next inner step, as p += mean - p_then.
 struct Reference {
   Plain replica[kReplicas] = {plain_model(), plain_model()};
   std::vector<std::unique_ptr<torch::optim::AdamW>> opt;
-  Reference() {
+  bool overlap = false;
+  std::map<std::string, std::vector<torch::Tensor>> in_flight;  // name: mean, then each replica's p_then
+  explicit Reference(bool overlap) : overlap(overlap) {
     for (auto& m : replica) opt.push_back(std::make_unique<torch::optim::AdamW>(m->parameters(), 1e-2));
+  }
+  void flush() {
+    torch::NoGradGuard no_grad;
+    for (const auto& [name, t] : in_flight) {
+      for (int k = 0; k < kReplicas; ++k) replica[k]->named_parameters()[name].add_(t[0] - t[1 + k]);
+    }
+    in_flight.clear();
   }
   void step(int s, const std::vector<bool>& due, const std::function<int(const std::string&)>& fragment_of) {
     const auto [x, y] = batch(s);
@@ -126,13 +137,18 @@ struct Reference {
       opt[k]->step();
       opt[k]->zero_grad();
     }
+    flush();
     torch::NoGradGuard no_grad;
     auto p0 = replica[0]->named_parameters(), p1 = replica[1]->named_parameters();
     for (const auto& kv : p0) {
       if (!due[fragment_of(kv.key())]) continue;
       const torch::Tensor mean = (kv.value() + p1[kv.key()]) / 2;
-      kv.value().copy_(mean);
-      p1[kv.key()].copy_(mean);
+      if (overlap) {
+        in_flight[kv.key()] = {mean, kv.value().clone(), p1[kv.key()].clone()};
+      } else {
+        kv.value().copy_(mean);
+        p1[kv.key()].copy_(mean);
+      }
     }
   }
 };
@@ -140,20 +156,21 @@ struct Reference {
 // H = 4 with AdamW and clipping (each replica's norm), against the reference; one fragment or two
 // (the root and fc1, then fc2: averaged after steps 2 and 4 of each period). Replica 0 also runs
 // no-grad forwards that replica 1 does not: no agreement of a step spans both replicas.
-void local_sgd_h4_matches_reference(const Rank& r, int fragments) {
-  const std::string label = "LocalSGD H 4, " + std::to_string(fragments) + " fragment(s)";
+void local_sgd_h4_matches_reference(const Rank& r, int fragments, bool overlap = false) {
+  const std::string label =
+      "LocalSGD H 4, " + std::to_string(fragments) + " fragment(s)" + (overlap ? ", overlapped" : "");
   auto model = hybrid(r);
   torch::optim::AdamW inner(model.parameters(), 1e-2);
   Plain shapes = plain_model();
   // What crosses replicas is the units' flat shards: each parameter's c rows, padding included.
   const int64_t padded = shard_elements(r, *shapes, true);
   model.reset_comm_stats();
-  optim::LocalSGD sgd(model, inner, optim::LocalSGDOptions(4).fragments(fragments));
+  optim::LocalSGD sgd(model, inner, optim::LocalSGDOptions(4).fragments(fragments).overlap(overlap));
   EXPECT_EQ(model.comm_stats().replica_bytes, 4 * padded) << label << ": the first replica's shards, broadcast";
   EXPECT_EQ(sgd.replicas(), kReplicas);
   EXPECT_EQ(sgd.replica(), r.rank / kS);
   auto fragment_of = [&](const std::string& name) { return fragments == 2 && name.rfind("fc2", 0) == 0 ? 1 : 0; };
-  Reference ref;
+  Reference ref(overlap);
   for (int s = 0; s < 12; ++s) {
     model.reset_comm_stats();
     train_step(model, r, s);
@@ -178,6 +195,10 @@ void local_sgd_h4_matches_reference(const Rank& r, int fragments) {
     }
   }
   EXPECT_EQ(sgd.inner_steps(), 12);
+  // Overlapped, the last average (after step 12) is still in flight: flush() applies it.
+  sgd.flush();
+  ref.flush();
+  expect_close(model, *ref.replica[r.rank / kS], 1e-6, label + ", flushed");
 }
 
 // DiLoCo with outer SGD at lr 1, momentum 0 equals LocalSGD (the global shards become the mean);
@@ -188,14 +209,23 @@ void diloco_against_local_sgd(const Rank& r) {
   optim::LocalSGD local(a, ia, optim::LocalSGDOptions(4));
   optim::DiLoCo plain_outer(b, ib, optim::DiLoCoOptions(4).outer_lr(1).outer_momentum(0));
   optim::DiLoCo nesterov(c, ic, optim::DiLoCoOptions(4));
+  // The same two, overlapped.
+  auto d = hybrid(r), e = hybrid(r);
+  torch::optim::AdamW id(d.parameters(), 1e-2), ie(e.parameters(), 1e-2);
+  optim::LocalSGD local_overlapped(d, id, optim::LocalSGDOptions(4).overlap(true));
+  optim::DiLoCo outer_overlapped(e, ie, optim::DiLoCoOptions(4).outer_lr(1).outer_momentum(0).overlap(true));
   for (int s = 0; s < 8; ++s) {
-    for (auto* m : {&a, &b, &c}) train_step(*m, r, s);
+    for (auto* m : {&a, &b, &c, &d, &e}) train_step(*m, r, s);
     local.step();
     plain_outer.step();
     nesterov.step();
-    for (auto* o : {&ia, &ib, &ic}) o->zero_grad();
+    local_overlapped.step();
+    outer_overlapped.step();
+    for (auto* o : {&ia, &ib, &ic, &id, &ie}) o->zero_grad();
     const double scale = weights(a)["fc1.weight"].abs().max().item<double>();
     EXPECT_LE(max_difference(a, b), 1e-6 * scale) << "DiLoCo (lr 1, momentum 0) vs LocalSGD, step " << s;
+    EXPECT_LE(max_difference(d, e), 1e-6 * scale) << "the same, overlapped, step " << s;
+    if (s == 4) EXPECT_GT(max_difference(a, d), 1e-4 * scale) << "overlapped applies its average a step later";
     if (s == 3 || s == 7) {
       EXPECT_GT(max_difference(a, c), 1e-3 * scale) << "DiLoCo's default outer step must move differently, step " << s;
     }
@@ -230,6 +260,7 @@ TEST(LocalSGD, ReplicasTrainApartAndAverage) {
     local_sgd_h1_is_hybrid(r);
     local_sgd_h4_matches_reference(r, 1);
     local_sgd_h4_matches_reference(r, 2);
+    local_sgd_h4_matches_reference(r, 2, /*overlap=*/true);
     diloco_against_local_sgd(r);
     refusals(r);
   });

@@ -88,9 +88,7 @@ std::vector<size_t> ReplicaSync::count_inner_step() {
   return due;
 }
 
-void ReplicaSync::average(size_t f, const std::vector<at::Tensor>& tensors, const std::string& what) {
-  at::NoGradGuard no_grad;
-  at::Tensor flat = pack(tensors);
+std::string ReplicaSync::agree_on(size_t f, const at::Tensor& flat, const std::string& what) {
   const std::string name = caller_ + ": " + what + " of fragment " + std::to_string(f) + " (" + fragments_[f].units +
                            ") at inner step " + std::to_string(inner_steps_);
   fsdp::detail::breaks_on_failure(model_, [&] {
@@ -99,11 +97,58 @@ void ReplicaSync::average(size_t f, const std::vector<at::Tensor>& tensors, cons
     replicate_->agree(Call::kOuterStep,
                       Fingerprint().add(what).add(static_cast<int64_t>(f)).add(flat.numel()).add(outer_steps_).value(),
                       name);
-    replicate_->all_reduce(flat, c10d::ReduceOp::SUM, name);
   });
   ++outer_steps_;
+  return name;
+}
+
+void ReplicaSync::average(size_t f, const std::vector<at::Tensor>& tensors, const std::string& what) {
+  at::NoGradGuard no_grad;
+  at::Tensor flat = pack(tensors);
+  const std::string name = agree_on(f, flat, what);
+  fsdp::detail::breaks_on_failure(model_, [&] { replicate_->all_reduce(flat, c10d::ReduceOp::SUM, name); });
   flat.div_(static_cast<double>(replicas()));
   unpack(flat, tensors);
+}
+
+void ReplicaSync::begin_average(size_t f, const std::vector<at::Tensor>& tensors, const std::string& what) {
+  TORCH_INTERNAL_ASSERT(!in_flight_, "an outer exchange is in flight already");
+  at::NoGradGuard no_grad;
+  InFlight x;
+  x.fragment = f;
+  x.flat = pack(tensors);
+  x.snapshot = pack(fragments_[f].flats);
+  const std::string name = agree_on(f, x.flat, what);
+  fsdp::detail::breaks_on_failure(model_,
+                                  [&] { x.pending = replicate_->all_reduce_async(x.flat, c10d::ReduceOp::SUM, name); });
+  in_flight_ = std::move(x);
+}
+
+std::optional<ReplicaSync::Finished> ReplicaSync::finish_average() {
+  if (!in_flight_) return std::nullopt;
+  InFlight x = std::move(*in_flight_);
+  in_flight_.reset();
+  fsdp::detail::breaks_on_failure(model_, [&] { replicate_->wait(x.pending); });
+  x.flat.div_(static_cast<double>(replicas()));
+  return Finished{x.fragment, x.flat, x.snapshot};
+}
+
+ReplicaSync::~ReplicaSync() {
+  if (!in_flight_) return;
+  try {
+    replicate_->wait(in_flight_->pending);  // Gloo's thread may still write the buffer
+  } catch (...) {  // NOLINT(bugprone-empty-catch): a destructor; the next collective reports the failure
+  }
+}
+
+std::vector<at::Tensor> ReplicaSync::split(size_t f, const at::Tensor& flat) const {
+  std::vector<at::Tensor> out;
+  int64_t offset = 0;
+  for (const auto& t : fragments_[f].flats) {
+    out.push_back(flat.narrow(0, offset, t.numel()));
+    offset += t.numel();
+  }
+  return out;
 }
 
 at::Tensor ReplicaSync::pack(const std::vector<at::Tensor>& tensors) {

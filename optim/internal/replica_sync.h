@@ -8,13 +8,12 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "fsdp/internal/comm.h"
+
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
-
-namespace fsdp::detail {
-class Comm;
-}
 
 namespace fsdp::optim::detail {
 
@@ -62,6 +61,24 @@ class ReplicaSync {
   /// this outer step of this fragment. `what` names it ("LocalSGD's average of the parameters").
   void average(size_t f, const std::vector<at::Tensor>& tensors, const std::string& what);
 
+  /// The overlapped variant: the same exchange begun now and left in flight (one at a time), with
+  /// `snapshot`, the fragment's flat shards as they are now (flat fp32). finish_average() waits for
+  /// it (bounded by the model's timeout) and returns the mean, flat (nullopt when none is in flight).
+  void begin_average(size_t f, const std::vector<at::Tensor>& tensors, const std::string& what);
+  struct Finished {
+    size_t fragment = 0;
+    at::Tensor mean;      ///< laid out as the fragment's flat shards, one after the other
+    at::Tensor snapshot;  ///< the fragment's flat shards when the exchange began
+  };
+  std::optional<Finished> finish_average();
+  bool in_flight() const { return in_flight_.has_value(); }
+  /// Fragment f's units' parts of `flat` (laid out as their flat shards, one after the other).
+  std::vector<at::Tensor> split(size_t f, const at::Tensor& flat) const;
+  /// Waits for an exchange still in flight (its tensors must outlive it); never throws.
+  ~ReplicaSync();
+  ReplicaSync(const ReplicaSync&) = delete;
+  ReplicaSync& operator=(const ReplicaSync&) = delete;
+
   FSDPModule& model() { return model_; }
   const std::string& caller() const { return caller_; }
 
@@ -77,6 +94,14 @@ class ReplicaSync {
   int64_t inner_steps_ = 0;
   int64_t outer_steps_ = 0;  // outer exchanges so far, any fragment (named in the agreement)
   std::vector<Fragment> fragments_;
+  struct InFlight {
+    size_t fragment = 0;
+    at::Tensor flat, snapshot;
+    fsdp::detail::Pending pending;
+  };
+  std::optional<InFlight> in_flight_;
+  /// The agreement over the replicate group before an exchange, and the exchange's name.
+  std::string agree_on(size_t f, const at::Tensor& flat, const std::string& what);
 };
 
 }  // namespace fsdp::optim::detail
