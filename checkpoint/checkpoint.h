@@ -137,6 +137,10 @@ struct LoadResult {
   /// This rank's generators: "restored" (its saved states), "derived" (a new rank), "not saved",
   /// or "not loaded" (LoadOptions::rng_states false, or a plain module).
   std::string rng = "not loaded";
+  /// While the model's replicas train apart (fsdp::optim::LocalSGD, DiLoCo): what they loaded, "each
+  /// of the 2 replicas its own state, at inner step 6", or "restarted from the global state at
+  /// inner step 4 (saved by 2 replicas training apart, loaded on 1)". Empty otherwise.
+  std::string replicas;
   double seconds = 0;  ///< this rank, from the call to its return
 };
 

@@ -10,6 +10,7 @@
 #include "checkpoint/internal/collectives.h"
 #include "checkpoint/internal/optimizer_state.h"
 #include "checkpoint/internal/reader.h"
+#include "checkpoint/internal/replicas.h"
 #include "checkpoint/internal/rng_state.h"
 #include "checkpoint/internal/safetensors_manifest.h"
 #include "checkpoint/manifest.h"
@@ -58,8 +59,9 @@ std::string describe(const std::string& dtype, const std::vector<int64_t>& shape
 
 // Checks `wanted` against the manifest (all of it, so that one error lists every difference) and
 // turns it into the reader's targets. No byte of data is read.
+// `strict`: no tensor under `prefix` the model lacks ("model/", or a replica's "replica<r>/model/").
 std::vector<detail::ReadTarget> match(const Manifest& m, const std::vector<Wanted>& wanted, bool strict,
-                                      const std::string& hint) {
+                                      const std::string& hint, const std::string& prefix = "model/") {
   std::map<std::string, size_t> index;
   for (size_t i = 0; i < m.tensors.size(); ++i) index[m.tensors[i].key] = i;
   std::vector<std::string> missing, different, unexpected;
@@ -81,7 +83,7 @@ std::vector<detail::ReadTarget> match(const Manifest& m, const std::vector<Wante
     if (w.row_end > w.row_begin) targets.push_back({it->second, w.row_begin, w.row_end, w.dst, w.inner});
   }
   for (const auto& t : m.tensors) {
-    if (t.key.rfind("model/", 0) == 0 && seen.count(t.key) == 0) unexpected.push_back(t.key);
+    if (t.key.rfind(prefix, 0) == 0 && seen.count(t.key) == 0) unexpected.push_back(t.key);
   }
   if (!strict) unexpected.clear();
   if (missing.empty() && different.empty() && unexpected.empty()) return targets;
@@ -144,8 +146,9 @@ struct OptimizerPlan {
 
 // Checks the saved optimizer against `opt` (type, param groups by parameter name, state names)
 // and adds the state tensors to `wanted`. Nothing of the optimizer changes.
+// `prefix` and `kind`: where its state is ("optim/", or a replica's "replica<r>/optim/").
 OptimizerPlan plan_optimizer(const Manifest& m, const std::vector<ShardSpec>& specs, const torch::optim::Optimizer& opt,
-                             std::vector<Wanted>& wanted) {
+                             std::vector<Wanted>& wanted, const std::string& prefix, const std::string& kind) {
   OptimizerPlan plan;
   plan.type = detail::optimizer_type(opt, "fsdp::checkpoint::load");
   FSDP_CHECK(m.has_optimizer, "checkpoint '", m.dir,
@@ -161,9 +164,9 @@ OptimizerPlan plan_optimizer(const Manifest& m, const std::vector<ShardSpec>& sp
   // Saved state names per parameter, from the tensor keys "optim/<name>/<state>".
   std::map<std::string, std::vector<std::string>> saved;
   for (const auto& t : m.tensors) {
-    if (t.kind != "optimizer") continue;
+    if (t.kind != kind || t.key.rfind(prefix, 0) != 0) continue;
     const size_t slash = t.key.find_last_of('/');
-    saved[t.key.substr(6, slash - 6)].push_back(t.key.substr(slash + 1));
+    saved[t.key.substr(prefix.size(), slash - prefix.size())].push_back(t.key.substr(slash + 1));
   }
   const auto allowed = detail::state_names(plan.type);
   std::set<std::string> in_groups;
@@ -187,7 +190,7 @@ OptimizerPlan plan_optimizer(const Manifest& m, const std::vector<ShardSpec>& sp
       }
       p.dst = detail::state_destinations(opt, plan.type, param, p.names);
       for (size_t k = 0; k < p.names.size(); ++k) {
-        wanted.push_back(wanted_of(s, "optim/" + s.name + "/" + p.names[k], "optimizer", p.dst[k]));
+        wanted.push_back(wanted_of(s, prefix + s.name + "/" + p.names[k], kind, p.dst[k]));
       }
       const auto step = m.optimizer.steps.find(s.name);
       if (step != m.optimizer.steps.end()) p.step = step->second;
@@ -217,6 +220,33 @@ OptimizerPlan plan_optimizer(const Manifest& m, const std::vector<ShardSpec>& sp
   for (const auto& kv : saved) {
     FSDP_CHECK(in_groups.count(kv.first) == 1, "checkpoint '", m.dir, "' holds optimizer state of '", kv.first,
                "', which is in none of the optimizer's param groups.");
+  }
+  return plan;
+}
+
+// DiLoCo's outer optimizer over its global shards (internal/replicas.h): its state from
+// "outer/<name>/<state>", its steps from the metadata; its hyperparameters are the program's.
+OptimizerPlan plan_outer(const Manifest& m, const std::vector<ShardSpec>& specs, const detail::ReplicaLoad& r,
+                         std::vector<Wanted>& wanted) {
+  OptimizerPlan plan;
+  plan.type = r.outer_type;
+  std::map<std::string, std::vector<std::string>> saved;
+  for (const auto& t : m.tensors) {
+    if (t.kind != "outer") continue;
+    const size_t slash = t.key.find_last_of('/');
+    saved[t.key.substr(6, slash - 6)].push_back(t.key.substr(slash + 1));
+  }
+  for (size_t i = 0; i < specs.size(); ++i) {
+    OptimizerPlan::Param p;
+    p.param = r.global[i];
+    p.names = saved[specs[i].name];
+    p.dst = detail::state_destinations(*r.outer, plan.type, p.param, p.names);
+    for (size_t k = 0; k < p.names.size(); ++k) {
+      wanted.push_back(wanted_of(specs[i], "outer/" + specs[i].name + "/" + p.names[k], "outer", p.dst[k]));
+    }
+    const auto step = r.outer_steps.find(specs[i].name);
+    if (step != r.outer_steps.end()) p.step = step->second;
+    plan.params.push_back(std::move(p));
   }
   return plan;
 }
@@ -293,7 +323,8 @@ LoadResult load_checkpoint(const std::string& path, FSDPModule& model, torch::op
   };
 
   Manifest m;
-  OptimizerPlan optim;
+  OptimizerPlan optim, outer;
+  detail::ReplicaLoad replicas;
   RngPlan rng;
   std::unique_ptr<detail::ShardReader> reader;
   phase("checking the checkpoint against the model", [&] {
@@ -312,8 +343,10 @@ LoadResult load_checkpoint(const std::string& path, FSDPModule& model, torch::op
     }
     std::vector<Wanted> wanted;
     const std::vector<ShardSpec> specs = model.shard_specs();  // the model's and the optimizer's
+    // Replicas that train apart, or a checkpoint of such: which keys hold what (internal/replicas.h).
+    replicas = detail::replica_load(m, model, specs);
     for (const ShardSpec& s : specs) {
-      wanted.push_back(wanted_of(s, "model/" + s.name, "parameter", s.local));
+      wanted.push_back(wanted_of(s, replicas.model_prefix + s.name, replicas.model_kind, s.local));
     }
     for (const auto& kv : model.named_buffers()) {
       const at::Tensor& b = kv.value();
@@ -321,9 +354,14 @@ LoadResult load_checkpoint(const std::string& path, FSDPModule& model, torch::op
           {"model/" + kv.key(), "buffer", b.scalar_type(), b.sizes().vec(), 0, b.dim() == 0 ? 1 : b.size(0), b});
     }
     // The model first: a different model is reported as one, not as its optimizer's groups.
-    auto targets = match(m, wanted, options.strict(), "");
+    auto targets = match(m, wanted, options.strict(), "", replicas.model_prefix);
     std::vector<Wanted> more;
-    if (opt != nullptr) optim = plan_optimizer(m, specs, *opt, more);
+    if (opt != nullptr) optim = plan_optimizer(m, specs, *opt, more, replicas.optim_prefix, replicas.optim_kind);
+    // DiLoCo's global shards come from the global state, "model/", whatever the replicas.
+    for (size_t i = 0; i < replicas.global.size(); ++i) {
+      more.push_back(wanted_of(specs[i], "model/" + specs[i].name, "parameter", replicas.global[i]));
+    }
+    if (!replicas.outer_type.empty()) outer = plan_outer(m, specs, replicas, more);
     if (options.rng_states()) rng = plan_rng(m, rank, more);
     for (auto& t : match(m, more, /*strict=*/false, "")) targets.push_back(std::move(t));
     reader = std::make_unique<detail::ShardReader>(m, std::move(targets), options.in_place());
@@ -354,11 +392,16 @@ LoadResult load_checkpoint(const std::string& path, FSDPModule& model, torch::op
   reader->apply();
   model.mark_shards_written();  // ZeRO-1: the full parameters are gathered again from the rows
   if (opt != nullptr) install(m, *opt, optim);
+  for (const auto& p : outer.params) {
+    detail::install_state(*replicas.outer, outer.type, p.param, p.names, p.dst, p.step);
+  }
+  detail::finish_replica_load(replicas, model);
   if (options.sampler() != nullptr) options.sampler()->load_state(*m.data);
   const std::string rng_outcome = options.rng_states() ? apply_rng(rng, rank) : "not loaded";
 
   LoadResult r = result_of(m, reader->stats());
   r.rng = rng_outcome;
+  r.replicas = replicas.outcome;
   at::Tensor totals = at::tensor({r.bytes_needed, r.bytes_read}, at::kLong);
   fsdp::detail::all_reduce(model, totals, c10d::ReduceOp::SUM, call + ": totals", fsdp::detail::Span::kModel);
   r.bytes_needed_total = totals[0].item<int64_t>();

@@ -171,11 +171,6 @@ Args parse(int argc, char** argv) {
   if (a.fused && a.optimizer != "adamw") usage_error("--fused is an AdamW; it cannot be used with --optimizer sgd");
   a.ckpt.check();
   a.outer.check(a.strategy == "hybrid");
-  if (a.outer.on() && !a.ckpt.dir.empty()) {
-    usage_error(
-        "--save-dir with --local-sgd or --diloco: checkpoints of replicas that train apart are not "
-        "supported yet (each replica's state would have to be kept apart)");
-  }
   return a;
 }
 
@@ -295,6 +290,7 @@ int run(const Args& args) {
       std::cerr << who() << ": resumed from '" << res.path << "' (saved by " << res.saved_world_size
                 << " rank(s)) at step " << first_step << ", seed " << seed << ", "
                 << fsdp::data::to_string(sampler.state()) << "\n";
+      if (!res.replicas.empty()) std::cerr << who() << ": replicas training apart: " << res.replicas << "\n";
       if (batch != res.metadata.end() && batch->second != std::to_string(args.batch_size)) {
         std::cerr << who() << ": warning: saved with --batch-size " << batch->second << ", resumed with "
                   << args.batch_size << ": the updates, and so the loss curve, are not the saved run's\n";

@@ -32,11 +32,6 @@ std::string checked_settings(const DiLoCoOptions& o, int rank) {
   return os.str();
 }
 
-// Parameter `p`'s rows in a flat tensor laid out as its unit's flat shard.
-at::Tensor view_of(const at::Tensor& flat, const detail::ReplicaSync::Param& p) {
-  return flat.narrow(0, p.offset, p.local.numel()).view(p.local.sizes());
-}
-
 }  // namespace
 
 DiLoCo::DiLoCo(const FSDPModule& model, torch::optim::Optimizer& inner, const DiLoCoOptions& options)
@@ -48,25 +43,27 @@ DiLoCo::DiLoCo(const FSDPModule& model, torch::optim::Optimizer& inner, const Di
   // The global shards: fp32 whatever the parameters' dtype (the outer step accumulates small
   // differences of the replicas' parameters), one flat copy per unit, padding included (it stays
   // 0), and each parameter's a view of it, as the parameters are of the flat shard.
+  global_.resize(model.shard_specs().size());
   for (const auto& f : sync_->fragments()) {
     global_flats_.emplace_back();
     for (size_t u = 0; u < f.flats.size(); ++u) {
       global_flats_.back().push_back(f.flats[u].detach().to(at::kFloat, /*non_blocking=*/false, /*copy=*/true));
-      for (const auto& p : f.params[u]) global_.push_back(view_of(global_flats_.back().back(), p));
+      for (const auto& p : f.params[u]) global_[p.spec] = detail::ReplicaSync::view_of(global_flats_.back().back(), p);
     }
   }
   if (options.outer_optimizer()) {
     outer_ = options.outer_optimizer()(global_);
     FSDP_CHECK(outer_ != nullptr, where, ": DiLoCoOptions::outer_optimizer returned no optimizer.");
-    return;
+  } else {
+    auto sgd = torch::optim::SGDOptions(options.outer_lr());
+    if (options.outer_momentum() > 0) sgd.momentum(options.outer_momentum()).nesterov(true);
+    outer_ = std::make_unique<torch::optim::SGD>(global_, sgd);
   }
-  auto sgd = torch::optim::SGDOptions(options.outer_lr());
-  if (options.outer_momentum() > 0) sgd.momentum(options.outer_momentum()).nesterov(true);
-  outer_ = std::make_unique<torch::optim::SGD>(global_, sgd);
+  sync_->register_outer(
+      "DiLoCo", [this] { return global_; }, outer_.get(), [this] { flush(); });
 }
 
 DiLoCo::~DiLoCo() = default;
-DiLoCo::DiLoCo(DiLoCo&&) noexcept = default;
 
 int64_t DiLoCo::inner_steps() const {
   return sync_->inner_steps();
@@ -129,16 +126,11 @@ void DiLoCo::outer_step(size_t f, const std::vector<at::Tensor>& mean) {
   // The outer optimizer steps this fragment's global shards only: the others have no gradient,
   // which torch::optim's optimizers skip (their state untouched).
   for (auto& g : global_) g.mutable_grad() = at::Tensor();
-  size_t first = 0;  // this fragment's first parameter in global_
-  for (size_t k = 0; k < f; ++k) {
-    for (const auto& params : sync_->fragments()[k].params) first += params.size();
-  }
-  size_t i = first;
   for (size_t u = 0; u < frag.flats.size(); ++u) {
-    for (const auto& p : frag.params[u]) global_[i++].mutable_grad() = view_of(mean[u], p);
+    for (const auto& p : frag.params[u]) global_[p.spec].mutable_grad() = detail::ReplicaSync::view_of(mean[u], p);
   }
   outer_->step();
-  for (size_t k = first; k < i; ++k) global_[k].mutable_grad() = at::Tensor();
+  for (auto& g : global_) g.mutable_grad() = at::Tensor();
 }
 
 }  // namespace fsdp::optim

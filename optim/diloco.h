@@ -59,7 +59,8 @@ class DiLoCo {
   /// outlive this object. Every data-parallel rank must construct it with the same options.
   DiLoCo(const FSDPModule& model, torch::optim::Optimizer& inner, const DiLoCoOptions& options);
   ~DiLoCo();
-  DiLoCo(DiLoCo&&) noexcept;
+  DiLoCo(const DiLoCo&) = delete;  // checkpoints refer to it (its global shards, its flush)
+  DiLoCo& operator=(const DiLoCo&) = delete;
 
   /// The inner step (inner.step()), then the outer step of each fragment whose turn it is. Call it
   /// where the optimizer's step() would be, on every rank, once per step.
@@ -71,7 +72,7 @@ class DiLoCo {
   void flush();
 
   /// The global shards: fp32 copies of this rank's parameter shards as of the last outer step (the
-  /// outer optimizer's parameters), one per parameter, units in units() order.
+  /// outer optimizer's parameters), one per parameter, in shard_specs() order.
   const std::vector<at::Tensor>& global_shards() const { return global_; }
   torch::optim::Optimizer& outer_optimizer() { return *outer_; }
   int64_t inner_steps() const;
@@ -89,7 +90,7 @@ class DiLoCo {
   DiLoCoOptions options_;
   std::unique_ptr<detail::ReplicaSync> sync_;
   std::vector<std::vector<at::Tensor>> global_flats_;  // per fragment, per unit: flat fp32, padded
-  std::vector<at::Tensor> global_;                     // every parameter's: views of global_flats_
+  std::vector<at::Tensor> global_;  // every parameter's (shard_specs() order): views of global_flats_
   std::unique_ptr<torch::optim::Optimizer> outer_;
 };
 

@@ -15,10 +15,11 @@ LocalSGD::LocalSGD(const FSDPModule& model, torch::optim::Optimizer& inner, cons
       sync_(std::make_unique<detail::ReplicaSync>(
           model, "fsdp::optim::LocalSGD", options.sync_every(), options.fragments(),
           "sync_every " + std::to_string(options.sync_every()) + ", fragments " + std::to_string(options.fragments()) +
-              (options.overlap() ? ", overlapped" : ""))) {}
+              (options.overlap() ? ", overlapped" : ""))) {
+  sync_->register_outer("LocalSGD", nullptr, nullptr, [this] { flush(); });
+}
 
 LocalSGD::~LocalSGD() = default;
-LocalSGD::LocalSGD(LocalSGD&&) noexcept = default;
 
 int64_t LocalSGD::inner_steps() const {
   return sync_->inner_steps();

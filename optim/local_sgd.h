@@ -50,7 +50,8 @@ class LocalSGD {
   /// must outlive this object). Every data-parallel rank must construct it with the same options.
   LocalSGD(const FSDPModule& model, torch::optim::Optimizer& inner, const LocalSGDOptions& options);
   ~LocalSGD();
-  LocalSGD(LocalSGD&&) noexcept;
+  LocalSGD(const LocalSGD&) = delete;  // checkpoints refer to it (its flush)
+  LocalSGD& operator=(const LocalSGD&) = delete;
 
   /// The inner step (inner.step()), then the average of each fragment whose turn it is. Call it
   /// where the optimizer's step() would be, on every rank, once per step.

@@ -8,12 +8,16 @@
    run's, plus 1%. From the shapes: a hybrid step sends the same bytes every step, at least 8Ψ (twice
    the fp32 bytes of an all-reduce of the replica's flat shards, which hold Ψ elements between them
    plus padding to whole rows per rank), an outer step exactly as much, the other steps nothing.
-3. Flags that cannot work are refused with exit status 2 and a message naming what to add.
+3. DiLoCo saved mid-period resumes on the same replicas (4 ranks; 2 ranks of one shard each) with
+   the uninterrupted run's losses (1e-5), and on one replica restarts from the global state.
+4. Flags that cannot work are refused with exit status 2 and a message naming what to add.
 """
 import argparse
+import json
 import os
 import subprocess
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 from train_gpt_runs import command, run  # noqa: E402
@@ -31,7 +35,7 @@ def main():
     def train(steps, *flags):
         rows, summary = run(command(a.train_gpt, a.torchrun, 4,
                                     HYBRID + ["--steps", str(steps), "--seed", "1", "--json"] + list(flags)), a.timeout)
-        assert len(rows) == steps, (flags, len(rows))
+        assert len(rows) == steps - rows[0]["step"], (flags, len(rows))
         train.summary = summary
         return rows
 
@@ -76,6 +80,31 @@ def main():
         sys.exit(f"FAILED: DiLoCo H 10 sent {d} bytes, more than 0.1 of hybrid's {h} plus 1%")
     print(f"50 steps: replica_comm_bytes hybrid {h}, DiLoCo H 10 {d} (ratio {d / h:.4f}); final loss hybrid "
           f"{hybrid[-1]['loss']:.4f}, DiLoCo {diloco[-1]['loss']:.4f}")
+
+    # Checkpoints: saved after 6 steps (mid-period), resumed on the same replicas (4 ranks, and 2 of
+    # one rank each): the losses of the uninterrupted run; on one replica of 2 ranks, every rank
+    # restarts from the global state, says so, and trains.
+    with tempfile.TemporaryDirectory() as d:
+        train(8, "--diloco", "4", "--save-dir", d, "--save-every", "6")
+        resumed = train(12, "--diloco", "4", "--save-dir", d, "--resume")
+        for two_ranks in (["--shard-group-size", "1"], ["--shard-group-size", "2"]):
+            cmd = command(a.train_gpt, a.torchrun, 2, ["--strategy", "hybrid", "--steps", "8", "--seed", "1", "--json",
+                                                       "--diloco", "4", "--save-dir", d, "--resume"] + two_ranks)
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
+            rows = [json.loads(x) for x in p.stdout.splitlines() if x.startswith('{"step"')]
+            if p.returncode != 0 or not rows:
+                sys.exit(f"FAILED: resume at 2 ranks {two_ranks}: exit {p.returncode}\n{p.stdout}\n{p.stderr}")
+            if two_ranks[1] == "1":
+                worst_two = max(abs(r["loss"] - q["loss"]) / q["loss"] for r, q in zip(rows, nesterov[6:8]))
+                if worst_two > 1e-5:
+                    sys.exit(f"FAILED: resumed on 2 replicas of 1 rank: losses differ by {worst_two:.2e}")
+            elif "restarted from the global state at inner step 4" not in p.stderr:
+                sys.exit(f"FAILED: resumed on 1 replica: no 'restarted from the global state' in\n{p.stderr}")
+    worst = max(abs(r["loss"] - q["loss"]) / q["loss"] for r, q in zip(resumed, nesterov[6:]))
+    if len(resumed) != 6 or worst > 1e-5:
+        sys.exit(f"FAILED: DiLoCo resumed at step 6 of 12: {len(resumed)} rows, worst loss difference {worst:.2e}")
+    print(f"DiLoCo saved at step 6 (mid-period): resumed on the same replicas within {worst:.2e} of the uninterrupted "
+          f"run, on 2 replicas of 1 rank within {worst_two:.2e}; on 1 replica restarted from the global state")
 
     # Refused before anything runs: exit status 2, the remedy named.
     for flags, needle in ((["--local-sgd", "4"], "add --strategy hybrid"),

@@ -9,6 +9,9 @@
 #include "tests/harness.h"
 #include "tests/models.h"
 
+#include "checkpoint/async_save.h"
+#include "tests/checkpoint_helpers.h"
+
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -104,9 +107,6 @@ void local_sgd_h1_is_hybrid(const Rank& r) {
     sb.zero_grad();
     EXPECT_LE(max_difference(a, b), 1e-6 * weights(a)["fc1.weight"].abs().max().item<double>()) << "step " << s;
   }
-  // Not yet: a checkpoint of replicas that train apart would mix their rows. Refused, nothing written.
-  const std::string saved = error_of([&] { checkpoint::save(shared_dir() + "/apart", b, sb); });
-  EXPECT_NE(saved.find("replicas train apart"), std::string::npos) << saved;
 }
 
 // The reference: the two replicas trained one after another in this process, each on its rows,
@@ -253,6 +253,157 @@ void refusals(const Rank& r) {
   EXPECT_NE(too_many.find("the model has 3 unit(s) holding parameters"), std::string::npos) << too_many;
   const std::string lr = error_of([&] { optim::DiLoCo(model, opt2, optim::DiLoCoOptions(4).outer_lr(0)); });
   EXPECT_NE(lr.find("outer_lr is 0"), std::string::npos) << lr;
+}
+
+// Every element of `a` equals `b`'s (the same replica's weights, or its global state).
+void expect_same(const torch::OrderedDict<std::string, torch::Tensor>& a,
+                 const torch::OrderedDict<std::string, torch::Tensor>& b, const std::string& label) {
+  ASSERT_EQ(a.size(), b.size()) << label;
+  for (const auto& kv : a) EXPECT_TRUE(torch::equal(kv.value(), b[kv.key()])) << label << ": " << kv.key();
+}
+
+// Bytes of the checkpoint's tensors whose key starts with `prefix`, from the manifest's shapes.
+int64_t saved_bytes(const std::string& dir, const std::string& prefix) {
+  int64_t n = 0;
+  for (const auto& t : checkpoint::read_manifest(checkpoint::latest_checkpoint(dir)).tensors) {
+    if (t.key.rfind(prefix, 0) == 0) n += static_cast<int64_t>(t.bytes());
+  }
+  return n;
+}
+
+// 4 ranks, 2 replicas x 2: DiLoCo (Nesterov) saved after 6 steps, mid-period, and loaded into a new
+// model on the same replicas: each replica's own weights and the global shards bit-exact (a save
+// that mixed the replicas' rows would fail here: they differ), and 4 more steps (an outer step
+// among them, the outer momentum restored) equal the uninterrupted run's. LocalSGD saved with an
+// AsyncSaver, the same. The checkpoint's bytes from shapes: per replica its weights and AdamW's
+// two moments (12Ψ), the global state and the outer momentum once (4Ψ each).
+void save_and_resume_on_the_same_replicas(const Rank& r) {
+  const std::string dir = root_dir();
+  auto a = hybrid(r), b = hybrid(r);
+  torch::optim::AdamW ia(a.parameters(), 1e-2), ib(b.parameters(), 1e-2);
+  optim::DiLoCo da(a, ia, optim::DiLoCoOptions(4)), db(b, ib, optim::DiLoCoOptions(4));
+  for (int s = 0; s < 6; ++s) {
+    for (auto* m : {&a, &b}) train_step(*m, r, s);
+    da.step();
+    db.step();
+    ia.zero_grad();
+    ib.zero_grad();
+  }
+  checkpoint::save(dir + "/diloco", b, ib, checkpoint::SaveOptions().step(6));
+  auto c = hybrid(r);
+  torch::optim::AdamW ic(c.parameters(), 1e-2);
+  optim::DiLoCo dc(c, ic, optim::DiLoCoOptions(4));
+  const auto res = checkpoint::load(dir + "/diloco", c, ic);
+  EXPECT_EQ(res.replicas, "each of the 2 replicas its own state, at inner step 6");
+  EXPECT_EQ(dc.inner_steps(), 6);
+  expect_same(weights(c), weights(b), "DiLoCo, loaded");
+  for (size_t i = 0; i < db.global_shards().size(); ++i) {
+    EXPECT_TRUE(torch::equal(dc.global_shards()[i], db.global_shards()[i])) << "global shard " << i;
+  }
+  for (int s = 6; s < 10; ++s) {
+    for (auto* m : {&a, &c}) train_step(*m, r, s);
+    da.step();
+    dc.step();
+    ia.zero_grad();
+    ic.zero_grad();
+    EXPECT_LE(max_difference(a, c), 1e-5 * weights(a)["fc1.weight"].abs().max().item<double>()) << "step " << s;
+  }
+  Plain shapes = plain_model();
+  int64_t psi = 0;
+  for (const auto& p : shapes->parameters()) psi += p.numel();
+  for (int k = 0; k < kReplicas; ++k) {
+    const std::string rk = "replica" + std::to_string(k) + "/";
+    EXPECT_EQ(saved_bytes(dir + "/diloco", rk + "model/"), 4 * psi);
+    EXPECT_EQ(saved_bytes(dir + "/diloco", rk + "optim/"), 8 * psi);
+  }
+  EXPECT_EQ(saved_bytes(dir + "/diloco", "model/"), 4 * psi);
+  EXPECT_EQ(saved_bytes(dir + "/diloco", "outer/"), 4 * psi);
+
+  // LocalSGD, saved in the background, at the reference's step 6.
+  auto d = hybrid(r);
+  torch::optim::AdamW id(d.parameters(), 1e-2);
+  optim::LocalSGD ld(d, id, optim::LocalSGDOptions(4));
+  for (int s = 0; s < 6; ++s) {
+    train_step(d, r, s);
+    optim::clip_grad_norm(d, 0.05);
+    ld.step();
+    id.zero_grad();
+  }
+  {
+    checkpoint::AsyncSaver saver(d);
+    saver.save(dir + "/local", id, checkpoint::SaveOptions().step(6));
+    saver.wait();
+  }
+  auto e = hybrid(r);
+  torch::optim::AdamW ie(e.parameters(), 1e-2);
+  optim::LocalSGD le(e, ie, optim::LocalSGDOptions(4));
+  checkpoint::load(dir + "/local", e, ie);
+  expect_same(weights(e), weights(d), "LocalSGD, loaded");
+}
+
+// 2 ranks: the LocalSGD checkpoint of 2 replicas x 2 shards on 2 replicas x 1 shard (each replica
+// its own state, then training as the reference to step 12), and the DiLoCo one on 1 replica of 2
+// shards: every rank starts from the global state ("model/", what a plain load reads), at the last
+// outer step's inner count, and trains.
+void resume_on_other_ranks(const Rank& r) {
+  const std::string dir = root_dir();
+  torch::manual_seed(1);
+  auto one_shard = fully_shard(std::make_shared<MLP>(), r.pg, test_options(ShardingStrategy::kHybridShard, 1));
+  torch::optim::AdamW inner(one_shard.parameters(), 1e-2);
+  optim::LocalSGD local(one_shard, inner, optim::LocalSGDOptions(4));
+  const auto res = checkpoint::load(dir + "/local", one_shard, inner);
+  EXPECT_EQ(res.replicas, "each of the 2 replicas its own state, at inner step 6");
+  Reference ref(false);
+  auto fragment_of = [](const std::string&) { return 0; };
+  for (int s = 0; s < 6; ++s) ref.step(s, {(s + 1) % 4 == 0}, fragment_of);
+  expect_close(one_shard, *ref.replica[r.rank], 1e-6, "loaded on 2 replicas of 1 rank");
+  for (int s = 6; s < 12; ++s) {
+    const auto [x, y] = batch(s);
+    auto loss = torch::mse_loss(one_shard(x.narrow(0, 6 * r.rank, 6)), y.narrow(0, 6 * r.rank, 6));
+    loss.backward();
+    optim::clip_grad_norm(one_shard, 0.05);
+    local.step();
+    inner.zero_grad();
+    ref.step(s, {(s + 1) % 4 == 0}, fragment_of);
+    expect_close(one_shard, *ref.replica[r.rank], 1e-6, "resumed on 2 replicas of 1 rank, step " + std::to_string(s));
+  }
+
+  // Saved again, synchronously (LocalSGD's global state, the replicas' mean, is taken inside the
+  // save's first phase), and loaded back: each replica its own weights.
+  checkpoint::save(dir + "/local-sync", one_shard, inner, checkpoint::SaveOptions().step(12));
+  torch::manual_seed(1);
+  auto back = fully_shard(std::make_shared<MLP>(), r.pg, test_options(ShardingStrategy::kHybridShard, 1));
+  torch::optim::AdamW inner_back(back.parameters(), 1e-2);
+  optim::LocalSGD local_back(back, inner_back, optim::LocalSGDOptions(4));
+  checkpoint::load(dir + "/local-sync", back, inner_back);
+  expect_same(weights(back), weights(one_shard), "LocalSGD saved synchronously, loaded");
+  EXPECT_EQ(local_back.inner_steps(), 12);
+
+  torch::manual_seed(1);
+  auto one_replica = fully_shard(std::make_shared<MLP>(), r.pg, test_options(ShardingStrategy::kHybridShard, 2));
+  torch::optim::AdamW inner2(one_replica.parameters(), 1e-2);
+  optim::DiLoCo diloco(one_replica, inner2, optim::DiLoCoOptions(4));
+  const auto res2 = checkpoint::load(dir + "/diloco", one_replica, inner2);
+  EXPECT_EQ(res2.replicas,
+            "restarted from the global state at inner step 4 (saved by 2 replicas training apart, loaded on 1)");
+  EXPECT_EQ(diloco.inner_steps(), 4);
+  torch::manual_seed(1);
+  auto plain = fully_shard(std::make_shared<MLP>(), r.pg, test_options());
+  torch::optim::AdamW inner3(plain.parameters(), 1e-2);
+  checkpoint::load(dir + "/diloco", plain, inner3);  // the global state, replica 0's AdamW state
+  expect_same(weights(one_replica), weights(plain), "restarted from the global state");
+  const auto [x, y] = batch(6);
+  torch::mse_loss(one_replica(local_rows(x, r.rank, 2)), local_rows(y, r.rank, 2)).backward();
+  diloco.step();
+  EXPECT_EQ(diloco.inner_steps(), 5);
+}
+
+TEST(LocalSGD, CheckpointsKeepEachReplicaApart) {
+  CheckpointRoot root;  // shared by the two launches
+  run_ranks(
+      kWorld, [](Rank& r) { save_and_resume_on_the_same_replicas(r); }, root.options);
+  run_ranks(
+      2, [](Rank& r) { resume_on_other_ranks(r); }, root.options);
 }
 
 TEST(LocalSGD, ReplicasTrainApartAndAverage) {

@@ -24,14 +24,6 @@ Group Group::of(const FSDPModule& model) {
   g.model_ = &model;
   // The model's own communication context (not a copy): its statistics and call log.
   auto& state = fsdp::detail::Access::state(model);
-  // Between outer steps the replicas hold different values of the same rows, and a checkpoint
-  // splits replicated rows over the replicas: it would mix them. Refused until each replica's state
-  // is kept apart (docs/roadmap.md, issue 28).
-  FSDP_CHECK_IN(state.comm.error_context("fsdp::checkpoint"), !state.replicas_apart, "fsdp::checkpoint (",
-                state.comm.where(),
-                "): the model's replicas train apart (fsdp::optim::LocalSGD or DiLoCo), and checkpoints do not keep "
-                "each replica's shards apart yet: a save would mix the replicas' rows, a load would leave the outer "
-                "state behind. Neither was done; nothing was written or read.");
   // Over a mesh with tensor parallelism, or while replicas train apart (LocalSGD), the model's
   // step-boundary agreement spans fewer ranks than the checkpoint: the checkpoint's group agrees too.
   g.wider_than_step_ = state.mesh_comm != nullptr || state.replicas_apart;

@@ -4,6 +4,7 @@
 #include "checkpoint/internal/crash_point.h"
 #include "checkpoint/internal/manifest_builder.h"
 #include "checkpoint/internal/optimizer_state.h"
+#include "checkpoint/internal/replicas.h"
 #include "checkpoint/internal/rng_state.h"
 #include "checkpoint/manifest.h"
 #include "checkpoint/plan.h"
@@ -158,19 +159,50 @@ PreparedSave prepare_save(const std::string& root, const FSDPModule& model, cons
     if (s.tp_size > 1 && !s.tp.split()) alike.emplace_back(s.name, s.local);
   }
   p.alike = fsdp::detail::fingerprint_lines(alike);
-  std::vector<bool> described(specs.size(), false);  // its optimizer states are in extra_tensors
+  // Replicas that train apart (LocalSGD, DiLoCo: internal/replicas.h): "model/" holds the global
+  // state, split over the replicas (they hold it alike); each replica's own shards and optimizer
+  // state go under "replica<r>/", written by its ranks alone, never split over the replicas.
+  const auto apart = replica_save(model, specs);
+  if (apart) {
+    for (const auto& [k, v] : apart->metadata) p.options.metadata()[k] = v;
+  }
+  // Writes `tensors` (name, this rank's rows) of parameter w.spec under `prefix`, as `kind`.
+  std::vector<std::vector<bool>> described(4, std::vector<bool>(specs.size(), false));
+  auto write_states = [&](const WriteChunk& w, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                          const std::string& prefix, const char* kind, size_t which) {
+    const ShardSpec& s = specs[w.spec];
+    for (const auto& [name, t] : tensors) {
+      const std::string key = prefix + s.name + "/" + name;
+      if (!described[which][w.spec])
+        p.extra_tensors.push_back({key, kind, safetensors_dtype(t.scalar_type()), place_of(s).shape});
+      add(key, w.row_begin, w.row_end, rows_of(t.detach(), w.local_row, w.row_end - w.row_begin), w.inner);
+    }
+    described[which][w.spec] = true;
+  };
   for (const auto& w : plan_writes(specs)) {
     const ShardSpec& s = specs[w.spec];
-    const int64_t n = w.row_end - w.row_begin;
-    add("model/" + s.name, w.row_begin, w.row_end, rows_of(s.local.detach(), w.local_row, n), w.inner);
-    for (const auto& [name, t] : states[w.spec].tensors) {
-      const std::string key = "optim/" + s.name + "/" + name;
-      if (!described[w.spec]) {
-        p.extra_tensors.push_back({key, "optimizer", safetensors_dtype(s.dtype), place_of(s).shape});
-      }
-      add(key, w.row_begin, w.row_end, rows_of(t.detach(), w.local_row, n), w.inner);
+    // The global state in the parameters' dtype (the manifest's for "model/"; DiLoCo keeps it in fp32).
+    const at::Tensor rows = apart ? apart->global[w.spec].to(s.dtype) : s.local;
+    add("model/" + s.name, w.row_begin, w.row_end, rows_of(rows.detach(), w.local_row, w.row_end - w.row_begin),
+        w.inner);
+    if (!apart) write_states(w, states[w.spec].tensors, "optim/", "optimizer", 0);
+    if (apart && apart->outer != nullptr) {
+      write_states(w, detail::param_state(*apart->outer, apart->outer_type, apart->global[w.spec]).tensors, "outer/",
+                   "outer", 1);
     }
-    described[w.spec] = true;
+  }
+  if (apart) {
+    std::vector<ShardSpec> own = specs;  // this replica's rows, none held by another of its ranks
+    for (auto& s : own) s.replicas = 1, s.replica_rank = 0;
+    for (const auto& w : plan_writes(own)) {
+      const ShardSpec& s = specs[w.spec];
+      const std::string key = apart->prefix + "model/" + s.name;
+      if (!described[3][w.spec])
+        p.extra_tensors.push_back({key, "replica", safetensors_dtype(s.dtype), place_of(s).shape});
+      add(key, w.row_begin, w.row_end, rows_of(s.local.detach(), w.local_row, w.row_end - w.row_begin), w.inner);
+      described[3][w.spec] = true;
+      write_states(w, states[w.spec].tensors, apart->prefix + "optim/", "replica-optimizer", 2);
+    }
   }
   // Buffers: every rank holds them whole; their rows are split over all ranks like replicas'.
   size_t index = specs.size();

@@ -19,6 +19,9 @@
 #include <unordered_map>
 #include <vector>
 
+namespace torch::optim {
+class Optimizer;
+}
 namespace fsdp::detail {
 
 class Unit;
@@ -62,6 +65,24 @@ class RunState : public std::enable_shared_from_this<RunState> {
   /// agreements and sums (check_boundary, detail::all_reduce: clipping's norm, the scaler's
   /// overflow) span the shard group: nothing crosses replicas until the outer step.
   bool replicas_apart = false;
+  /// What a checkpoint of replicas that train apart needs of fsdp::optim::LocalSGD / DiLoCo beyond
+  /// the model (implemented in optim/internal/replica_sync.h; expired once the object is gone).
+  struct OuterState {
+    virtual ~OuterState() = default;
+    virtual std::string kind() const = 0;  ///< "LocalSGD" or "DiLoCo"
+    virtual int64_t sync_every() const = 0;
+    virtual int64_t inner_steps() const = 0;
+    virtual void set_inner_steps(int64_t n) = 0;
+    /// Applies an outer exchange still in flight (the overlapped variant).
+    virtual void flush() = 0;
+    /// Per parameter (shard_specs() order): the global state's rows on this rank, fp32. DiLoCo's
+    /// global shards; LocalSGD keeps none, so it takes the replicas' mean now (a collective over
+    /// the replicate group: every rank calls it).
+    virtual std::vector<at::Tensor> global_shards() = 0;
+    /// DiLoCo's outer optimizer over global_shards() (null for LocalSGD).
+    virtual torch::optim::Optimizer* outer_optimizer() = 0;
+  };
+  std::weak_ptr<OuterState> outer;
   /// The group a step's agreements and sums span: the shard group when replicas train apart, else
   /// the whole data-parallel group.
   Comm& step_comm() { return replicas_apart ? *shard_comm : comm; }

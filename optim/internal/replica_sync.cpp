@@ -3,6 +3,7 @@
 #include "fsdp/internal/access.h"
 #include "fsdp/internal/check.h"
 #include "fsdp/internal/comm.h"
+#include "fsdp/internal/run_state.h"
 
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
@@ -48,7 +49,7 @@ ReplicaSync::ReplicaSync(const FSDPModule& model, std::string caller, int64_t sy
     frag.flats.push_back(u.flat_shard);
     frag.numel += u.flat_shard.numel();
     frag.params.emplace_back();
-    for (size_t s : u.specs) frag.params.back().push_back({specs[s].flat_offset, specs[s].local});
+    for (size_t s : u.specs) frag.params.back().push_back({specs[s].flat_offset, specs[s].local, s});
   }
   for (size_t f = 0; f < fragments_.size(); ++f) {
     const auto& [first, last] = span[f];
@@ -139,6 +140,55 @@ ReplicaSync::~ReplicaSync() {
     replicate_->wait(in_flight_->pending);  // Gloo's thread may still write the buffer
   } catch (...) {  // NOLINT(bugprone-empty-catch): a destructor; the next collective reports the failure
   }
+}
+
+namespace {
+
+// RunState::OuterState over the callbacks LocalSGD or DiLoCo give.
+struct Registration : fsdp::detail::RunState::OuterState {
+  ReplicaSync* sync = nullptr;
+  std::string name;
+  std::function<std::vector<at::Tensor>()> global;
+  torch::optim::Optimizer* outer = nullptr;
+  std::function<void()> apply;
+  std::string kind() const override { return name; }
+  int64_t sync_every() const override { return sync->sync_every(); }
+  int64_t inner_steps() const override { return sync->inner_steps(); }
+  void set_inner_steps(int64_t n) override { sync->set_inner_steps(n); }
+  void flush() override { apply(); }
+  std::vector<at::Tensor> global_shards() override { return global ? global() : sync->mean_now(); }
+  torch::optim::Optimizer* outer_optimizer() override { return outer; }
+};
+
+}  // namespace
+
+void ReplicaSync::register_outer(std::string kind, std::function<std::vector<at::Tensor>()> global,
+                                 torch::optim::Optimizer* outer, std::function<void()> flush) {
+  auto r = std::make_shared<Registration>();
+  r->sync = this;
+  r->name = std::move(kind);
+  r->global = std::move(global);
+  r->outer = outer;
+  r->apply = std::move(flush);
+  registration_ = r;
+  fsdp::detail::Access::state(model_).outer = registration_;
+}
+
+std::vector<at::Tensor> ReplicaSync::mean_now() {
+  std::vector<at::Tensor> out(model_.shard_specs().size());
+  for (size_t f = 0; f < fragments_.size(); ++f) {
+    at::Tensor mean = pack(fragments_[f].flats);
+    average(f, {mean}, "the replicas' mean of the parameters for a checkpoint");
+    const auto parts = split(f, mean);
+    for (size_t u = 0; u < parts.size(); ++u) {
+      for (const auto& p : fragments_[f].params[u]) out[p.spec] = view_of(parts[u], p);
+    }
+  }
+  return out;
+}
+
+at::Tensor ReplicaSync::view_of(const at::Tensor& flat, const Param& p) {
+  return flat.narrow(0, p.offset, p.local.numel()).view(p.local.sizes());
 }
 
 std::vector<at::Tensor> ReplicaSync::split(size_t f, const at::Tensor& flat) const {

@@ -7,10 +7,14 @@
 #include "fsdp/fully_shard.h"
 
 #include <ATen/core/Tensor.h>
+#include <torch/optim/optimizer.h>
 
 #include "fsdp/internal/comm.h"
+#include "fsdp/internal/run_state.h"
 
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -23,6 +27,7 @@ class ReplicaSync {
   struct Param {
     int64_t offset = 0;
     at::Tensor local;
+    size_t spec = 0;  ///< its index in shard_specs()
   };
   /// One fragment: consecutive units of the model (units() order), synchronized together. What
   /// crosses replicas is the units' flat shards, padding included: their sizes are equal on every
@@ -79,6 +84,18 @@ class ReplicaSync {
   ReplicaSync(const ReplicaSync&) = delete;
   ReplicaSync& operator=(const ReplicaSync&) = delete;
 
+  /// For checkpoints (RunState::outer, fsdp/internal/run_state.h): `kind` ("LocalSGD", "DiLoCo"),
+  /// `global` the global shards per parameter in shard_specs() order (null: the replicas' mean
+  /// now, mean_now()), `outer` the outer optimizer (null: none), `flush` what applies an exchange
+  /// in flight. The callbacks' object must not move (LocalSGD and DiLoCo cannot).
+  void register_outer(std::string kind, std::function<std::vector<at::Tensor>()> global, torch::optim::Optimizer* outer,
+                      std::function<void()> flush);
+  /// Every parameter's rows, fp32, averaged over the replicas now (one exchange per fragment), in
+  /// shard_specs() order; the parameters stay as they are.
+  std::vector<at::Tensor> mean_now();
+  /// Parameter `p`'s rows in a flat tensor laid out as its unit's flat shard.
+  static at::Tensor view_of(const at::Tensor& flat, const Param& p);
+
   FSDPModule& model() { return model_; }
   const std::string& caller() const { return caller_; }
 
@@ -100,6 +117,7 @@ class ReplicaSync {
     fsdp::detail::Pending pending;
   };
   std::optional<InFlight> in_flight_;
+  std::shared_ptr<fsdp::detail::RunState::OuterState> registration_;  // RunState::outer refers to it
   /// The agreement over the replicate group before an exchange, and the exchange's name.
   std::string agree_on(size_t f, const at::Tensor& flat, const std::string& what);
 };
