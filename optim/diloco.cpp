@@ -2,7 +2,9 @@
 
 #include "optim/internal/replica_sync.h"
 
+#include "fsdp/internal/access.h"
 #include "fsdp/internal/check.h"
+#include "fsdp/internal/run_state.h"
 
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/optim/sgd.h>
@@ -16,8 +18,8 @@ namespace {
 
 // The options in words (compared across ranks), after checking them: nothing is set up or sent
 // for options that are refused.
-std::string checked_settings(const DiLoCoOptions& o, int rank) {
-  const std::string where = "fsdp::optim::DiLoCo (rank " + std::to_string(rank) + ")";
+std::string checked_settings(const DiLoCoOptions& o, const FSDPModule& model) {
+  const std::string where = "fsdp::optim::DiLoCo (" + fsdp::detail::Access::state(model).comm.where() + ")";
   std::ostringstream os;
   os << "sync_every " << o.sync_every() << ", fragments " << o.fragments() << (o.overlap() ? ", overlapped" : "");
   if (o.outer_optimizer()) {
@@ -38,8 +40,8 @@ DiLoCo::DiLoCo(const FSDPModule& model, torch::optim::Optimizer& inner, const Di
     : inner_(inner),
       options_(options),
       sync_(std::make_unique<detail::ReplicaSync>(model, "fsdp::optim::DiLoCo", options.sync_every(),
-                                                  options.fragments(), checked_settings(options, model.rank()))) {
-  const std::string where = "fsdp::optim::DiLoCo (rank " + std::to_string(model.rank()) + ")";
+                                                  options.fragments(), checked_settings(options, model))) {
+  const std::string where = "fsdp::optim::DiLoCo (" + fsdp::detail::Access::state(model).comm.where() + ")";
   // The global shards: fp32 whatever the parameters' dtype (the outer step accumulates small
   // differences of the replicas' parameters), one flat copy per unit, padding included (it stays
   // 0), and each parameter's a view of it, as the parameters are of the flat shard.

@@ -31,8 +31,8 @@ struct LocalSGDOptions {
   /* implicit */ LocalSGDOptions(int64_t sync_every) : sync_every_(sync_every) {}
   /// H: the inner steps between two averages of a fragment.
   TORCH_ARG(int64_t, sync_every);
-  /// Streaming: F fragments (runs of consecutive units, units() order) averaged in turn, one every
-  /// H / F inner steps (fragment f after steps t with t % H == (f + 1) H / F mod H): the same bytes
+  /// Streaming: F fragments (runs of consecutive units, units() order, of about equal size)
+  /// averaged in turn, one every H / F inner steps (fragment f after steps t with t % H == (f + 1) H / F mod H): the same bytes
   /// per period, F-fold less at once. F must divide H and be at most the units holding parameters.
   TORCH_ARG(int64_t, fragments) = 1;
   /// The overlapped variant: the average is begun at its step and left in flight while the next

@@ -253,6 +253,23 @@ void refusals(const Rank& r) {
   EXPECT_NE(too_many.find("the model has 3 unit(s) holding parameters"), std::string::npos) << too_many;
   const std::string lr = error_of([&] { optim::DiLoCo(model, opt2, optim::DiLoCoOptions(4).outer_lr(0)); });
   EXPECT_NE(lr.find("outer_lr is 0"), std::string::npos) << lr;
+  {
+    // One outer optimizer per model: a second would keep its own schedule and state.
+    optim::LocalSGD first(model, opt2, optim::LocalSGDOptions(4));
+    const std::string twice = error_of([&] { optim::DiLoCo(model, opt2, optim::DiLoCoOptions(4)); });
+    EXPECT_NE(twice.find("already driven by a LocalSGD"), std::string::npos) << twice;
+  }
+  // Once it is gone, the replicas still train apart: a checkpoint (which needs the outer state)
+  // is refused before anything happens, and the next forward warns that nothing averages them.
+  const std::string gone = error_of([&] { checkpoint::save(shared_dir() + "/gone", model, opt2); });
+  EXPECT_NE(gone.find("is gone"), std::string::npos) << gone;
+  WarningCapture capture;
+  torch::NoGradGuard no_grad;
+  model(torch::randn({3, 7}));
+  model(torch::randn({3, 7}));
+  EXPECT_EQ(capture.text().find("drift apart for good"), capture.text().rfind("drift apart for good"))
+      << capture.text();
+  EXPECT_NE(capture.text().find("drift apart for good"), std::string::npos) << capture.text();
 }
 
 // Every element of `a` equals `b`'s (the same replica's weights, or its global state).

@@ -24,6 +24,13 @@ Group Group::of(const FSDPModule& model) {
   g.model_ = &model;
   // The model's own communication context (not a copy): its statistics and call log.
   auto& state = fsdp::detail::Access::state(model);
+  // Replicas that train apart keep part of their state in their LocalSGD or DiLoCo object: a
+  // checkpoint without it is refused before anything happens (the same on every rank).
+  FSDP_CHECK_IN(state.comm.error_context("fsdp::checkpoint"), !state.replicas_apart || !state.outer.expired(),
+                "fsdp::checkpoint (", state.comm.where(),
+                "): the model's replicas train apart, but the fsdp::optim::LocalSGD or DiLoCo object that drives "
+                "them is gone, and with it the outer state: keep it alive while saving or loading (or make a new one "
+                "first). Nothing was written or read.");
   // Over a mesh with tensor parallelism, or while replicas train apart (LocalSGD), the model's
   // step-boundary agreement spans fewer ranks than the checkpoint: the checkpoint's group agrees too.
   g.wider_than_step_ = state.mesh_comm != nullptr || state.replicas_apart;

@@ -272,6 +272,13 @@ void RunState::finish_reduces() {
 
 void RunState::begin_forward() {
   check_not_broken();
+  if (replicas_apart && outer.expired() && !warned_no_outer) {
+    warned_no_outer = true;
+    TORCH_WARN("fsdp (", comm.where(),
+               "): the model's replicas train apart, but the fsdp::optim::LocalSGD or DiLoCo that averaged them is "
+               "gone: from now on nothing brings them together, and they drift apart for good. Make a new one "
+               "(it starts every replica from the first replica's weights).");
+  }
   ++forwards_;
   const bool grad = c10::GradMode::is_enabled();
   const std::vector<int64_t> votes = check_boundary(

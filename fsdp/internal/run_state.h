@@ -83,6 +83,7 @@ class RunState : public std::enable_shared_from_this<RunState> {
     virtual torch::optim::Optimizer* outer_optimizer() = 0;
   };
   std::weak_ptr<OuterState> outer;
+  bool warned_no_outer = false;  // begin_forward's warning, once
   /// The group a step's agreements and sums span: the shard group when replicas train apart, else
   /// the whole data-parallel group.
   Comm& step_comm() { return replicas_apart ? *shard_comm : comm; }

@@ -19,7 +19,13 @@ using fsdp::detail::Fingerprint;
 ReplicaSync::ReplicaSync(const FSDPModule& model, std::string caller, int64_t sync_every, int64_t fragments,
                          const std::string& settings)
     : model_(model), caller_(std::move(caller)), sync_every_(sync_every) {
-  const std::string where = caller_ + " (rank " + std::to_string(model.rank()) + ")";
+  const std::string where = caller_ + " (" + fsdp::detail::Access::state(model).comm.where() + ")";
+  // One outer optimizer per model: a second would average on its own schedule, and a checkpoint
+  // would keep only one of their states.
+  if (auto other = fsdp::detail::Access::state(model).outer.lock()) {
+    FSDP_CHECK(false, where, ": the model's replicas are already driven by a ", other->kind(),
+               " made for it, which is still alive. One LocalSGD or DiLoCo per model: destroy the other first.");
+  }
   FSDP_CHECK(sync_every >= 1, where, ": sync_every (H, the inner steps between outer steps) is ", sync_every,
              "; it must be at least 1.");
   FSDP_CHECK(fragments >= 1 && sync_every % fragments == 0, where, ": ", fragments,
@@ -39,13 +45,23 @@ ReplicaSync::ReplicaSync(const FSDPModule& model, std::string caller, int64_t sy
              n, " fragments, or mark more modules fsdp::Sharded.");
   fragments_.resize(static_cast<size_t>(fragments));
   std::vector<std::pair<std::string, std::string>> span(fragments_.size());  // first and last unit
+  // Runs of consecutive units of about equal size: a unit goes to the next fragment when its middle
+  // lies past the current fragment's share of the elements, or when the units left are just enough
+  // for the fragments left. Flat shards have the same size on every rank: the same runs everywhere.
+  int64_t total = 0, before = 0;
+  for (const UnitInfo* u : holding) total += u->flat_shard.numel();
+  size_t cur = 0;  // the fragment being filled
   for (int64_t i = 0; i < n; ++i) {
-    const auto f = static_cast<size_t>(i * fragments / n);
     const UnitInfo& u = *holding[static_cast<size_t>(i)];
+    const auto F = static_cast<int64_t>(fragments), k = static_cast<int64_t>(cur);
+    const bool started = !fragments_[cur].flats.empty();
+    const bool past_share = 2 * before + u.flat_shard.numel() > 2 * (k + 1) * total / F;
+    if (started && k + 1 < F && (past_share || n - i == F - 1 - k)) ++cur;
+    before += u.flat_shard.numel();
     const std::string name = u.name.empty() ? "<root>" : u.name;
-    if (span[f].first.empty()) span[f].first = name;
-    span[f].second = name;
-    Fragment& frag = fragments_[f];
+    if (span[cur].first.empty()) span[cur].first = name;
+    span[cur].second = name;
+    Fragment& frag = fragments_[cur];
     frag.flats.push_back(u.flat_shard);
     frag.numel += u.flat_shard.numel();
     frag.params.emplace_back();

@@ -29,7 +29,8 @@ class ReplicaSync {
     at::Tensor local;
     size_t spec = 0;  ///< its index in shard_specs()
   };
-  /// One fragment: consecutive units of the model (units() order), synchronized together. What
+  /// One fragment: consecutive units of the model (units() order), synchronized together; the
+  /// fragments are runs of about equal size. What
   /// crosses replicas is the units' flat shards, padding included: their sizes are equal on every
   /// rank of a shard group (a parameter's rows are not), so that the group's call logs agree.
   struct Fragment {
