@@ -337,7 +337,7 @@ PeerDiagnosis diagnose_unbounded(const std::vector<int>& global_ranks, int self,
     }
     if (stale.size() > 8) os << " And " << stale.size() - 8 << " more ranks.";
   } else {
-    os << "Every peer of this group still runs (heartbeats under " << seconds(kStale.count()) << " old):";
+    os << "Every other rank of the job still runs (heartbeats under " << seconds(kStale.count()) << " old):";
     int shown = 0;
     for (int r : peers) {
       auto it = second.find(r);
