@@ -65,7 +65,7 @@ struct CausalSelfAttentionImpl : torch::nn::Module {
     auto heads = [&](const torch::Tensor& t) { return t.view({B, T, n_head, hs}).transpose(1, 2); };
     auto q = heads(qkv[0]), k = heads(qkv[1]), v = heads(qkv[2]);
     auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hs)));
-    auto mask = torch::ones({T, T}, torch::kBool).tril();
+    auto mask = torch::ones({T, T}, torch::TensorOptions(torch::kBool).device(x.device())).tril();
     att = att.masked_fill(mask.logical_not(), -std::numeric_limits<float>::infinity()).softmax(-1);
     if (dropout > 0) att = torch::dropout(att, dropout, is_training());
     auto y = torch::matmul(att, v).transpose(1, 2).contiguous().view({B, T, C});

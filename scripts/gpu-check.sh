@@ -3,11 +3,12 @@
 # every GPU measurement the project needs and writes one JSON summary; without a device it runs the
 # same programs on the CPU at small sizes and marks the GPU parts skipped, so that CI keeps it working.
 #
-#   scripts/gpu-check.sh [--build DIR] [--out DIR] [--quick]
+#   scripts/gpu-check.sh [--build DIR] [--out DIR] [--quick] [--rounds N]
 #
 # Uses the binaries of an existing build (default build/, from scripts/build.sh; built against the
 # same torch 2.11.0 wheel as the GPU machine's python3), so the GPU machine needs no compiler, no
-# GoogleTest, no fmt: carry build/tests/fsdp_tests, build/benchmarks and the library's .so files.
+# GoogleTest, no fmt: carry build/tests/fsdp_tests, build/benchmarks/{overhead,fsdp}_bench and the
+# five libraries' .so files (stripped, in the same layout under a folder passed as --build: 8 MB).
 # The torch libraries come from the python3 given by $PYTHON (default: the project's virtualenv
 # when it exists, else python3). Writes OUT/gpu-check.json (default OUT: $OUT or /tmp/gpu-check)
 # and each part's raw output beside it. Exit status 0 when every part that ran passed.
@@ -29,12 +30,14 @@ cd "$(dirname "$0")/.."
 BUILD=build
 OUT=${OUT:-/tmp/gpu-check}
 QUICK=0
+ROUNDS_ARG=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --build) BUILD=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
     --quick) QUICK=1; shift ;;
-    *) echo "gpu-check: unknown argument '$1' (--build DIR, --out DIR, --quick)" >&2; exit 2 ;;
+    --rounds) ROUNDS_ARG=$2; shift 2 ;;
+    *) echo "gpu-check: unknown argument '$1' (--build DIR, --out DIR, --quick, --rounds N)" >&2; exit 2 ;;
   esac
 done
 for bin in "$BUILD/tests/fsdp_tests" "$BUILD/benchmarks/overhead_bench" "$BUILD/benchmarks/fsdp_bench"; do
@@ -46,7 +49,14 @@ BUILD=$(cd "$BUILD" && pwd)  # absolute: the binaries' run path names this machi
 VENV_PY="${HOME}/.cache/libtorch-fsdp/venv-torch-2.11.0/bin/python"
 PYTHON=${PYTHON:-$([ -x "$VENV_PY" ] && echo "$VENV_PY" || echo python3)}
 TORCH_LIB=$("$PYTHON" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')
-export LD_LIBRARY_PATH="$TORCH_LIB:$BUILD/fsdp:$BUILD/optim:$BUILD/checkpoint:${LD_LIBRARY_PATH:-}"
+# The binaries' run path names this machine's virtualenv and build; on another machine the torch
+# libraries, the CUDA runtime the library links itself (nvidia/*/lib beside torch) and every one of
+# the project's libraries must come from LD_LIBRARY_PATH.
+NVIDIA_LIBS=$("$PYTHON" -c 'import glob, os, torch
+site = os.path.dirname(os.path.dirname(torch.__file__))
+print(":".join(sorted(glob.glob(os.path.join(site, "nvidia", "*", "lib")))))')
+OUR_LIBS=$(for d in fsdp optim checkpoint tp data; do printf '%s:' "$BUILD/$d"; done)
+export LD_LIBRARY_PATH="$TORCH_LIB:$NVIDIA_LIBS:$OUR_LIBS${LD_LIBRARY_PATH:-}"
 GPU=$("$PYTHON" -c 'import torch; print(int(torch.cuda.is_available()))')
 GPU_NAME=$("$PYTHON" -c 'import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none")')
 echo "gpu-check: torch from $TORCH_LIB, GPU: $GPU_NAME, output in $OUT" >&2
@@ -79,6 +89,7 @@ else
   SIZE=small ROUNDS=5 DEVICE=cpu PEAK=""
 fi
 [ "$QUICK" = 1 ] && ROUNDS=3
+[ -n "$ROUNDS_ARG" ] && ROUNDS=$ROUNDS_ARG
 # shellcheck disable=SC2086
 part overhead_fp32 300 "$BUILD/benchmarks/overhead_bench" --device $DEVICE --sizes $SIZE --rounds $ROUNDS --json $PEAK
 # shellcheck disable=SC2086
@@ -122,7 +133,8 @@ def rows(name):
     try:
         text = open(os.path.join(out, name + ".out")).read()
         start = re.search(r"^\[\s*$", text, re.M)  # the JSON array's own line, not a progress "[ 1/3]"
-        return json.loads(text[start.start():text.rindex("]") + 1])
+        end = re.compile(r"^\]\s*$", re.M).search(text, start.end())  # its own line: not a later warning's "]"
+        return json.loads(text[start.start():end.end()])
     except (OSError, ValueError, AttributeError):
         return []
 summary = {"gpu": os.environ["GPU_NAME"] if gpu else None, "parts": parts}

@@ -84,10 +84,13 @@ int g_calls_in_this_process = 0;
 void run_as_rank(const std::function<void(Rank&)>& body, const RunOptions& options) {
   at::set_num_threads(1);  // 4 ranks share 2 cores
   Rank r;
-  r.rank = std::atoi(std::getenv("FSDP_TEST_RANK"));
-  r.world_size = std::atoi(std::getenv("FSDP_TEST_WORLD_SIZE"));
+  const char* rank = env_or_null("FSDP_TEST_RANK");
+  const char* world_size = env_or_null("FSDP_TEST_WORLD_SIZE");
+  TORCH_CHECK(rank != nullptr && world_size != nullptr, "a rank process needs FSDP_TEST_RANK and FSDP_TEST_WORLD_SIZE");
+  r.rank = std::atoi(rank);
+  r.world_size = std::atoi(world_size);
   if (options.init_process_group) {
-    auto init = InitOptions().timeout(collective_timeout()).gloo_interface("lo").nccl(false);
+    auto init = InitOptions().timeout(collective_timeout()).gloo_interface("lo").nccl(options.nccl);
     if (options.rendezvous != "env") init.rank(r.rank).world_size(r.world_size);
     if (const char* store = env_or_null("FSDP_TEST_STORE")) init.init_method(std::string("file://") + store);
     r.pg = init_process_group(init);

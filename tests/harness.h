@@ -39,6 +39,9 @@ struct RunOptions {
   std::map<std::string, std::string> env;
   /// Create the process group before calling the body (false: the body does it itself).
   bool init_process_group = true;
+  /// Give that group an NCCL backend for CUDA tensors (the Cuda.* tests, at world size 1: one GPU
+  /// cannot host two NCCL ranks); otherwise Gloo alone, for CPU tensors.
+  bool nccl = false;
   /// Ranks whose death (a signal or a non-zero exit) is what the test is about, not a failure; once
   /// every other rank has finished, those still running (stopped, hanging) are killed.
   std::vector<int> may_die;

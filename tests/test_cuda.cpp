@@ -13,6 +13,7 @@
 #include <torch/cuda.h>
 
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <tuple>
 
@@ -23,6 +24,25 @@ const gpt::Config kCfg{37, 8, 2, 2, 18, false};
 
 bool have_cuda() {
   return torch::cuda::is_available();
+}
+
+// One rank whose group has NCCL for CUDA tensors (the harness's default is Gloo alone).
+void run_on_gpu(const std::function<void(Rank&)>& body) {
+  RunOptions options;
+  options.nccl = true;
+  run_ranks(1, body, options);
+}
+
+// cuBLAS keeps a workspace per handle and stream (64 MiB on an H200), taken from the caching
+// allocator at a thread's first matmul and kept, as in any LibTorch program; backward's matmuls
+// run on autograd's device thread, whose handle is its own. A throwaway step of the plain model
+// takes both before a measurement starts, so that the bytes measured are the model's.
+void warm_up(const torch::Device& dev) {
+  auto m = gpt::make_gpt<false>(kCfg);
+  m->to(dev);
+  auto [x, y] = gpt_batch(kCfg, 1);
+  gpt_loss(m->forward(x.to(dev)), y.to(dev)).backward();
+  torch::cuda::synchronize();
 }
 
 std::string file_bytes(const std::string& path) {
@@ -36,9 +56,10 @@ std::string file_bytes(const std::string& path) {
 // moments: 16 bytes per parameter) and little else.
 TEST(Cuda, ParityAndMemoryAtWorldSizeOne) {
   if (!have_cuda()) GTEST_SKIP() << "no CUDA device";
-  run_ranks(1, [&](Rank& r) {
+  run_on_gpu([&](Rank& r) {
     const torch::Device dev(torch::kCUDA, 0);
     for (bool bf16 : {false, true}) {
+      warm_up(dev);
       torch::manual_seed(0);
       auto master = gpt::make_gpt<false>(kCfg);
       master->to(dev);
@@ -92,7 +113,7 @@ TEST(Cuda, ParityAndMemoryAtWorldSizeOne) {
 // holds nothing of the model state after the step.
 TEST(Cuda, OffloadTrainsAsWithoutOffloadAndFreesTheDevice) {
   if (!have_cuda()) GTEST_SKIP() << "no CUDA device";
-  run_ranks(1, [&](Rank& r) {
+  run_on_gpu([&](Rank& r) {
     const torch::Device dev(torch::kCUDA, 0);
     for (bool bf16 : {false, true}) {
       auto options = test_options();
@@ -100,6 +121,7 @@ TEST(Cuda, OffloadTrainsAsWithoutOffloadAndFreesTheDevice) {
       std::vector<torch::Tensor> off_losses;
       torch::OrderedDict<std::string, torch::Tensor> off_params;
       {  // The offloaded model first, alone on the device, so the allocator's bytes are its own.
+        warm_up(dev);
         const auto before = fsdp::memory::stats(dev).current_bytes;
         torch::manual_seed(0);
         auto b = gpt::make_gpt<true>(kCfg);
@@ -172,7 +194,7 @@ TEST(Cuda, OffloadTrainsAsWithoutOffloadAndFreesTheDevice) {
 // synchronous save, and the stall (what save() costs the caller) reported.
 TEST(Cuda, AsyncSaveFromDeviceMemory) {
   if (!have_cuda()) GTEST_SKIP() << "no CUDA device";
-  run_ranks(1, [&](Rank& r) {
+  run_on_gpu([&](Rank& r) {
     const torch::Device dev(torch::kCUDA, 0);
     torch::manual_seed(0);
     auto unwrapped = gpt::make_gpt<true>(gpt::Config{256, 64, 4, 4, 256, true});
@@ -190,6 +212,21 @@ TEST(Cuda, AsyncSaveFromDeviceMemory) {
     std::cout << "[cuda] async save: stall " << started.seconds << " s for " << started.snapshot_bytes
               << " snapshot bytes; write " << done.seconds << " s\n";
     EXPECT_EQ(file_bytes(done.path + "/rank-00000.safetensors"), file_bytes(sync.path + "/rank-00000.safetensors"));
+    // Loaded back into a model on the GPU (another initialisation), read into host memory and
+    // copied, or in place (which reads straight into host shards only): the saved values.
+    for (bool in_place : {false, true}) {
+      torch::manual_seed(1);
+      auto other = gpt::make_gpt<true>(gpt::Config{256, 64, 4, 4, 256, true});
+      other->to(dev);
+      auto loaded = fsdp::fully_shard(other, r.pg, test_options());
+      torch::optim::AdamW loaded_opt(loaded.parameters(), torch::optim::AdamWOptions(1e-3));
+      checkpoint::load(sync.path, loaded, loaded_opt, checkpoint::LoadOptions().in_place(in_place));
+      auto want = model.named_parameters();
+      for (const auto& kv : loaded.named_parameters()) {
+        EXPECT_EQ(kv.value().device(), dev) << kv.key();
+        EXPECT_TRUE(torch::equal(kv.value().cpu(), want[kv.key()].cpu())) << kv.key() << (in_place ? " in place" : "");
+      }
+    }
   });
 }
 
@@ -207,7 +244,7 @@ detail::Comm launching_comm(const Rank& r, bool side_streams) {
 // side streams they return an event and no work (asyncOp false), without them a work.
 TEST(Cuda, CollectivesOnSideStreams) {
   if (!have_cuda()) GTEST_SKIP() << "no CUDA device";
-  run_ranks(1, [&](Rank& r) {
+  run_on_gpu([&](Rank& r) {
     const torch::Device dev(torch::kCUDA, 0);
     for (bool side : {true, false}) {
       detail::Comm comm = launching_comm(r, side);

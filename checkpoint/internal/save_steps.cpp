@@ -290,6 +290,11 @@ SaveResult write_and_commit(PreparedSave& p, const Group& group, const std::stri
   std::string part;  // this rank's chunks, for the manifest
   SaveResult result;
   phase("writing this rank's file", [&] {
+    // A model on a GPU: its chunks are copied to the host first (an AsyncSaver's snapshot already
+    // is there), since the file is written from host memory.
+    for (auto& kv : p.tensors) {
+      if (!kv.second.is_cpu()) kv.second = kv.second.to(at::kCPU);
+    }
     const std::string path = staging + "/" + rank_file(rank);
     const FileRecord file = write_safetensors(path, p.tensors, {{"rank", std::to_string(rank)}},
                                               WriteOptions()

@@ -154,8 +154,8 @@ struct AttentionImpl : torch::nn::Module {
     auto k = k_proj(in).view({B, T, kv_heads, hd}).transpose(1, 2);
     auto v = v_proj(in).view({B, T, kv_heads, hd}).transpose(1, 2);
     auto [cos, sin] = rotary(T, hd, theta);
-    cos = cos.to(q.scalar_type());
-    sin = sin.to(q.scalar_type());
+    cos = cos.to(q.device(), q.scalar_type());  // the tables in fp32, then on q's device and dtype
+    sin = sin.to(q.device(), q.scalar_type());
     q = q * cos + rotate_half(q) * sin;
     k = k * cos + rotate_half(k) * sin;
     // Grouped-query attention: each key-value head serves heads / kv_heads consecutive query heads

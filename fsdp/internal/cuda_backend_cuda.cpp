@@ -1,6 +1,8 @@
 // Built only when LibTorch has CUDA (see fsdp/CMakeLists.txt). Runs only where a GPU exists.
 #include "fsdp/internal/cuda_backend.h"
 
+#include <ATen/Context.h>
+
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -129,8 +131,21 @@ std::unique_ptr<HostSync> record_host_sync(const c10::Device& device) {
   return std::make_unique<CudaHostSync>(c10::cuda::getCurrentCUDAStream(device.index()));
 }
 
+// The caching allocator's statistics exist only once CUDA is initialised (its first allocation, or
+// this): asked first, as a measurement taken before the model moves to the GPU is, it refuses the
+// device ("Invalid device argument").
+namespace {
+void init_cuda_for_stats(int device) {
+  at::globalContext().lazyInitDevice(c10::DeviceType::CUDA);
+  TORCH_CHECK(device >= 0 && device < c10::cuda::device_count(), "fsdp::memory: cuda:", device,
+              " is not a device of this machine (it has ", static_cast<int>(c10::cuda::device_count()),
+              " CUDA devices): pass one of them");
+}
+}  // namespace
+
 CudaMemory cuda_memory(int device) {
   if (c10::cuda::device_count() == 0) return {};
+  init_cuda_for_stats(device);
   auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(device));
   const auto& s = stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)];
   return {s.current, s.peak};
@@ -138,6 +153,7 @@ CudaMemory cuda_memory(int device) {
 
 void cuda_reset_peak(int device) {
   if (c10::cuda::device_count() == 0) return;
+  init_cuda_for_stats(device);
   c10::cuda::CUDACachingAllocator::resetPeakStats(static_cast<c10::DeviceIndex>(device));
 }
 
