@@ -32,21 +32,36 @@ inline ModelShape gpt_shape(const gpt::Config& c) {
   return {psi, wte + wpe + norm_head, block};
 }
 
-/// The formulas' inputs for `strategy` (a flag name) at N ranks, hybrid groups of S.
+/// fsdp_bench's row beyond the five strategies: hybrid sharding with fsdp::optim::DiLoCo over its
+/// replicas at H = 1 (every step an outer step, so that every measured step holds the outer state
+/// whole: fp32 global shards and the outer momentum, 8 bytes per parameter of the shard).
+inline const std::string kDiLoCo = "diloco";
+
+/// The sharding strategy of a row's name: a train_gpt flag name, or kDiLoCo (hybrid).
+inline fsdp::ShardingStrategy sharding_of(const std::string& name) {
+  return name == kDiLoCo ? fsdp::ShardingStrategy::kHybridShard : gpt::strategy_flags().at(name);
+}
+inline bool known_row(const std::string& name) {
+  return name == kDiLoCo || gpt::strategy_flags().count(name) > 0;
+}
+
+/// The formulas' inputs for `strategy` (a row name) at N ranks, hybrid groups of S.
 inline fsdp::FormulaInputs formula_inputs(const std::string& strategy, const ModelShape& m, int N, int S,
                                           double param_bytes = 4) {
-  const bool hybrid = gpt::strategy_flags().at(strategy) == fsdp::ShardingStrategy::kHybridShard;
-  return {static_cast<double>(m.psi),
-          static_cast<double>(m.root),
-          static_cast<double>(m.largest_unit),
-          N,
-          hybrid ? S : N,
-          param_bytes};
+  const bool hybrid = sharding_of(strategy) == fsdp::ShardingStrategy::kHybridShard;
+  fsdp::FormulaInputs in{static_cast<double>(m.psi),
+                         static_cast<double>(m.root),
+                         static_cast<double>(m.largest_unit),
+                         N,
+                         hybrid ? S : N,
+                         param_bytes};
+  if (strategy == kDiLoCo) in.outer_bytes = fsdp::kDiLoCoOuterBytes;
+  return in;
 }
 
 /// Model-state bytes per rank at the optimizer step, from the strategy's traits (fsdp/strategy.h).
 inline double formula_at_step(const std::string& strategy, const ModelShape& m, int N, int S) {
-  return fsdp::state_bytes_at_step(gpt::strategy_flags().at(strategy), formula_inputs(strategy, m, N, S));
+  return fsdp::state_bytes_at_step(sharding_of(strategy), formula_inputs(strategy, m, N, S));
 }
 
 /// Model-state bytes per rank at their peak during the step (traits: SHARD_GRAD_OP holds every
@@ -54,19 +69,20 @@ inline double formula_at_step(const std::string& strategy, const ModelShape& m, 
 /// shards plus the units gathered at once).
 /// `param_bytes`: 2 with mixed precision (the gathered parameters' element size).
 inline double formula_peak(const std::string& strategy, const ModelShape& m, int N, int S, double param_bytes = 4) {
-  return fsdp::state_bytes_peak(gpt::strategy_flags().at(strategy), formula_inputs(strategy, m, N, S, param_bytes));
+  return fsdp::state_bytes_peak(sharding_of(strategy), formula_inputs(strategy, m, N, S, param_bytes));
 }
 
-inline const char* formula_text(const std::string& strategy, bool peak, const std::string& precision = "fp32") {
-  const fsdp::StrategyTraits& t = fsdp::traits(gpt::strategy_flags().at(strategy));
-  if (!peak) return t.formula_at_step;
-  return precision == "fp32" ? t.formula_peak : t.formula_peak_mixed;
+inline std::string formula_text(const std::string& strategy, bool peak, const std::string& precision = "fp32") {
+  const fsdp::StrategyTraits& t = fsdp::traits(sharding_of(strategy));
+  const std::string outer = strategy == kDiLoCo ? " + 8Ψ/S" : "";  // DiLoCo's outer state
+  if (!peak) return t.formula_at_step + outer;
+  return (precision == "fp32" ? t.formula_peak : t.formula_peak_mixed) + outer;
 }
 
 /// The ZeRO paper's communication volume per step, in elements (traits). Counted at one rank too:
 /// the library still issues the collectives (the process group's copy).
 inline double comm_formula(const std::string& strategy, const ModelShape& m, int N, int S) {
-  return fsdp::comm_elements(gpt::strategy_flags().at(strategy), formula_inputs(strategy, m, N, S));
+  return fsdp::comm_elements(sharding_of(strategy), formula_inputs(strategy, m, N, S));
 }
 
 /// Activations of one rank's forward, fp32, as autograd keeps them: about 34·C + 5·heads·T values

@@ -51,19 +51,21 @@ void print_table(const std::vector<Row>& rows) {
     const double psi = static_cast<double>(r.params);
     std::printf("%-13s %-9s %-4s %2d %2s | %9s %9s %9s | %10s %9s %6s | %9s %9s %6s | %9s | %7s %6s\n", r.impl.c_str(),
                 r.strategy.c_str(), r.precision.c_str(), r.world_size,
-                r.strategy == "hybrid" ? std::to_string(r.shard_group_size).c_str() : "", mib(r.peak_bytes).c_str(),
-                mib(r.peak_rss_bytes).c_str(), mib(r.cached_bytes).c_str(), mib(r.state_bytes_at_step).c_str(),
-                mib(r.formula_at_step).c_str(), ratio(r.state_bytes_at_step, r.formula_at_step).c_str(),
-                mib(r.state_bytes_peak).c_str(), mib(r.formula_peak).c_str(),
-                ratio(r.state_bytes_peak, r.formula_peak).c_str(), num(r.step_ms, "%.1f").c_str(),
-                r.comm_elements < 0 ? "-" : num(r.comm_elements / psi, "%.4f").c_str(),
+                sharding_of(r.strategy) == fsdp::ShardingStrategy::kHybridShard
+                    ? std::to_string(r.shard_group_size).c_str()
+                    : "",
+                mib(r.peak_bytes).c_str(), mib(r.peak_rss_bytes).c_str(), mib(r.cached_bytes).c_str(),
+                mib(r.state_bytes_at_step).c_str(), mib(r.formula_at_step).c_str(),
+                ratio(r.state_bytes_at_step, r.formula_at_step).c_str(), mib(r.state_bytes_peak).c_str(),
+                mib(r.formula_peak).c_str(), ratio(r.state_bytes_peak, r.formula_peak).c_str(),
+                num(r.step_ms, "%.1f").c_str(), r.comm_elements < 0 ? "-" : num(r.comm_elements / psi, "%.4f").c_str(),
                 ratio(r.comm_elements, r.comm_formula).c_str());
   }
   std::printf(
       "peak: counting allocator, largest rank; RSS: VmHWM; cache: buffers kept for reuse after the step (not model "
-      "state; at most 2 x (prefetch + 2) of the largest unit's); state: parameters + gradients + AdamW state (at the "
-      "step; "
-      "at its peak in the step); comm/Ψ: elements sent per step / Ψ, ratio to 3Ψ (full, hybrid +2Ψ/S) or 2Ψ.\n");
+      "state; at most 2 x (prefetch + 2) of the largest unit's); state: parameters + gradients + AdamW state, and "
+      "diloco's outer state (at the step; at its peak in the step); comm/Ψ: elements sent per step / Ψ, ratio to 3Ψ "
+      "(full, hybrid +2Ψ/S) or 2Ψ.\n");
 }
 
 void print_fsdp2_ratios(const std::vector<Row>& rows) {

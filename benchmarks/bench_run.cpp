@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "fsdp/fsdp.h"
+#include "optim/diloco.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/nn/functional/loss.h>
@@ -11,6 +12,7 @@
 #include <algorithm>
 #include <chrono>
 #include <fstream>
+#include <optional>
 #include <sstream>
 
 namespace bench {
@@ -77,7 +79,7 @@ Report run_rank(const RunOptions& o, const c10::intrusive_ptr<c10d::ProcessGroup
   r["base_rss_bytes"] = static_cast<double>(rss_bytes());
 
   auto options = fsdp::FullyShardOptions()
-                     .strategy(gpt::strategy_flags().at(o.strategy))
+                     .strategy(gpt::strategy_flags().at(o.strategy))  // --diloco comes with hybrid
                      .shard_group_size(o.shard_group_size)
                      .prefetch(o.prefetch)
                      .bucket_bytes(static_cast<int64_t>(o.bucket_mb * 1024 * 1024))
@@ -100,6 +102,12 @@ Report run_rank(const RunOptions& o, const c10::intrusive_ptr<c10d::ProcessGroup
   r["comm_expected"] = static_cast<double>(expected_comm_elements(model, world));
 
   torch::optim::AdamW opt(model.parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
+  std::optional<fsdp::optim::DiLoCo> diloco;
+  if (o.diloco) diloco.emplace(model, opt, fsdp::optim::DiLoCoOptions(1));
+  // DiLoCo's outer state (global shards, outer momentum) is model state too.
+  auto outer_bytes = [&]() -> int64_t {
+    return diloco ? fsdp::optim::state_bytes(diloco->global_shards(), &diloco->outer_optimizer()).total() : 0;
+  };
   // fp16 scales the loss (what a real fp16 run does, one small all-reduce per step); bf16 needs none.
   fsdp::optim::ShardedGradScaler scaler(model, fsdp::optim::GradScalerOptions().enabled(o.mixed_precision == "fp16"));
   if (o.steps == 1) {
@@ -125,18 +133,23 @@ Report run_rank(const RunOptions& o, const c10::intrusive_ptr<c10d::ProcessGroup
     auto x = tokens.narrow(1, 0, T), y = tokens.narrow(1, 1, T);
     auto loss = torch::nn::functional::cross_entropy(model(x).flatten(0, 1), y.flatten());
     scaler.scale(loss).backward();
-    scaler.step(opt);
+    if (diloco) {
+      diloco->step([&] { scaler.step(opt); });
+    } else {
+      scaler.step(opt);
+    }
     scaler.update();
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     const auto at_step = fsdp::optim::state_bytes(model.parameters(), &opt);
     model.track_state_peak(false);
     r["loss"] = loss.item<double>();
-    r["state_bytes_at_step"] = static_cast<double>(at_step.total());
+    const int64_t outer = outer_bytes();
+    r["state_bytes_at_step"] = static_cast<double>(at_step.total() + outer);
     r["comm_elements"] = static_cast<double>(model.comm_stats().elements);
     // Parameters and gradients at their peak in forward and backward, plus the optimizer state,
     // which is there throughout (from the first step on); or the state at the step, if larger.
     const double step_state =
-        static_cast<double>(std::max(model.state_peak_bytes() + at_step.optimizer, at_step.total()));
+        static_cast<double>(std::max(model.state_peak_bytes() + at_step.optimizer, at_step.total()) + outer);
     const bool measured = step > 0 || o.steps == 1;  // the first of several warms up
     if (measured) {
       total_ms += ms;

@@ -251,11 +251,19 @@ std::vector<bench::Row> run_all(const Args& a) {
   }
   // Strategies that keep full parameters refuse mixed-precision compute (fsdp/strategy.h).
   auto runs_in = [](const std::string& s, const std::string& precision) {
-    return precision == "fp32" || fsdp::traits(gpt::strategy_flags().at(s)).params_sharded;
+    return precision == "fp32" || fsdp::traits(bench::sharding_of(s)).params_sharded;
   };
+  // DiLoCo needs two replicas at least (N / S of hybrid's groups): one would send nothing to anyone.
+  auto group_of = [&](const std::string& s, int N) {
+    return bench::sharding_of(s) == fsdp::ShardingStrategy::kHybridShard ? hybrid_group(a, N)
+                                                                         : (s == "replicate" ? 1 : N);
+  };
+  auto runs_at = [&](const std::string& s, int N) { return s != bench::kDiLoCo || N / group_of(s, N) >= 2; };
   int total = 0;
   for (const auto& p : a.precisions) {
-    for (const auto& s : a.strategies) total += runs_in(s, p) ? static_cast<int>(worlds.size()) : 0;
+    for (const auto& s : a.strategies) {
+      for (int N : worlds) total += runs_in(s, p) && runs_at(s, N) ? 1 : 0;
+    }
     total += fsdp2 ? static_cast<int>(worlds.size()) : 0;
   }
   std::fprintf(
@@ -272,7 +280,7 @@ std::vector<bench::Row> run_all(const Args& a) {
                  std::vector<std::string> argv) {
     bench::Launch l;
     l.label = impl + " " + s + (precision == "fp32" ? "" : " " + precision) + " N=" + std::to_string(N) +
-              (s == "hybrid" ? " S=" + std::to_string(S) : "");
+              (bench::sharding_of(s) == fsdp::ShardingStrategy::kHybridShard ? " S=" + std::to_string(S) : "");
     if (precision != "fp32") {
       argv.emplace_back("--mixed-precision");
       argv.push_back(precision);
@@ -295,14 +303,18 @@ std::vector<bench::Row> run_all(const Args& a) {
         continue;
       }
       for (int N : worlds) {
-        const int S = s == "hybrid" ? hybrid_group(a, N) : (s == "replicate" ? 1 : N);
+        const int S = group_of(s, N);
+        if (!runs_at(s, N)) {
+          std::fprintf(stderr, "fsdp_bench: diloco left out at N=%d: hybrid's groups of %d make one replica\n", N, S);
+          continue;
+        }
         std::vector<std::string> argv = {bench::self_exe(),
                                          "--worker",
                                          "rank",
                                          "--report",
                                          "{out}",
                                          "--strategy",
-                                         s,
+                                         s == bench::kDiLoCo ? "hybrid" : s,
                                          "--shard-group-size",
                                          std::to_string(S),
                                          "--prefetch",
@@ -310,6 +322,7 @@ std::vector<bench::Row> run_all(const Args& a) {
                                          "--bucket-mb",
                                          std::to_string(a.run.bucket_mb)};
         if (a.run.build_sharded) argv.emplace_back("--build-sharded");
+        if (s == bench::kDiLoCo) argv.emplace_back("--diloco");
         run("libtorch-fsdp", s, precision, N, S, std::move(argv));
       }
     }

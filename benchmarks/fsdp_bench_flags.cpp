@@ -15,7 +15,7 @@ namespace {
 
 const char* const kUsage =
     "usage: fsdp_bench [--json] [--out FILE.json] [--plot FILE.svg] [--world-sizes 1,2,4]\n"
-    "                  [--strategies full,grad-op,optimizer,replicate,hybrid] [--shard-group-size S]\n"
+    "                  [--strategies full,grad-op,optimizer,replicate,hybrid,diloco] [--shard-group-size S]\n"
     "                  [--precisions fp32,bf16,fp16 | --mixed-precision bf16]\n"
     "                  [--n-layer 16] [--n-head 8] [--n-embd 512] [--block-size 64] [--batch-size 8]\n"
     "                  [--steps 4] [--seed 1] [--prefetch 1] [--bucket-mb 25] [--build-sharded]\n"
@@ -34,6 +34,8 @@ const char* const kUsage =
     "  $FSDP_TIMEOUT or 600 s; PyTorch's for FSDP2).\n"
     "  --activation-checkpointing [K]: every K-th block (default every one) recomputes its forward in\n"
     "  backward; FSDP2 gets torch.utils.checkpoint (non-reentrant) on the same blocks.\n"
+    "  diloco (not in the default list): hybrid sharding with DiLoCo over its replicas at H = 1, the\n"
+    "  outer state (fp32 global shards, outer momentum: 8Ψ/S) counted and in its formulas.\n"
     "  --wrap: the units, for both implementations: the blocks (the root keeps embeddings, final norm and\n"
     "  head; default), or torchtitan's (token embedding, each block, final norm with head; --simulate's default).\n"
     "  Exit status: 0 done, 2 bad flags, 1 a run that failed.\n";
@@ -78,6 +80,10 @@ Args parse(int argc, char** argv) {
       std::cout << kUsage;
       std::exit(0);
     }
+    if (k == "--diloco") {  // a worker's flag: the diloco row's rank
+      a.run.diloco = true;
+      continue;
+    }
     if (k == "--json" || k == "--no-fsdp2" || k == "--simulate") {
       (k == "--json" ? a.json : k == "--simulate" ? a.simulate : a.fsdp2) = k != "--no-fsdp2";
       continue;
@@ -120,7 +126,7 @@ Args parse(int argc, char** argv) {
     }
   }
   for (const auto& s : a.strategies) {
-    if (gpt::strategy_flags().count(s) == 0) usage("unknown strategy '" + s + "' in --strategies");
+    if (!known_row(s)) usage("unknown strategy '" + s + "' in --strategies");
   }
   // --mixed-precision (train_gpt's flag) is one precision; --precisions several.
   if (!a.precisions_given && !a.run.mixed_precision.empty()) a.precisions = {a.run.mixed_precision};
@@ -130,7 +136,10 @@ Args parse(int argc, char** argv) {
   }
   for (int n : a.world_sizes) {
     const int S = a.run.shard_group_size;
-    if (S > 0 && std::count(a.strategies.begin(), a.strategies.end(), "hybrid") > 0 && n % std::min(S, n) != 0) {
+    const bool groups = std::any_of(a.strategies.begin(), a.strategies.end(), [](const std::string& s) {
+      return sharding_of(s) == fsdp::ShardingStrategy::kHybridShard;
+    });
+    if (S > 0 && groups && n % std::min(S, n) != 0) {
       usage("--shard-group-size " + std::to_string(S) + " does not divide world size " + std::to_string(n) +
             " (hybrid's groups must tile the ranks)");
     }

@@ -103,12 +103,23 @@ def check(rows, strict, require_fsdp2, peak_ratio=None, max_peak_gib=None):
             fail(f"grad-op N={w}: state peak {r['state_bytes_peak']} misses the gathered model ({gathered:.0f})")
         # With sharded gradients the peak formula counts what backward can hold at once (the root's
         # gradients in full): the measured peak stays within it.
-        if s in ("full", "grad-op", "hybrid") and r["state_bytes_peak"] > 1.01 * r["formula_peak"]:
+        if s in ("full", "grad-op", "hybrid", "diloco") and r["state_bytes_peak"] > 1.01 * r["formula_peak"]:
             fail(f"{s} N={w}: state peak {r['state_bytes_peak']} above its formula {r['formula_peak_text']} "
                  f"= {r['formula_peak']:.0f}")
         if s == "full" and ("grad-op", w) in ours and w > 1:
             if not r["state_bytes_peak"] < ours[("grad-op", w)]["state_bytes_peak"]:
                 fail(f"full N={w}: state peak not below grad-op's")
+    # DiLoCo's row: hybrid's state plus the outer state, fp32 global shards and outer momentum (8Ψ/S).
+    for (s, w), r in sorted(ours.items()):
+        if s != "diloco":
+            continue
+        outer = 8 * r["params"] / r["shard_group_size"]
+        if ("hybrid", w) in ours:
+            extra = r["state_bytes_at_step"] - ours[("hybrid", w)]["state_bytes_at_step"]
+            print(f"diloco N={w}: state at the step {r['formula_at_step_text']}; above hybrid's by "
+                  f"{extra:.0f} = {extra / outer:.4f} x 8Ψ/S")
+            if abs(extra / outer - 1) > 0.05:
+                fail(f"diloco N={w}: the outer state is {extra:.0f} bytes, not within 5% of 8Ψ/S = {outer:.0f}")
     fsdp2 = [r for r in rows if r["impl"] == "pytorch-fsdp2"]
     if require_fsdp2 and not fsdp2:
         fail("no PyTorch FSDP2 rows")
