@@ -65,7 +65,7 @@ void print_table(const std::vector<Row>& rows) {
       "peak: counting allocator, largest rank; RSS: VmHWM; cache: buffers kept for reuse after the step (not model "
       "state; at most 2 x (prefetch + 2) of the largest unit's); state: parameters + gradients + AdamW state, and "
       "diloco's outer state (at the step; at its peak in the step); comm/Ψ: elements sent per step / Ψ, ratio to 3Ψ "
-      "(full, hybrid +2Ψ/S) or 2Ψ.\n");
+      "(full; hybrid and diloco, whose H = 1 sends hybrid's, +2Ψ/S) or 2Ψ.\n");
 }
 
 void print_fsdp2_ratios(const std::vector<Row>& rows) {

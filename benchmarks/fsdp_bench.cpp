@@ -266,6 +266,11 @@ std::vector<bench::Row> run_all(const Args& a) {
     }
     total += fsdp2 ? static_cast<int>(worlds.size()) : 0;
   }
+  if (total == 0) {
+    usage(
+        "nothing to run: every strategy asked for is left out at these world sizes (diloco needs N / S >= 2, a "
+        "mixed precision a sharded strategy)");
+  }
   std::fprintf(
       stderr,
       "fsdp_bench: GPT of %lld parameters (%lld blocks x %lld wide), global batch %lld x %lld, "

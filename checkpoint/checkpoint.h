@@ -139,7 +139,10 @@ struct LoadResult {
   std::string rng = "not loaded";
   /// While the model's replicas train apart (fsdp::optim::LocalSGD, DiLoCo): what they loaded, "each
   /// of the 2 replicas its own state, at inner step 6", or "restarted from the global state at
-  /// inner step 4 (saved by 2 replicas training apart, loaded on 1)". Empty otherwise.
+  /// inner step 4 (saved by 2 replicas training apart, loaded on 1)", followed by "; saved by DiLoCo
+  /// every 4 steps, loaded by LocalSGD every 6: ..." when the kind or H changed. A checkpoint of
+  /// replicas apart loaded into a model that does not train apart: "the global state (...)".
+  /// Empty otherwise.
   std::string replicas;
   double seconds = 0;  ///< this rank, from the call to its return
 };

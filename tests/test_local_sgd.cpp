@@ -270,6 +270,13 @@ void refusals(const Rank& r) {
   EXPECT_EQ(capture.text().find("drift apart for good"), capture.text().rfind("drift apart for good"))
       << capture.text();
   EXPECT_NE(capture.text().find("drift apart for good"), std::string::npos) << capture.text();
+  // Settings that differ between ranks: every rank names rank 0's and the first other rank's.
+  auto mixed = hybrid(r);
+  torch::optim::SGD opt3(mixed.parameters(), 0.1);
+  const std::string differ =
+      error_of([&] { optim::LocalSGD(mixed, opt3, optim::LocalSGDOptions(r.rank == 2 ? 8 : 4)); });
+  EXPECT_NE(differ.find("rank 0 has sync_every 4, fragments 1"), std::string::npos) << differ;
+  EXPECT_NE(differ.find("rank 2 has sync_every 8, fragments 1"), std::string::npos) << differ;
 }
 
 // Every element of `a` equals `b`'s (the same replica's weights, or its global state).
@@ -407,12 +414,24 @@ void resume_on_other_ranks(const Rank& r) {
   torch::manual_seed(1);
   auto plain = fully_shard(std::make_shared<MLP>(), r.pg, test_options());
   torch::optim::AdamW inner3(plain.parameters(), 1e-2);
-  checkpoint::load(dir + "/diloco", plain, inner3);  // the global state, replica 0's AdamW state
+  // The global state, replica 0's AdamW state; said, since a DiLoCo made after it finds nothing.
+  EXPECT_EQ(checkpoint::load(dir + "/diloco", plain, inner3).replicas,
+            "the global state (saved by 2 replicas training apart; this model does not train apart: make its "
+            "LocalSGD or DiLoCo before the load to resume each replica's own state)");
   expect_same(weights(one_replica), weights(plain), "restarted from the global state");
   const auto [x, y] = batch(6);
   torch::mse_loss(one_replica(local_rows(x, r.rank, 2)), local_rows(y, r.rank, 2)).backward();
   diloco.step();
   EXPECT_EQ(diloco.inner_steps(), 5);
+  // DiLoCo's checkpoint (H 4, saved at inner step 6) loaded by a LocalSGD of H 6 on 2 replicas:
+  // each replica its own state, and the change said.
+  torch::manual_seed(1);
+  auto other = fully_shard(std::make_shared<MLP>(), r.pg, test_options(ShardingStrategy::kHybridShard, 1));
+  torch::optim::AdamW inner4(other.parameters(), 1e-2);
+  optim::LocalSGD local6(other, inner4, optim::LocalSGDOptions(6));
+  EXPECT_EQ(checkpoint::load(dir + "/diloco", other, inner4).replicas,
+            "each of the 2 replicas its own state, at inner step 6; saved by DiLoCo every 4 steps, loaded by "
+            "LocalSGD every 6: DiLoCo's outer state is not used");
 }
 
 TEST(LocalSGD, CheckpointsKeepEachReplicaApart) {

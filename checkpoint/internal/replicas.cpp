@@ -74,27 +74,51 @@ ReplicaLoad replica_load(const Manifest& m, FSDPModule& model, const std::vector
     plan.optim_prefix = "replica" + std::to_string(from) + "/optim/";
     plan.optim_kind = "replica-optimizer";
   }
-  if (!apart) return plan;
+  if (!apart) {
+    // Said, since a LocalSGD or DiLoCo made after the load finds nothing of its replicas' state.
+    if (plan.saved_replicas > 0) {
+      plan.outcome = "the global state (saved by " + std::to_string(plan.saved_replicas) +
+                     " replicas training apart; this model does not train apart: make its LocalSGD or DiLoCo "
+                     "before the load to resume each replica's own state)";
+    }
+    return plan;
+  }
   auto outer = outer_of(model, "fsdp::checkpoint::load");
   outer->flush();
   if (outer->kind() == "DiLoCo") plan.global = outer->global_shards();
   plan.outer = outer->outer_optimizer();
   const int64_t H = outer->sync_every();
+  // Saved by the other kind, or with another H: loaded as it is, and said (the period restarts from
+  // the saved inner step on the new H; the saved outer step was on the saved H).
+  std::string other;
+  int64_t saved_H = H;
+  if (plan.saved_replicas > 0) {
+    const auto kind = m.metadata.find("fsdp/outer");
+    saved_H = number(m.metadata, "fsdp/sync_every", m.dir);
+    const std::string saved_kind = kind == m.metadata.end() ? outer->kind() : kind->second;
+    if (saved_kind != outer->kind() || saved_H != H) {
+      other = "; saved by " + saved_kind + " every " + std::to_string(saved_H) + " steps, loaded by " + outer->kind() +
+              " every " + std::to_string(H);
+      if (saved_kind == "DiLoCo" && outer->kind() != "DiLoCo") other += ": DiLoCo's outer state is not used";
+      if (saved_kind != "DiLoCo" && outer->kind() == "DiLoCo")
+        other += ": the global shards start from the replicas' mean at the save, the outer optimizer from its start";
+    }
+  }
   if (plan.saved_replicas == replicas) {
     plan.own_state = true;
     plan.model_prefix = "replica" + std::to_string(replica) + "/model/";
     plan.model_kind = "replica";
     plan.inner_steps = number(m.metadata, "fsdp/inner_steps", m.dir);
     plan.outcome = "each of the " + std::to_string(replicas) + " replicas its own state, at inner step " +
-                   std::to_string(plan.inner_steps);
+                   std::to_string(plan.inner_steps) + other;
   } else {
     // Every replica from the global state: the inner steps restart at the last outer step.
     const int64_t saved = plan.saved_replicas > 0 ? number(m.metadata, "fsdp/inner_steps", m.dir) : 0;
-    plan.inner_steps = saved - saved % H;
+    plan.inner_steps = saved - saved % saved_H;
     plan.outcome = "restarted from the global state at inner step " + std::to_string(plan.inner_steps) + " (saved by " +
                    (plan.saved_replicas > 0 ? std::to_string(plan.saved_replicas) + " replicas training apart"
                                             : std::string("replicas that did not train apart")) +
-                   ", loaded on " + std::to_string(replicas) + ")";
+                   ", loaded on " + std::to_string(replicas) + ")" + other;
   }
   const auto type = m.metadata.find("fsdp/outer_optimizer");
   if (plan.outer != nullptr && type != m.metadata.end()) {

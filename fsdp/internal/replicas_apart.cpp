@@ -39,7 +39,27 @@ Comm& train_replicas_apart(const FSDPModule& model, const std::string& caller, u
   FSDP_CHECK_IN(context, !model.step_in_progress(), where,
                 ": called between a forward and its backward; create it between steps.");
   state.check_no_unsynced_grads(caller.c_str());
-  state.breaks_on_failure([&] { state.comm.agree(Call::kOuterStep, settings, caller + " with " + text); });
+  // The settings agreed over every data-parallel rank; when they differ, every rank names the first
+  // rank whose settings are not rank 0's, with both (not only "the ranks took different paths").
+  auto settings_of = [](const std::string& d) {
+    const size_t body = d.find('\n');  // after "<caller> with <text>"
+    return body == std::string::npos ? d : d.substr(body + 1);
+  };
+  auto explain = [&](const std::vector<std::string>& described) {
+    for (size_t q = 1; q < described.size(); ++q) {
+      if (settings_of(described[q]) == settings_of(described[0])) continue;
+      return where + ": the settings differ between the data-parallel ranks: rank 0 has " + settings_of(described[0]) +
+             ", rank " + std::to_string(q) + " has " + settings_of(described[q]) +
+             ". Every rank must build it with the same options.";
+    }
+    return where +
+           ": the settings differ between the data-parallel ranks. Every rank must build it with the same "
+           "options.";
+  };
+  state.breaks_on_failure([&] {
+    state.comm.agree(
+        Call::kOuterStep, settings, caller + " with " + text, [&] { return "\n" + text; }, 0, explain);
+  });
   state.replicas_apart = true;
   return *state.replicate_comm;
 }
