@@ -41,6 +41,10 @@ inline const std::string kDiLoCo = "diloco";
 inline fsdp::ShardingStrategy sharding_of(const std::string& name) {
   return name == kDiLoCo ? fsdp::ShardingStrategy::kHybridShard : gpt::strategy_flags().at(name);
 }
+/// Whether a row's ranks form hybrid's groups of S (hybrid, diloco).
+inline bool hybrid_row(const std::string& name) {
+  return sharding_of(name) == fsdp::ShardingStrategy::kHybridShard;
+}
 inline bool known_row(const std::string& name) {
   return name == kDiLoCo || gpt::strategy_flags().count(name) > 0;
 }
@@ -48,7 +52,7 @@ inline bool known_row(const std::string& name) {
 /// The formulas' inputs for `strategy` (a row name) at N ranks, hybrid groups of S.
 inline fsdp::FormulaInputs formula_inputs(const std::string& strategy, const ModelShape& m, int N, int S,
                                           double param_bytes = 4) {
-  const bool hybrid = sharding_of(strategy) == fsdp::ShardingStrategy::kHybridShard;
+  const bool hybrid = hybrid_row(strategy);
   fsdp::FormulaInputs in{static_cast<double>(m.psi),
                          static_cast<double>(m.root),
                          static_cast<double>(m.largest_unit),

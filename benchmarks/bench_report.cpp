@@ -51,14 +51,12 @@ void print_table(const std::vector<Row>& rows) {
     const double psi = static_cast<double>(r.params);
     std::printf("%-13s %-9s %-4s %2d %2s | %9s %9s %9s | %10s %9s %6s | %9s %9s %6s | %9s | %7s %6s\n", r.impl.c_str(),
                 r.strategy.c_str(), r.precision.c_str(), r.world_size,
-                sharding_of(r.strategy) == fsdp::ShardingStrategy::kHybridShard
-                    ? std::to_string(r.shard_group_size).c_str()
-                    : "",
-                mib(r.peak_bytes).c_str(), mib(r.peak_rss_bytes).c_str(), mib(r.cached_bytes).c_str(),
-                mib(r.state_bytes_at_step).c_str(), mib(r.formula_at_step).c_str(),
-                ratio(r.state_bytes_at_step, r.formula_at_step).c_str(), mib(r.state_bytes_peak).c_str(),
-                mib(r.formula_peak).c_str(), ratio(r.state_bytes_peak, r.formula_peak).c_str(),
-                num(r.step_ms, "%.1f").c_str(), r.comm_elements < 0 ? "-" : num(r.comm_elements / psi, "%.4f").c_str(),
+                hybrid_row(r.strategy) ? std::to_string(r.shard_group_size).c_str() : "", mib(r.peak_bytes).c_str(),
+                mib(r.peak_rss_bytes).c_str(), mib(r.cached_bytes).c_str(), mib(r.state_bytes_at_step).c_str(),
+                mib(r.formula_at_step).c_str(), ratio(r.state_bytes_at_step, r.formula_at_step).c_str(),
+                mib(r.state_bytes_peak).c_str(), mib(r.formula_peak).c_str(),
+                ratio(r.state_bytes_peak, r.formula_peak).c_str(), num(r.step_ms, "%.1f").c_str(),
+                r.comm_elements < 0 ? "-" : num(r.comm_elements / psi, "%.4f").c_str(),
                 ratio(r.comm_elements, r.comm_formula).c_str());
   }
   std::printf(

@@ -255,8 +255,7 @@ std::vector<bench::Row> run_all(const Args& a) {
   };
   // DiLoCo needs two replicas at least (N / S of hybrid's groups): one would send nothing to anyone.
   auto group_of = [&](const std::string& s, int N) {
-    return bench::sharding_of(s) == fsdp::ShardingStrategy::kHybridShard ? hybrid_group(a, N)
-                                                                         : (s == "replicate" ? 1 : N);
+    return bench::hybrid_row(s) ? hybrid_group(a, N) : (s == "replicate" ? 1 : N);
   };
   auto runs_at = [&](const std::string& s, int N) { return s != bench::kDiLoCo || N / group_of(s, N) >= 2; };
   int total = 0;
@@ -285,7 +284,7 @@ std::vector<bench::Row> run_all(const Args& a) {
                  std::vector<std::string> argv) {
     bench::Launch l;
     l.label = impl + " " + s + (precision == "fp32" ? "" : " " + precision) + " N=" + std::to_string(N) +
-              (bench::sharding_of(s) == fsdp::ShardingStrategy::kHybridShard ? " S=" + std::to_string(S) : "");
+              (bench::hybrid_row(s) ? " S=" + std::to_string(S) : "");
     if (precision != "fp32") {
       argv.emplace_back("--mixed-precision");
       argv.push_back(precision);

@@ -136,9 +136,8 @@ Args parse(int argc, char** argv) {
   }
   for (int n : a.world_sizes) {
     const int S = a.run.shard_group_size;
-    const bool groups = std::any_of(a.strategies.begin(), a.strategies.end(), [](const std::string& s) {
-      return sharding_of(s) == fsdp::ShardingStrategy::kHybridShard;
-    });
+    const bool groups =
+        std::any_of(a.strategies.begin(), a.strategies.end(), [](const std::string& s) { return hybrid_row(s); });
     if (S > 0 && groups && n % std::min(S, n) != 0) {
       usage("--shard-group-size " + std::to_string(S) + " does not divide world size " + std::to_string(n) +
             " (hybrid's groups must tile the ranks)");

@@ -91,10 +91,11 @@ ReplicaLoad replica_load(const Manifest& m, FSDPModule& model, const std::vector
   // Saved by the other kind, or with another H: loaded as it is, and said (the period restarts from
   // the saved inner step on the new H; the saved outer step was on the saved H).
   std::string other;
-  int64_t saved_H = H;
+  int64_t saved_H = H, saved_steps = 0;
   if (plan.saved_replicas > 0) {
     const auto kind = m.metadata.find("fsdp/outer");
     saved_H = number(m.metadata, "fsdp/sync_every", m.dir);
+    saved_steps = number(m.metadata, "fsdp/inner_steps", m.dir);
     const std::string saved_kind = kind == m.metadata.end() ? outer->kind() : kind->second;
     if (saved_kind != outer->kind() || saved_H != H) {
       other = "; saved by " + saved_kind + " every " + std::to_string(saved_H) + " steps, loaded by " + outer->kind() +
@@ -108,13 +109,12 @@ ReplicaLoad replica_load(const Manifest& m, FSDPModule& model, const std::vector
     plan.own_state = true;
     plan.model_prefix = "replica" + std::to_string(replica) + "/model/";
     plan.model_kind = "replica";
-    plan.inner_steps = number(m.metadata, "fsdp/inner_steps", m.dir);
+    plan.inner_steps = saved_steps;
     plan.outcome = "each of the " + std::to_string(replicas) + " replicas its own state, at inner step " +
                    std::to_string(plan.inner_steps) + other;
   } else {
     // Every replica from the global state: the inner steps restart at the last outer step.
-    const int64_t saved = plan.saved_replicas > 0 ? number(m.metadata, "fsdp/inner_steps", m.dir) : 0;
-    plan.inner_steps = saved - saved % saved_H;
+    plan.inner_steps = saved_steps - saved_steps % saved_H;
     plan.outcome = "restarted from the global state at inner step " + std::to_string(plan.inner_steps) + " (saved by " +
                    (plan.saved_replicas > 0 ? std::to_string(plan.saved_replicas) + " replicas training apart"
                                             : std::string("replicas that did not train apart")) +
