@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Recovery of elastic runs, measured: tests/check_elastic.py's cases (case 1, a worker SIGKILLed,
 repeated --repeat times), each run's time from the kill to the first step after the restart broken
-down (benchmarks/elastic_runs.py: breakdown), and the tally of restarts per fault.
+down (programs/torchrun_runs.py: breakdown), and the tally of restarts per fault.
 
     build/.../python benchmarks/elastic_bench.py --train-gpt build/examples/train_gpt \\
         --torchrun $VENV/bin/torchrun --repeat 20 --out benchmarks/results/elastic_recovery

@@ -24,8 +24,8 @@ import statistics
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from train_gpt_runs import run  # noqa: E402  (one process's JSON rows and summary, or exit with its output)
+sys.path.insert(0, os.path.join(HERE, "..", "programs"))
+from torchrun_runs import run  # noqa: E402  (one process's JSON rows and summary, or exit with its output)
 
 
 def padded(rows, inner, dp):

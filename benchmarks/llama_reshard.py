@@ -18,8 +18,8 @@ import os
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_gpt_runs import command, run  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "programs"))
+from torchrun_runs import command, run  # noqa: E402
 
 SHAPE = ["--n-layer", "4", "--n-embd", "256", "--n-head", "8", "--n-kv-head", "4", "--intermediate", "1024",
          "--block-size", "128", "--batch-size", "8", "--seed", "1", "--json"]

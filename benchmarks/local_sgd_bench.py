@@ -22,8 +22,8 @@ import os
 import sys
 
 here = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, here)
-from train_gpt_runs import command, run  # noqa: E402
+sys.path.insert(0, os.path.join(here, "..", "programs"))
+from torchrun_runs import command, run  # noqa: E402
 
 HYBRID = ["--strategy", "hybrid", "--shard-group-size", "2"]
 

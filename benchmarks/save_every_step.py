@@ -20,8 +20,8 @@ import sys
 import tempfile
 
 here = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, here)
-from train_gpt_runs import command, run  # noqa: E402
+sys.path.insert(0, os.path.join(here, "..", "programs"))
+from torchrun_runs import command, run  # noqa: E402
 
 # Model: (ranks, train_gpt's flags). At 2 ranks the background writer competes with the ranks for
 # this machine's 2 cores; at 1 rank it has a core of its own, as on a GPU node, whose cores mostly

@@ -26,8 +26,8 @@ import tempfile
 import time
 
 here = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(here, "..", "benchmarks"))
-from elastic_runs import Agent, agent_env, breakdown, free_port, torchrun_cmd, wait_for  # noqa: E402
+sys.path.insert(0, os.path.join(here, "..", "programs"))
+from torchrun_runs import Agent, agent_env, breakdown, free_port, torchrun_cmd, wait_for  # noqa: E402
 
 # A small model: steps of tens of milliseconds, so that a kill lands mid-run.
 MODEL = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "32", "--batch-size", "12",

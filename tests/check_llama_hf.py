@@ -21,8 +21,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
-from train_gpt_runs import command  # noqa: E402  (train_llama alone, or under torchrun --standalone --no-python)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "programs"))
+from torchrun_runs import command  # noqa: E402  (train_llama alone, or under torchrun --standalone --no-python)
 
 PROMPT = [1, 5, 9, 200, 3, 77, 12, 255, 0, 31]
 

@@ -11,8 +11,8 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
-from train_gpt_runs import STRATEGIES, command, run  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "programs"))
+from torchrun_runs import STRATEGIES, command, run  # noqa: E402
 
 
 def main():

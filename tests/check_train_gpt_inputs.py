@@ -18,11 +18,13 @@ import argparse
 import json
 import os
 import resource
-import socket
 import subprocess
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "programs"))
+from torchrun_runs import free_port  # noqa: E402
 
 SMALL = ["--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--block-size", "8", "--batch-size", "2",
          "--steps", "2"]
@@ -137,12 +139,6 @@ def json_lines(stdout):
         except ValueError as e:
             raise ValueError(f"stdout line {line!r} is not strict JSON: {e}") from None
     return rows
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main():

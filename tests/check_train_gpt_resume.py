@@ -20,9 +20,9 @@ import sys
 import tempfile
 
 here = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(here, "..", "benchmarks"))
+sys.path.insert(0, os.path.join(here, "..", "programs"))
 sys.path.insert(0, os.path.join(here, "..", "tools"))
-from train_gpt_runs import command, run  # noqa: E402
+from torchrun_runs import command, run  # noqa: E402
 from read_checkpoint import read_checkpoint  # noqa: E402
 
 

@@ -19,8 +19,8 @@ import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
-from train_gpt_runs import command, run  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "programs"))
+from torchrun_runs import command, run  # noqa: E402
 
 
 def check_case(a, base, extra, tp, rtol, ckpt):

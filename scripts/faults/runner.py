@@ -3,19 +3,21 @@ environment, their output read line by line with arrival times, the Scenario tha
 ends, removes) whatever it started, reaping of adopted orphans, and splitting a rank's stderr into the
 library's message and the rest.
 
-Standard library only.
+Standard library only (and programs/torchrun_runs.py, for the free port).
 """
 import os
 import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
+import sys
 import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "programs"))
+from torchrun_runs import free_port, listening_socket  # noqa: E402,F401 (the one port finder; scenarios use them)
 SMALL = ["--n-layer", "2", "--n-embd", "64", "--n-head", "2", "--block-size", "32", "--batch-size", "8"]
 LONG = ["--steps", "1000000"]
 STEPS_BEFORE_FAULT = 3  # rank 0 must have printed `step 3` (training under way) before a mid-run fault
@@ -34,7 +36,7 @@ class Config:
 CFG = Config()
 
 now = time.monotonic
-_STEP_RE = re.compile(r'^(?:step\s+(\d+)\s*\||\{"step": (\d+),)')
+_STEP_RE = re.compile(r'^(?:step\s+(\d+)\s*\||\{"step": ?(\d+),)')
 ALL_PROCS = []  # every Proc this script started (for the final sweep)
 ALL_NAMESPACES = []
 
@@ -52,12 +54,6 @@ def status_text(rc):
         except ValueError:
             return f"killed by signal {-rc}"
     return f"exit {rc}"
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def base_env(**extra):

@@ -9,13 +9,12 @@ Standard library only.
 import json
 import os
 import signal
-import socket
 import tempfile
 import time
 
 from .gtest_torchrun import s10, s11, s12
-from .runner import (LONG, SMALL, START_LIMIT, STEPS_BEFORE_FAULT, connect_namespaces, fmt_s, free_port, message_lines,
-                     now, sh)
+from .runner import (LONG, SMALL, START_LIMIT, STEPS_BEFORE_FAULT, connect_namespaces, fmt_s, free_port, listening_socket,
+                     message_lines, now, sh)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -129,10 +128,8 @@ def s3a(sc):
 
 
 def s3b(sc):
-    s = socket.socket()
+    s = listening_socket()  # never accepted: the kernel completes the handshake, nobody answers
     sc.sockets.append(s)
-    s.bind(("127.0.0.1", 0))
-    s.listen(16)  # never accepted: the kernel completes the handshake, nobody answers
     port = s.getsockname()[1]
     sc.setup += f" (port {port})"
     startup_case(sc, 1, 2, port, 5.0, 7.0, ["did not answer as a c10d store"])

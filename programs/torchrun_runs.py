@@ -1,10 +1,18 @@
-"""Elastic runs of examples/train_gpt under torchrun's agent: start agents, kill a worker or an
-agent at a given step, and read what happened from timestamped output.
+"""Running the example programs (examples/train_gpt, train_llama) from Python, alone or under
+torchrun, and reading what they print: the one module the tests (tests/check_*.py), the fault
+scripts (scripts/faults) and the Python benchmarks (benchmarks/*.py) share.
 
-Shared by tests/check_elastic.py (the cases and their checks) and benchmarks/elastic_bench.py
-(the repeated case and the recovery time's breakdown). Every line of every agent's stdout and
-stderr is timestamped on arrival (time.time(), the clock of train_gpt's "start" row), so that the
-kill, torchrun's log (LOGLEVEL=INFO) and train_gpt's rows are on one time line.
+- free_port(), listening_socket(): the one place a Python script binds port 0 on 127.0.0.1.
+- command(), run(): one process or `torchrun --standalone --no-python`, its --json rows.
+- Agent, torchrun_cmd(), agent_env(), breakdown(): elastic runs under torchrun's agent, every
+  line of every agent's stdout and stderr timestamped on arrival (time.time(), the clock of
+  train_gpt's "start" row), so that a kill, torchrun's log (LOGLEVEL=INFO) and train_gpt's rows
+  are on one time line.
+
+Import it by its folder, computed from the importing script's own location:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "programs"))
+    from torchrun_runs import command, run
+Standard library only.
 """
 import json
 import os
@@ -12,14 +20,60 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 
 
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+    """A port the kernel just handed out on 127.0.0.1 and released (bind to port 0): free for a
+    store to bind, or for a test of a port where nothing listens."""
+    with listening_socket(listen=False) as s:
         return s.getsockname()[1]
+
+
+def listening_socket(listen=True, backlog=16):
+    """A socket bound to a free port of 127.0.0.1 (listening, with `listen`): the caller closes it."""
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", 0))
+        if listen:
+            s.listen(backlog)
+    except OSError:
+        s.close()
+        raise
+    return s
+
+
+# The strategies train_gpt takes (--strategy); their formulas come from train_gpt's summary row
+# (formula_state_bytes, formula_text), computed from the library's strategy traits (fsdp/strategy.h).
+STRATEGIES = ("full", "grad-op", "optimizer", "replicate", "hybrid")
+
+
+def command(train_gpt, torchrun, ranks, args):
+    """train_gpt alone for one rank, under `torchrun --no-python` for more."""
+    if ranks == 1:
+        return [train_gpt] + list(args)
+    # --standalone: a free port per run, so that runs in parallel (ctest -j) do not collide.
+    return [torchrun, "--standalone", "--no-python", "--nproc-per-node", str(ranks), train_gpt] + list(args)
+
+
+def run(cmd, timeout=None):
+    """Runs train_gpt with --json (one intra-op thread per rank, as torchrun sets); returns the
+    per-step rows and the summary row. Exits with the output on failure."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired as e:
+        sys.exit(f"FAILED: {' '.join(cmd)} did not finish in {timeout} s\n{e.stdout}\n{e.stderr}")
+    if p.returncode != 0:
+        sys.exit(f"FAILED: {' '.join(cmd)} exited {p.returncode}\n{p.stdout}\n{p.stderr}")
+    rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    steps = [r for r in rows if "step" in r]
+    summary = next((r for r in rows if r.get("summary")), None)
+    if not steps or summary is None:
+        sys.exit(f"FAILED: no JSON rows from {' '.join(cmd)}\n{p.stdout}\n{p.stderr}")
+    return steps, summary
 
 
 def children(pid):
