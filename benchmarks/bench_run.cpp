@@ -83,7 +83,7 @@ Report run_rank(const RunOptions& o, const c10::intrusive_ptr<c10d::ProcessGroup
                      .shard_group_size(o.shard_group_size)
                      .prefetch(o.prefetch)
                      .bucket_bytes(static_cast<int64_t>(o.bucket_mb * 1024 * 1024))
-                     .mixed_precision(cli::mixed_precision_policy(o));
+                     .mixed_precision(examples::mixed_precision_policy(o));
   if (o.timeout_s)
     options.timeout(std::chrono::milliseconds(std::max<int64_t>(1, std::llround(*o.timeout_s * 1000.0))));
   r["collective_timeout_s"] = static_cast<double>(options.timeout().count()) / 1000.0;

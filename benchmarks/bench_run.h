@@ -18,7 +18,7 @@ namespace bench {
 /// One run's flags: the ones shared with train_gpt (examples/run_flags.h), with fsdp_bench's
 /// defaults (fsdp_bench.cpp: parse). shard_group_size is hybrid's S; timeout_s the collective
 /// timeout (unset: the library's default).
-struct RunOptions : cli::RunFlags {
+struct RunOptions : examples::RunFlags {
   /// The kDiLoCo row (bench_model.h): fsdp::optim::DiLoCo at H = 1 over hybrid's replicas, its
   /// outer state counted in the state bytes (the worker's --diloco).
   bool diloco = false;

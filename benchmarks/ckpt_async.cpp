@@ -71,22 +71,22 @@ int async_mode(const Flags& f, const Job& j) {
   ordered_json stall_list = ordered_json::array();
   for (double x : stalls) stall_list.push_back(round_to(x, 4));
   const double stall = median(stalls);
-  print_line({{"mode", "async"},
-              {"ranks", j.world},
-              {"bytes_total", total_bytes.item<int64_t>()},
-              {"sync_save_s", round_to(median(sync), 4)},
-              {"async_stall_s", stall_list},
-              {"async_stall_s_median", round_to(stall, 4)},
-              {"async_total_s_median", round_to(median(totals), 4)},
-              {"memcpy_s", round_to(copy_s, 4)},
-              {"stall_over_sync_save", round_to(stall / median(sync), 4)},
-              {"stall_over_memcpy", round_to(stall / copy_s, 3)},
-              {"step_s_plain", round_to(median(plain), 4)},
-              {"step_s_during_async", round_to(during_mean, 4)},
-              {"steps_during_async", during.size()},
-              {"rss_after_each_async", rss},
-              {"host_peak_bytes", static_cast<int64_t>(peak)},
-              {"snapshot_bytes", saver.snapshot_capacity()}});
+  fsdp::programs::print_row({{"mode", "async"},
+                             {"ranks", j.world},
+                             {"bytes_total", total_bytes.item<int64_t>()},
+                             {"sync_save_s", round_to(median(sync), 4)},
+                             {"async_stall_s", stall_list},
+                             {"async_stall_s_median", round_to(stall, 4)},
+                             {"async_total_s_median", round_to(median(totals), 4)},
+                             {"memcpy_s", round_to(copy_s, 4)},
+                             {"stall_over_sync_save", round_to(stall / median(sync), 4)},
+                             {"stall_over_memcpy", round_to(stall / copy_s, 3)},
+                             {"step_s_plain", round_to(median(plain), 4)},
+                             {"step_s_during_async", round_to(during_mean, 4)},
+                             {"steps_during_async", during.size()},
+                             {"rss_after_each_async", rss},
+                             {"host_peak_bytes", static_cast<int64_t>(peak)},
+                             {"snapshot_bytes", saver.snapshot_capacity()}});
   return 0;
 }
 

@@ -9,17 +9,11 @@
 //   build/benchmarks/ckpt_bench compare --json
 #include "benchmarks/ckpt_flags.h"
 #include "benchmarks/ckpt_modes.h"
-#include "examples/cli.h"
-
-#include <iostream>
+#include "programs/program.h"
 
 int main(int argc, char** argv) {
-  try {
+  return fsdp::programs::Program("ckpt_bench").main([&] {
     const ckpt::Flags f = ckpt::parse_flags(argc, argv);
-    if (f.help) {
-      std::cout << ckpt::kUsage;
-      return 0;
-    }
     if (f.mode == "simulate") return ckpt::simulate_mode(f);
     if (f.mode == "compare") return ckpt::compare_mode(f);
     at::set_num_threads(1);
@@ -28,14 +22,5 @@ int main(int argc, char** argv) {
     j.rank = j.pg->getRank();
     j.world = j.pg->getSize();
     return f.mode == "save" ? ckpt::save_mode(f, j) : f.mode == "load" ? ckpt::load_mode(f, j) : ckpt::async_mode(f, j);
-  } catch (const cli::InputError& e) {
-    std::cerr << "ckpt_bench: " << e.what() << "\n";
-    if (e.show_usage) std::cerr << ckpt::kUsage;
-    return cli::kUsageExit;
-  } catch (const c10::Error& e) {
-    std::cerr << e.what_without_backtrace() << "\n";
-  } catch (const std::exception& e) {
-    std::cerr << "ckpt_bench: " << e.what() << "\n";
-  }
-  return cli::kErrorExit;
+  });
 }

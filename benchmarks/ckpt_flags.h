@@ -1,5 +1,5 @@
 // ckpt_bench's command line: the mode, its flags with their defaults, and the usage text. Parsed
-// strictly (examples/cli.h): a bad value or an unknown flag is a cli::InputError naming it.
+// strictly (programs/flags.h): a bad value or an unknown flag is a usage error naming it.
 #pragma once
 
 #include "examples/gpt.h"
@@ -22,14 +22,11 @@ struct Flags {
   int run_timeout_s = 3600;                     // compare: wall clock of each run, then its ranks are stopped
   std::vector<int> worlds{1, 2, 4};             // compare: world sizes
   std::vector<int> ranks{128, 256, 512, 1024};  // simulate: ranks
-  bool help = false;                            // --help: print the usage and exit 0
 };
 
-/// The usage text (--help on stdout; after a bad flag on stderr).
-extern const char* const kUsage;
-
-/// The flags of `argv` (argv[1] the mode). Throws cli::InputError for a missing or unknown mode, an
-/// unknown flag, a missing or bad value, or save/load/async without --dir.
+/// The flags of `argv` (argv[1] the mode); --help prints the help and exits 0. Throws
+/// fsdp::programs::UsageError for a missing or unknown mode, an unknown flag, a missing or bad
+/// value, or save/load/async without --dir.
 Flags parse_flags(int argc, char** argv);
 
 }  // namespace ckpt

@@ -8,7 +8,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <iostream>
 
 namespace ckpt {
 
@@ -49,10 +48,6 @@ double round_to(double v, int digits) {
   if (!std::isfinite(v)) return v;
   const double scale = std::pow(10.0, digits);
   return std::round(v * scale) / scale;
-}
-
-void print_line(const nlohmann::ordered_json& j) {
-  std::cout << j.dump() << std::endl;
 }
 
 }  // namespace ckpt

@@ -6,9 +6,9 @@
 #include "benchmarks/ckpt_flags.h"
 #include "examples/gpt.h"
 #include "fsdp/fsdp.h"
+#include "programs/json_row.h"
 
 #include <torch/optim/adamw.h>
-
 #include <nlohmann/json.hpp>
 
 #include <chrono>
@@ -55,8 +55,5 @@ double median(std::vector<double> v);
 
 /// `v` rounded to `digits` decimals (as the figures are read); NaN and infinities stay (null in JSON).
 double round_to(double v, int digits);
-
-/// `j` as one line on stdout, flushed (a reader of the stream sees each result as it comes).
-void print_line(const nlohmann::ordered_json& j);
 
 }  // namespace ckpt

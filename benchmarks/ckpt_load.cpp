@@ -54,25 +54,25 @@ int load_mode(const Flags& f, const Job& j) {
     }
     if (j.rank != 0) continue;
     const double read = static_cast<double>(res.bytes_read_total);
-    print_line({{"mode", "load"},
-                {"rep", rep},
-                {"ranks", j.world},
-                {"saved_by", res.saved_world_size},
-                {"io_threads", f.io_threads},
-                {"order", rep % 2 == 0 ? "load first" : "raw first"},
-                {"bytes_needed_total", res.bytes_needed_total},
-                {"bytes_read_total", res.bytes_read_total},
-                {"read_over_needed", round_to(read / static_cast<double>(res.bytes_needed_total), 4)},
-                {"manifest_bytes", res.manifest_bytes},
-                {"preads_rank0", res.preads},
-                {"files_rank0", res.files_opened},
-                {"load_s", round_to(load_s, 4)},
-                {"raw_read_s", round_to(raw_s, 4)},
-                {"load_over_raw", round_to(load_s / raw_s, 3)},
-                {"load_in_place_s", round_to(in_place_s, 4)},
-                {"load_in_place_over_raw", round_to(in_place_s / raw_s, 3)},
-                {"load_MBps", round_to(read / load_s / 1e6, 1)},
-                {"raw_MBps", round_to(read / raw_s / 1e6, 1)}});
+    fsdp::programs::print_row({{"mode", "load"},
+                               {"rep", rep},
+                               {"ranks", j.world},
+                               {"saved_by", res.saved_world_size},
+                               {"io_threads", f.io_threads},
+                               {"order", rep % 2 == 0 ? "load first" : "raw first"},
+                               {"bytes_needed_total", res.bytes_needed_total},
+                               {"bytes_read_total", res.bytes_read_total},
+                               {"read_over_needed", round_to(read / static_cast<double>(res.bytes_needed_total), 4)},
+                               {"manifest_bytes", res.manifest_bytes},
+                               {"preads_rank0", res.preads},
+                               {"files_rank0", res.files_opened},
+                               {"load_s", round_to(load_s, 4)},
+                               {"raw_read_s", round_to(raw_s, 4)},
+                               {"load_over_raw", round_to(load_s / raw_s, 3)},
+                               {"load_in_place_s", round_to(in_place_s, 4)},
+                               {"load_in_place_over_raw", round_to(in_place_s / raw_s, 3)},
+                               {"load_MBps", round_to(read / load_s / 1e6, 1)},
+                               {"raw_MBps", round_to(read / raw_s / 1e6, 1)}});
   }
   return 0;
 }

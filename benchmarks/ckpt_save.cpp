@@ -51,21 +51,21 @@ int save_mode(const Flags& f, const Job& j) {
     const double mx = static_cast<double>(per_rank.max().item<int64_t>());
     std::ostringstream bytes;  // "b0/b1/..."
     for (int r = 0; r < j.world; ++r) bytes << (r ? "/" : "") << per_rank[r].item<int64_t>();
-    print_line({{"mode", "save"},
-                {"rep", rep},
-                {"ranks", j.world},
-                {"strategy", f.strategy},
-                {"io_threads", f.io_threads},
-                {"direct", f.direct},
-                {"order", rep % 2 == 0 ? "save first" : "raw first"},
-                {"bytes_total", res.bytes_total},
-                {"save_s", round_to(save_s, 4)},
-                {"raw_write_s", round_to(raw_s, 4)},
-                {"save_over_raw", round_to(save_s / raw_s, 3)},
-                {"save_MBps", round_to(total / save_s / 1e6, 1)},
-                {"raw_MBps", round_to(total / raw_s / 1e6, 1)},
-                {"per_rank_bytes_max_over_mean", round_to(mx / (total / j.world), 4)},
-                {"per_rank_bytes", bytes.str()}});
+    fsdp::programs::print_row({{"mode", "save"},
+                               {"rep", rep},
+                               {"ranks", j.world},
+                               {"strategy", f.strategy},
+                               {"io_threads", f.io_threads},
+                               {"direct", f.direct},
+                               {"order", rep % 2 == 0 ? "save first" : "raw first"},
+                               {"bytes_total", res.bytes_total},
+                               {"save_s", round_to(save_s, 4)},
+                               {"raw_write_s", round_to(raw_s, 4)},
+                               {"save_over_raw", round_to(save_s / raw_s, 3)},
+                               {"save_MBps", round_to(total / save_s / 1e6, 1)},
+                               {"raw_MBps", round_to(total / raw_s / 1e6, 1)},
+                               {"per_rank_bytes_max_over_mean", round_to(mx / (total / j.world), 4)},
+                               {"per_rank_bytes", bytes.str()}});
   }
   return 0;
 }

@@ -102,16 +102,16 @@ int simulate_mode(const Flags& f) {
     const double read_s = seconds_since(t1);
     size_t chunks = 0;
     for (const auto& t : m.tensors) chunks += t.chunks.size();
-    print_line({{"mode", "simulate"},
-                {"ranks", N},
-                {"params", shapes.size()},
-                {"tensors", m.tensors.size()},
-                {"chunks", chunks},
-                {"parts_bytes", part_bytes},
-                {"manifest_bytes", text.size()},
-                {"assemble_s", round_to(assemble_s, 4)},
-                {"read_manifest_s", round_to(read_s, 4)},
-                {"assemble_us_per_chunk", round_to(assemble_s * 1e6 / static_cast<double>(chunks), 3)}});
+    fsdp::programs::print_row({{"mode", "simulate"},
+                               {"ranks", N},
+                               {"params", shapes.size()},
+                               {"tensors", m.tensors.size()},
+                               {"chunks", chunks},
+                               {"parts_bytes", part_bytes},
+                               {"manifest_bytes", text.size()},
+                               {"assemble_s", round_to(assemble_s, 4)},
+                               {"read_manifest_s", round_to(read_s, 4)},
+                               {"assemble_us_per_chunk", round_to(assemble_s * 1e6 / static_cast<double>(chunks), 3)}});
   }
   ::unlink((dir + "/" + ck::kManifest).c_str());
   ::rmdir(dir.c_str());

@@ -13,8 +13,8 @@
 #include "benchmarks/bench_report.h"
 #include "benchmarks/bench_run.h"
 #include "benchmarks/fsdp_bench_flags.h"
-#include "examples/cli.h"
 #include "fsdp/fsdp.h"
+#include "programs/program.h"
 
 #include <unistd.h>
 
@@ -38,7 +38,7 @@
 namespace {
 
 using bench::Args;
-using bench::usage;
+using fsdp::programs::usage_error;
 
 /// --wrap for the ranks (C++, FSDP2's script, a simulated rank), when given.
 std::vector<std::string> wrap_args(const Args& a) {
@@ -62,10 +62,16 @@ std::vector<std::string> model_args(const Args& a) {
   return out;
 }
 
+std::string number_text(double v, const char* format) {
+  char text[64];
+  std::snprintf(text, sizeof(text), format, v);
+  return text;
+}
+
 /// --timeout for the ranks, C++ and Python alike, when one was given.
 std::vector<std::string> timeout_args(const Args& a) {
   if (!a.run.timeout_s) return {};
-  return {"--timeout", cli::json_number(*a.run.timeout_s, "%.17g")};
+  return {"--timeout", number_text(*a.run.timeout_s, "%.17g")};
 }
 
 int hybrid_group(const Args& a, int N) {
@@ -124,7 +130,7 @@ gpt::Config sim_model(const std::string& name) {
   } else if (name == "tiny") {  // for tests: blocks outweigh the root, as in the large presets
     c.vocab_size = 256, c.n_layer = 4, c.n_head = 2, c.n_embd = 64;
   } else {
-    usage("unknown --sim-models entry '" + name + "' (7b, 70b)");
+    usage_error("unknown --sim-models entry '" + name + "' (7b, 70b)");
   }
   return c;
 }
@@ -138,7 +144,7 @@ std::vector<bench::Row> simulate(const Args& a) {
   const int total = static_cast<int>(a.sim_models.size() * a.sim_world_sizes.size());
   for (const auto& name : a.sim_models) {
     gpt::Config c = sim_model(name);
-    c.wrap = cli::wrap_of(a.run, gpt::Wrap::kTorchtitan);
+    c.wrap = examples::wrap_of(a.run, gpt::Wrap::kTorchtitan);
     const bench::ModelShape m = bench::gpt_shape(c);
     for (int N : a.sim_world_sizes) {
       ++k;
@@ -225,8 +231,8 @@ std::vector<bench::Row> run_all(const Args& a) {
   for (size_t w = 0; w < worlds.size(); ++w) {  // by index: 8 may be dropped on the way
     const int N = worlds[w];
     if (a.run.batch_size % N != 0) {
-      usage("--batch-size " + std::to_string(a.run.batch_size) + " is not divisible by world size " +
-            std::to_string(N) + " (each rank takes an equal share)");
+      usage_error("--batch-size " + std::to_string(a.run.batch_size) + " is not divisible by world size " +
+                  std::to_string(N) + " (each rank takes an equal share)");
     }
     for (const auto& s : a.strategies) {
       const double need = N * bench::rank_need_bytes(s, m, a.run.model, N, hybrid_group(a, N), a.run.batch_size / N,
@@ -266,18 +272,17 @@ std::vector<bench::Row> run_all(const Args& a) {
     total += fsdp2 ? static_cast<int>(worlds.size()) : 0;
   }
   if (total == 0) {
-    usage(
+    usage_error(
         "nothing to run: every strategy asked for is left out at these world sizes (diloco needs N / S >= 2, a "
         "mixed precision a sharded strategy)");
   }
-  std::fprintf(
-      stderr,
-      "fsdp_bench: GPT of %lld parameters (%lld blocks x %lld wide), global batch %lld x %lld, "
-      "%lld steps (the first warms up), %d runs%s\n",
-      static_cast<long long>(m.psi), static_cast<long long>(a.run.model.n_layer),
-      static_cast<long long>(a.run.model.n_embd), static_cast<long long>(a.run.batch_size),
-      static_cast<long long>(a.run.model.block_size), static_cast<long long>(a.run.steps), total,
-      a.run.timeout_s ? (", collective timeout " + cli::json_number(*a.run.timeout_s, "%g") + " s").c_str() : "");
+  std::fprintf(stderr,
+               "fsdp_bench: GPT of %lld parameters (%lld blocks x %lld wide), global batch %lld x %lld, "
+               "%lld steps (the first warms up), %d runs%s\n",
+               static_cast<long long>(m.psi), static_cast<long long>(a.run.model.n_layer),
+               static_cast<long long>(a.run.model.n_embd), static_cast<long long>(a.run.batch_size),
+               static_cast<long long>(a.run.model.block_size), static_cast<long long>(a.run.steps), total,
+               a.run.timeout_s ? (", collective timeout " + number_text(*a.run.timeout_s, "%g") + " s").c_str() : "");
   // One run: its ranks launched, their reports aggregated into a row.
   int k = 0;
   auto run = [&](const std::string& impl, const std::string& s, const std::string& precision, int N, int S,
@@ -344,7 +349,7 @@ int run_worker(const Args& a) {
   if (a.worker == "sim") {
     bench::RunOptions o;
     o.model = sim_model(a.sim_models.at(0));
-    o.model.wrap = cli::wrap_of(a.run, gpt::Wrap::kTorchtitan);
+    o.model.wrap = examples::wrap_of(a.run, gpt::Wrap::kTorchtitan);
     o.strategy = "full";
     const int N = a.sim_world_sizes.at(0);
     o.batch_size = N;  // one row on this rank
@@ -365,15 +370,10 @@ int run_worker(const Args& a) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const Args a = bench::parse(argc, argv);
-  try {
+  return fsdp::programs::Program("fsdp_bench").main([&] {
+    const Args a = bench::parse(argc, argv);
     if (!a.worker.empty()) return run_worker(a);
-    std::vector<bench::Row> rows;
-    if (a.simulate) {
-      rows = simulate(a);
-    } else {
-      rows = run_all(a);
-    }
+    const std::vector<bench::Row> rows = a.simulate ? simulate(a) : run_all(a);
     if (a.json) {
       std::cout << bench::to_json(rows);
     } else if (a.simulate) {
@@ -385,16 +385,9 @@ int main(int argc, char** argv) {
     if (!a.out.empty()) {
       std::ofstream f(a.out);
       f << bench::to_json(rows);
-      TORCH_CHECK(f.good(), "fsdp_bench: cannot write ", a.out);
+      TORCH_CHECK(f.good(), "cannot write ", a.out);
     }
     if (!a.plot.empty()) bench::write_svg(rows, a.plot);
-    if (g_failed_runs) return 1;
-  } catch (const c10::Error& e) {
-    std::cerr << e.what_without_backtrace() << "\n";
-    return 1;
-  } catch (const std::exception& e) {
-    std::cerr << e.what() << "\n";
-    return 1;
-  }
-  return 0;
+    return g_failed_runs ? 1 : 0;
+  });
 }

@@ -34,11 +34,8 @@ struct Args {
   std::string report;  // worker: where to write the report
 };
 
-/// `error` and the usage on stderr, exit status 2 (cli::kUsageExit).
-[[noreturn]] void usage(const std::string& error);
-
 /// The flags of argv, all checked; --help prints the usage on stdout and exits 0, a bad flag or
-/// value exits through usage().
+/// value throws fsdp::programs::UsageError (programs/flags.h).
 Args parse(int argc, char** argv);
 
 }  // namespace bench

@@ -11,54 +11,39 @@
 // parameter, gradient and both moments and writes the parameter and moments, 28 bytes in fp32;
 // a copy of the same number of bytes (tensor copy_, same threads: reads and writes counted) is
 // what the memory gives.
-#include "examples/cli.h"
 #include "examples/gpt.h"
 #include "fsdp/fsdp.h"
+#include "programs/flags.h"
+#include "programs/program.h"
 
 #include <torch/optim/adamw.h>
 
 #include <chrono>
 #include <cstdio>
-#include <iostream>
 #include <string>
 #include <vector>
 
-const char* const kUsage =
-    "usage: fused_adamw_bench [--n-layer 8] [--n-embd 256] [--steps 30] [--rounds 5] [--threads 1,2]\n"
+namespace {
+
+const char* const kAbout =
     "  FusedAdamW against torch::optim::AdamW on the same shards, alternating in rounds, at each\n"
     "  intra-op thread count; and the update's bytes per second against a copy's. One process.\n"
     "  Exit status: 0 done, 2 bad flags, 1 other errors.\n";
 
-int main(int argc, char** argv) try {
+int run(int argc, char** argv) {
   gpt::Config cfg;
   cfg.n_layer = 8;
   cfg.n_embd = 256;
   int steps = 30, rounds = 5;
   std::vector<int> threads = {1};
-  for (int i = 1; i < argc; ++i) {
-    const std::string k = argv[i];
-    if (k == "--help" || k == "-h") {
-      std::cout << kUsage;
-      return 0;
-    }
-    if (i + 1 >= argc) throw cli::InputError("missing value after " + k, true);
-    const std::string v = argv[++i];
-    if (k == "--threads") {
-      const auto list = cli::parse_int_list(k, v, 1, 1024);
-      threads.assign(list.begin(), list.end());
-    } else if (k == "--n-layer") {
-      cfg.n_layer = cli::parse_int(k, v, 1, 100000);
-    } else if (k == "--n-embd") {
-      cfg.n_embd = cli::parse_int(k, v, 1, 1 << 20);
-      if (cfg.n_embd % cfg.n_head != 0) throw cli::InputError("--n-embd must be a multiple of 4 (the heads)", true);
-    } else if (k == "--steps") {
-      steps = static_cast<int>(cli::parse_int(k, v, 1, 1000000));
-    } else if (k == "--rounds") {
-      rounds = static_cast<int>(cli::parse_int(k, v, 1, 1000000));
-    } else {
-      throw cli::InputError("unknown flag " + k, true);
-    }
-  }
+  fsdp::programs::Flags flags("fused_adamw_bench", kAbout);
+  flags.integer("--n-layer", cfg.n_layer, 1, 100000, "blocks", "L")
+      .integer("--n-embd", cfg.n_embd, 1, 1 << 20, "the embedding width, a multiple of 4 (the heads)", "C")
+      .integer("--steps", steps, 1, 1000000, "optimizer steps per round")
+      .integer("--rounds", rounds, 1, 1000000, "alternating rounds")
+      .integers("--threads", threads, 1, 1024, "intra-op thread counts");
+  flags.parse(argc, argv);
+  if (cfg.n_embd % cfg.n_head != 0) fsdp::programs::usage_error("--n-embd must be a multiple of 4 (the heads)");
   auto pg = fsdp::init_process_group();
   torch::manual_seed(0);
   auto model = fsdp::fully_shard(gpt::make_gpt<true>(cfg), pg);
@@ -104,10 +89,10 @@ int main(int argc, char** argv) try {
         T, f, p, f / p, p / f, update_bytes / f / 1e6, update_bytes / p / 1e6, update_bytes / c / 1e6, c / f);
   }
   return 0;
-} catch (const cli::InputError& e) {
-  std::cerr << "fused_adamw_bench: " << e.what() << "\n" << kUsage;
-  return cli::kUsageExit;
-} catch (const c10::Error& e) {
-  std::cerr << "fused_adamw_bench: " << e.what_without_backtrace() << "\n";
-  return cli::kErrorExit;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return fsdp::programs::Program("fused_adamw_bench").main([&] { return run(argc, argv); });
 }

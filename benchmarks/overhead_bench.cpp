@@ -27,11 +27,13 @@
 // gradients were set to none by zero_grad), and the most bytes allocated during its step above
 // those allocated when the step began (activations, gradients, the library's buffers), from the
 // caching allocator on CUDA and the counting allocator on CPU: the largest over the measured rounds.
-#include "examples/cli.h"
 #include "examples/gpt.h"
 #include "fsdp/fsdp.h"
 #include "optim/fused_adamw.h"
 #include "optim/state_bytes.h"
+#include "programs/flags.h"
+#include "programs/json_row.h"
+#include "programs/program.h"
 
 #include <ATen/autocast_mode.h>
 #include <torch/cuda.h>
@@ -55,9 +57,14 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-}  // namespace
+using fsdp::programs::usage_error;
 
-int main(int argc, char** argv) try {
+const char* const kAbout =
+    "  One training step of the example GPT, plain LibTorch against the same model wrapped (full sharding\n"
+    "  over a one-rank group), alternating, at each size; the medians compared.\n"
+    "  Exit status: 0 done, 2 bad flags, 1 other errors.\n";
+
+int run(int argc, char** argv) {
   // Sizes of the example GPT (vocabulary 256, block 64): about 0.3M, 1.1M and 4.5M parameters.
   const std::map<std::string, gpt::Config> kSizes = {
       {"small", gpt::Config{256, 64, 2, 4, 64, true}},
@@ -75,57 +82,28 @@ int main(int argc, char** argv) try {
   double peak_tflops = 0;
   int64_t checkpoint_every = 0;  // --activation-checkpointing [K]: plain and wrapped alike
   bool offload = false;
-  for (int i = 1; i < argc; ++i) {
-    const std::string k = argv[i];
-    if (k == "--help" || k == "-h") {
-      std::cout << "usage: overhead_bench [--sizes small,1m,4m,350m] [--rounds N] [--batch-size B] [--json]\n"
-                   "                      [--device cpu|cuda] [--mixed-precision bf16] [--prefetch K]\n"
-                   "                      [--peak-tflops F] [--offload (cuda)] [--activation-checkpointing [K]]\n";
-      return 0;
-    }
-    if (k == "--json" || k == "--offload") {
-      (k == "--json" ? json : offload) = true;
-      continue;
-    }
-    if (k == "--activation-checkpointing") {  // every K-th block, K optional (default every one)
-      const bool value = i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0;
-      checkpoint_every = value ? cli::parse_int(k, argv[++i], 1, 1 << 20) : 1;
-      continue;
-    }
-    if (i + 1 >= argc) throw cli::InputError("missing value after " + k, true);
-    const std::string v = argv[++i];
-    if (k == "--device") {
-      device_name = v;
-      if (v != "cpu" && v != "cuda") throw cli::InputError("--device must be cpu or cuda, not '" + v + "'", true);
-    } else if (k == "--mixed-precision") {
-      precision = v;
-      if (v != "bf16") throw cli::InputError("--mixed-precision must be bf16, not '" + v + "'", true);
-    } else if (k == "--prefetch") {
-      prefetch = static_cast<int>(cli::parse_int(k, v, 0, 64));
-    } else if (k == "--peak-tflops") {
-      peak_tflops = cli::parse_double(k, v, 0, false, 1e9);
-    } else if (k == "--rounds") {
-      rounds = static_cast<int>(cli::parse_int(k, v, 3, 100000));
-    } else if (k == "--batch-size") {
-      batch = cli::parse_int(k, v, 1, 4096);
-    } else if (k == "--sizes") {
-      sizes.clear();
-      for (size_t p = 0; p <= v.size();) {
-        const size_t q = std::min(v.find(',', p), v.size());
-        sizes.push_back(v.substr(p, q - p));
-        if (kSizes.count(sizes.back()) == 0) throw cli::InputError("unknown size '" + sizes.back() + "'", true);
-        p = q + 1;
-      }
-    } else {
-      throw cli::InputError("unknown flag " + k, true);
-    }
+  fsdp::programs::Flags flags("overhead_bench", kAbout);
+  flags.names("--sizes", sizes, "GPT sizes: small, 1m, 4m, 350m")
+      .integer("--rounds", rounds, 3, 100000, "alternating rounds of plain and wrapped steps")
+      .integer("--batch-size", batch, 1, 4096, "rows per step", "B")
+      .toggle("--json", json, "the rows as a JSON array on stdout")
+      .choice("--device", device_name, {"cpu", "cuda"}, "where both models train")
+      .choice("--mixed-precision", precision, {"bf16"}, "the wrapped model in bf16, plain LibTorch under autocast")
+      .integer("--prefetch", prefetch, 0, 64, "units all-gathered ahead", "K")
+      .number("--peak-tflops", peak_tflops, 0, false, 1e9, "the device's dense peak, for the MFU", "F")
+      .toggle("--offload", offload, "(cuda) the wrapped model's state in pinned host memory")
+      .integer_or("--activation-checkpointing", checkpoint_every, int64_t{1}, 1, 1 << 20,
+                  "every K-th block recomputes its forward in backward (default every one)");
+  flags.parse(argc, argv);
+  for (const auto& size : sizes) {
+    if (kSizes.count(size) == 0) usage_error("unknown size '" + size + "'");
   }
   if (device_name == "cuda" && !torch::cuda::is_available()) {
-    throw cli::InputError("--device cuda, but this machine has no CUDA device (or LibTorch was built without CUDA)",
-                          false);
+    throw fsdp::programs::UsageError(
+        "--device cuda, but this machine has no CUDA device (or LibTorch was built without CUDA)", false);
   }
   if (offload && device_name != "cuda") {
-    throw cli::InputError("--offload needs --device cuda (a CPU model has nothing to offload)", true);
+    usage_error("--offload needs --device cuda (a CPU model has nothing to offload)");
   }
   const torch::Device device(device_name);
   if (device.is_cpu()) fsdp::memory::enable_cpu_counting();  // before any model exists
@@ -236,20 +214,35 @@ int main(int argc, char** argv) try {
       for (int k = 0; k < 3; ++k) ph[w][k] = median(phases[w][k]);
     }
     if (json) {
-      std::printf(
-          "  {\"size\": \"%s\", \"params\": %lld, \"rounds\": %d, \"device\": \"%s\", \"precision\": \"%s\", "
-          "\"prefetch\": %d, \"plain_ms\": %.4f, \"wrapped_ms\": %.4f, "
-          "\"ratio\": %.4f, \"diff_ms\": %.4f, \"plain_phases_ms\": [%.4f, %.4f, %.4f], "
-          "\"wrapped_phases_ms\": [%.4f, %.4f, %.4f], \"plain_tflops\": %.6g, \"wrapped_tflops\": %.6g, "
-          "\"plain_mfu\": %s, \"wrapped_mfu\": %s, \"mfu_ratio\": %.4f, \"plain_state_bytes\": %lld, "
-          "\"wrapped_state_bytes\": %lld, \"plain_step_peak_bytes\": %lld, \"wrapped_step_peak_bytes\": %lld, "
-          "\"offload\": %s, \"wrapped_device_bytes_between_steps\": %lld, \"activation_checkpointing\": %lld}%s\n",
-          sizes[n].c_str(), params, rounds, device_name.c_str(), precision.c_str(), prefetch, mp, mf, mf / mp, mf - mp,
-          ph[0][0], ph[0][1], ph[0][2], ph[1][0], ph[1][1], ph[1][2], tflops_plain, tflops_wrapped,
-          cli::json_number(mfu_plain, "%.4f").c_str(), cli::json_number(mfu_wrapped, "%.4f").c_str(),
-          tflops_wrapped / tflops_plain, plain_state, wrapped_state, static_cast<long long>(step_peak[0]),
-          static_cast<long long>(step_peak[1]), offload ? "true" : "false", wrapped_device_bytes,
-          static_cast<long long>(checkpoint_every), n + 1 < sizes.size() ? "," : "");
+      const auto phases_ms = [&](int w) {
+        return fsdp::programs::rounded(std::vector<double>{ph[w][0], ph[w][1], ph[w][2]}, "%.4f");
+      };
+      fsdp::programs::JsonRow row;
+      row.add("size", sizes[n])
+          .add("params", params)
+          .add("rounds", rounds)
+          .add("device", device_name)
+          .add("precision", precision)
+          .add("prefetch", prefetch)
+          .add("plain_ms", mp, "%.4f")
+          .add("wrapped_ms", mf, "%.4f")
+          .add("ratio", mf / mp, "%.4f")
+          .add("diff_ms", mf - mp, "%.4f")
+          .add("plain_phases_ms", phases_ms(0))
+          .add("wrapped_phases_ms", phases_ms(1))
+          .add("plain_tflops", tflops_plain, "%.6g")
+          .add("wrapped_tflops", tflops_wrapped, "%.6g")
+          .add("plain_mfu", mfu_plain, "%.4f")
+          .add("wrapped_mfu", mfu_wrapped, "%.4f")
+          .add("mfu_ratio", tflops_wrapped / tflops_plain, "%.4f")
+          .add("plain_state_bytes", plain_state)
+          .add("wrapped_state_bytes", wrapped_state)
+          .add("plain_step_peak_bytes", step_peak[0])
+          .add("wrapped_step_peak_bytes", step_peak[1])
+          .add("offload", offload)
+          .add("wrapped_device_bytes_between_steps", wrapped_device_bytes)
+          .add("activation_checkpointing", checkpoint_every);
+      std::printf("  %s%s\n", row.text().c_str(), n + 1 < sizes.size() ? "," : "");
     } else {
       std::printf(
           "%-6s %9lld params: plain %8.3f ms/step, wrapped %8.3f ms/step, ratio %.3f, %+.3f ms (forward/backward/"
@@ -268,10 +261,10 @@ int main(int argc, char** argv) try {
   }
   if (json) std::printf("]\n");
   return 0;
-} catch (const cli::InputError& e) {
-  std::cerr << "overhead_bench: " << e.what() << "\n";
-  return cli::kUsageExit;
-} catch (const c10::Error& e) {
-  std::cerr << "overhead_bench: " << e.what_without_backtrace() << "\n";
-  return 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return fsdp::programs::Program("overhead_bench").main([&] { return run(argc, argv); });
 }

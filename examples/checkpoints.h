@@ -10,7 +10,7 @@
 #include "checkpoint/commit.h"
 #include "checkpoint/manifest.h"
 #include "data/distributed_sampler.h"
-#include "examples/cli.h"
+#include "programs/flags.h"
 
 #include <torch/optim/optimizer.h>
 
@@ -33,26 +33,19 @@ struct CheckpointFlags {
   int64_t keep_last = 0;   // checkpoints kept (0: all)
   bool direct_io = false;  // the checkpoints' files written with O_DIRECT
 
-  /// Takes `flag` when it is one of these, its value from `value()`; false when it is not.
-  template <typename Value>
-  bool parse(const std::string& flag, Value&& value) {
-    if (flag == "--resume" || flag == "--async-save" || flag == "--direct-io") {
-      (flag == "--resume" ? resume : flag == "--async-save" ? async : direct_io) = true;
-    } else if (flag == "--save-dir") {
-      dir = value();
-    } else if (flag == "--save-every") {
-      every = cli::parse_int(flag, value(), 1);
-    } else if (flag == "--keep-last") {
-      keep_last = cli::parse_int(flag, value(), 1, 1 << 20);
-    } else {
-      return false;
-    }
-    return true;
+  /// These flags in a program's table.
+  void add_to(fsdp::programs::Flags& f) {
+    f.text("--save-dir", dir, "sharded checkpoints under DIR", "DIR")
+        .integer("--save-every", every, 1, INT64_MAX, "a checkpoint after every K steps", "K")
+        .toggle("--resume", resume, "continue from --save-dir's latest checkpoint")
+        .toggle("--async-save", async, "save in the background (a save due while one is written is skipped)")
+        .integer("--keep-last", keep_last, 1, 1 << 20, "keep the N latest checkpoints")
+        .toggle("--direct-io", direct_io, "write the checkpoints with O_DIRECT");
   }
 
   /// A flag without the ones it needs is an input error that says what to add.
   void check() const {
-    auto refuse = [](const std::string& what) { throw cli::InputError(what, true); };
+    auto refuse = [](const std::string& what) { fsdp::programs::usage_error(what); };
     if (dir.empty() && (every > 0 || resume))
       refuse(std::string(resume ? "--resume" : "--save-every") + " needs --save-dir DIR");
     if ((async || keep_last > 0 || direct_io) && every == 0) {

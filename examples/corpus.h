@@ -3,7 +3,7 @@
 // tokens[i + 1, i + T + 1)), which fsdp::data::DistributedSampler orders and splits over the ranks.
 #pragma once
 
-#include "examples/cli.h"
+#include "programs/flags.h"
 
 #include <torch/torch.h>
 
@@ -29,8 +29,8 @@ inline const char* file_kind(mode_t m) {
 }
 
 [[noreturn]] inline void data_error(const std::string& path, const std::string& why) {
-  throw cli::InputError("--data '" + path + "' " + why + ". Pass --data FILE, a text file (each byte is a token).",
-                        false);
+  throw fsdp::programs::UsageError(
+      "--data '" + path + "' " + why + ". Pass --data FILE, a text file (each byte is a token).", false);
 }
 
 /// The corpus as byte tokens: a regular file only (a directory, a FIFO or a device such as

@@ -4,9 +4,9 @@
 // fsdp::optim::DiLoCo applies its outer optimizer to their mean pseudo-gradient (docs/local-sgd.md).
 #pragma once
 
-#include "examples/cli.h"
 #include "optim/diloco.h"
 #include "optim/local_sgd.h"
+#include "programs/flags.h"
 
 #include <torch/optim/optimizer.h>
 
@@ -27,32 +27,29 @@ struct OuterFlags {
 
   bool on() const { return local_sgd > 0 || diloco > 0; }
 
-  /// Takes `flag` when it is one of these, its value from `value()`; false when it is not.
-  template <typename Value>
-  bool parse(const std::string& flag, Value&& value) {
-    if (flag == "--local-sgd" || flag == "--diloco") {
-      (flag == "--local-sgd" ? local_sgd : diloco) = cli::parse_int(flag, value(), 1, 1 << 20);
-    } else if (flag == "--outer-lr") {
-      outer_lr = cli::parse_double(flag, value(), 0, false, 1e6);
-      outer_set = true;
-    } else if (flag == "--outer-momentum") {
-      outer_momentum = cli::parse_double(flag, value(), 0, true, 1);
-      outer_set = true;
-      if (outer_momentum >= 1) throw cli::InputError("--outer-momentum must be below 1", true);
-    } else if (flag == "--overlap") {
-      overlap = true;
-    } else if (flag == "--fragments") {
-      fragments = cli::parse_int(flag, value(), 1, 1 << 20);
-    } else {
-      return false;
-    }
-    return true;
+  /// These flags in a program's table.
+  void add_to(fsdp::programs::Flags& f) {
+    f.integer("--local-sgd", local_sgd, 1, 1 << 20, "LocalSGD: average the replicas every H steps", "H")
+        .integer("--diloco", diloco, 1, 1 << 20, "DiLoCo: an outer step over the replicas every H steps", "H")
+        .custom("--outer-lr", "LR", "DiLoCo's outer learning rate (default 0.7)",
+                [this](const std::string& v) {
+                  outer_lr = fsdp::programs::parse_double("--outer-lr", v, 0, false, 1e6);
+                  outer_set = true;
+                })
+        .custom("--outer-momentum", "M", "DiLoCo's outer Nesterov momentum, below 1 (default 0.9)",
+                [this](const std::string& v) {
+                  outer_momentum = fsdp::programs::parse_double("--outer-momentum", v, 0, true, 1);
+                  outer_set = true;
+                  if (outer_momentum >= 1) fsdp::programs::usage_error("--outer-momentum must be below 1");
+                })
+        .integer("--fragments", fragments, 1, 1 << 20, "groups of units synchronized in turn", "F")
+        .toggle("--overlap", overlap, "the outer exchange in flight during the next step");
   }
 
   /// A flag without the ones it needs is an input error that says what to add. `hybrid`: whether
   /// --strategy is hybrid.
   void check(bool hybrid) const {
-    auto refuse = [](const std::string& what) { throw cli::InputError(what, true); };
+    auto refuse = [](const std::string& what) { fsdp::programs::usage_error(what); };
     if (local_sgd > 0 && diloco > 0) refuse("--local-sgd and --diloco are two outer steps: pass one");
     if (outer_set && diloco == 0)
       refuse("--outer-lr and --outer-momentum set DiLoCo's outer optimizer: add --diloco H");

@@ -1,20 +1,20 @@
 // The flags train_gpt and fsdp_bench share (the model, the batch, the run and how it is sharded),
-// parsed and checked one way, with examples/cli.h's strict value parsers: a value out of range, a
+// added to each program's flag table (programs/flags.h) and checked one way: a value out of range, a
 // trailing character or a missing value is the same error in both programs.
 #pragma once
 
-#include "examples/cli.h"
 #include "examples/gpt.h"
 #include "examples/strategy_flags.h"
 #include "fsdp/mixed_precision.h"
+#include "programs/flags.h"
 
 #include <climits>
 #include <cstdint>
-#include <functional>
+#include <limits>
 #include <optional>
 #include <string>
 
-namespace cli {
+namespace examples {
 
 struct RunFlags {
   gpt::Config model;
@@ -47,70 +47,49 @@ inline fsdp::MixedPrecisionPolicy mixed_precision_policy(const RunFlags& f) {
   return p;
 }
 
-/// Takes `flag` when it is one of RunFlags' (its value from `value()`, which the program gives;
-/// --build-sharded takes none, --activation-checkpointing an optional one: `has_value()` says
-/// whether the next argument is a value) and returns true; false for any other flag.
-inline bool parse_run_flag(
-    const std::string& flag, const std::function<std::string()>& value, RunFlags& f,
-    const std::function<bool()>& has_value = [] { return false; }) {
+/// RunFlags' flags in a program's table (--build-sharded a switch, --activation-checkpointing an
+/// optional value).
+inline void add_run_flags(fsdp::programs::Flags& flags, RunFlags& f) {
   constexpr int64_t kIntMax = INT_MAX;
-  const std::string& k = flag;
-  if (k == "--build-sharded") {
-    f.build_sharded = true;
-  } else if (k == "--activation-checkpointing") {
-    f.model.checkpoint_every = has_value() ? parse_int(k, value(), 1, kIntMax) : 1;
-  } else if (k == "--steps") {
-    f.steps = parse_int(k, value(), 1);
-  } else if (k == "--batch-size") {
-    f.batch_size = parse_int(k, value(), 1);
-  } else if (k == "--seed") {
-    f.seed = parse_uint64(k, value());
-  } else if (k == "--n-layer") {
-    f.model.n_layer = parse_int(k, value(), 1, kIntMax);
-  } else if (k == "--n-head") {
-    f.model.n_head = parse_int(k, value(), 1, kIntMax);
-  } else if (k == "--n-embd") {
-    f.model.n_embd = parse_int(k, value(), 1, kIntMax);
-  } else if (k == "--block-size") {
-    f.model.block_size = parse_int(k, value(), 1, kIntMax);
-  } else if (k == "--prefetch") {
-    f.prefetch = static_cast<int>(parse_int(k, value(), 0, kIntMax));
-  } else if (k == "--strategy") {
-    f.strategy = value();
-  } else if (k == "--shard-group-size") {
-    f.shard_group_size = static_cast<int>(parse_int(k, value(), 1, kIntMax));
-  } else if (k == "--bucket-mb") {
-    f.bucket_mb = parse_double(k, value(), 0, false, 1 << 20);
-  } else if (k == "--timeout") {
-    f.timeout_s = parse_double(k, value(), 0, false, 365 * 86400.0);
-  } else if (k == "--mixed-precision") {
-    f.mixed_precision = value();
-  } else if (k == "--wrap") {
-    f.wrap = value();
-    if (f.wrap.empty()) throw InputError("--wrap must be blocks or torchtitan, not ''", true);
-  } else {
-    return false;
-  }
-  return true;
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  flags.integer("--steps", f.steps, 1, kMax, "training steps")
+      .integer("--batch-size", f.batch_size, 1, kMax, "the global batch, in rows", "B")
+      .seed("--seed", f.seed, "the seed of the weights and the data order")
+      .integer("--n-layer", f.model.n_layer, 1, kIntMax, "blocks", "L")
+      .integer("--n-head", f.model.n_head, 1, kIntMax, "attention heads", "H")
+      .integer("--n-embd", f.model.n_embd, 1, kIntMax, "the embedding width, a multiple of --n-head", "C")
+      .integer("--block-size", f.model.block_size, 1, kIntMax, "tokens per row", "T")
+      .integer("--prefetch", f.prefetch, 0, kIntMax, "units all-gathered ahead", "K")
+      .text("--strategy", f.strategy, "full, grad-op, optimizer, replicate or hybrid", "S")
+      .integer("--shard-group-size", f.shard_group_size, 1, kIntMax, "hybrid: ranks per group", "S")
+      .number("--bucket-mb", f.bucket_mb, 0, false, 1 << 20, "replicate: all-reduce bucket size", "MB")
+      .toggle("--build-sharded", f.build_sharded, "shard each block while the model is built")
+      .number("--timeout", f.timeout_s, 0, false, 365 * 86400.0, "collective timeout", "SECONDS")
+      .text("--mixed-precision", f.mixed_precision, "bf16 or fp16 (fp32 master weights)", "P")
+      .integer_or("--activation-checkpointing", f.model.checkpoint_every, int64_t{1}, 1, kIntMax,
+                  "every K-th block recomputes its forward in backward (default every one)")
+      .custom("--wrap", "W", "the units: torchtitan or blocks", [&f](const std::string& v) {
+        if (v.empty()) fsdp::programs::usage_error("--wrap must be blocks or torchtitan, not ''");
+        f.wrap = v;
+      });
 }
 
 /// What single values cannot say: the embedding a multiple of the heads, a known strategy.
 inline void check_run_flags(const RunFlags& f) {
   if (f.model.n_embd % f.model.n_head != 0) {
-    throw InputError("--n-embd " + std::to_string(f.model.n_embd) + " must be a multiple of --n-head " +
-                         std::to_string(f.model.n_head),
-                     true);
+    fsdp::programs::usage_error("--n-embd " + std::to_string(f.model.n_embd) + " must be a multiple of --n-head " +
+                                std::to_string(f.model.n_head));
   }
   if (!f.mixed_precision.empty() && f.mixed_precision != "bf16" && f.mixed_precision != "fp16") {
-    throw InputError("--mixed-precision must be bf16 or fp16, not '" + f.mixed_precision + "'", true);
+    fsdp::programs::usage_error("--mixed-precision must be bf16 or fp16, not '" + f.mixed_precision + "'");
   }
   if (!f.wrap.empty() && f.wrap != "blocks" && f.wrap != "torchtitan") {
-    throw InputError("--wrap must be blocks or torchtitan, not '" + f.wrap + "'", true);
+    fsdp::programs::usage_error("--wrap must be blocks or torchtitan, not '" + f.wrap + "'");
   }
   if (gpt::strategy_flags().count(f.strategy) == 0) {
-    throw InputError("--strategy must be full, grad-op, optimizer, replicate or hybrid, not '" + f.strategy + "'",
-                     true);
+    fsdp::programs::usage_error("--strategy must be full, grad-op, optimizer, replicate or hybrid, not '" + f.strategy +
+                                "'");
   }
 }
 
-}  // namespace cli
+}  // namespace examples

@@ -13,28 +13,27 @@
 // a loss or gradient norm that is no longer finite, or an error from the library (a collective
 // timed out, a peer died), printed as "train_gpt (rank R): <message>".
 #include "examples/checkpoints.h"
-#include "examples/cli.h"
 #include "examples/corpus.h"
 #include "examples/gpt.h"
 #include "examples/outer_step.h"
-#include "examples/program.h"
 #include "examples/run_flags.h"
 #include "examples/strategy_flags.h"
 #include "fsdp/fsdp.h"
+#include "programs/flags.h"
+#include "programs/json_row.h"
+#include "programs/program.h"
 
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <chrono>
-#include <climits>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <iostream>
+#include <limits>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -47,7 +46,7 @@ namespace {
 
 // The flags shared with fsdp_bench (model, batch, steps, seed, prefetch, strategy, ...) are
 // examples/run_flags.h's; these are train_gpt's own.
-struct Args : cli::RunFlags {
+struct Args : examples::RunFlags {
   double lr = 1e-3;
   double weight_decay = 0.1;
   std::string optimizer = "adamw";
@@ -61,20 +60,11 @@ struct Args : cli::RunFlags {
   bool fused = false;      // fsdp::optim::FusedAdamW instead of torch::optim::AdamW
   examples::CheckpointFlags ckpt;
   examples::OuterFlags outer;  // --local-sgd / --diloco
-  bool help = false;
 };
 
-const char* const kUsage =
-    "usage: train_gpt [--steps N] [--batch-size B] [--seed S] [--lr LR] [--weight-decay WD]\n"
-    "                 [--optimizer adamw|sgd] [--n-layer L] [--n-head H] [--n-embd C]\n"
-    "                 [--block-size T] [--data FILE] [--max-data-mb MB] [--prefetch K]\n"
-    "                 [--grad-accum M | --max-rows R]\n"
-    "                 [--no-sync] [--clip MAX_NORM] [--fused] [--json] [--timeout SECONDS]\n"
-    "                 [--strategy full|grad-op|optimizer|replicate|hybrid] [--shard-group-size S]\n"
-    "                 [--bucket-mb MB] [--build-sharded] [--save-dir DIR [--save-every K] [--resume]\n"
-    "                 [--async-save] [--keep-last N] [--direct-io]]\n"
-    "                 [--mixed-precision bf16|fp16] [--activation-checkpointing [K]] [--wrap torchtitan|blocks]\n"
-    "                 [--local-sgd H | --diloco H [--outer-lr LR] [--outer-momentum M]] [--fragments F] [--overlap]\n"
+const char* const kAbout =
+    "  Trains a small GPT with fully sharded data parallelism (one process, or the ranks of torchrun).\n";
+const char* const kNotes =
     "  --strategy: full sharding (ZeRO-3), SHARD_GRAD_OP (ZeRO-2), optimizer state only (ZeRO-1),\n"
     "  replicated (DDP), or hybrid: full sharding inside groups of S consecutive ranks (default N/2).\n"
     "  --build-sharded: shard each block while the model is built (a model larger than one rank).\n"
@@ -110,59 +100,33 @@ double g_t_main = 0;
 double wall_seconds() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
-cli::Program g_program{"train_gpt", kUsage};  // its name in messages, its rank once known
+fsdp::programs::Program g_program("train_gpt");  // its name in messages, its rank once known
 std::string who() {
   return g_program.who();
 }
-using cli::usage_error;
+using fsdp::programs::usage_error;
 
 Args parse(int argc, char** argv) {
   Args a;
-  for (int i = 1; i < argc; ++i) {
-    const std::string k = argv[i];
-    if (k == "--help" || k == "-h") {
-      a.help = true;
-      continue;
-    }
-    if (k == "--overlap") {
-      a.outer.parse(k, [] { return std::string(); });
-      continue;
-    }
-    if (k == "--json" || k == "--no-sync" || k == "--fused") {
-      (k == "--json" ? a.json : k == "--no-sync" ? a.no_sync : a.fused) = true;
-      continue;
-    }
-    // The value of a flag; never the next flag (a negative number has one dash).
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc || std::string(argv[i + 1]).rfind("--", 0) == 0) usage_error("missing value after " + k);
-      return argv[++i];
-    };
-    if (cli::parse_run_flag(k, value, a, [&] { return i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0; }))
-      continue;
-    if (a.ckpt.parse(k, value)) continue;
-    if (a.outer.parse(k, value)) continue;
-    if (k == "--lr")
-      a.lr = cli::parse_double(k, value(), 0, false);
-    else if (k == "--weight-decay")
-      a.weight_decay = cli::parse_double(k, value(), 0, true);
-    else if (k == "--optimizer")
-      a.optimizer = value();
-    else if (k == "--data")
-      a.data = value();
-    else if (k == "--max-data-mb")
-      a.max_data_mb = cli::parse_double(k, value(), 0, false, 1 << 20);
-    else if (k == "--grad-accum")
-      a.grad_accum = cli::parse_int(k, value(), 1);
-    else if (k == "--max-rows")
-      a.max_rows = cli::parse_int(k, value(), 1);
-    else if (k == "--clip")
-      a.clip = cli::parse_double(k, value(), 0, true);
-    else
-      usage_error("unknown flag '" + k + "'");
-  }
-  if (a.optimizer != "adamw" && a.optimizer != "sgd") usage_error("--optimizer must be adamw or sgd");
-  cli::check_run_flags(a);
-  a.model.wrap = cli::wrap_of(a, gpt::Wrap::kTorchtitan);
+  fsdp::programs::Flags flags("train_gpt", kAbout);
+  examples::add_run_flags(flags, a);
+  flags.number("--lr", a.lr, 0, false, std::numeric_limits<double>::max(), "learning rate", "LR")
+      .number("--weight-decay", a.weight_decay, 0, true, std::numeric_limits<double>::max(), "weight decay", "WD")
+      .choice("--optimizer", a.optimizer, {"adamw", "sgd"}, "the optimizer")
+      .text("--data", a.data, "the corpus, each byte a token", "FILE")
+      .number("--max-data-mb", a.max_data_mb, 0, false, 1 << 20, "the most of --data read", "MB")
+      .integer("--grad-accum", a.grad_accum, 1, std::numeric_limits<int64_t>::max(), "micro-batches per step", "M")
+      .integer("--max-rows", a.max_rows, 1, std::numeric_limits<int64_t>::max(), "the most rows one rank runs at once",
+               "R")
+      .toggle("--no-sync", a.no_sync, "reduce gradients only after the last micro-batch")
+      .number("--clip", a.clip, 0, true, std::numeric_limits<double>::max(), "max global gradient norm", "MAX_NORM")
+      .toggle("--fused", a.fused, "fsdp::optim::FusedAdamW")
+      .toggle("--json", a.json, "one JSON row per step on rank 0, then a summary");
+  a.ckpt.add_to(flags);
+  a.outer.add_to(flags);
+  flags.notes(kNotes).parse(argc, argv);
+  examples::check_run_flags(a);
+  a.model.wrap = examples::wrap_of(a, gpt::Wrap::kTorchtitan);
   if (a.grad_accum > 0 && a.max_rows > 0) {
     usage_error(
         "--grad-accum and --max-rows both set the micro-batches: pass one (--max-rows keeps the global batch on "
@@ -199,7 +163,7 @@ int run(const Args& args) {
   auto pg = fsdp::init_process_group(init);
   const double t_group = wall_seconds();
   const int rank = pg->getRank(), world = pg->getSize();
-  g_program.rank = rank;
+  g_program.set_rank(rank);
   // Each step's global batch: this rank's share of it, in K micro-batches of `micro` rows.
   if (args.batch_size % world != 0) {
     usage_error("--batch-size " + std::to_string(args.batch_size) + " cannot be split over the " +
@@ -230,7 +194,7 @@ int run(const Args& args) {
                      .strategy(strategy)
                      .shard_group_size(group)
                      .bucket_bytes(static_cast<int64_t>(args.bucket_mb * 1024 * 1024))
-                     .mixed_precision(cli::mixed_precision_policy(args));
+                     .mixed_precision(examples::mixed_precision_policy(args));
   if (timeout) options.timeout(*timeout);
   torch::manual_seed(args.seed);
   // With --build-sharded each block is sharded as soon as it is constructed, so the whole model
@@ -307,12 +271,16 @@ int run(const Args& args) {
     fsdp::all_reduce(pg, started);
     const char* restart = std::getenv("TORCHELASTIC_RESTART_COUNT");
     if (rank == 0) {
-      std::printf(
-          "{\"start\": true, \"world_size\": %d, \"restart_count\": %s, \"first_step\": %lld, \"t_main\": "
-          "%.6f, \"t_main_last\": %.6f, \"t_group\": %.6f, \"t_ready\": %.6f}\n",
-          world, restart != nullptr && *restart != '\0' ? restart : "0", static_cast<long long>(first_step), g_t_main,
-          started.max().item<double>(), t_group, wall_seconds());
-      std::fflush(stdout);
+      fsdp::programs::JsonRow()
+          .add("start", true)
+          .add("world_size", world)
+          .add("restart_count", restart != nullptr && *restart != '\0' ? std::atoll(restart) : 0LL)
+          .add("first_step", first_step)
+          .add("t_main", g_t_main, "%.6f")
+          .add("t_main_last", started.max().item<double>(), "%.6f")
+          .add("t_group", t_group, "%.6f")
+          .add("t_ready", wall_seconds(), "%.6f")
+          .print();
     }
   }
   if (rank == 0 && !args.json) {
@@ -397,18 +365,23 @@ int run(const Args& args) {
     const auto replica_comm_bytes = std::llround(sums[1].item<double>() / (args.outer.on() ? 1 : replicas));
     if (rank == 0) {
       if (args.json) {
-        std::printf(
-            "{\"step\": %lld, \"loss\": %s, \"peak_bytes\": %lld, \"state_bytes\": %lld, \"state_peak_bytes\": "
-            "%lld, \"buffer_bytes\": %lld, \"other_bytes\": %lld, \"step_ms\": %s, \"world_size\": %d, \"params\": "
-            "%lld, \"grad_norm\": %s, \"epoch\": %lld, \"samples_consumed\": %lld, \"committed_step\": %lld, "
-            "\"replica_comm_bytes\": %lld}\n",
-            static_cast<long long>(step), cli::json_number(l).c_str(), static_cast<long long>(mem[0].item<int64_t>()),
-            static_cast<long long>(mem[1].item<int64_t>()), static_cast<long long>(mem[2].item<int64_t>()),
-            static_cast<long long>(mem[3].item<int64_t>()), static_cast<long long>(mem[4].item<int64_t>()),
-            cli::json_number(ms, "%.3f").c_str(), world, static_cast<long long>(n_params),
-            cli::json_number(grad_norm).c_str(), static_cast<long long>(share->epoch),
-            static_cast<long long>(sampler.state().samples_consumed),
-            static_cast<long long>(checkpoints.committed_step()), static_cast<long long>(replica_comm_bytes));
+        fsdp::programs::JsonRow()
+            .add("step", step)
+            .add("loss", l, "%.9g")
+            .add("peak_bytes", mem[0].item<int64_t>())
+            .add("state_bytes", mem[1].item<int64_t>())
+            .add("state_peak_bytes", mem[2].item<int64_t>())
+            .add("buffer_bytes", mem[3].item<int64_t>())
+            .add("other_bytes", mem[4].item<int64_t>())
+            .add("step_ms", ms, "%.3f")
+            .add("world_size", world)
+            .add("params", n_params)
+            .add("grad_norm", grad_norm, "%.9g")
+            .add("epoch", share->epoch)
+            .add("samples_consumed", sampler.state().samples_consumed)
+            .add("committed_step", checkpoints.committed_step())
+            .add("replica_comm_bytes", static_cast<int64_t>(replica_comm_bytes))
+            .print();
       } else {
         std::printf(
             "step %4lld | epoch %lld | loss %.4f | grad norm %.4g | %8.1f ms | peak %s | state %s (max over ranks)\n",
@@ -447,12 +420,12 @@ int run(const Args& args) {
   step_ms[rank] = mean_ms;
   fsdp::all_reduce(pg, step_ms);
   if (rank == 0 && args.json) {
-    std::string peaks, states, times;
+    std::vector<int64_t> peaks, states;
+    std::vector<double> times;
     for (int r = 0; r < world; ++r) {
-      const char* sep = r ? ", " : "";
-      peaks += sep + std::to_string(per_rank[r][0].item<int64_t>());
-      states += sep + std::to_string(per_rank[r][1].item<int64_t>());
-      times += sep + cli::json_number(step_ms[r].item<double>(), "%.6f");
+      peaks.push_back(per_rank[r][0].item<int64_t>());
+      states.push_back(per_rank[r][1].item<int64_t>());
+      times.push_back(step_ms[r].item<double>());
     }
     // The model state the strategy's formula gives (fsdp/strategy.h), for the scripts that check it.
     fsdp::FormulaInputs in{static_cast<double>(n_params), 0, 0, world,
@@ -462,17 +435,23 @@ int run(const Args& args) {
       in.outer_bytes = args.outer.outer_momentum > 0 ? fsdp::kDiLoCoOuterBytes : 4;
       formula += in.outer_bytes == fsdp::kDiLoCoOuterBytes ? " + 8Ψ/S" : " + 4Ψ/S";  // DiLoCo's outer state
     }
-    std::printf(
-        "{\"summary\": true, \"world_size\": %d, \"params\": %lld, \"strategy\": \"%s\", \"shard_group_size\": %d, "
-        "\"per_rank_peak_bytes\": [%s], \"per_rank_state_bytes\": [%s], \"per_rank_mean_step_ms\": [%s], "
-        "\"formula_state_bytes\": %s, \"formula_text\": %s, \"saves_started\": %lld, \"saves_skipped\": %lld, "
-        "\"steps_lost_max\": %lld, \"steps_lost_mean\": %s, \"save_held_s\": %s}\n",
-        world, static_cast<long long>(n_params), fsdp::to_string(strategy), group, peaks.c_str(), states.c_str(),
-        times.c_str(), cli::json_number(fsdp::state_bytes_at_step(strategy, in), "%.1f").c_str(),
-        cli::json_string(formula).c_str(), static_cast<long long>(checkpoints.started()),
-        static_cast<long long>(checkpoints.skipped()), static_cast<long long>(checkpoints.lost_max()),
-        cli::json_number(checkpoints.lost_mean(), "%.3f").c_str(),
-        cli::json_number(checkpoints.held_seconds(), "%.4f").c_str());
+    fsdp::programs::JsonRow()
+        .add("summary", true)
+        .add("world_size", world)
+        .add("params", n_params)
+        .add("strategy", fsdp::to_string(strategy))
+        .add("shard_group_size", group)
+        .add("per_rank_peak_bytes", peaks)
+        .add("per_rank_state_bytes", states)
+        .add("per_rank_mean_step_ms", fsdp::programs::rounded(times, "%.6f"))
+        .add("formula_state_bytes", fsdp::state_bytes_at_step(strategy, in), "%.1f")
+        .add("formula_text", formula)
+        .add("saves_started", checkpoints.started())
+        .add("saves_skipped", checkpoints.skipped())
+        .add("steps_lost_max", checkpoints.lost_max())
+        .add("steps_lost_mean", checkpoints.lost_mean(), "%.3f")
+        .add("save_held_s", checkpoints.held_seconds(), "%.4f")
+        .print();
   } else if (rank == 0) {
     std::printf("per-rank memory (last step): counting CPU allocator peak, model state at the optimizer step\n");
     for (int r = 0; r < world; ++r) {
@@ -494,11 +473,7 @@ int main(int argc, char** argv) {
   fsdp::memory::enable_cpu_counting();  // first: count every allocation from here on
   return g_program.main([&] {
     const Args args = parse(argc, argv);
-    g_program.json = args.json;
-    if (args.help) {
-      std::cout << kUsage;
-      return 0;
-    }
+    g_program.set_json_errors(args.json);
     return run(args);
   });
 }

@@ -1,17 +1,15 @@
 #include "tests/harness.h"
 
 #include "fsdp/process_group.h"
+#include "programs/launch.h"
 
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
-#include <arpa/inet.h>
 #include <fcntl.h>
-#include <netinet/in.h>
 #include <signal.h>
 #include <spawn.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -38,32 +36,6 @@ const char* env_or_null(const char* n) {
 std::string current_test_name() {
   const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
   return std::string(info->test_suite_name()) + "." + info->name();
-}
-
-// A port the kernel just handed out and released: another process could take it before rank 0's
-// TCPStore binds it, but the kernel cycles through the ephemeral range, so that is rare.
-int free_port() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return -1;
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t len = sizeof(addr);
-  int port = -1;
-  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
-      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
-    port = ntohs(addr.sin_port);
-  }
-  close(fd);
-  return port;
-}
-
-std::string read_file(const std::string& path) {
-  std::ifstream f(path);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
 }
 
 // Not std::filesystem: libtorch.so exports a copy of its symbols that crashes when called.
@@ -138,8 +110,7 @@ void run_ranks(int world_size, const std::function<void(Rank&)>& body, const Run
   ASSERT_NE(mkdtemp(tmpl), nullptr);
   const std::string dir = tmpl;
   const std::string filter = "--gtest_filter=" + current_test_name();
-  const int port = options.rendezvous == "env" ? free_port() : 0;
-  ASSERT_GE(port, 0) << "no free loopback port";
+  const int port = options.rendezvous == "env" ? fsdp::programs::free_port() : 0;
 
   // Whatever happens below, no rank outlives this function and the directory is removed.
   std::vector<pid_t> pids(world_size, -1);
@@ -177,11 +148,7 @@ void run_ranks(int world_size, const std::function<void(Rank&)>& body, const Run
     env["FSDP_FLIGHT_RECORDER_DIR"] = dir + "/flight-recorder";
     env["FSDP_TEST_LAUNCH"] = std::to_string(launch);
     if (options.rendezvous == "env") {
-      env["RANK"] = std::to_string(rank);
-      env["WORLD_SIZE"] = std::to_string(world_size);
-      env["LOCAL_RANK"] = std::to_string(rank);
-      env["MASTER_ADDR"] = "127.0.0.1";
-      env["MASTER_PORT"] = std::to_string(port);
+      for (const auto& [k, v] : fsdp::programs::rank_env(rank, world_size, port)) env[k] = v;
     } else {
       env["FSDP_TEST_STORE"] = dir + "/store";
     }
@@ -273,7 +240,7 @@ void run_ranks(int world_size, const std::function<void(Rank&)>& body, const Run
     for (int r = 0; r < world_size; ++r) {
       report << "===== rank " << r << " of " << world_size << ": " << (verdict[r].empty() ? "ok" : verdict[r])
              << " =====\n"
-             << read_file(logs[r]) << "\n";
+             << fsdp::programs::file_text(logs[r]) << "\n";
     }
   }
   if (ok && !report.str().empty()) std::cout << report.str();

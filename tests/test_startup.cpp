@@ -3,13 +3,11 @@
 // comes from the option, else FSDP_TIMEOUT, else 10 minutes. Unreachable peers are closed
 // loopback ports, a port held by a silent listener of the test's own, or a network namespace the
 // test creates (as root).
+#include "programs/launch.h"
 #include "tests/models.h"
 
-#include <arpa/inet.h>
 #include <fcntl.h>
-#include <netinet/in.h>
 #include <sched.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -24,19 +22,13 @@ double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
 
-/// A TCP socket bound to 127.0.0.1 on a port the kernel picked; listening (connections are
+/// A TCP socket bound to 127.0.0.1 on a port the kernel picked (programs/launch.h); listening (connections are
 /// accepted by the kernel and never answered) unless `listen_too` is false.
 struct LoopbackPort {
   explicit LoopbackPort(bool listen_too) {
-    fd = socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t len = sizeof(a);
-    EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
-    EXPECT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len), 0);
-    port = ntohs(a.sin_port);
-    if (listen_too) EXPECT_EQ(listen(fd, 64), 0);
+    const auto s = fsdp::programs::loopback_socket(listen_too);
+    fd = s.fd;
+    port = s.port;
   }
   ~LoopbackPort() { close_now(); }
   void close_now() {

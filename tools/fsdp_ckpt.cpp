@@ -13,15 +13,14 @@
 #include "checkpoint/internal/crc32c.h"
 #include "checkpoint/manifest.h"
 #include "checkpoint/safetensors.h"
+#include "programs/flags.h"
+#include "programs/program.h"
 
 #include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <atomic>
-#include <cerrno>
 #include <cstdio>
-#include <cstdlib>
-#include <iostream>
 #include <mutex>
 #include <set>
 #include <sstream>
@@ -32,8 +31,6 @@
 namespace {
 
 using namespace fsdp::checkpoint;
-
-constexpr int kUsage = 2;
 
 std::string shape_text(const std::vector<int64_t>& s) {
   std::ostringstream os;
@@ -144,28 +141,41 @@ int verify(const std::string& dir) {
   return 0;
 }
 
-int consolidate_command(int argc, char** argv) {
+const char* const kSynopsis =
+    "usage: fsdp-ckpt inspect DIR | fsdp-ckpt verify DIR | fsdp-ckpt consolidate DIR OUT [--max-shard-bytes N] "
+    "[--optimizer]";
+
+const char* const kAbout =
+    "  inspect: what was saved; verify: every file and checksum (exit status 1 on any fault);\n"
+    "  consolidate: Hugging Face-style safetensors files in the new directory OUT.\n"
+    "  DIR is a checkpoint directory, or a root with a `latest` pointer.\n";
+
+int run(int argc, char** argv) {
   ConsolidateOptions o;
-  for (int i = 4; i < argc; ++i) {
-    const std::string k = argv[i];
-    if (k == "--optimizer") {
-      o.optimizer(true);
-    } else if (k == "--max-shard-bytes" && i + 1 < argc) {
-      const std::string v = argv[++i];
-      char* end = nullptr;
-      errno = 0;
-      const unsigned long long n = std::strtoull(v.c_str(), &end, 10);
-      if (v.empty() || v[0] == '-' || *end != '\0' || errno != 0) {
-        std::cerr << "fsdp-ckpt consolidate: --max-shard-bytes takes a whole number of bytes, not '" << v << "'\n";
-        return kUsage;
-      }
-      o.max_shard_bytes(n);
-    } else {
-      std::cerr << "fsdp-ckpt consolidate: unknown argument '" << k << "'\n";
-      return kUsage;
-    }
+  bool optimizer = false, max_given = false;
+  fsdp::programs::Flags flags("fsdp-ckpt", kAbout);
+  flags.positionals("inspect DIR | verify DIR | consolidate DIR OUT", 0, 3)
+      .toggle("--optimizer", optimizer, "consolidate: the optimizer state too")
+      .custom("--max-shard-bytes", "N", "consolidate: the most bytes of one output file", [&](const std::string& v) {
+        o.max_shard_bytes(fsdp::programs::parse_uint64("--max-shard-bytes", v));
+        max_given = true;
+      });
+  const std::vector<std::string> args = flags.parse(argc, argv);
+  const std::string cmd = args.empty() ? "" : args[0];
+  if (cmd.empty()) fsdp::programs::usage_error(std::string("a command is needed; ") + kSynopsis);
+  if (cmd != "inspect" && cmd != "verify" && cmd != "consolidate") {
+    fsdp::programs::usage_error("unknown command '" + cmd + "': inspect, verify or consolidate");
   }
-  const auto r = consolidate(argv[2], argv[3], o);
+  const size_t want = cmd == "consolidate" ? 3 : 2;
+  if (args.size() != want) {
+    fsdp::programs::usage_error(cmd + (cmd == "consolidate" ? " takes DIR OUT" : " takes DIR"));
+  }
+  if (cmd != "consolidate" && (optimizer || max_given)) {
+    fsdp::programs::usage_error("--optimizer and --max-shard-bytes are consolidate's");
+  }
+  if (cmd == "inspect") return inspect(args[1]);
+  if (cmd == "verify") return verify(args[1]);
+  const auto r = consolidate(args[1], args[2], o.optimizer(optimizer));
   std::printf("fsdp-ckpt consolidate: %s: %llu bytes of tensors in %zu file(s):\n", r.dir.c_str(),
               static_cast<unsigned long long>(r.tensor_bytes), r.files.size());
   for (const auto& f : r.files) std::printf("  %s\n", f.c_str());
@@ -175,29 +185,5 @@ int consolidate_command(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const char* const usage =
-      "usage: fsdp-ckpt inspect DIR | fsdp-ckpt verify DIR |\n"
-      "       fsdp-ckpt consolidate DIR OUT [--max-shard-bytes N] [--optimizer]\n"
-      "  inspect: what was saved; verify: every file and checksum (exit status 1 on any fault);\n"
-      "  consolidate: Hugging Face-style safetensors files in the new directory OUT.\n"
-      "  DIR is a checkpoint directory, or a root with a `latest` pointer.\n";
-  for (int i = 1; i < argc; ++i) {
-    if (std::string(argv[i]) == "--help" || std::string(argv[i]) == "-h") {
-      std::cout << usage;
-      return 0;
-    }
-  }
-  const std::string cmd = argc > 1 ? argv[1] : "";
-  const bool ok = (argc == 3 && (cmd == "inspect" || cmd == "verify")) || (argc >= 4 && cmd == "consolidate");
-  if (!ok) {
-    std::cerr << usage;
-    return kUsage;
-  }
-  try {
-    if (cmd == "consolidate") return consolidate_command(argc, argv);
-    return cmd == "inspect" ? inspect(argv[2]) : verify(argv[2]);
-  } catch (const c10::Error& e) {
-    std::cerr << "fsdp-ckpt " << argv[1] << ": " << e.what_without_backtrace() << "\n";
-    return 1;
-  }
+  return fsdp::programs::Program("fsdp-ckpt").main([&] { return run(argc, argv); });
 }

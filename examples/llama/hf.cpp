@@ -17,7 +17,7 @@ namespace llama::hf {
 namespace {
 
 [[noreturn]] void refuse(const std::string& dir, const std::string& why) {
-  throw cli::InputError("--from-hf " + dir + ": " + why, false);
+  throw fsdp::programs::UsageError("--from-hf " + dir + ": " + why, false);
 }
 
 nlohmann::json read_json(const std::string& path, const std::string& dir) {

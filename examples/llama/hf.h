@@ -6,9 +6,9 @@
 #pragma once
 
 #include "checkpoint/safetensors.h"
-#include "examples/cli.h"
 #include "examples/llama/llama.h"
 #include "fsdp/fully_shard.h"
+#include "programs/flags.h"
 
 #include <torch/nn/module.h>
 
@@ -17,7 +17,7 @@
 
 namespace llama::hf {
 
-/// The model's shape from DIR/config.json (LlamaForCausalLM only). Refused, as cli::InputError
+/// The model's shape from DIR/config.json (LlamaForCausalLM only). Refused, as fsdp::programs::UsageError
 /// naming the key: another architecture, an activation other than silu, rope scaling, biases,
 /// pretraining_tp other than 1, a vocabulary under 256 (the example's byte corpus).
 Config read_config(const std::string& dir, int64_t block_size);

@@ -13,14 +13,15 @@
 // Exit status: 0 trained; 2 a bad flag, --data file or model shape (nothing trained); 1 anything
 // else, printed as "train_llama (rank R): <message>".
 #include "examples/checkpoints.h"
-#include "examples/cli.h"
 #include "examples/corpus.h"
 #include "examples/llama/hf.h"
 #include "examples/llama/llama.h"
-#include "examples/program.h"
 #include "examples/run_flags.h"
 #include "examples/strategy_flags.h"
 #include "fsdp/fsdp.h"
+#include "programs/flags.h"
+#include "programs/json_row.h"
+#include "programs/program.h"
 
 #include <torch/optim/adamw.h>
 
@@ -31,6 +32,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <iostream>
+#include <limits>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -41,7 +43,7 @@
 
 namespace {
 
-struct Args : cli::RunFlags {
+struct Args : examples::RunFlags {
   int64_t n_kv_head = 0;     // 0: --n-head
   int64_t intermediate = 0;  // 0: 4 x --n-embd
   int64_t tp = 1;
@@ -59,19 +61,11 @@ struct Args : cli::RunFlags {
   std::string logits_out;       // safetensors file of the prompt's logits, before any step
   std::string export_hf;        // a directory to write in Hugging Face's layout after training
   examples::CheckpointFlags ckpt;
-  bool help = false;
 };
 
-const char* const kUsage =
-    "usage: train_llama [--steps N] [--batch-size B] [--seed S] [--lr LR] [--weight-decay WD]\n"
-    "                   [--n-layer L] [--n-head H] [--n-kv-head K] [--n-embd C] [--intermediate I]\n"
-    "                   [--block-size T] [--tied] [--tp T [--sequence-parallel]] [--data FILE] [--max-data-mb MB] "
-    "[--prefetch K]\n"
-    "                   [--clip MAX_NORM] [--fused] [--json] [--timeout SECONDS]\n"
-    "                   [--strategy full|grad-op|optimizer|replicate|hybrid] [--shard-group-size S]\n"
-    "                   [--mixed-precision bf16|fp16] [--activation-checkpointing [K]]\n"
-    "                   [--from-hf DIR] [--prompt 1,5,9,... --logits-out FILE.safetensors] [--export-hf OUT]\n"
-    "                   [--save-dir DIR [--save-every K] [--resume] [--async-save] [--keep-last N] [--direct-io]]\n"
+const char* const kAbout =
+    "  Trains a Llama with tensor parallelism and FSDP on a 2-D mesh (one process, or torchrun's ranks).\n";
+const char* const kNotes =
     "  A Llama (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU) with Hugging Face's names.\n"
     "  --tp T: tensor-parallel size; the data-parallel size is the world size over T (the mesh\n"
     "  (dp_shard N/T, tp T); with --strategy hybrid --shard-group-size S, (dp_replicate N/(T S), dp_shard S,\n"
@@ -89,70 +83,45 @@ const char* const kUsage =
     "  whole mesh; --resume continues from DIR's latest on any mesh (another --tp or world size).\n"
     "  Other flags as train_gpt's. Exit status: 0 trained, 2 bad flags, --data or shape, 1 other errors.\n";
 
-cli::Program g_program{"train_llama", kUsage};  // its name in messages, its rank once known
+fsdp::programs::Program g_program("train_llama");  // its name in messages, its rank once known
 std::string who() {
   return g_program.who();
 }
-using cli::usage_error;
+using fsdp::programs::usage_error;
 
 Args parse(int argc, char** argv) {
+  constexpr int64_t kIntMax = INT_MAX;
+  constexpr double kMax = std::numeric_limits<double>::max();
   Args a;
   a.model.n_layer = 2;
-  for (int i = 1; i < argc; ++i) {
-    const std::string k = argv[i];
-    if (k == "--help" || k == "-h" || k == "--json" || k == "--fused" || k == "--tied" || k == "--sequence-parallel") {
-      (k == "--json"                ? a.json
-       : k == "--fused"             ? a.fused
-       : k == "--tied"              ? a.tied
-       : k == "--sequence-parallel" ? a.sequence_parallel
-                                    : a.help) = true;
-      continue;
-    }
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc || std::string(argv[i + 1]).rfind("--", 0) == 0) usage_error("missing value after " + k);
-      return argv[++i];
-    };
-    if (k == "--steps") {  // train_llama takes 0: logits or an export of a --from-hf model only
-      a.steps = cli::parse_int(k, value(), 0);
-      continue;
-    }
-    if (k == "--prompt") {
-      std::string item;
-      std::stringstream in(value());
-      std::string list = in.str();
-      if (list.empty() || list.back() == ',') usage_error("--prompt '" + list + "' ends without a token id");
-      while (std::getline(in, item, ',')) a.prompt.push_back(cli::parse_int(k, item, 0));
-      if (a.prompt.empty()) usage_error("--prompt needs token ids, e.g. --prompt 1,5,9");
-      continue;
-    }
-    if (cli::parse_run_flag(k, value, a, [&] { return i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0; }))
-      continue;
-    if (k == "--n-kv-head")
-      a.n_kv_head = cli::parse_int(k, value(), 1, INT_MAX);
-    else if (k == "--intermediate")
-      a.intermediate = cli::parse_int(k, value(), 1, INT_MAX);
-    else if (k == "--tp")
-      a.tp = cli::parse_int(k, value(), 1, INT_MAX);
-    else if (k == "--lr")
-      a.lr = cli::parse_double(k, value(), 0, false);
-    else if (k == "--weight-decay")
-      a.weight_decay = cli::parse_double(k, value(), 0, true);
-    else if (k == "--clip")
-      a.clip = cli::parse_double(k, value(), 0, true);
-    else if (k == "--data")
-      a.data = value();
-    else if (k == "--max-data-mb")
-      a.max_data_mb = cli::parse_double(k, value(), 0, false, 1 << 20);
-    else if (k == "--from-hf")
-      a.from_hf = value();
-    else if (k == "--logits-out")
-      a.logits_out = value();
-    else if (k == "--export-hf")
-      a.export_hf = value();
-    else if (!a.ckpt.parse(k, value))
-      usage_error("unknown flag '" + k + "'");
-  }
-  cli::check_run_flags(a);
+  fsdp::programs::Flags flags("train_llama", kAbout);
+  examples::add_run_flags(flags, a);
+  // train_llama takes --steps 0: logits or an export of a --from-hf model only.
+  flags.integer("--steps", a.steps, 0, std::numeric_limits<int64_t>::max(), "training steps")
+      .integer("--n-kv-head", a.n_kv_head, 1, kIntMax, "key/value heads (default: --n-head)", "K")
+      .integer("--intermediate", a.intermediate, 1, kIntMax, "the MLP's width (default 4 x --n-embd)", "I")
+      .integer("--tp", a.tp, 1, kIntMax, "tensor-parallel size", "T")
+      .toggle("--tied", a.tied, "the head shares the embedding")
+      .toggle("--sequence-parallel", a.sequence_parallel, "sequence parallelism between the TP regions")
+      .number("--lr", a.lr, 0, false, kMax, "learning rate", "LR")
+      .number("--weight-decay", a.weight_decay, 0, true, kMax, "weight decay", "WD")
+      .number("--clip", a.clip, 0, true, kMax, "max global gradient norm", "MAX_NORM")
+      .toggle("--fused", a.fused, "fsdp::optim::FusedAdamW")
+      .toggle("--json", a.json, "one JSON row per step on rank 0, then a summary")
+      .text("--data", a.data, "the corpus, each byte a token", "FILE")
+      .number("--max-data-mb", a.max_data_mb, 0, false, 1 << 20, "the most of --data read", "MB")
+      .text("--from-hf", a.from_hf, "a Hugging Face directory: the shape and the weights", "DIR")
+      .custom("--prompt", "1,5,9,...", "token ids for --logits-out",
+              [&a](const std::string& list) {
+                if (list.empty() || list.back() == ',') usage_error("--prompt '" + list + "' ends without a token id");
+                a.prompt.clear();
+                for (const auto id : fsdp::programs::parse_int_list("--prompt", list, 0)) a.prompt.push_back(id);
+              })
+      .text("--logits-out", a.logits_out, "rank 0 writes the prompt's logits here", "FILE.safetensors")
+      .text("--export-hf", a.export_hf, "after training, the model in Hugging Face's layout", "OUT");
+  a.ckpt.add_to(flags);
+  flags.notes(kNotes).parse(argc, argv);
+  examples::check_run_flags(a);
   a.ckpt.check();
   if (a.build_sharded) usage_error("--build-sharded is not supported by train_llama (a ShardingScope over a mesh)");
   if (!a.wrap.empty()) usage_error("--wrap is train_gpt's; train_llama's units are its decoder layers");
@@ -221,7 +190,7 @@ int run(const Args& args) {
   if (timeout) init.timeout(*timeout);
   auto world = fsdp::init_process_group(init);
   const int rank = world->getRank(), W = world->getSize();
-  g_program.rank = rank;
+  g_program.set_rank(rank);
   if (W % args.tp != 0) {
     usage_error("--tp " + std::to_string(args.tp) + " does not divide the " + std::to_string(W) +
                 " ranks: the data-parallel size is the world size over --tp");
@@ -246,7 +215,7 @@ int run(const Args& args) {
       fsdp::FullyShardOptions()
           .prefetch(args.prefetch)
           .strategy(strategy == fsdp::ShardingStrategy::kHybridShard ? fsdp::ShardingStrategy::kFullShard : strategy)
-          .mixed_precision(cli::mixed_precision_policy(args));
+          .mixed_precision(examples::mixed_precision_policy(args));
   if (timeout) options.timeout(*timeout);
 
   fsdp::tp::Group blocks(mesh), vocab(mesh);  // one set of ranks, counted apart
@@ -285,12 +254,15 @@ int run(const Args& args) {
                                             fsdp::checkpoint::LoadOptions().sampler(&sampler).in_place(true));
     first_step = res.step;
     if (rank == 0 && args.json) {  // what the load read, over every rank, against what it needed
-      std::printf(
-          "{\"resumed\": %s, \"step\": %lld, \"saved_world_size\": %d, \"mesh\": %s, \"bytes_needed\": %lld, "
-          "\"bytes_read\": %lld, \"load_seconds\": %s}\n",
-          cli::json_string(res.path).c_str(), static_cast<long long>(res.step), res.saved_world_size,
-          cli::json_string(mesh.shape_text()).c_str(), static_cast<long long>(res.bytes_needed_total),
-          static_cast<long long>(res.bytes_read_total), cli::json_number(res.seconds, "%.4f").c_str());
+      fsdp::programs::JsonRow()
+          .add("resumed", res.path)
+          .add("step", res.step)
+          .add("saved_world_size", res.saved_world_size)
+          .add("mesh", mesh.shape_text())
+          .add("bytes_needed", res.bytes_needed_total)
+          .add("bytes_read", res.bytes_read_total)
+          .add("load_seconds", res.seconds, "%.4f")
+          .print();
     } else if (rank == 0) {
       std::cerr << who() << ": resumed from '" << res.path << "' (saved by " << res.saved_world_size
                 << " rank(s)) at step " << first_step << " on mesh " << mesh.shape_text() << "\n";
@@ -341,18 +313,24 @@ int run(const Args& args) {
     const double l = mean.item<double>() / dp;
     if (rank == 0) {
       if (args.json) {
-        std::printf(
-            "{\"step\": %lld, \"loss\": %s, \"grad_norm\": %s, \"step_ms\": %s, \"world_size\": %d, \"tp\": %lld, "
-            "\"dp\": %d, \"tp_collectives\": %lld, \"tp_elements\": %lld, \"tp_vocab_elements\": %lld, "
-            "\"fsdp_elements\": %lld, \"state_bytes\": %lld, \"peak_bytes\": %lld, \"params\": %lld, "
-            "\"epoch\": %lld, \"samples_consumed\": %lld}\n",
-            static_cast<long long>(step), cli::json_number(l).c_str(), cli::json_number(grad_norm).c_str(),
-            cli::json_number(ms, "%.3f").c_str(), W, static_cast<long long>(args.tp), dp,
-            static_cast<long long>(tps.all_gathers + tps.reduce_scatters + tps.all_reduces),
-            static_cast<long long>(tps.elements), static_cast<long long>(vocab.comm_stats().elements),
-            static_cast<long long>(model.comm_stats().elements), static_cast<long long>(mem[0].item<int64_t>()),
-            static_cast<long long>(mem[1].item<int64_t>()), static_cast<long long>(n_params),
-            static_cast<long long>(share->epoch), static_cast<long long>(sampler.state().samples_consumed));
+        fsdp::programs::JsonRow()
+            .add("step", step)
+            .add("loss", l, "%.9g")
+            .add("grad_norm", grad_norm, "%.9g")
+            .add("step_ms", ms, "%.3f")
+            .add("world_size", W)
+            .add("tp", args.tp)
+            .add("dp", dp)
+            .add("tp_collectives", tps.all_gathers + tps.reduce_scatters + tps.all_reduces)
+            .add("tp_elements", tps.elements)
+            .add("tp_vocab_elements", vocab.comm_stats().elements)
+            .add("fsdp_elements", model.comm_stats().elements)
+            .add("state_bytes", mem[0].item<int64_t>())
+            .add("peak_bytes", mem[1].item<int64_t>())
+            .add("params", n_params)
+            .add("epoch", share->epoch)
+            .add("samples_consumed", sampler.state().samples_consumed)
+            .print();
       } else {
         std::printf("step %4lld | loss %.4f | grad norm %.4g | %8.1f ms | %lld tensor-parallel collectives\n",
                     static_cast<long long>(step), l, grad_norm, ms,
@@ -380,19 +358,21 @@ int run(const Args& args) {
     // moments) over the ranks that split it: 16Ψ/(dp tp), and exactly, the parameters tensor
     // parallelism does not split counted whole on each tp rank.
     const double T_ = static_cast<double>(args.tp);
-    std::printf(
-        "{\"summary\": true, \"world_size\": %d, \"tp\": %lld, \"dp\": %d, \"mesh\": %s, \"params\": %lld, "
-        "\"params_split\": %lld, \"mean_step_ms\": %s, \"formula_state_bytes\": %s, \"formula_state_bytes_exact\": "
-        "%s}\n",
-        W, static_cast<long long>(args.tp), dp, cli::json_string(mesh.shape_text()).c_str(),
-        static_cast<long long>(n_params), static_cast<long long>(n_split),
-        cli::json_number(
-            args.steps - first_step > 1 ? total_ms / static_cast<double>(args.steps - first_step - 1) : 0.0, "%.3f")
-            .c_str(),
-        cli::json_number(16.0 * static_cast<double>(n_params) / (dp * T_), "%.1f").c_str(),
-        cli::json_number(16.0 * (static_cast<double>(n_split) / T_ + static_cast<double>(n_params - n_split)) / dp,
-                         "%.1f")
-            .c_str());
+    const double mean_ms =
+        args.steps - first_step > 1 ? total_ms / static_cast<double>(args.steps - first_step - 1) : 0.0;
+    fsdp::programs::JsonRow()
+        .add("summary", true)
+        .add("world_size", W)
+        .add("tp", args.tp)
+        .add("dp", dp)
+        .add("mesh", mesh.shape_text())
+        .add("params", n_params)
+        .add("params_split", n_split)
+        .add("mean_step_ms", mean_ms, "%.3f")
+        .add("formula_state_bytes", 16.0 * static_cast<double>(n_params) / (dp * T_), "%.1f")
+        .add("formula_state_bytes_exact",
+             16.0 * (static_cast<double>(n_split) / T_ + static_cast<double>(n_params - n_split)) / dp, "%.1f")
+        .print();
   }
   return 0;
 }
@@ -403,11 +383,7 @@ int main(int argc, char** argv) {
   fsdp::memory::enable_cpu_counting();
   return g_program.main([&] {
     const Args args = parse(argc, argv);
-    g_program.json = args.json;
-    if (args.help) {
-      std::cout << kUsage;
-      return 0;
-    }
+    g_program.set_json_errors(args.json);
     return run(args);
   });
 }
