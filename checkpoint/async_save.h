@@ -17,12 +17,15 @@
 #pragma once
 
 #include "checkpoint/checkpoint.h"
+#include "fsdp/export.h"
 
 #include <torch/arg.h>
 
 #include <cstdint>
 #include <memory>
 #include <string>
+
+FSDP_PUBLIC_BEGIN
 
 namespace fsdp::checkpoint {
 
@@ -90,3 +93,5 @@ class AsyncSaver {
 };
 
 }  // namespace fsdp::checkpoint
+
+FSDP_PUBLIC_END

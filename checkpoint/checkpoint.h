@@ -14,6 +14,7 @@
 #pragma once
 
 #include "data/distributed_sampler.h"
+#include "fsdp/export.h"
 #include "fsdp/fully_shard.h"
 
 #include <torch/arg.h>
@@ -26,6 +27,8 @@
 #include <map>
 #include <optional>
 #include <string>
+
+FSDP_PUBLIC_BEGIN
 
 namespace fsdp::checkpoint {
 
@@ -184,3 +187,5 @@ LoadResult load(const std::string& path, torch::nn::ModuleHolder<Impl>& module, 
 }
 
 }  // namespace fsdp::checkpoint
+
+FSDP_PUBLIC_END

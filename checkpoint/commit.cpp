@@ -3,8 +3,8 @@
 #include "checkpoint/internal/crash_point.h"
 #include "checkpoint/internal/parallel_io.h"
 #include "fsdp/internal/check.h"
-#include "fsdp/internal/json_text.h"
-#include "fsdp/internal/make_dirs.h"
+#include "fsdp/util/json_text.h"
+#include "fsdp/util/make_dirs.h"
 
 #include <c10/util/Exception.h>
 

@@ -6,9 +6,13 @@
 // done so that it survives a power cut (fsync of files and of the directories that name them).
 #pragma once
 
+#include "fsdp/export.h"
+
 #include <cstdint>
 #include <string>
 #include <vector>
+
+FSDP_PUBLIC_BEGIN
 
 namespace fsdp::checkpoint {
 
@@ -66,3 +70,5 @@ bool remove_tree(const std::string& path);
 std::string step_name(int64_t step);
 
 }  // namespace fsdp::checkpoint
+
+FSDP_PUBLIC_END

@@ -10,11 +10,15 @@
 //   build/tools/fsdp-ckpt consolidate ckpts export [--max-shard-bytes N] [--optimizer]
 #pragma once
 
+#include "fsdp/export.h"
+
 #include <torch/arg.h>
 
 #include <cstdint>
 #include <string>
 #include <vector>
+
+FSDP_PUBLIC_BEGIN
 
 namespace fsdp::checkpoint {
 
@@ -41,3 +45,5 @@ ConsolidateResult consolidate(const std::string& checkpoint, const std::string& 
                               const ConsolidateOptions& options = {});
 
 }  // namespace fsdp::checkpoint
+
+FSDP_PUBLIC_END

@@ -2,9 +2,8 @@
 // verifies the bytes of the rows it holds (internal/reader.h), and only when every rank has done
 // all that without a fault are the shards written. A plain module is loaded the same way, whole.
 #include "checkpoint/checkpoint.h"
-#include "fsdp/internal/access.h"
 #include "fsdp/internal/check.h"
-#include "fsdp/internal/run_state.h"
+#include "fsdp/internal/core_access.h"
 
 #include "checkpoint/commit.h"
 #include "checkpoint/internal/collectives.h"
@@ -381,8 +380,8 @@ LoadResult load_checkpoint(const std::string& path, FSDPModule& model, torch::op
                                  : "the model was left as it was");
   } catch (...) {
     if (reader->reads_in_place()) {
-      fsdp::detail::Access::state(model).mark_broken(
-          error_text(std::current_exception()),
+      fsdp::detail::mark_broken(
+          model, error_text(std::current_exception()),
           "a load with LoadOptions::in_place failed after reading into this model's shards, so they hold a mix of "
           "values: build the model again and load a good checkpoint (docs/usage.md, 'Loading in place')");
     }

@@ -3,12 +3,15 @@
 #pragma once
 
 #include "data/distributed_sampler.h"
+#include "fsdp/export.h"
 
 #include <cstdint>
 #include <map>
 #include <optional>
 #include <string>
 #include <vector>
+
+FSDP_PUBLIC_BEGIN
 
 namespace fsdp::checkpoint {
 
@@ -116,3 +119,5 @@ Manifest read_manifest(const std::string& dir);
 std::string manifest_from_parts(const std::string& header, const std::vector<std::string>& parts, int64_t& bytes_total);
 
 }  // namespace fsdp::checkpoint
+
+FSDP_PUBLIC_END

@@ -4,11 +4,14 @@
 #pragma once
 
 #include "checkpoint/manifest.h"
+#include "fsdp/export.h"
 #include "fsdp/shard_spec.h"
 
 #include <cstdint>
 #include <utility>
 #include <vector>
+
+FSDP_PUBLIC_BEGIN
 
 namespace fsdp::checkpoint {
 
@@ -52,3 +55,5 @@ std::vector<WriteChunk> plan_writes(const std::vector<ShardSpec>& specs);
 std::pair<int64_t, int64_t> replica_part(int64_t rows, int64_t replicas, int64_t replica_rank, size_t index);
 
 }  // namespace fsdp::checkpoint
+
+FSDP_PUBLIC_END

@@ -5,7 +5,7 @@
 #include "checkpoint/internal/crc32c.h"
 #include "checkpoint/internal/parallel_io.h"
 #include "fsdp/internal/check.h"
-#include "fsdp/internal/json_text.h"
+#include "fsdp/util/json_text.h"
 
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
@@ -148,7 +148,7 @@ std::string header_of(const std::string& path, std::vector<TensorRecord> tensors
                       std::map<std::string, std::string> metadata, uint64_t alignment, FileRecord& rec) {
   FSDP_CHECK(alignment >= 8, "fsdp::checkpoint: the alignment of '", path, "' must be at least 8");
   metadata["format"] = "pt";
-  // Written as text (fsdp/internal/json_text.h), as nlohmann's compact dump would: a tree of a few
+  // Written as text (fsdp/util/json_text.h), as nlohmann's compact dump would: a tree of a few
   // hundred tensors is rebuilt at every save, and its keys are found by a linear scan.
   std::string text = "{";
   fsdp::detail::append_json_string(text, kMetadataKey);

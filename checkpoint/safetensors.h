@@ -6,6 +6,8 @@
 // header order, with no holes.
 #pragma once
 
+#include "fsdp/export.h"
+
 #include <ATen/core/Tensor.h>
 #include <torch/arg.h>
 
@@ -15,6 +17,8 @@
 #include <string>
 #include <utility>
 #include <vector>
+
+FSDP_PUBLIC_BEGIN
 
 namespace fsdp::checkpoint {
 
@@ -112,3 +116,5 @@ void pread_exactly(int fd, const std::string& path, uint64_t offset, uint64_t n,
 at::Tensor read_tensor(const std::string& path, const TensorRecord& record);
 
 }  // namespace fsdp::checkpoint
+
+FSDP_PUBLIC_END

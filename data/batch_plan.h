@@ -13,8 +13,12 @@
 // batch's whatever the split (up to the order of floating-point sums).
 #pragma once
 
+#include "fsdp/export.h"
+
 #include <cstdint>
 #include <string>
+
+FSDP_PUBLIC_BEGIN
 
 namespace fsdp::data {
 
@@ -35,3 +39,5 @@ BatchPlan plan_batch(int64_t global_batch, int ranks, int64_t max_rows);
 std::string to_string(const BatchPlan& plan);
 
 }  // namespace fsdp::data
+
+FSDP_PUBLIC_END

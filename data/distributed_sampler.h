@@ -22,6 +22,8 @@
 // With torch::data's loader: fsdp::data::LoaderSampler (data/loader_sampler.h) over this sampler.
 #pragma once
 
+#include "fsdp/export.h"
+
 #include <torch/arg.h>
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
@@ -31,6 +33,8 @@
 #include <optional>
 #include <string>
 #include <vector>
+
+FSDP_PUBLIC_BEGIN
 
 namespace fsdp::data {
 
@@ -126,3 +130,5 @@ class DistributedSampler {
 std::string divisible_sizes(int64_t global_batch, int ranks);
 
 }  // namespace fsdp::data
+
+FSDP_PUBLIC_END

@@ -21,12 +21,15 @@
 #pragma once
 
 #include "data/distributed_sampler.h"
+#include "fsdp/export.h"
 
 #include <torch/data/samplers/base.h>
 
 #include <cstddef>
 #include <optional>
 #include <vector>
+
+FSDP_PUBLIC_BEGIN
 
 namespace fsdp::data {
 
@@ -48,3 +51,5 @@ class LoaderSampler : public torch::data::samplers::Sampler<> {
 };
 
 }  // namespace fsdp::data
+
+FSDP_PUBLIC_END

@@ -15,8 +15,12 @@
 // draw among all n! orders, which no training loop needs.
 #pragma once
 
+#include "fsdp/export.h"
+
 #include <array>
 #include <cstdint>
+
+FSDP_PUBLIC_BEGIN
 
 namespace fsdp::data {
 
@@ -42,3 +46,5 @@ class Permutation {
 };
 
 }  // namespace fsdp::data
+
+FSDP_PUBLIC_END

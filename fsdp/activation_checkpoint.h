@@ -33,6 +33,7 @@
 // between forward and backward (LibTorch's own version check).
 #pragma once
 
+#include "fsdp/export.h"
 #include "fsdp/tensor_tree.h"
 
 #include <ATen/core/Tensor.h>
@@ -46,6 +47,8 @@
 #include <type_traits>
 #include <utility>
 #include <vector>
+
+FSDP_PUBLIC_BEGIN
 
 namespace fsdp {
 
@@ -140,3 +143,5 @@ auto activation_checkpoint(Fn&& fn, Args&&... args) {
 }
 
 }  // namespace fsdp
+
+FSDP_PUBLIC_END

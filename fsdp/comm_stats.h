@@ -2,7 +2,11 @@
 // (FSDPModule::buffer_cache_stats).
 #pragma once
 
+#include "fsdp/export.h"
+
 #include <cstdint>
+
+FSDP_PUBLIC_BEGIN
 
 namespace fsdp {
 
@@ -39,3 +43,5 @@ struct BufferCacheStats {
 };
 
 }  // namespace fsdp
+
+FSDP_PUBLIC_END

@@ -18,6 +18,8 @@
 // global rank.
 #pragma once
 
+#include "fsdp/export.h"
+
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <chrono>
@@ -25,10 +27,12 @@
 #include <string>
 #include <vector>
 
+FSDP_PUBLIC_BEGIN
+
 namespace fsdp {
 class DeviceMesh;
 namespace detail {
-struct MeshState;
+struct FSDP_HIDDEN MeshState;
 const MeshState& mesh_state(const DeviceMesh& mesh);
 }  // namespace detail
 
@@ -84,3 +88,5 @@ class DeviceMesh {
 };
 
 }  // namespace fsdp
+
+FSDP_PUBLIC_END

@@ -20,8 +20,12 @@
 //                                receiving it writes the flight recorder's file; the process goes on.
 #pragma once
 
+#include "fsdp/export.h"
+
 #include <chrono>
 #include <string>
+
+FSDP_PUBLIC_BEGIN
 
 namespace fsdp {
 
@@ -32,3 +36,5 @@ std::chrono::milliseconds default_timeout();
 bool verify_collectives_from_env();
 
 }  // namespace fsdp
+
+FSDP_PUBLIC_END

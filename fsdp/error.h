@@ -13,11 +13,15 @@
 //   }
 #pragma once
 
+#include "fsdp/export.h"
+
 #include <c10/util/Exception.h>
 #include <torch/arg.h>
 
 #include <exception>
 #include <string>
+
+FSDP_PUBLIC_BEGIN
 
 namespace fsdp {
 
@@ -57,3 +61,5 @@ std::string error_text(const std::exception_ptr& error);
 std::string error_text(const std::exception& error);
 
 }  // namespace fsdp
+
+FSDP_PUBLIC_END

@@ -6,7 +6,11 @@
 // a broadcast leave the tensor as it is.
 #pragma once
 
+#include "fsdp/export.h"
+
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+FSDP_PUBLIC_BEGIN
 
 namespace fsdp {
 
@@ -14,3 +18,5 @@ namespace fsdp {
 c10::intrusive_ptr<c10d::ProcessGroup> make_fake_process_group(int rank, int world_size);
 
 }  // namespace fsdp
+
+FSDP_PUBLIC_END

@@ -15,6 +15,7 @@
 #include "data/permutation.h"
 #include "fsdp/device_mesh.h"
 #include "fsdp/error.h"
+#include "fsdp/export.h"
 #include "fsdp/fake_process_group.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/memory.h"
@@ -35,3 +36,7 @@
 #include "tp/embedding.h"
 #include "tp/group.h"
 #include "tp/linear.h"
+
+FSDP_PUBLIC_BEGIN
+
+FSDP_PUBLIC_END

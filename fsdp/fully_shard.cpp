@@ -25,10 +25,10 @@ FSDPModule::FSDPModule(std::shared_ptr<torch::nn::Module> module, const c10::int
 FSDPModule::FSDPModule(std::shared_ptr<torch::nn::Module> module, ShardingScope& scope) : module_(std::move(module)) {
   const std::shared_ptr<RunState>& state = detail::Access::state(scope);
   FSDP_CHECK(state != nullptr, "fsdp::fully_shard: the ShardingScope has no state");
-  FSDP_CHECK(state->units.empty(), "fsdp::fully_shard (rank ", state->comm.rank(),
+  FSDP_CHECK(state->units().empty(), "fsdp::fully_shard (rank ", state->comm().rank(),
              "): this ShardingScope already wrapped a model; open one scope per model.");
   scope.close();
-  root_ = shard_model(module_, scope.process_group(), state->options, state);
+  root_ = shard_model(module_, scope.process_group(), state->options(), state);
   reset_comm_stats();
 }
 
@@ -64,7 +64,7 @@ FSDPModule::FSDPModule(std::shared_ptr<torch::nn::Module> module, const DeviceMe
 
 detail::ForwardCasts FSDPModule::root_pre_forward() {
   root_->state().begin_forward();
-  root_->state().in_root_forward = true;
+  root_->state().in_root_forward() = true;
   root_->pre_forward();
   detail::ForwardCasts casts;
   casts.input = root_->input_cast();
@@ -79,21 +79,21 @@ void FSDPModule::root_post_forward(const std::vector<at::Tensor>& outputs) {
 }
 
 void FSDPModule::root_forward_ended() {
-  root_->state().in_root_forward = false;
+  root_->state().in_root_forward() = false;
 }
 
 void FSDPModule::begin_access() const {
-  ++root_->state().direct_access;
+  ++root_->state().direct_access();
 }
 void FSDPModule::end_access(bool threw) const {
   RunState& state = root_->state();
-  --state.direct_access;
+  --state.direct_access();
   // Between steps the module's parameters are shards: a forward called on the module itself
   // (model->forward(x)) fails in its first operation that needs a full shape, with an error that
   // says nothing of the wrapper. Said here, as the error leaves the call.
-  const bool refused = std::exchange(state.access_error_explained, false);
-  if (threw && !refused && state.direct_access == 0 && !state.in_root_forward) {
-    TORCH_WARN("fsdp (rank ", state.comm.rank(),
+  const bool refused = std::exchange(state.access_error_explained(), false);
+  if (threw && !refused && state.direct_access() == 0 && !state.in_root_forward()) {
+    TORCH_WARN("fsdp (rank ", state.comm().rank(),
                "): an error left a call through the handle's operator->. If that call was the module's own "
                "forward (model->forward(x)) or a unit's Impl::forward (model->h0->BlockImpl::forward(x)), it ran "
                "around the wrapper on this rank's shards; call the handle itself: model(x) or model.forward(x), "
@@ -151,11 +151,11 @@ void FSDPModule::to(at::Device device) {
 torch::OrderedDict<std::string, at::Tensor> FSDPModule::full_state_dict(bool rank0_only) const {
   RunState& state = root_->state();
   state.check_not_broken();
-  FSDP_CHECK(!state.in_backward(), "fsdp::full_state_dict (", state.comm.where(),
+  FSDP_CHECK(!state.in_backward(), "fsdp::full_state_dict (", state.comm().where(),
              "): called during backward; call it between steps.");
-  state.check_boundary(detail::Call::kFullStateDict, detail::Fingerprint().add(rank0_only ? 1 : 0),
-                       std::string("full_state_dict(rank0_only=") + (rank0_only ? "true" : "false") + ")");
-  const bool keep = !rank0_only || state.comm.rank() == 0;
+  state.agree(detail::Call::kFullStateDict, detail::Fingerprint().add(rank0_only ? 1 : 0),
+              std::string("full_state_dict(rank0_only=") + (rank0_only ? "true" : "false") + ")");
+  const bool keep = !rank0_only || state.comm().rank() == 0;
   std::unordered_map<const c10::TensorImpl*, at::Tensor> full;
   state.for_each_unit([&](detail::Unit& u) {
     // A unit left gathered by a forward whose backward never ran: back to its shards first (the
@@ -205,11 +205,11 @@ std::vector<UnitInfo> FSDPModule::units() const {
 
 std::vector<ShardSpec> FSDPModule::shard_specs() const {
   const RunState& state = root_->state();
-  const int rank = state.comm.rank();
+  const int rank = state.comm().rank();
   std::vector<ShardSpec> out;
   size_t unit = 0;
   state.for_each_unit([&](const detail::Unit& g) {
-    FSDP_CHECK_IN(g.error_context("fsdp::shard_specs"), !g.is_unsharded(), "fsdp::shard_specs (", state.comm.where(),
+    FSDP_CHECK_IN(g.error_context("fsdp::shard_specs"), !g.is_unsharded(), "fsdp::shard_specs (", state.comm().where(),
                   "): unit '", g.label(),
                   "' is unsharded (inside its forward or backward); ask for the shard contract between steps. (A "
                   "backward that threw leaves its units so until the next forward of the model, which clears what it "
@@ -231,10 +231,10 @@ std::vector<ShardSpec> FSDPModule::shard_specs() const {
       p.row_end = s.layout.end(p.shard_rank);
       p.local = s.param;
       p.flat_offset = s.offset;
-      const auto split = state.tp_splits.find(s.param.unsafeGetTensorImpl());
-      if (split != state.tp_splits.end()) p.tp = split->second;
+      const auto split = state.tp_splits().find(s.param.unsafeGetTensorImpl());
+      if (split != state.tp_splits().end()) p.tp = split->second;
       p.tp_size = state.tp_size();
-      p.tp_rank = state.tp_comm ? state.tp_comm->rank() : 0;
+      p.tp_rank = state.tp_comm() ? state.tp_comm()->rank() : 0;
       out.push_back(std::move(p));
     }
     ++unit;
@@ -243,7 +243,7 @@ std::vector<ShardSpec> FSDPModule::shard_specs() const {
 }
 
 void FSDPModule::discard_unsynced_gradients() {
-  FSDP_CHECK(!root_->state().in_backward(), "fsdp::discard_unsynced_gradients (", root_->state().comm.where(),
+  FSDP_CHECK(!root_->state().in_backward(), "fsdp::discard_unsynced_gradients (", root_->state().comm().where(),
              "): called during backward; call it between steps.");
   root_->state().for_each_unit([](detail::Unit& u) { u.drop_unsynced_grads(); });
 }
@@ -255,10 +255,10 @@ void FSDPModule::zero_grad(bool set_to_none) {
 }
 
 void FSDPModule::set_requires_gradient_sync(bool sync) {
-  root_->state().sync_gradients = sync;
+  root_->state().set_sync_gradients(sync);
 }
 bool FSDPModule::requires_gradient_sync() const {
-  return root_->state().sync_gradients;
+  return root_->state().sync_gradients();
 }
 
 int64_t FSDPModule::num_parameters() const {
@@ -267,24 +267,24 @@ int64_t FSDPModule::num_parameters() const {
   state.for_each_unit([&](const detail::Unit& u) {
     for (const auto& s : u.slots()) {
       // Tensor parallel: this rank holds one part of a split parameter; the model has them all.
-      const auto split = state.tp_splits.find(s.param.unsafeGetTensorImpl());
-      n += s.layout.numel() * (split != state.tp_splits.end() && split->second.split() ? split->second.parts : 1);
+      const auto split = state.tp_splits().find(s.param.unsafeGetTensorImpl());
+      n += s.layout.numel() * (split != state.tp_splits().end() && split->second.split() ? split->second.parts : 1);
     }
   });
   return n;
 }
 
 const CommStats& FSDPModule::comm_stats() const {
-  return root_->state().comm.stats();
+  return root_->state().comm().stats();
 }
 int64_t FSDPModule::held_state_bytes() const {
   return root_->state().held_state_bytes();
 }
 BufferCacheStats FSDPModule::buffer_cache_stats() const {
-  return root_->state().pool.stats();
+  return root_->state().pool().stats();
 }
 void FSDPModule::release_cached_buffers() {
-  root_->state().pool.release();
+  root_->state().pool().release();
 }
 void FSDPModule::track_state_peak(bool on) {
   root_->state().track_state_peak(on);
@@ -293,24 +293,24 @@ int64_t FSDPModule::state_peak_bytes() const {
   return root_->state().state_peak();
 }
 void FSDPModule::reset_comm_stats() {
-  root_->state().comm.stats() = CommStats{};
+  root_->state().comm().stats() = CommStats{};
 }
 const c10::intrusive_ptr<c10d::ProcessGroup>& FSDPModule::process_group() const {
-  return root_->state().comm.process_group();
+  return root_->state().comm().process_group();
 }
 const FullyShardOptions& FSDPModule::options() const {
-  return root_->state().options;
+  return root_->state().options();
 }
 int FSDPModule::rank() const {
-  return root_->state().comm.rank();
+  return root_->state().comm().rank();
 }
 int FSDPModule::world_size() const {
-  return root_->state().comm.world_size();
+  return root_->state().comm().world_size();
 }
 
 bool FSDPModule::step_in_progress() const {
   const RunState& state = root_->state();
-  if (state.in_root_forward || state.in_backward()) return true;
+  if (state.in_root_forward() || state.in_backward()) return true;
   bool pending = false;
   state.for_each_unit([&](const detail::Unit& u) { pending = pending || u.backward_pending(); });
   return pending;
@@ -320,34 +320,6 @@ namespace detail {
 
 RunState& Access::state(const FSDPModule& model) {
   return model.root_->state();
-}
-
-std::vector<int64_t> agree(const FSDPModule& model, Call call, uint64_t payload, const std::string& what,
-                           int64_t vote) {
-  RunState& state = Access::state(model);
-  state.check_not_broken();
-  return state.check_boundary(call, Fingerprint().add(payload), what, vote);
-}
-
-void all_reduce(const FSDPModule& model, at::Tensor& tensor, c10d::ReduceOp op, const std::string& what,
-                Span span) {
-  // Every rank must be at this call: one rank reducing while another runs its next forward would
-  // pair this all-reduce with a collective of another size.
-  agree(model, Call::kModelCollective, Fingerprint().add(what).add(tensor.numel()).value(), what);
-  RunState& state = Access::state(model);
-  state.breaks_on_failure([&] {
-    (span == Span::kStep ? state.step_comm() : state.comm).all_reduce(tensor, op, what);
-    // Tensor parallel: the data-parallel result, then over the parts (every rank of the mesh).
-    if (state.tp_comm) state.tp_comm->all_reduce(tensor, op, what + " over the tensor-parallel ranks");
-  });
-}
-
-void gradients_rescaled(const FSDPModule& model) {
-  Access::state(model).watch.rescaled_by_library();
-}
-
-void check_gradients_reduced(const FSDPModule& model, const char* caller) {
-  Access::state(model).check_no_unsynced_grads(caller);
 }
 
 }  // namespace detail

@@ -16,6 +16,7 @@
 
 #include "fsdp/comm_stats.h"
 #include "fsdp/device_mesh.h"
+#include "fsdp/export.h"
 #include "fsdp/options.h"
 #include "fsdp/shard_spec.h"
 #include "fsdp/sharded.h"
@@ -30,10 +31,12 @@
 #include <string>
 #include <vector>
 
+FSDP_PUBLIC_BEGIN
+
 namespace fsdp {
 namespace detail {
-class Unit;
-struct Access;
+class FSDP_HIDDEN Unit;
+struct FSDP_HIDDEN Access;
 }  // namespace detail
 
 /// The handle of a wrapped model, the non-template part of FullyShardedModule<Impl>: what the
@@ -249,3 +252,5 @@ FullyShardedModule<Impl> fully_shard(std::shared_ptr<Impl> model, ShardingScope&
 }
 
 }  // namespace fsdp
+
+FSDP_PUBLIC_END

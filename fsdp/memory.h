@@ -2,9 +2,13 @@
 // allocator's statistics.
 #pragma once
 
+#include "fsdp/export.h"
+
 #include <c10/core/Device.h>
 
 #include <cstdint>
+
+FSDP_PUBLIC_BEGIN
 
 namespace fsdp::memory {
 
@@ -24,3 +28,5 @@ Stats stats(c10::Device device = c10::Device(c10::kCPU));
 void reset_peak(c10::Device device = c10::Device(c10::kCPU));
 
 }  // namespace fsdp::memory
+
+FSDP_PUBLIC_END

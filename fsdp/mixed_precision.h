@@ -11,6 +11,7 @@
 // of a unit exists only while it is gathered. fp16 needs loss scaling: fsdp::optim::ShardedGradScaler.
 #pragma once
 
+#include "fsdp/export.h"
 #include "fsdp/tensor_tree.h"
 
 #include <ATen/core/Tensor.h>
@@ -23,6 +24,8 @@
 #include <type_traits>
 #include <utility>
 #include <vector>
+
+FSDP_PUBLIC_BEGIN
 
 namespace fsdp {
 
@@ -132,3 +135,5 @@ void cast_output(T& out, std::optional<at::ScalarType> dtype) {
 
 }  // namespace detail
 }  // namespace fsdp
+
+FSDP_PUBLIC_END

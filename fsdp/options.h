@@ -3,6 +3,7 @@
 #pragma once
 
 #include "fsdp/env.h"
+#include "fsdp/export.h"
 #include "fsdp/mixed_precision.h"
 #include "fsdp/strategy.h"
 
@@ -13,6 +14,8 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+
+FSDP_PUBLIC_BEGIN
 
 namespace fsdp {
 
@@ -103,3 +106,5 @@ struct FullyShardOptions {
 };
 
 }  // namespace fsdp
+
+FSDP_PUBLIC_END

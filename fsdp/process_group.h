@@ -2,6 +2,7 @@
 #pragma once
 
 #include "fsdp/env.h"
+#include "fsdp/export.h"
 
 #include <torch/arg.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -10,6 +11,8 @@
 #include <optional>
 #include <string>
 #include <vector>
+
+FSDP_PUBLIC_BEGIN
 
 namespace fsdp {
 
@@ -88,3 +91,5 @@ void all_reduce(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, at::Tensor& te
                 c10d::ReduceOp op = c10d::ReduceOp::SUM);
 
 }  // namespace fsdp
+
+FSDP_PUBLIC_END

@@ -9,11 +9,15 @@
 // costs at most S - 1 rows per parameter and the gathered parameter is one contiguous slice of it.
 #pragma once
 
+#include "fsdp/export.h"
+
 #include <c10/util/ArrayRef.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <vector>
+
+FSDP_PUBLIC_BEGIN
 
 namespace fsdp {
 
@@ -67,3 +71,5 @@ inline std::vector<int64_t> flat_offsets(const std::vector<RowLayout>& layouts) 
 }
 
 }  // namespace fsdp
+
+FSDP_PUBLIC_END

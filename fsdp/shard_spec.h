@@ -9,6 +9,7 @@
 // [row_begin, row_end) of a tensor of global_shape.
 #pragma once
 
+#include "fsdp/export.h"
 #include "fsdp/options.h"
 #include "fsdp/shard_layout.h"
 #include "fsdp/tensor_split.h"
@@ -18,6 +19,8 @@
 #include <cstdint>
 #include <string>
 #include <vector>
+
+FSDP_PUBLIC_BEGIN
 
 namespace fsdp {
 
@@ -86,3 +89,5 @@ struct UnitInfo {
 };
 
 }  // namespace fsdp
+
+FSDP_PUBLIC_END

@@ -36,7 +36,7 @@ ForwardCasts unit_pre_forward(Unit& unit, int member) {
 void unit_post_forward(Unit& unit, int member, const std::vector<at::Tensor>& outputs) {
   for (const auto& t : outputs) {
     if (t.defined() && t.is_floating_point()) {
-      unit.state().unit_output_dtypes |= uint64_t{1} << static_cast<int>(t.scalar_type());
+      unit.state().unit_output_dtypes() |= uint64_t{1} << static_cast<int>(t.scalar_type());
     }
   }
   unit.post_forward(outputs, member);
@@ -78,10 +78,10 @@ void refuse_checkpointed_output(const Unit* unit) {
 void name_unit_in_error(const Unit& unit, const ForwardCasts& casts, c10::Error& e) {
   if (dynamic_cast<const fsdp::Error*>(&e) != nullptr) return;  // the library's own says enough
   RunState& state = unit.state();
-  if (state.named_error == &e) return;  // an inner unit's (the same exception, passing through)
-  state.named_error = &e;
+  if (state.named_error() == &e) return;  // an inner unit's (the same exception, passing through)
+  state.named_error() = &e;
   std::ostringstream os;
-  os << "fsdp (rank " << state.comm.rank() << "): raised in the forward of unit '" << unit.label()
+  os << "fsdp (rank " << state.comm().rank() << "): raised in the forward of unit '" << unit.label()
      << "', whose parameters compute in " << unit.param_dtype();
   if (const auto in = unit.input_cast()) {
     os << " and whose floating-point inputs are cast to " << *in;
@@ -92,7 +92,7 @@ void name_unit_in_error(const Unit& unit, const ForwardCasts& casts, c10::Error&
   // own layers) a unit's output of another dtype than the root computes in.
   const uint64_t compute_bit = uint64_t{1} << static_cast<int>(unit.param_dtype());
   const bool other_dtype =
-      casts.other_input.has_value() || (unit.is_root() && (state.unit_output_dtypes & ~compute_bit) != 0);
+      casts.other_input.has_value() || (unit.is_root() && (state.unit_output_dtypes() & ~compute_bit) != 0);
   if (other_dtype) {
     os << ". If the operands' dtypes differ, an input may come from a unit that computes in another dtype: give "
           "that unit MixedPrecisionPolicy::output_dtype, or this one the same param_dtype (its inputs are then "
@@ -123,7 +123,7 @@ void explained_check(Unit& unit, Check&& check) {
   try {
     check();
   } catch (...) {
-    unit.state().access_error_explained = true;
+    unit.state().access_error_explained() = true;
     throw;
   }
 }
@@ -146,8 +146,8 @@ void refuse_when_sharded(const std::shared_ptr<detail::Unit>& unit, const std::s
                          const char* setting) {
   if (!unit) return;
   detail::explained_check(*unit, [&] {
-    FSDP_CHECK_IN(unit->error_context(call), false, "fsdp (rank ", unit->state().comm.rank(), "): ", call, " on unit '",
-                  unit->label(), "', which is sharded already (", has,
+    FSDP_CHECK_IN(unit->error_context(call), false, "fsdp (rank ", unit->state().comm().rank(), "): ", call,
+                  " on unit '", unit->label(), "', which is sharded already (", has,
                   "). Call it before fsdp::fully_shard; a unit built inside an fsdp::ShardingScope is sharded as it "
                   "is built: give the ",
                   setting, " to the scope's options.");

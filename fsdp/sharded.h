@@ -13,6 +13,7 @@
 #pragma once
 
 #include "fsdp/activation_checkpoint.h"
+#include "fsdp/export.h"
 #include "fsdp/mixed_precision.h"
 #include "fsdp/options.h"
 #include "fsdp/tensor_tree.h"
@@ -31,11 +32,13 @@
 #include <utility>
 #include <vector>
 
+FSDP_PUBLIC_BEGIN
+
 namespace fsdp {
 
 namespace detail {
 
-class Unit;
+class FSDP_HIDDEN Unit;
 /// `member`: which of the unit's modules runs (0 unless modules share the unit, share_unit_with).
 ForwardCasts unit_pre_forward(Unit& unit, int member);
 /// Whether fully_shard made the unit checkpoint its activations.
@@ -67,7 +70,7 @@ auto forward_naming_unit(const Unit& unit, const ForwardCasts& casts, Fn&& fn) {
 }  // namespace detail
 
 namespace detail {
-struct Access;
+struct FSDP_HIDDEN Access;
 }  // namespace detail
 
 /// The non-template part of every sharded module: its per-unit settings, and the unit it belongs
@@ -259,3 +262,5 @@ class Sharded : public torch::nn::ModuleHolder<ShardedImpl<Impl>> {
 };
 
 }  // namespace fsdp
+
+FSDP_PUBLIC_END

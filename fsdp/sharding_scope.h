@@ -15,16 +15,19 @@
 #pragma once
 
 #include "fsdp/device_mesh.h"
+#include "fsdp/export.h"
 #include "fsdp/options.h"
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <memory>
 
+FSDP_PUBLIC_BEGIN
+
 namespace fsdp {
 namespace detail {
-class RunState;
-struct Access;
+class FSDP_HIDDEN RunState;
+struct FSDP_HIDDEN Access;
 }  // namespace detail
 
 class ShardingScope {
@@ -55,3 +58,5 @@ class ShardingScope {
 };
 
 }  // namespace fsdp
+
+FSDP_PUBLIC_END

@@ -3,9 +3,13 @@
 // benchmark, the tests and docs/strategies.md all read it from here.
 #pragma once
 
+#include "fsdp/export.h"
+
 #include <array>
 #include <cstdint>
 #include <string>
+
+FSDP_PUBLIC_BEGIN
 
 namespace fsdp {
 
@@ -196,3 +200,5 @@ double state_bytes_peak(ShardingStrategy s, const FormulaInputs& in);
 double comm_elements(ShardingStrategy s, const FormulaInputs& in);
 
 }  // namespace fsdp
+
+FSDP_PUBLIC_END

@@ -3,10 +3,14 @@
 // that splits its weights over a tensor-parallel group implements SplitModule the same way.
 #pragma once
 
+#include "fsdp/export.h"
+
 #include <cstdint>
 #include <string>
 #include <utility>
 #include <vector>
+
+FSDP_PUBLIC_BEGIN
 
 namespace fsdp {
 
@@ -34,3 +38,5 @@ class SplitModule {
 };
 
 }  // namespace fsdp
+
+FSDP_PUBLIC_END

@@ -4,6 +4,8 @@
 // outputs of fsdp::activation_checkpoint) and put others in their place, keeping the structure.
 #pragma once
 
+#include "fsdp/export.h"
+
 #include <ATen/core/Tensor.h>
 
 #include <optional>
@@ -12,6 +14,8 @@
 #include <type_traits>
 #include <utility>
 #include <vector>
+
+FSDP_PUBLIC_BEGIN
 
 namespace fsdp::detail {
 
@@ -65,3 +69,5 @@ std::vector<at::Tensor> tensors_of(T& x) {
 }
 
 }  // namespace fsdp::detail
+
+FSDP_PUBLIC_END

@@ -1,6 +1,6 @@
 #include "optim/clip_grad_norm.h"
-#include "fsdp/internal/access.h"
 #include "fsdp/internal/check.h"
+#include "fsdp/internal/core_access.h"
 
 #include <ATen/ops/empty.h>
 

@@ -2,7 +2,10 @@
 // every rank, and equal to torch::nn::utils::clip_grad_norm_ on the unsharded model.
 #pragma once
 
+#include "fsdp/export.h"
 #include "fsdp/fully_shard.h"
+
+FSDP_PUBLIC_BEGIN
 
 namespace fsdp::optim {
 
@@ -22,3 +25,5 @@ double clip_grad_norm(const FSDPModule& model, double max_norm, double norm_type
 double grad_norm(const FSDPModule& model, double norm_type = 2.0, bool error_if_nonfinite = false);
 
 }  // namespace fsdp::optim
+
+FSDP_PUBLIC_END

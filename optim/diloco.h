@@ -11,6 +11,7 @@
 // mean). See docs/local-sgd.md.
 #pragma once
 
+#include "fsdp/export.h"
 #include "fsdp/fully_shard.h"
 
 #include <torch/arg.h>
@@ -21,9 +22,11 @@
 #include <memory>
 #include <vector>
 
+FSDP_PUBLIC_BEGIN
+
 namespace fsdp::optim {
 namespace detail {
-class ReplicaSync;
+class FSDP_HIDDEN ReplicaSync;
 }
 
 struct DiLoCoOptions {
@@ -95,3 +98,5 @@ class DiLoCo {
 };
 
 }  // namespace fsdp::optim
+
+FSDP_PUBLIC_END

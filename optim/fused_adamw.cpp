@@ -1,6 +1,6 @@
 #include "optim/fused_adamw.h"
-#include "fsdp/internal/access.h"
 #include "fsdp/internal/check.h"
+#include "fsdp/internal/core_access.h"
 
 #include <ATen/ops/_fused_adamw.h>
 #include <ATen/ops/full.h>

@@ -2,11 +2,14 @@
 //   fsdp::optim::FusedAdamW opt(model, torch::optim::AdamWOptions(3e-4));
 #pragma once
 
+#include "fsdp/export.h"
 #include "fsdp/fully_shard.h"
 
 #include <torch/optim/adamw.h>
 
 #include <vector>
+
+FSDP_PUBLIC_BEGIN
 
 namespace fsdp::optim {
 
@@ -46,3 +49,5 @@ class FusedAdamW : public torch::optim::AdamW {
 };
 
 }  // namespace fsdp::optim
+
+FSDP_PUBLIC_END

@@ -1,6 +1,6 @@
 #include "optim/grad_scaler.h"
-#include "fsdp/internal/access.h"
 #include "fsdp/internal/check.h"
+#include "fsdp/internal/core_access.h"
 
 #include <ATen/ops/_amp_foreach_non_finite_check_and_unscale.h>
 #include <ATen/ops/_amp_update_scale.h>

@@ -18,6 +18,7 @@
 // bf16 has fp32's exponent range and needs none of this.
 #pragma once
 
+#include "fsdp/export.h"
 #include "fsdp/fully_shard.h"
 
 #include <torch/arg.h>
@@ -26,6 +27,8 @@
 #include <cstdint>
 #include <map>
 #include <string>
+
+FSDP_PUBLIC_BEGIN
 
 namespace fsdp::optim {
 
@@ -86,3 +89,5 @@ class ShardedGradScaler {
 };
 
 }  // namespace fsdp::optim
+
+FSDP_PUBLIC_END

@@ -13,6 +13,7 @@
 // See docs/local-sgd.md: what runs per replica, streaming fragments, bytes, checkpoints.
 #pragma once
 
+#include "fsdp/export.h"
 #include "fsdp/fully_shard.h"
 
 #include <torch/arg.h>
@@ -22,9 +23,11 @@
 #include <functional>
 #include <memory>
 
+FSDP_PUBLIC_BEGIN
+
 namespace fsdp::optim {
 namespace detail {
-class ReplicaSync;
+class FSDP_HIDDEN ReplicaSync;
 }
 
 struct LocalSGDOptions {
@@ -32,8 +35,8 @@ struct LocalSGDOptions {
   /// H: the inner steps between two averages of a fragment.
   TORCH_ARG(int64_t, sync_every);
   /// Streaming: F fragments (runs of consecutive units, units() order, of about equal size)
-  /// averaged in turn, one every H / F inner steps (fragment f after steps t with t % H == (f + 1) H / F mod H): the same bytes
-  /// per period, F-fold less at once. F must divide H and be at most the units holding parameters.
+  /// averaged in turn, one every H / F inner steps (fragment f after steps t with t % H == (f + 1) H / F mod H): the
+  /// same bytes per period, F-fold less at once. F must divide H and be at most the units holding parameters.
   TORCH_ARG(int64_t, fragments) = 1;
   /// The overlapped variant: the average is begun at its step and left in flight while the next
   /// inner step computes, then applied after it as p += mean - p_then (the replicas' mean of the
@@ -76,3 +79,5 @@ class LocalSGD {
 };
 
 }  // namespace fsdp::optim
+
+FSDP_PUBLIC_END

@@ -2,11 +2,15 @@
 // ZeRO formulas (16 bytes per parameter with fp32 Adam, divided by the ranks when sharded) count.
 #pragma once
 
+#include "fsdp/export.h"
+
 #include <ATen/core/Tensor.h>
 #include <torch/optim/optimizer.h>
 
 #include <cstdint>
 #include <vector>
+
+FSDP_PUBLIC_BEGIN
 
 namespace fsdp::optim {
 
@@ -24,3 +28,5 @@ struct StateBytes {
 StateBytes state_bytes(const std::vector<at::Tensor>& params, const torch::optim::Optimizer* optimizer = nullptr);
 
 }  // namespace fsdp::optim
+
+FSDP_PUBLIC_END

@@ -1,7 +1,7 @@
 #include "tp/conjugates.h"
 
 #include "fsdp/internal/check.h"
-#include "fsdp/internal/comm.h"
+#include "fsdp/internal/core_access.h"
 
 #include <ATen/ops/empty.h>
 #include <torch/autograd.h>

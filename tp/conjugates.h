@@ -11,11 +11,14 @@
 // default, is split); a split dimension must be divisible by T.
 #pragma once
 
+#include "fsdp/export.h"
 #include "tp/group.h"
 
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+
+FSDP_PUBLIC_BEGIN
 
 namespace fsdp::tp {
 
@@ -44,3 +47,5 @@ at::Tensor reduce_scatter_to_sequence_region(const at::Tensor& x, const Group& g
 at::Tensor scatter_to_sequence_region(const at::Tensor& x, const Group& group, int64_t dim = 1);
 
 }  // namespace fsdp::tp
+
+FSDP_PUBLIC_END

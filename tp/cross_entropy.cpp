@@ -1,7 +1,7 @@
 #include "tp/cross_entropy.h"
 
 #include "fsdp/internal/check.h"
-#include "fsdp/internal/comm.h"
+#include "fsdp/internal/core_access.h"
 
 #include <torch/autograd.h>
 

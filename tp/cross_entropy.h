@@ -11,12 +11,15 @@
 // Backward needs no communication: each rank's gradient is softmax - one-hot on its columns.
 #pragma once
 
+#include "fsdp/export.h"
 #include "tp/group.h"
 
 #include <ATen/core/Tensor.h>
 #include <torch/arg.h>
 
 #include <cstdint>
+
+FSDP_PUBLIC_BEGIN
 
 namespace fsdp::tp {
 
@@ -32,3 +35,5 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at
                                         const VocabParallelCrossEntropyOptions& options = {});
 
 }  // namespace fsdp::tp
+
+FSDP_PUBLIC_END

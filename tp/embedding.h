@@ -11,6 +11,7 @@
 // every tensor-parallel size; the parameter is named "weight".
 #pragma once
 
+#include "fsdp/export.h"
 #include "fsdp/tensor_split.h"
 #include "tp/group.h"
 
@@ -18,6 +19,8 @@
 #include <torch/nn/pimpl.h>
 
 #include <cstdint>
+
+FSDP_PUBLIC_BEGIN
 
 namespace fsdp::tp {
 
@@ -54,3 +57,5 @@ class VocabParallelEmbeddingImpl : public torch::nn::Cloneable<VocabParallelEmbe
 TORCH_MODULE(VocabParallelEmbedding);
 
 }  // namespace fsdp::tp
+
+FSDP_PUBLIC_END

@@ -2,8 +2,7 @@
 
 #include "fsdp/env.h"
 #include "fsdp/internal/check.h"
-#include "fsdp/internal/comm.h"
-#include "fsdp/internal/mesh_state.h"
+#include "fsdp/internal/core_access.h"
 
 namespace fsdp {
 namespace detail {
@@ -17,18 +16,15 @@ Comm& tp_comm(const tp::Group& group) {
 namespace tp {
 
 Group::Group(const DeviceMesh& mesh) {
-  const detail::MeshState& s = detail::mesh_state(mesh);
-  // A CommShared of its own: its statistics and call log are this Group's (and its copies').
-  comm_ = std::make_shared<detail::Comm>(s.group(kTensorDim).pg, s.timeout, std::make_shared<detail::CommShared>(),
-                                         s.group_info(kTensorDim), verify_collectives_from_env());
+  // Statistics and a call log of its own: this Group's (and its copies').
+  comm_ = detail::mesh_group(mesh, kTensorDim, verify_collectives_from_env());
 }
 
 Group::Group(const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
   FSDP_CHECK(pg, "fsdp::tp::Group: the process group is null");
   detail::GroupInfo info;
   info.name = "tp group";
-  comm_ = std::make_shared<detail::Comm>(pg, detail::group_timeout(*pg), std::make_shared<detail::CommShared>(), info,
-                                         verify_collectives_from_env());
+  comm_ = detail::own_group(pg, detail::group_timeout(*pg), info, verify_collectives_from_env());
 }
 
 int Group::rank() const {

@@ -17,12 +17,15 @@
 
 #include "fsdp/comm_stats.h"
 #include "fsdp/device_mesh.h"
+#include "fsdp/export.h"
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <memory>
 #include <string>
 #include <vector>
+
+FSDP_PUBLIC_BEGIN
 
 namespace fsdp {
 namespace detail {
@@ -68,3 +71,5 @@ class Group {
 
 }  // namespace tp
 }  // namespace fsdp
+
+FSDP_PUBLIC_END

@@ -19,6 +19,7 @@
 // tensor-parallel size, and the parameters are named "weight" and "bias" as torch::nn::Linear's.
 #pragma once
 
+#include "fsdp/export.h"
 #include "fsdp/tensor_split.h"
 #include "tp/group.h"
 
@@ -26,6 +27,8 @@
 #include <torch/nn/pimpl.h>
 
 #include <cstdint>
+
+FSDP_PUBLIC_BEGIN
 
 namespace fsdp::tp {
 
@@ -104,3 +107,5 @@ class RowParallelLinearImpl : public torch::nn::Cloneable<RowParallelLinearImpl>
 TORCH_MODULE(RowParallelLinear);
 
 }  // namespace fsdp::tp
+
+FSDP_PUBLIC_END

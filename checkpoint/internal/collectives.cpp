@@ -1,8 +1,6 @@
 #include "checkpoint/internal/collectives.h"
 
-#include "fsdp/internal/access.h"
 #include "fsdp/internal/check.h"
-#include "fsdp/internal/run_state.h"
 
 namespace fsdp::checkpoint::detail {
 
@@ -10,32 +8,31 @@ using fsdp::detail::Call;
 using fsdp::detail::Fingerprint;
 
 const c10::intrusive_ptr<c10d::ProcessGroup>& checkpoint_group(const FSDPModule& model) {
-  const auto& state = fsdp::detail::Access::state(model);
-  return state.mesh_comm ? state.mesh_comm->process_group() : state.comm.process_group();
+  return fsdp::detail::checkpoint_group(model)->process_group();
 }
 
 std::vector<int> tensor_parallel_ranks(const FSDPModule& model) {
-  const auto& state = fsdp::detail::Access::state(model);
-  return state.tp_comm ? state.tp_comm->global_ranks() : std::vector<int>{};
+  const fsdp::detail::Comm* tp = fsdp::detail::tensor_parallel_group(model);
+  return tp != nullptr ? tp->global_ranks() : std::vector<int>{};
 }
 
 Group Group::of(const FSDPModule& model) {
   Group g;
   g.model_ = &model;
   // The model's own communication context (not a copy): its statistics and call log.
-  auto& state = fsdp::detail::Access::state(model);
+  const fsdp::detail::Comm& dp = fsdp::detail::model_group(model);
   // Replicas that train apart keep part of their state in their LocalSGD or DiLoCo object: a
   // checkpoint without it is refused before anything happens (the same on every rank).
-  FSDP_CHECK_IN(state.comm.error_context("fsdp::checkpoint"), !state.replicas_apart || !state.outer.expired(),
-                "fsdp::checkpoint (", state.comm.where(),
+  FSDP_CHECK_IN(dp.error_context("fsdp::checkpoint"),
+                !fsdp::detail::replicas_apart(model) || fsdp::detail::outer_state(model) != nullptr,
+                "fsdp::checkpoint (", dp.where(),
                 "): the model's replicas train apart, but the fsdp::optim::LocalSGD or DiLoCo object that drives "
                 "them is gone, and with it the outer state: keep it alive while saving or loading (or make a new one "
                 "first). Nothing was written or read.");
   // Over a mesh with tensor parallelism, or while replicas train apart (LocalSGD), the model's
   // step-boundary agreement spans fewer ranks than the checkpoint: the checkpoint's group agrees too.
-  g.wider_than_step_ = state.mesh_comm != nullptr || state.replicas_apart;
-  g.comm_ = std::shared_ptr<fsdp::detail::Comm>(state.shared_from_this(),
-                                                state.mesh_comm ? state.mesh_comm.get() : &state.comm);
+  g.wider_than_step_ = fsdp::detail::checkpoint_wider_than_step(model);
+  g.comm_ = fsdp::detail::checkpoint_group(model);
   return g;
 }
 
@@ -44,7 +41,7 @@ Group Group::own(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, std::chrono::
   // Its members by global rank: the Comm finds them when fsdp::new_subgroup made `pg`.
   fsdp::detail::GroupInfo info{"the asynchronous saver's group", {}};
   info.background = true;  // its agreements are not where the training hangs
-  g.comm_ = std::make_shared<fsdp::detail::Comm>(pg, timeout, std::make_shared<fsdp::detail::CommShared>(), info);
+  g.comm_ = fsdp::detail::own_group(pg, timeout, info);
   return g;
 }
 
@@ -87,7 +84,7 @@ std::vector<std::string> Group::exchange(const std::string& text, const std::str
   if (model_ == nullptr) return comm_->exchange_strings(text, what, root);
   // Over the model's group: a failure leaves its ranks at different collectives.
   std::vector<std::string> out;
-  fsdp::detail::Access::state(*model_).breaks_on_failure([&] { out = comm_->exchange_strings(text, what, root); });
+  fsdp::detail::breaks_on_failure(*model_, [&] { out = comm_->exchange_strings(text, what, root); });
   return out;
 }
 

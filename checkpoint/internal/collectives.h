@@ -8,7 +8,7 @@
 #pragma once
 
 #include "fsdp/fully_shard.h"
-#include "fsdp/internal/comm.h"
+#include "fsdp/internal/core_access.h"
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 

@@ -9,6 +9,7 @@
 #include <functional>
 #include <string>
 #include <vector>
+#include "fsdp/export.h"
 
 namespace fsdp::checkpoint::detail {
 
@@ -37,7 +38,8 @@ struct IoPiece {
 /// through an aligned buffer per thread; the last block is written padded to the alignment and
 /// the file then truncated to its size. No fsync (the caller's, once per file). A filesystem that refuses
 /// O_DIRECT is an error that says so. Errors name the file, the bytes and the system's reason.
-void write_pieces(const std::string& path, const std::vector<IoPiece>& pieces, const IoOptions& options);
+FSDP_TESTING_API void write_pieces(const std::string& path, const std::vector<IoPiece>& pieces,
+                                   const IoOptions& options);
 
 /// One pread: `n` bytes at `offset` of the file open as `fd` (`path`, for errors) into `dst`;
 /// then `after`, when set, on the same thread (a check of the bytes while they are in its cache
@@ -52,6 +54,6 @@ struct ReadRequest {
 
 /// The requests, each split into reads of at most `block_bytes` (a request with `after` is never
 /// split), shared by `threads` threads; the first error is rethrown once all have stopped.
-void read_parallel(const std::vector<ReadRequest>& requests, int threads, uint64_t block_bytes);
+FSDP_TESTING_API void read_parallel(const std::vector<ReadRequest>& requests, int threads, uint64_t block_bytes);
 
 }  // namespace fsdp::checkpoint::detail

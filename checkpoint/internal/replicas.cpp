@@ -1,9 +1,8 @@
 #include "checkpoint/internal/replicas.h"
 
 #include "checkpoint/internal/optimizer_state.h"
-#include "fsdp/internal/access.h"
 #include "fsdp/internal/check.h"
-#include "fsdp/internal/run_state.h"
+#include "fsdp/internal/core_access.h"
 
 #include <nlohmann/json.hpp>
 
@@ -12,8 +11,8 @@
 namespace fsdp::checkpoint::detail {
 namespace {
 
-std::shared_ptr<fsdp::detail::RunState::OuterState> outer_of(const FSDPModule& model, const char* call) {
-  auto outer = fsdp::detail::Access::state(model).outer.lock();
+std::shared_ptr<fsdp::detail::OuterState> outer_of(const FSDPModule& model, const char* call) {
+  auto outer = fsdp::detail::outer_state(model);
   FSDP_CHECK(outer != nullptr, call, " (rank ", model.rank(),
              "): the model's replicas train apart, but the fsdp::optim::LocalSGD or DiLoCo object that drives them is "
              "gone, and with it the outer state: keep it alive while saving or loading.");
@@ -134,7 +133,7 @@ ReplicaLoad replica_load(const Manifest& m, FSDPModule& model, const std::vector
 
 void finish_replica_load(const ReplicaLoad& plan, FSDPModule& model) {
   if (plan.inner_steps < 0) return;
-  fsdp::detail::Access::state(model).outer.lock()->set_inner_steps(plan.inner_steps);
+  fsdp::detail::outer_state(model)->set_inner_steps(plan.inner_steps);
 }
 
 }  // namespace fsdp::checkpoint::detail

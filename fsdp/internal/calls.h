@@ -17,7 +17,7 @@ enum class Call : int64_t {
   kReduceScatter = 2,
   kAllReduce = 3,
   kBroadcast = 4,
-  // The step's boundaries (RunState::check_boundary, docs/design.md "Ranks on the same path").
+  // The step's boundaries (RunState::agree, docs/design.md "Ranks on the same path").
   kForward = 101,
   kBackwardBegin = 102,
   kBackwardEnd = 103,

@@ -5,6 +5,7 @@
 #pragma once
 
 #include "fsdp/error.h"
+#include "fsdp/export.h"
 
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
@@ -14,7 +15,8 @@
 namespace fsdp::detail {
 
 /// Throws fsdp::Error; a context without a rank gets this process's, where a process group made it known.
-[[noreturn]] void throw_error(const c10::SourceLocation& source, std::string message, ErrorContext context = {});
+[[noreturn]] FSDP_API void throw_error(const c10::SourceLocation& source, std::string message,
+                                       ErrorContext context = {});
 
 }  // namespace fsdp::detail
 

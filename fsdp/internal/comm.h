@@ -7,6 +7,7 @@
 
 #include "fsdp/comm_stats.h"
 #include "fsdp/error.h"
+#include "fsdp/export.h"
 #include "fsdp/internal/calls.h"
 #include "fsdp/internal/cuda_backend.h"
 
@@ -48,7 +49,7 @@ struct GroupInfo {
 /// kinds, sizes and descriptions (operation and unit): compared between ranks at the next check,
 /// so that ranks whose sequences differed with equal sizes (units run in another order) are caught
 /// before the optimizer uses what they computed.
-struct CallLog {
+struct FSDP_API CallLog {
   int64_t count = 0;
   Fingerprint hash;
   /// The first collectives, by operation and unit ("all-gather of unit 'h.1'"), for messages.
@@ -89,7 +90,7 @@ struct CommShared {
   bool launch_alone = false;
 };
 
-class Comm {
+class FSDP_API Comm {
  public:
   /// `shared` may be shared between the Comms of one model (hybrid sharding's groups). With
   /// `verify`, every collective is preceded by a cross-rank check of its fingerprint.
@@ -214,13 +215,13 @@ class Comm {
 };
 
 /// Whether `backend` is the fake backend of fsdp::make_fake_process_group (a simulated rank).
-bool is_fake_backend(const c10d::Backend& backend);
+FSDP_API bool is_fake_backend(const c10d::Backend& backend);
 
 /// The timeout `pg`'s CPU backend was created with (init_process_group's), else default_timeout().
-std::chrono::milliseconds group_timeout(c10d::ProcessGroup& pg);
+FSDP_API std::chrono::milliseconds group_timeout(c10d::ProcessGroup& pg);
 
 /// "0, 1, 2", or for many ranks the first six, the count and the last.
-std::string list_ranks(const std::vector<int>& ranks);
+FSDP_API std::string list_ranks(const std::vector<int>& ranks);
 
 using fsdp::error_text;
 

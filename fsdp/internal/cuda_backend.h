@@ -4,6 +4,7 @@
 // them with the compute stream, and how NCCL's blocking wait is read.
 #pragma once
 
+#include "fsdp/export.h"
 #include "fsdp/process_group.h"
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -26,12 +27,12 @@ enum class SideStream { kAllGather = 0, kReduce = 1 };
 /// One model's side streams (per device and kind, taken from PyTorch's pool when first used), so
 /// that two models' collectives never queue behind each other. Null without CUDA.
 class SideStreams;
-std::shared_ptr<SideStreams> make_side_streams();
+FSDP_TESTING_API std::shared_ptr<SideStreams> make_side_streams();
 
 /// Whether ProcessGroupNCCL waits blockingly (TORCH_NCCL_BLOCKING_WAIT or NCCL_BLOCKING_WAIT, read
 /// as it reads them): its watchdog then tracks no collective, so side streams, which return no
 /// work to wait on, would lose the timeout. False without CUDA.
-bool nccl_blocking_wait();
+FSDP_TESTING_API bool nccl_blocking_wait();
 
 /// The end of a collective issued on a side stream. block_current() makes the stream current
 /// then wait for it (never the CPU); destroyed without that, it does so itself, so that the

@@ -2,6 +2,7 @@
 #pragma once
 
 #include "fsdp/env.h"
+#include "fsdp/export.h"
 
 #include <chrono>
 #include <string>
@@ -18,13 +19,13 @@ std::string job_id();
 std::chrono::milliseconds parse_timeout_seconds(const std::string& value, const std::string& what);
 
 /// $FSDP_FLIGHT_RECORDER_SIZE: the flight recorder's ring size (0: off), default 256.
-size_t flight_recorder_size_from_env();
+FSDP_TESTING_API size_t flight_recorder_size_from_env();
 /// Parses a ring size ("0" to "1000000") from variable `what`.
-size_t parse_flight_recorder_size(const std::string& value, const std::string& what);
+FSDP_TESTING_API size_t parse_flight_recorder_size(const std::string& value, const std::string& what);
 
 /// $FSDP_DUMP_ON_SIGNAL: the signal whose receipt writes the flight recorder's file (0: none).
 int dump_signal_from_env();
 /// Parses "USR1", "SIGUSR1", "USR2", "SIGUSR2", a real-time signal's number, or "0" (none).
-int parse_dump_signal(const std::string& value, const std::string& what);
+FSDP_TESTING_API int parse_dump_signal(const std::string& value, const std::string& what);
 
 }  // namespace fsdp::detail

@@ -12,6 +12,7 @@
 // learns the peer's last collective from the store.
 #pragma once
 
+#include "fsdp/export.h"
 #include "fsdp/internal/heartbeat_record.h"
 
 #include <c10/core/Device.h>
@@ -42,8 +43,8 @@ struct TraceGroup {
 };
 
 /// The one TraceGroup of this name and these members (Comms of one group share its count).
-std::shared_ptr<TraceGroup> trace_group(const std::string& name, const std::vector<int>& global_ranks,
-                                        bool background = false);
+FSDP_TESTING_API std::shared_ptr<TraceGroup> trace_group(const std::string& name, const std::vector<int>& global_ranks,
+                                                         bool background = false);
 
 struct TraceEntry {
   int64_t seq = -1;  ///< process-wide, from 0
@@ -72,23 +73,23 @@ void trace_identity(int& global_rank, int& world_size);
 
 /// Records a collective as issued on `group` and returns its number (for trace_end), or -1 when
 /// the recorder is off. `numel`, `dtype`, `device`: this rank's input tensor.
-int64_t trace_issue(const std::shared_ptr<TraceGroup>& group, const char* op, const std::string& what, int64_t numel,
-                    int64_t bytes, c10::ScalarType dtype, c10::Device device);
+FSDP_TESTING_API int64_t trace_issue(const std::shared_ptr<TraceGroup>& group, const char* op, const std::string& what,
+                                     int64_t numel, int64_t bytes, c10::ScalarType dtype, c10::Device device);
 /// Records how collective `seq` ended (nothing when it left the ring, or seq < 0).
-void trace_end(int64_t seq, TraceState state);
+FSDP_TESTING_API void trace_end(int64_t seq, TraceState state);
 
 /// The last entry of a group that is not a background one, as the heartbeat publishes it.
-LastCollective last_collective();
+FSDP_TESTING_API LastCollective last_collective();
 
 /// The ring, oldest first; the ring's size; how many collectives were recorded in all.
-std::vector<TraceEntry> trace_entries();
-size_t trace_capacity();
-int64_t trace_recorded();
+FSDP_TESTING_API std::vector<TraceEntry> trace_entries();
+FSDP_TESTING_API size_t trace_capacity();
+FSDP_TESTING_API int64_t trace_recorded();
 
 /// The directory of the dumps ($FSDP_FLIGHT_RECORDER_DIR, else /tmp/fsdp-trace) and this rank's
 /// file in it ("fsdp-trace-rank-<global rank>.json").
 std::string trace_dir();
-std::string trace_file(int global_rank);
+FSDP_TESTING_API std::string trace_file(int global_rank);
 
 struct DumpResult {
   std::string path;   ///< the file written, "" when none
@@ -97,9 +98,9 @@ struct DumpResult {
 /// Writes this rank's dump: `reason` ("timeout in <what>", "signal SIGUSR1"), the entries, and
 /// the peers' heartbeats as `peers` read them (with the diagnosis text, when a failure caused it).
 /// Never throws: a failure is returned in `error`.
-DumpResult dump_flight_record(const std::string& reason, const PeerDiagnosis& peers);
+FSDP_TESTING_API DumpResult dump_flight_record(const std::string& reason, const PeerDiagnosis& peers);
 
 /// Testing: empties the ring and sets its size (as $FSDP_FLIGHT_RECORDER_SIZE would).
-void reset_flight_recorder_for_testing(size_t capacity);
+FSDP_TESTING_API void reset_flight_recorder_for_testing(size_t capacity);
 
 }  // namespace fsdp::detail

@@ -3,8 +3,8 @@
 // half a file, even when a rank dumps twice (a signal, then a timeout). The format is described
 // in docs/usage.md ("When a run hangs: the flight recorder") and read by tools/trace_report.cpp.
 #include "fsdp/internal/flight_recorder.h"
-#include "fsdp/internal/json_text.h"
-#include "fsdp/internal/make_dirs.h"
+#include "fsdp/util/json_text.h"
+#include "fsdp/util/make_dirs.h"
 
 #include "fsdp/internal/env.h"
 #include "fsdp/internal/monitor.h"

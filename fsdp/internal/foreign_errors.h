@@ -7,6 +7,7 @@
 #pragma once
 
 #include <string>
+#include "fsdp/export.h"
 
 namespace fsdp::detail {
 
@@ -17,6 +18,6 @@ enum class ForeignError {
 };
 
 /// What kind of foreign error `text` (an exception's what()) is.
-ForeignError recognize_foreign_error(const std::string& text);
+FSDP_TESTING_API ForeignError recognize_foreign_error(const std::string& text);
 
 }  // namespace fsdp::detail

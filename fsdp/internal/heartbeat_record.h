@@ -6,11 +6,12 @@
 #include <cstdint>
 #include <string>
 #include <vector>
+#include "fsdp/export.h"
 
 namespace fsdp::detail {
 
 /// A rank's last collective, as its flight recorder knows it (fsdp/internal/flight_recorder.h).
-struct LastCollective {
+struct FSDP_TESTING_API LastCollective {
   int64_t seq = -1;        ///< the process-wide number; -1: none recorded (or the recorder is off)
   std::string group;       ///< "world", "hybrid shard group 1", ...
   int64_t group_seq = -1;  ///< the number within the group: comparable between the group's ranks
@@ -38,12 +39,13 @@ struct Heartbeat {
 /// "seq|unix_ms|host:pid|pid ns|activity_since|activity|exited|last collective|failure", the last
 /// collective as "seq,group_seq,state,op,group,what" (empty when none). Bars in the text fields
 /// become '/', so that only the failure (the last field) may hold any character.
-std::string encode_heartbeat(int64_t seq, int64_t now_ms, const std::string& who, const std::string& ns,
-                             int64_t activity_since, const std::string& activity, bool exited,
-                             const LastCollective& last, const std::string& failure);
+FSDP_TESTING_API std::string encode_heartbeat(int64_t seq, int64_t now_ms, const std::string& who,
+                                              const std::string& ns, int64_t activity_since,
+                                              const std::string& activity, bool exited, const LastCollective& last,
+                                              const std::string& failure);
 
 /// False when `v` is not a heartbeat. A record without the last-collective field (eight fields,
 /// an older writer) reads with `last` unknown.
-bool decode_heartbeat(const std::vector<uint8_t>& v, Heartbeat& out);
+FSDP_TESTING_API bool decode_heartbeat(const std::vector<uint8_t>& v, Heartbeat& out);
 
 }  // namespace fsdp::detail

@@ -12,6 +12,7 @@
 //   process group return at once.
 #pragma once
 
+#include "fsdp/export.h"
 #include "fsdp/internal/heartbeat_record.h"
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -72,7 +73,7 @@ PeerDiagnosis peer_states(const std::vector<int>& global_ranks, int self);
 /// Installs (once) a std::terminate handler that, when Gloo's transport thread aborts the process
 /// on a collective of mismatched size (an exception thrown where nothing can catch it), first
 /// prints what happened and what to do, then calls the previous handler.
-void explain_gloo_aborts(int rank);
+FSDP_TESTING_API void explain_gloo_aborts(int rank);
 
 /// Keeps `backend` alive until the process exits (see above). Safe to call more than once.
 void abandon_backend(const c10::intrusive_ptr<c10d::Backend>& backend);

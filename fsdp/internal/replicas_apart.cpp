@@ -18,18 +18,18 @@ Comm& train_replicas_apart(const FSDPModule& model, const std::string& caller, u
                            const std::string& text) {
   RunState& state = Access::state(model);
   state.check_not_broken();
-  const ErrorContext context = state.comm.error_context(caller);
-  const std::string where = caller + " (" + state.comm.where() + ")";
+  const ErrorContext context = state.comm().error_context(caller);
+  const std::string where = caller + " (" + state.comm().where() + ")";
   const char* remedy =
       " Wrap the model with hybrid sharding: FullyShardOptions().strategy(ShardingStrategy::kHybridShard)"
       ".shard_group_size(S) over a process group (each group of S consecutive ranks is a replica; S may be 1), "
       "or fully_shard over a DeviceMesh with dp_replicate and dp_shard both above one rank.";
-  FSDP_CHECK_IN(context, state.replicate_comm != nullptr, where, ": the model is not hybrid-sharded, so it has no ",
+  FSDP_CHECK_IN(context, state.replicate_comm() != nullptr, where, ": the model is not hybrid-sharded, so it has no ",
                 "replicas to train apart (",
-                state.options.strategy() == ShardingStrategy::kHybridShard
+                state.options().strategy() == ShardingStrategy::kHybridShard
                     ? "its mesh has no dp_replicate and dp_shard dimensions both above one rank"
-                    : std::string("it is ") + to_string(state.options.strategy()) + " over its " +
-                          std::to_string(state.comm.world_size()) + " data-parallel rank(s)",
+                    : std::string("it is ") + to_string(state.options().strategy()) + " over its " +
+                          std::to_string(state.comm().world_size()) + " data-parallel rank(s)",
                 ").", remedy);
   state.for_each_unit([&](const Unit& u) {
     FSDP_CHECK_IN(context, u.strategy() == ShardingStrategy::kHybridShard, where, ": unit '", u.label(), "' is ",
@@ -57,19 +57,11 @@ Comm& train_replicas_apart(const FSDPModule& model, const std::string& caller, u
            "options.";
   };
   state.breaks_on_failure([&] {
-    state.comm.agree(
+    state.comm().agree(
         Call::kOuterStep, settings, caller + " with " + text, [&] { return "\n" + text; }, 0, explain);
   });
-  state.replicas_apart = true;
-  return *state.replicate_comm;
-}
-
-void breaks_on_failure(const FSDPModule& model, const std::function<void()>& fn) {
-  Access::state(model).breaks_on_failure(fn);
-}
-
-bool replicas_apart(const FSDPModule& model) {
-  return Access::state(model).replicas_apart;
+  state.set_replicas_apart();
+  return *state.replicate_comm();
 }
 
 }  // namespace fsdp::detail

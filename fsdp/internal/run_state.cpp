@@ -21,21 +21,21 @@
 namespace fsdp::detail {
 
 RunState::RunState(c10::intrusive_ptr<c10d::ProcessGroup> pg, FullyShardOptions options, GroupInfo group)
-    : options(options),
-      comm(std::move(pg), this->options.timeout(), std::make_shared<CommShared>(), std::move(group),
-           this->options.verify_collectives()),
+    : options_(std::move(options)),
+      comm_(std::move(pg), options_.timeout(), std::make_shared<CommShared>(), std::move(group),
+            options_.verify_collectives()),
       // Each unit in flight (the root, kept gathered, the one computing and those prefetched)
       // holds at most two buffers.
-      pool(2 * (2 + static_cast<int64_t>(this->options.prefetch()))) {
+      pool_(2 * (2 + static_cast<int64_t>(options_.prefetch()))) {
   // Blocking wait makes ProcessGroupNCCL track no collective in its watchdog, and a collective on
   // a side stream returns no work to wait on: the timeout would be lost (docs/design.md).
-  comm.shared()->side_streams = this->options.comm_streams() && !nccl_blocking_wait();
+  comm_.shared()->side_streams = options_.comm_streams() && !nccl_blocking_wait();
 }
 
 void RunState::init_hybrid(int group_size) {
-  if (shard_comm) return;
-  const int W = comm.world_size();
-  const int r = comm.rank();
+  if (shard_comm_) return;
+  const int W = comm_.world_size();
+  const int r = comm_.rank();
   FSDP_CHECK(group_size >= 1 && W % group_size == 0, "fsdp::fully_shard (rank ", r, " of ", W,
              "): kHybridShard needs FullyShardOptions::shard_group_size to divide the world size, but it is ",
              group_size, ". Set it to the ranks of one group, e.g. the processes of one node.");
@@ -43,45 +43,44 @@ void RunState::init_hybrid(int group_size) {
   // process-wide counter that would have to agree between ranks).
   at::Tensor id = at::empty({1}, at::kLong);
   id[0] = static_cast<int64_t>(std::random_device{}() >> 1) << 31 ^ static_cast<int64_t>(std::random_device{}());
-  comm.broadcast(id, 0, "broadcast of the hybrid subgroups' name");
+  comm_.broadcast(id, 0, "broadcast of the hybrid subgroups' name");
   const std::string name = "hybrid-" + std::to_string(id.item<int64_t>());
   std::vector<int> shard_ranks, replicate_ranks;
   for (int i = 0; i < group_size; ++i) shard_ranks.push_back(r / group_size * group_size + i);
   for (int g = 0; g < W / group_size; ++g) replicate_ranks.push_back(g * group_size + r % group_size);
   // Shard groups first on every rank, then replicate groups: no member waits for one busy elsewhere.
-  auto shard_pg = new_subgroup(comm.process_group(), shard_ranks, name + "/shard" + std::to_string(r / group_size));
+  auto shard_pg = new_subgroup(comm_.process_group(), shard_ranks, name + "/shard" + std::to_string(r / group_size));
   auto replicate_pg =
-      new_subgroup(comm.process_group(), replicate_ranks, name + "/replicate" + std::to_string(r % group_size));
+      new_subgroup(comm_.process_group(), replicate_ranks, name + "/replicate" + std::to_string(r % group_size));
   // Errors on these groups name global ranks: the groups' members are listed in their messages.
-  shard_comm = std::make_unique<Comm>(shard_pg, comm.timeout(), comm.shared(),
-                                      GroupInfo{"hybrid shard group " + std::to_string(r / group_size), shard_ranks, W},
-                                      comm.verify());
+  shard_comm_ = std::make_unique<Comm>(
+      shard_pg, comm_.timeout(), comm_.shared(),
+      GroupInfo{"hybrid shard group " + std::to_string(r / group_size), shard_ranks, W}, comm_.verify());
   GroupInfo replicas{"hybrid replicate group " + std::to_string(r % group_size), replicate_ranks, W};
   replicas.across_replicas = true;
-  replicate_comm = std::make_unique<Comm>(replicate_pg, comm.timeout(), comm.shared(), replicas, comm.verify());
+  replicate_comm_ = std::make_unique<Comm>(replicate_pg, comm_.timeout(), comm_.shared(), replicas, comm_.verify());
 }
 
 void RunState::init_mesh(const MeshState& mesh) {
   auto comm_over = [&](const char* dim) {
     GroupInfo info = mesh.group_info(dim);
     info.across_replicas = std::string(dim) == kReplicateDim;
-    return std::make_unique<Comm>(mesh.group(dim).pg, comm.timeout(), comm.shared(), info, comm.verify());
+    return std::make_unique<Comm>(mesh.group(dim).pg, comm_.timeout(), comm_.shared(), info, comm_.verify());
   };
   if (mesh.group(kReplicateDim).global_ranks.size() > 1 && mesh.group(kShardDim).global_ranks.size() > 1) {
-    shard_comm = comm_over(kShardDim);
-    replicate_comm = comm_over(kReplicateDim);
+    shard_comm_ = comm_over(kShardDim);
+    replicate_comm_ = comm_over(kReplicateDim);
   }
   if (mesh.group(kTensorDim).global_ranks.size() > 1) {
-    tp_comm = comm_over(kTensorDim);
+    tp_comm_ = comm_over(kTensorDim);
     GroupInfo world{"the mesh's world", {}, mesh.world->getSize()};
     world.mesh = mesh.where();
-    mesh_comm = std::make_unique<Comm>(mesh.world, comm.timeout(), comm.shared(), world, comm.verify());
+    mesh_comm_ = std::make_unique<Comm>(mesh.world, comm_.timeout(), comm_.shared(), world, comm_.verify());
   }
 }
 
-std::vector<int64_t> RunState::check_boundary(Call call, Fingerprint args, const std::string& description,
-                                              int64_t vote) {
-  CallLog& log = comm.log();
+std::vector<int64_t> RunState::agree(Call call, Fingerprint args, const std::string& description, int64_t vote) {
+  CallLog& log = comm_.log();
   std::vector<int64_t> votes;
   breaks_on_failure([&] {
     votes = step_comm().agree(
@@ -101,9 +100,9 @@ std::vector<int64_t> RunState::check_boundary(Call call, Fingerprint args, const
 void RunState::on_backward_begin() {
   if (callback_queued_) return;
   ++backwards_;
-  check_boundary(Call::kBackwardBegin, Fingerprint().add(backwards_).add(sync_gradients ? 1 : 0),
-                 "the start of backward #" + std::to_string(backwards_) + " (gradient sync " +
-                     (sync_gradients ? "on" : "off") + ")");
+  agree(Call::kBackwardBegin, Fingerprint().add(backwards_).add(sync_gradients_ ? 1 : 0),
+        "the start of backward #" + std::to_string(backwards_) + " (gradient sync " + (sync_gradients_ ? "on" : "off") +
+            ")");
   callback_queued_ = true;
   std::weak_ptr<RunState> self = weak_from_this();
   torch::autograd::Engine::get_default_engine().queue_callback([self] {
@@ -120,8 +119,7 @@ void RunState::finalize_backward() {
   wait_host_copies();
   // Ranks whose backwards issued different collectives of equal sizes are stopped here, before an
   // optimizer uses what they reduced.
-  check_boundary(Call::kBackwardEnd, Fingerprint().add(backwards_),
-                 "the end of backward #" + std::to_string(backwards_));
+  agree(Call::kBackwardEnd, Fingerprint().add(backwards_), "the end of backward #" + std::to_string(backwards_));
   // What the program does with the gradients and parameters until the next forward (step_watch.h):
   // the sharded gradients of units sharded over more than one rank (a replicated unit's gradient
   // is whole, and a per-rank norm of it is the global one).
@@ -133,7 +131,7 @@ void RunState::finalize_backward() {
     });
     return grads;
   };
-  watch.after_backward(
+  watch_.after_backward(
       sharded_grads, [this] { return parameters(); }, holds_unsynced_grads());
 }
 
@@ -209,7 +207,7 @@ std::pair<size_t, std::string> RunState::units_holding_unsynced_grads() const {
 void RunState::check_no_unsynced_grads(const char* caller) const {
   const auto [count, names] = units_holding_unsynced_grads();
   if (count == 0) return;
-  FSDP_CHECK_IN(comm.error_context(caller), false, caller, " (", comm.where(), "): ", count,
+  FSDP_CHECK_IN(comm_.error_context(caller), false, caller, " (", comm_.where(), "): ", count,
                 " unit(s) hold gradients accumulated with gradient sync off (", names,
                 ") that were never reduced into the sharded gradients, so the optimizer cannot see them: those "
                 "micro-batches would train nothing. Turn sync back on before the backward of the last micro-batch "
@@ -225,8 +223,8 @@ void RunState::mark_broken(const std::string& why, const std::string& remedy) {
 
 void RunState::check_not_broken() const {
   FSDP_CHECK_IN(
-      comm.error_context(broken_remedy_.empty() ? "a step after a failed collective" : "a use after a failure"),
-      broken_.empty(), "fsdp (", comm.where(), "): ",
+      comm_.error_context(broken_remedy_.empty() ? "a step after a failed collective" : "a use after a failure"),
+      broken_.empty(), "fsdp (", comm_.where(), "): ",
       broken_remedy_.empty()
           ? "an earlier collective of this model failed, so the ranks no longer agree on which collective "
             "comes next. Exit and restart the job from its last checkpoint (docs/usage.md, 'When a "
@@ -237,7 +235,7 @@ void RunState::check_not_broken() const {
 
 void RunState::after_unit_unsharded(Unit& unit, bool backward) {
   if (!backward && !unit.is_root()) recording_.push_back(unit.weak_from_this());
-  const int depth = options.prefetch();
+  const int depth = options_.prefetch();
   if (depth <= 0) return;
   // The root comes before the first unit in forward and after the last one in backward.
   std::ptrdiff_t i = backward ? static_cast<std::ptrdiff_t>(order_.size()) : -1;
@@ -272,26 +270,26 @@ void RunState::finish_reduces() {
 
 void RunState::begin_forward() {
   check_not_broken();
-  if (replicas_apart && outer.expired() && !warned_no_outer) {
-    warned_no_outer = true;
-    TORCH_WARN("fsdp (", comm.where(),
+  if (replicas_apart_ && outer_.expired() && !warned_no_outer_) {
+    warned_no_outer_ = true;
+    TORCH_WARN("fsdp (", comm_.where(),
                "): the model's replicas train apart, but the fsdp::optim::LocalSGD or DiLoCo that averaged them is "
                "gone: from now on nothing brings them together, and they drift apart for good. Make a new one "
                "(it starts every replica from the first replica's weights).");
   }
   ++forwards_;
   const bool grad = c10::GradMode::is_enabled();
-  const std::vector<int64_t> votes = check_boundary(
+  const std::vector<int64_t> votes = agree(
       Call::kForward, Fingerprint().add(forwards_).add(grad ? 1 : 0),
       "forward #" + std::to_string(forwards_) + " of the wrapped model (" + (grad ? "gradients on" : "no grad") + ")",
-      watch.vote([this] { return parameters(); }, holds_unsynced_grads()));
-  watch.act(votes, comm.where(), [this] {
+      watch_.vote([this] { return parameters(); }, holds_unsynced_grads()));
+  watch_.act(votes, comm_.where(), [this] {
     const auto [count, names] = units_holding_unsynced_grads();
     return std::to_string(count) + " unit(s) (" + names + ")";
   });
   recording_.clear();
-  named_error = nullptr;
-  unit_output_dtypes = 0;
+  named_error_ = nullptr;
+  unit_output_dtypes_ = 0;
   for_each_unit([](Unit& u) { u.drop_prefetch(); });  // left by a forward that threw
   if (!callback_queued_) return;
   callback_queued_ = false;

@@ -1,5 +1,7 @@
 // What all units of one wrapped model share: the process group, the options, the collective
-// counts, and the end-of-backward callback. Internal to the library.
+// counts, and the end-of-backward callback. Internal to the core: its data is private, the core's
+// files use it through the accessors below, and the libraries around the core never see it (they
+// reach a wrapped model through fsdp/internal/core_access.h).
 #pragma once
 
 #include "fsdp/internal/buffer_pool.h"
@@ -26,6 +28,7 @@ namespace fsdp::detail {
 
 class Unit;
 struct MeshState;
+struct OuterState;  // fsdp/internal/core_access.h
 }  // namespace fsdp::detail
 namespace fsdp {
 class ShardedUnit;
@@ -37,13 +40,17 @@ class RunState : public std::enable_shared_from_this<RunState> {
   /// `group`: how errors name `pg` (a mesh's data-parallel group: its members and coordinates).
   RunState(c10::intrusive_ptr<c10d::ProcessGroup> pg, FullyShardOptions options, GroupInfo group = {});
 
-  const FullyShardOptions options;
-  Comm comm;
+  const FullyShardOptions& options() const { return options_; }
+  /// The data-parallel group: every rank holding a shard of the units.
+  Comm& comm() { return comm_; }
+  const Comm& comm() const { return comm_; }
   /// kHybridShard only (null otherwise): the S consecutive ranks a unit is sharded over, and the
   /// N/S ranks, one per group, that hold the same shard. They share comm's statistics.
-  std::unique_ptr<Comm> shard_comm, replicate_comm;
+  Comm* shard_comm() const { return shard_comm_.get(); }
+  Comm* replicate_comm() const { return replicate_comm_.get(); }
   /// The units' all-gather outputs, unsharded storage and packed gradients, reused step after step.
-  BufferPool pool;
+  BufferPool& pool() { return pool_; }
+  const BufferPool& pool() const { return pool_; }
   /// Creates shard_comm and replicate_comm for groups of `group_size`; the same call on every rank.
   void init_hybrid(int group_size);
   /// Wrapped over a DeviceMesh (comm: its "dp" group): hybrid's groups are the mesh's dp_shard and
@@ -51,72 +58,64 @@ class RunState : public std::enable_shared_from_this<RunState> {
   void init_mesh(const MeshState& mesh);
   /// Wrapped over a DeviceMesh with a tensor-parallel dimension of more than one rank: the mesh's
   /// tp group (sharing comm's statistics; null otherwise), for what is summed over the whole model
-  /// (clipping's norm, the scaler's overflow), and each split parameter's TensorSplit (by
-  /// TensorImpl, fsdp/internal/tensor_splits.cpp).
-  std::unique_ptr<Comm> tp_comm;
+  /// (clipping's norm, the scaler's overflow).
+  Comm* tp_comm() const { return tp_comm_.get(); }
   /// With tp_comm: the mesh's whole world (sharing comm's statistics), which a checkpoint spans,
   /// since its tensor-parallel ranks hold different parts of the model.
-  std::unique_ptr<Comm> mesh_comm;
-  std::unordered_map<const c10::TensorImpl*, TensorSplit> tp_splits;
-  int tp_size() const { return tp_comm ? tp_comm->world_size() : 1; }
-  /// Set by fsdp::optim::LocalSGD and DiLoCo (optim/internal/replica_sync.h), never cleared: hybrid
-  /// sharding's replicas (its shard groups) train apart between outer steps. Gradients are then
-  /// reduced within the shard group only (its mean: divided by S, not N), and the per-step
-  /// agreements and sums (check_boundary, detail::all_reduce: clipping's norm, the scaler's
-  /// overflow) span the shard group: nothing crosses replicas until the outer step.
-  bool replicas_apart = false;
+  Comm* mesh_comm() const { return mesh_comm_.get(); }
+  /// Each split parameter's TensorSplit (by TensorImpl, fsdp/internal/tensor_splits.cpp).
+  using TensorSplits = std::unordered_map<const c10::TensorImpl*, TensorSplit>;
+  TensorSplits& tp_splits() { return tp_splits_; }
+  const TensorSplits& tp_splits() const { return tp_splits_; }
+  int tp_size() const { return tp_comm_ ? tp_comm_->world_size() : 1; }
+  /// Set by fsdp::optim::LocalSGD and DiLoCo (through detail::train_replicas_apart), never cleared:
+  /// hybrid sharding's replicas (its shard groups) train apart between outer steps. Gradients are
+  /// then reduced within the shard group only (its mean: divided by S, not N), and the per-step
+  /// agreements and sums (agree, detail::all_reduce: clipping's norm, the scaler's overflow) span
+  /// the shard group: nothing crosses replicas until the outer step.
+  bool replicas_apart() const { return replicas_apart_; }
+  void set_replicas_apart() { replicas_apart_ = true; }
   /// What a checkpoint of replicas that train apart needs of fsdp::optim::LocalSGD / DiLoCo beyond
-  /// the model (implemented in optim/internal/replica_sync.h; expired once the object is gone).
-  struct OuterState {
-    virtual ~OuterState() = default;
-    virtual std::string kind() const = 0;  ///< "LocalSGD" or "DiLoCo"
-    virtual int64_t sync_every() const = 0;
-    virtual int64_t inner_steps() const = 0;
-    virtual void set_inner_steps(int64_t n) = 0;
-    /// Applies an outer exchange still in flight (the overlapped variant).
-    virtual void flush() = 0;
-    /// Per parameter (shard_specs() order): the global state's rows on this rank, fp32. DiLoCo's
-    /// global shards; LocalSGD keeps none, so it takes the replicas' mean now (a collective over
-    /// the replicate group: every rank calls it).
-    virtual std::vector<at::Tensor> global_shards() = 0;
-    /// DiLoCo's outer optimizer over global_shards() (null for LocalSGD).
-    virtual torch::optim::Optimizer* outer_optimizer() = 0;
-  };
-  std::weak_ptr<OuterState> outer;
-  bool warned_no_outer = false;  // begin_forward's warning, once
+  /// the model (fsdp/internal/core_access.h; expired once the object is gone).
+  const std::weak_ptr<OuterState>& outer() const { return outer_; }
+  void set_outer(std::weak_ptr<OuterState> outer) { outer_ = std::move(outer); }
   /// The group a step's agreements and sums span: the shard group when replicas train apart, else
   /// the whole data-parallel group.
-  Comm& step_comm() { return replicas_apart ? *shard_comm : comm; }
-  const Comm& step_comm() const { return replicas_apart ? *shard_comm : comm; }
+  Comm& step_comm() { return replicas_apart_ ? *shard_comm_ : comm_; }
+  const Comm& step_comm() const { return replicas_apart_ ? *shard_comm_ : comm_; }
   /// Between the first pre-backward hook of a backward and its end-of-backward callback.
   bool in_backward() const { return callback_queued_; }
   /// False while accumulating gradients without communication (set_requires_gradient_sync).
-  bool sync_gradients = true;
+  bool sync_gradients() const { return sync_gradients_; }
+  void set_sync_gradients(bool sync) { sync_gradients_ = sync; }
   /// Calls through the handle's operator-> in progress (model->...), and whether the handle's own
   /// forward runs: a unit's forward under the first but not the second was reached by calling the
   /// module's forward directly, around the wrapper.
-  int direct_access = 0;
+  int& direct_access() { return direct_access_; }
+  bool& in_root_forward() { return in_root_forward_; }
+  bool in_root_forward() const { return in_root_forward_; }
+  /// The library's own error, raised under operator->, says enough.
+  bool& access_error_explained() { return access_error_explained_; }
   /// Units sharded while they were built (ShardingScope), to name them until fully_shard does.
-  int units_built = 0;
+  int& units_built() { return units_built_; }
   /// Units built in a ShardingScope that modules share (ShardedUnit::share_unit_with): their
   /// modules, by member index, for a later merge to attach them all again.
   struct SharedBuiltUnit {
     std::weak_ptr<Unit> unit;
     std::vector<std::weak_ptr<torch::nn::Module>> modules;  // by member index
   };
-  std::vector<SharedBuiltUnit> shared_built_units;
+  std::vector<SharedBuiltUnit>& shared_built_units() { return shared_built_units_; }
   /// The parameters units built in a ShardingScope sharded (TensorImpl), and which unit: one met
   /// again in a later unit (a tie across units) is refused instead of sharded twice.
   /// Weak: a parameter freed since (a model dropped) must not match a new one at its address.
-  std::map<const void*, std::pair<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>, std::string>>
-      built_params;
-  bool in_root_forward = false;
-  bool access_error_explained = false;  // the library's own error, raised under operator->, says enough
+  using BuiltParams =
+      std::map<const void*, std::pair<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>, std::string>>;
+  BuiltParams& built_params() { return built_params_; }
   /// Within one root forward: the error a unit named last (an outer unit, and the root, leave it
   /// as it is: the same exception object passes through them), and the floating-point dtypes of
   /// the units' outputs (a bit per ScalarType), which the root's own layers then take.
-  const void* named_error = nullptr;
-  uint64_t unit_output_dtypes = 0;
+  const void*& named_error() { return named_error_; }
+  uint64_t& unit_output_dtypes() { return unit_output_dtypes_; }
   /// Throws, naming `caller`, when units hold gradients accumulated with gradient sync off and never
   /// reduced: zeroing them, clipping or stepping now would silently drop those micro-batches.
   void check_no_unsynced_grads(const char* caller) const;
@@ -127,15 +126,16 @@ class RunState : public std::enable_shared_from_this<RunState> {
   bool holds_unsynced_grads() const;
   /// What the program does between a backward and the next forward (step_watch.h); the library's
   /// own rescaling of the gradients (clipping, the scaler) tells it.
-  StepWatch watch;
+  StepWatch& watch() { return watch_; }
 
   /// Every unit, root first then in module order. Units are owned by their modules (and the root
   /// unit by the FullyShardedModule handle); the state only observes them.
-  std::vector<std::weak_ptr<Unit>> units;
+  std::vector<std::weak_ptr<Unit>>& units() { return units_; }
+  const std::vector<std::weak_ptr<Unit>>& units() const { return units_; }
   /// Calls `fn` on every unit still alive, in that order.
   template <typename Fn>
   void for_each_unit(Fn&& fn) const {
-    for (const auto& w : units) {
+    for (const auto& w : units_) {
       if (auto u = w.lock()) fn(*u);
     }
   }
@@ -155,12 +155,12 @@ class RunState : public std::enable_shared_from_this<RunState> {
   /// The units (not the root) whose forward has not run in the root forward under way, by label.
   std::vector<std::string> units_not_run_in_this_forward() const;
 
-  /// The cross-rank agreement at a boundary of the step (see docs/design.md, "Ranks on the same
-  /// path"): every rank must be at the same call (`call`, with `args` fingerprinting its
-  /// arguments), with the same collectives of this model issued since the last boundary (the call
+  /// The model's agreement at a boundary of the step (see docs/design.md, "Ranks on the same
+  /// path"; detail::agree in fsdp/internal/core_access.h): every rank must be at the same call (`call`, with `args`
+  /// fingerprinting its arguments), with the same collectives of this model issued since the last boundary (the call
   /// log's count and hash). A difference fails every rank, names what each was doing, and marks the
   /// model broken. `vote`: each rank's number, returned for every rank (Comm::agree).
-  std::vector<int64_t> check_boundary(Call call, Fingerprint args, const std::string& description, int64_t vote = 0);
+  std::vector<int64_t> agree(Call call, Fingerprint args, const std::string& description, int64_t vote = 0);
   /// Records the unit's place in the forward order and issues the prefetch of the next units
   /// (forward order in forward, reverse order in backward), at most options.prefetch() of them.
   void after_unit_unsharded(Unit& unit, bool backward);
@@ -207,6 +207,25 @@ class RunState : public std::enable_shared_from_this<RunState> {
   int64_t state_peak() const { return state_peak_; }
 
  private:
+  const FullyShardOptions options_;
+  Comm comm_;
+  std::unique_ptr<Comm> shard_comm_, replicate_comm_, tp_comm_, mesh_comm_;
+  BufferPool pool_;
+  TensorSplits tp_splits_;
+  bool replicas_apart_ = false;
+  std::weak_ptr<OuterState> outer_;
+  bool warned_no_outer_ = false;  // begin_forward's warning, once
+  bool sync_gradients_ = true;
+  int direct_access_ = 0;
+  bool in_root_forward_ = false;
+  bool access_error_explained_ = false;
+  int units_built_ = 0;
+  std::vector<SharedBuiltUnit> shared_built_units_;
+  BuiltParams built_params_;
+  const void* named_error_ = nullptr;
+  uint64_t unit_output_dtypes_ = 0;
+  StepWatch watch_;
+  std::vector<std::weak_ptr<Unit>> units_;
   bool callback_queued_ = false;
   int64_t forwards_ = 0, backwards_ = 0;
   bool track_state_ = false;

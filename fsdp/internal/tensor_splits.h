@@ -12,7 +12,7 @@ class RunState;
 /// Finds every SplitModule in `root` whose group has more than one rank, checks that the model was
 /// wrapped over a DeviceMesh whose tp group is that group (so the data-parallel group holds one
 /// rank of it: sharding must never mix two ranks' parts), and records each of its parameters'
-/// TensorSplit in state.tp_splits. Throws naming the module, the ranks and the remedy.
+/// TensorSplit in state.tp_splits(). Throws naming the module, the ranks and the remedy.
 /// A SplitModule must name every parameter of its own (TensorSplit{} for one held whole), and a
 /// split must be along one of the parameter's dimensions, one part per rank of the group.
 void record_tensor_splits(RunState& state, torch::nn::Module& root);

@@ -50,7 +50,7 @@ Unit::Unit(std::string name, const std::vector<std::pair<std::string, at::Tensor
     if (!slots_.empty()) {
       const at::Tensor& first = slots_.front().param;
       FSDP_CHECK_IN(error_context(), p.dtype() == first.dtype() && p.device() == first.device(),
-                    "fsdp::fully_shard (rank ", run_->comm.rank(), "): unit '", name_, "' mixes parameter '",
+                    "fsdp::fully_shard (rank ", run_->comm().rank(), "): unit '", name_, "' mixes parameter '",
                     slots_.front().name, "' (", first.dtype(), ", ", first.device(), ") with '", pname, "' (",
                     p.dtype(), ", ", p.device(),
                     "). A unit's parameters share one flat buffer: give them one dtype and device, or put them in "
@@ -75,7 +75,7 @@ std::string Unit::describe(const char* op) const {
 }
 
 ErrorContext Unit::error_context(const std::string& operation) const {
-  return run_->comm.error_context(operation).unit(label());
+  return run_->comm().error_context(operation).unit(label());
 }
 
 std::string Unit::label() const {
@@ -90,12 +90,12 @@ std::string unit_name(const std::vector<std::string>& member_paths) {
 }
 
 bool Unit::wrapped() const {
-  return std::any_of(run_->units.begin(), run_->units.end(),
+  return std::any_of(run_->units().begin(), run_->units().end(),
                      [&](const std::weak_ptr<Unit>& w) { return w.lock().get() == this; });
 }
 
 void Unit::set_members(int count, std::vector<int> slot_member) {
-  FSDP_CHECK_IN(error_context("fsdp::fully_shard"), count <= 64, "fsdp::fully_shard (rank ", run_->comm.rank(),
+  FSDP_CHECK_IN(error_context("fsdp::fully_shard"), count <= 64, "fsdp::fully_shard (rank ", run_->comm().rank(),
                 "): unit '", name_, "' has ", count,
                 " modules (share_unit_with); a unit can have at most 64. Join fewer modules, or make their parent "
                 "the unit.");
@@ -122,10 +122,10 @@ void Unit::name_collectives() {
 }
 
 void Unit::init() {
-  Comm& world = run_->comm;
+  Comm& world = run_->comm();
   const bool grouped = traits_.shard_over == ShardOver::kGroup;
-  shard_comm_ = grouped ? run_->shard_comm.get() : &world;
-  replicate_comm_ = grouped ? run_->replicate_comm.get() : nullptr;
+  shard_comm_ = grouped ? run_->shard_comm() : &world;
+  replicate_comm_ = grouped ? run_->replicate_comm() : nullptr;
   TORCH_INTERNAL_ASSERT(shard_comm_ != nullptr, "hybrid sharding without its process groups");
   S_ = traits_.shard_over == ShardOver::kNone ? 1 : shard_comm_->world_size();
   shard_rank_ = traits_.shard_over == ShardOver::kNone ? 0 : shard_comm_->rank();
@@ -140,7 +140,7 @@ void Unit::init() {
   at::NoGradGuard no_grad;
   // Rank 0's weights everywhere, one parameter at a time and in place: no flat copy, so that
   // sharding a unit costs its own size once (what lets a model be sharded while it is built).
-  if (run_->options.sync_module_states() && world.world_size() > 1) {
+  if (run_->options().sync_module_states() && world.world_size() > 1) {
     const std::string what = describe("broadcast of rank 0's weights");
     for (auto& s : slots_) world.broadcast(s.param.detach(), 0, what);
   }
@@ -157,13 +157,13 @@ void Unit::init() {
                           offload_ ? host_options(compute) : compute, compute.dtype(param_dtype_));
   if (kind_ != BufferKind::kWhole &&
       (S_ > 1 || casts_params() || offload_)) {  // its buffers from the pool, at most this size
-    run_->pool.note_unit(S_ * shard_numel() * static_cast<int64_t>(buffers_.unsharded.element_size()));
+    run_->pool().note_unit(S_ * shard_numel() * static_cast<int64_t>(buffers_.unsharded.element_size()));
   }
   if (buckets()) {
-    const int64_t cap = std::max<int64_t>(1, run_->options.bucket_bytes() / buffers_.flat_shard.element_size());
+    const int64_t cap = std::max<int64_t>(1, run_->options().bucket_bytes() / buffers_.flat_shard.element_size());
     RunState* run = run_.get();
     buckets_ = BucketReducer(make_buckets(slots_, cap),
-                             {&run_->comm, buffers_.flat_shard.options().dtype(reduce_dtype_), shard_numel(),
+                             {&run_->comm(), buffers_.flat_shard.options().dtype(reduce_dtype_), shard_numel(),
                               world_size_ == 1 && !casts_grads(), [run] { run->sample_state(); }});
   }
 
@@ -199,17 +199,18 @@ void Unit::reshard() {
 void Unit::pre_forward(int member) {
   // A unit called inside fsdp::activation_checkpoint runs again in backward, where its forward
   // hooks would gather it a second time outside any forward: the unit itself must be checkpointed.
-  FSDP_CHECK_IN(error_context(), !in_activation_recompute(), "fsdp (rank ", run_->comm.rank(), "): unit '", label(),
+  FSDP_CHECK_IN(error_context(), !in_activation_recompute(), "fsdp (rank ", run_->comm().rank(), "): unit '", label(),
                 "' ran its forward in the recompute of an fsdp::activation_checkpoint (in backward). A sharded unit "
                 "cannot be called inside fsdp::activation_checkpoint: checkpoint the unit instead, "
                 "unit->set_activation_checkpointing(true) or FullyShardOptions::activation_checkpointing_every, "
                 "which recomputes it while it is gathered for its backward.");
   // A unit's forward belongs inside the handle's: called around it, the root's own parameters are
   // its shards (a silently wrong result under NoGradGuard) and nothing is prepared for backward.
-  const bool outside = !run_->in_root_forward;
-  const bool direct = outside && run_->direct_access > 0;
-  run_->access_error_explained = direct;  // said here: no second hint as the error leaves the handle
-  FSDP_CHECK_IN(error_context(), !outside, "fsdp (rank ", run_->comm.rank(), "): unit '", label(), "' ran its forward ",
+  const bool outside = !run_->in_root_forward();
+  const bool direct = outside && run_->direct_access() > 0;
+  run_->access_error_explained() = direct;  // said here: no second hint as the error leaves the handle
+  FSDP_CHECK_IN(error_context(), !outside, "fsdp (rank ", run_->comm().rank(), "): unit '", label(),
+                "' ran its forward ",
                 direct ? "inside a call through the handle's operator-> (such as model->forward(x)), which calls the "
                          "module's own forward around the wrapper"
                        : "outside the wrapped model's forward: the module given to fsdp::fully_shard (or one of its "
@@ -239,7 +240,7 @@ void Unit::post_forward(const std::vector<at::Tensor>& outputs, int member) {
       const_cast<at::Tensor&>(t).register_hook([self, fired](const at::Tensor&) {
         auto u = self.lock();
         if (!u) return;
-        FSDP_CHECK_IN(u->error_context("backward"), !*fired, "fsdp (rank ", u->state().comm.rank(),
+        FSDP_CHECK_IN(u->error_context("backward"), !*fired, "fsdp (rank ", u->state().comm().rank(),
                       "): a second backward through the forward of unit '", u->label(),
                       "' (retain_graph=true, or torch::autograd::grad after a backward): the first backward "
                       "freed its gathered parameters and reduced its gradients. Run the forward again for each "
@@ -299,7 +300,7 @@ void Unit::pre_backward() {
 
 void Unit::on_grad_ready(size_t slot) {
   ParamSlot& s = slots_[slot];
-  FSDP_CHECK_IN(error_context(), backward_ == BackwardPhase::kRunning, "fsdp (rank ", run_->comm.rank(),
+  FSDP_CHECK_IN(error_context(), backward_ == BackwardPhase::kRunning, "fsdp (rank ", run_->comm().rank(),
                 "): parameter '", s.name, "' received a gradient although the backward of its unit '", label(),
                 "' never began. Was the module called directly instead of through its fsdp::Sharded wrapper "
                 "(or the root through the handle fsdp::fully_shard returned)?");
@@ -318,15 +319,15 @@ void Unit::advance_backward() {
   if (checkpoints_pending_ > 0) return;  // a recompute to come may add to any gradient
   // Replicated: each bucket goes out as soon as its gradients are complete (all of them are out
   // once the unit's last gradient arrives).
-  if (buckets() && run_->sync_gradients) launch_buckets(/*all=*/false);
+  if (buckets() && run_->sync_gradients()) launch_buckets(/*all=*/false);
   if (grads_ready_ == grads_expected_) grads_complete();
 }
 
 void Unit::grads_complete() {
   // Without gradient sync (all but the last micro-batch of an accumulation) the unsharded
   // gradients keep accumulating beside the parameters; nothing is communicated.
-  if (run_->sync_gradients && !buckets()) reduce_grads();
-  if (!run_->sync_gradients) accumulate_unsynced();
+  if (run_->sync_gradients() && !buckets()) reduce_grads();
+  if (!run_->sync_gradients()) accumulate_unsynced();
   backward_ = BackwardPhase::kIdle;
   // A frozen parameter's last reader may still be ahead in the graph (autograd runs gradient
   // accumulation as soon as it can): such a unit stays gathered until the end of backward.
@@ -337,8 +338,8 @@ void Unit::finalize_backward() {
   // Gradients not reduced yet: a unit only partly used in this backward, or one that accumulated
   // without sync in earlier micro-batches and was not used in this one. (kShardOptimizerState
   // keeps its full gradients after reducing them; those are not pending.)
-  if (!run_->sync_gradients) accumulate_unsynced();  // a unit partly used without sync
-  if (run_->sync_gradients && !holds_reduced_) {
+  if (!run_->sync_gradients()) accumulate_unsynced();  // a unit partly used without sync
+  if (run_->sync_gradients() && !holds_reduced_) {
     // kNoShard: buckets launched while others wait for gradients that never came (unused
     // parameters) are pending too; the rest go out now, with zeros for the missing ones.
     if (buckets_.partly_launched() || holds_unsynced_grads()) reduce_grads();
@@ -415,14 +416,14 @@ void Unit::check_conversion(const std::optional<at::Device>& device, const std::
   if (offload_ && device) {
     // Offload: the model is on its device although the shards are in host memory.
     const at::Device model = buffers_.unsharded.device();
-    FSDP_CHECK_IN(error_context(), is_on(model, *device), "fsdp (rank ", run_->comm.rank(), "): .to(", device->str(),
+    FSDP_CHECK_IN(error_context(), is_on(model, *device), "fsdp (rank ", run_->comm().rank(), "): .to(", device->str(),
                   ") on the wrapped model: unit '", label(), "' is on ", model,
                   " with its shards offloaded to host memory (FullyShardOptions::offload_policy). A wrapped model's "
                   "device is fixed: wrap a model built on ",
                   *device, " without offload_policy instead.");
   }
   // The device was checked above when offloading: the shards' (host) device is not the model's.
-  detail::check_conversion(slots_, offload_ ? std::nullopt : device, dtype, run_->comm.rank(), label(), converting);
+  detail::check_conversion(slots_, offload_ ? std::nullopt : device, dtype, run_->comm().rank(), label(), converting);
 }
 
 }  // namespace fsdp::detail

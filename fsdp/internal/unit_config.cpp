@@ -18,7 +18,7 @@ void Unit::resolve_precision() {
   master_dtype_ = slots_.front().param.scalar_type();
   param_dtype_ = mp_.param_dtype().value_or(master_dtype_);
   reduce_dtype_ = mp_.reduce_dtype().value_or(master_dtype_);
-  const int rank = run_->comm.rank();
+  const int rank = run_->comm().rank();
   for (auto [what, dtype] : {std::pair<const char*, std::optional<at::ScalarType>>{"param_dtype", mp_.param_dtype()},
                              {"reduce_dtype", mp_.reduce_dtype()},
                              {"output_dtype", mp_.output_dtype()}}) {
@@ -48,11 +48,11 @@ std::optional<at::ScalarType> Unit::input_cast() const {
 }
 
 void Unit::resolve_offload() {
-  const auto& policy = run_->options.offload_policy();
+  const auto& policy = run_->options().offload_policy();
   if (!policy || slots_.empty()) return;
   const at::Device device = slots_.front().param.device();
   FSDP_CHECK_IN(error_context("fsdp::fully_shard"), traits_.params_sharded, "fsdp::fully_shard (rank ",
-                run_->comm.rank(), "): unit '", label(), "' is ", to_string(strategy_),
+                run_->comm().rank(), "): unit '", label(), "' is ", to_string(strategy_),
                 " with FullyShardOptions::offload_policy; offload keeps the shards in host memory and gathers them "
                 "to the device for each use, which needs a strategy that gathers the parameters from their shards: "
                 "kFullShard, kShardGradOp or kHybridShard (at world size 1 they hold what kNoShard does). "

@@ -52,7 +52,7 @@ void Unit::reduce_grads() {
   const auto opts = buffers_.unsharded.options().dtype(reduce_dtype_);
   // Sharded over one rank but replicated (hybrid groups of one): the packed gradients are this
   // rank's shard already, and become the reduced gradients (no pool: they outlive the step).
-  reduce_in_ = S_ == 1 ? at::empty({shard_numel()}, opts) : run_->pool.take(S_ * shard_numel(), opts);
+  reduce_in_ = S_ == 1 ? at::empty({shard_numel()}, opts) : run_->pool().take(S_ * shard_numel(), opts);
   pack_grads(slots_, is_unsharded(), S_, shard_numel(), reduce_in_, reduce_has_grad_);
   run_->sample_state();  // the unsharded gradients and their packed copy, both alive
   if (shards_are_rows_of_full()) {
@@ -96,9 +96,9 @@ void Unit::finish_reduce() {
           return;
         }
         shard_comm_->wait(reduce_);
-        run_->pool.give_back(reduce_in_);
+        run_->pool().give_back(reduce_in_);
         reduced = std::move(reduce_out_);
-        if (replicate_comm_ != nullptr && replicate_comm_->world_size() > 1 && !run_->replicas_apart) {
+        if (replicate_comm_ != nullptr && replicate_comm_->world_size() > 1 && !run_->replicas_apart()) {
           // Hybrid: the group's sum of this shard, summed again over the groups holding it (not
           // while the replicas train apart: LocalSGD / DiLoCo average them at their outer step).
           replicate_comm_->all_reduce(reduced, c10d::ReduceOp::SUM, describe("all-reduce of gradients across groups"));

@@ -46,7 +46,7 @@ void Unit::begin_unshard() {
   }
   // Only the all-gather output is taken now; the unsharded storage when the gather is waited for,
   // so a unit in flight costs its size once, not twice.
-  gathered_ = run_->pool.take(S_ * shard_numel(), buffers_.unsharded.options());
+  gathered_ = run_->pool().take(S_ * shard_numel(), buffers_.unsharded.options());
   at::Tensor in = gather_input();
   // A launch that fails (or a call that differs between ranks, under verify_collectives) leaves
   // the ranks at different collectives, as a failed wait does.
@@ -56,7 +56,7 @@ void Unit::begin_unshard() {
 
 at::Tensor Unit::gather_input() {
   if (!shards_are_rows_of_full() && !casts_params() && !offload_) return buffers_.flat_shard;
-  gather_in_ = run_->pool.take(shard_numel(), buffers_.unsharded.options());
+  gather_in_ = run_->pool().take(shard_numel(), buffers_.unsharded.options());
   if (shards_are_rows_of_full()) {
     pack_rows(slots_, gather_in_);
   } else {
@@ -84,7 +84,7 @@ void Unit::copy_alone() {
   // Over one rank the gathered parameters would be the shard itself; with mixed precision they are
   // its cast copy, with offload its copy on the device, in the unsharded storage, which exists only
   // while the unit is gathered (from the moment the gather is issued, as a gather's output).
-  unsharded_memory_ = run_->pool.take(shard_numel(), buffers_.unsharded.options());
+  unsharded_memory_ = run_->pool().take(shard_numel(), buffers_.unsharded.options());
   lend_memory(buffers_.unsharded, unsharded_memory_);
   copy_shard_in(buffers_.unsharded);
 }
@@ -109,15 +109,15 @@ void Unit::gather() {
   }
   wait_gather();
   wait_shard_in();  // offload: before the all-gather on the same side stream, so passed already
-  run_->pool.give_back(gather_in_);
+  run_->pool().give_back(gather_in_);
   if (kind_ == BufferKind::kShards) {
-    unsharded_memory_ = run_->pool.take(S_ * shard_numel(), buffers_.unsharded.options());
+    unsharded_memory_ = run_->pool().take(S_ * shard_numel(), buffers_.unsharded.options());
     lend_memory(buffers_.unsharded, unsharded_memory_);
   }
   // One copy-out fills every parameter, and the output goes back to the pool right after, before
   // any further prefetch is issued.
   copy_out(gathered_, buffers_.unsharded, slots_, S_, shard_numel());
-  run_->pool.give_back(gathered_);
+  run_->pool().give_back(gathered_);
 }
 
 void Unit::wait_gather() {
@@ -136,16 +136,16 @@ void Unit::drop_prefetch() {
   if (state_ != UnitState::kGathering) return;
   if (S_ > 1) wait_gather();
   wait_shard_in();
-  run_->pool.give_back(gathered_);
-  run_->pool.give_back(gather_in_);  // kShardOptimizerState: not copied out, so the unit stays due
-  free_unsharded_memory();           // over one rank: the copy made when the gather was issued
+  run_->pool().give_back(gathered_);
+  run_->pool().give_back(gather_in_);  // kShardOptimizerState: not copied out, so the unit stays due
+  free_unsharded_memory();             // over one rank: the copy made when the gather was issued
   enter(UnitState::kSharded);
 }
 
 void Unit::free_unsharded_memory() {
   if (!unsharded_memory_.defined()) return;
   take_memory_back(buffers_.unsharded);
-  run_->pool.give_back(unsharded_memory_);
+  run_->pool().give_back(unsharded_memory_);
 }
 
 void Unit::use_full_views() {
@@ -160,7 +160,7 @@ void Unit::use_shard_views() {
 
 void Unit::adopt_replaced_shards() {
   if (state_ == UnitState::kUnsharded) return;  // the parameters are the full views
-  if (adopt_replaced(slots_, shard_rank_, run_->comm.rank(), label())) mark_shards_written();
+  if (adopt_replaced(slots_, shard_rank_, run_->comm().rank(), label())) mark_shards_written();
 }
 
 void Unit::gather_full(std::vector<at::Tensor>& out, const at::Device& device) {

@@ -73,39 +73,39 @@ void shard_on_construction(const std::shared_ptr<RunState>& state, torch::nn::Mo
     if (seen.emplace(np.second.unsafeGetTensorImpl(), true).second) unique.push_back(std::move(np));
   }
   // Before the check that every rank built the same unit: a tied shard has this rank's shape.
-  const std::string label = built_label(module, state->units_built + 1);
+  const std::string label = built_label(module, state->units_built() + 1);
   for (const auto& [name, p] : unique) {
-    auto earlier = state->built_params.find(p.unsafeGetTensorImpl());
-    const bool seen_before = earlier != state->built_params.end() && !earlier->second.first.expired();
-    FSDP_CHECK_IN(state->comm.error_context("fsdp::ShardingScope").unit(label), !seen_before,
-                  "fsdp::ShardingScope (rank ", state->comm.rank(), "): parameter '", name, "' of ", label,
+    auto earlier = state->built_params().find(p.unsafeGetTensorImpl());
+    const bool seen_before = earlier != state->built_params().end() && !earlier->second.first.expired();
+    FSDP_CHECK_IN(state->comm().error_context("fsdp::ShardingScope").unit(label), !seen_before,
+                  "fsdp::ShardingScope (rank ", state->comm().rank(), "): parameter '", name, "' of ", label,
                   " was sharded already, by ", earlier->second.second,
                   ": a weight shared by two modules built in a ShardingScope (a tied embedding and head) would be "
                   "sharded twice. Build the modules that share it outside the scope and make them one unit "
                   "(share_unit_with), or make them one fsdp::Sharded module.");
   }
   if (!unique.empty())
-    check_offload(state->options, unique.front().first, unique.front().second.device(), state->comm.rank());
-  const ShardingStrategy strategy = state->options.strategy();
+    check_offload(state->options(), unique.front().first, unique.front().second.device(), state->comm().rank());
+  const ShardingStrategy strategy = state->options().strategy();
   // The collectives below (broadcast, hybrid groups) pair up only if every rank builds the same
   // unit now: check that first, by the unit's own description.
   std::ostringstream desc;
-  desc << "option strategy " << to_string(strategy) << '\n' << describe_options(state->options);
-  const MixedPrecisionPolicy& mp = state->options.mixed_precision();
+  desc << "option strategy " << to_string(strategy) << '\n' << describe_options(state->options());
+  const MixedPrecisionPolicy& mp = state->options().mixed_precision();
   const bool mixed = mp.any_dtype();
   for (const auto& [name, p] : unique) {
     desc << "param " << name << ' ' << p.dtype() << ' ' << p.sizes() << (p.requires_grad() ? "" : " frozen") << " ("
          << c10::DeviceTypeName(p.device().type(), true) << ")" << (mixed ? " " + to_string(mp) : "") << "\n";
   }
-  desc << describe_offload(state->options);
-  check_same_model_on_all_ranks(state->comm, desc.str());
-  if (traits(strategy).shard_over == ShardOver::kGroup) state->init_hybrid(state->options.shard_group_size());
+  desc << describe_offload(state->options());
+  check_same_model_on_all_ranks(state->comm(), desc.str());
+  if (traits(strategy).shard_over == ShardOver::kGroup) state->init_hybrid(state->options().shard_group_size());
   auto group = std::make_shared<Unit>("", std::move(unique), state, /*is_root=*/false, strategy,
-                                      state->options.mixed_precision());
+                                      state->options().mixed_precision());
   group->set_built_label(label);
-  ++state->units_built;
+  ++state->units_built();
   for (const auto& s : group->slots()) {
-    state->built_params.insert_or_assign(
+    state->built_params().insert_or_assign(
         s.param.unsafeGetTensorImpl(),
         std::make_pair(c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(s.param.getIntrusivePtr()),
                        label));
@@ -119,29 +119,29 @@ void merge_built_units(ShardedUnit& first, ShardedUnit& other) {
   if (a == b) return;
   RunState& state = a->state();
   const std::string what = "share_unit_with: '" + b->label() + "' joins '" + a->label() + "'";
-  const ErrorContext context = state.comm.error_context("fsdp::ShardedUnit::share_unit_with");
-  FSDP_CHECK_IN(context, &b->state() == &state, "fsdp::ShardedUnit::share_unit_with (rank ", state.comm.rank(), "): '",
-                b->label(), "' and '", a->label(),
+  const ErrorContext context = state.comm().error_context("fsdp::ShardedUnit::share_unit_with");
+  FSDP_CHECK_IN(context, &b->state() == &state, "fsdp::ShardedUnit::share_unit_with (rank ", state.comm().rank(),
+                "): '", b->label(), "' and '", a->label(),
                 "' were sharded by different ShardingScopes; build the model within one scope.");
-  FSDP_CHECK_IN(context, !a->wrapped() && !b->wrapped(), "fsdp::ShardedUnit::share_unit_with (rank ", state.comm.rank(),
-                "): ", what,
+  FSDP_CHECK_IN(context, !a->wrapped() && !b->wrapped(), "fsdp::ShardedUnit::share_unit_with (rank ",
+                state.comm().rank(), "): ", what,
                 ", but the model is wrapped already: units are fixed by fsdp::fully_shard. Call share_unit_with "
                 "before it (in the model's constructor).");
   if (!a->slots().empty() && !b->slots().empty()) {  // one flat buffer: checked before anything moves
     const at::Tensor& pa = a->slots().front().param;
     const at::Tensor& pb = b->slots().front().param;
     FSDP_CHECK_IN(context, pa.dtype() == pb.dtype() && pa.device() == pb.device(),
-                  "fsdp::ShardedUnit::share_unit_with (rank ", state.comm.rank(), "): ", what,
+                  "fsdp::ShardedUnit::share_unit_with (rank ", state.comm().rank(), "): ", what,
                   ", but their parameters are ", pa.dtype(), " on ", pa.device(), " and ", pb.dtype(), " on ",
                   pb.device(),
                   ": a unit's parameters share one flat buffer. Give them one dtype and device, or keep two units.");
   }
   // The gathers below pair up only if every rank merges the same units now.
-  check_same_model_on_all_ranks(state.comm, what + "\n");
+  check_same_model_on_all_ranks(state.comm(), what + "\n");
   // Each unit's modules, by member index (a unit merged before lists them all).
   auto modules_of = [&](const std::shared_ptr<Unit>& unit, ShardedUnit& module) {
     std::vector<std::shared_ptr<torch::nn::Module>> out;
-    for (const auto& e : state.shared_built_units) {
+    for (const auto& e : state.shared_built_units()) {
       if (e.unit.lock() != unit) continue;
       for (const auto& m : e.modules) out.push_back(m.lock());
       return out;
@@ -192,7 +192,7 @@ void merge_built_units(ShardedUnit& first, ShardedUnit& other) {
     held.push_back(modules[m]);
     if (auto* u = dynamic_cast<ShardedUnit*>(modules[m].get())) Access::attach(*u, merged, static_cast<int>(m));
   }
-  auto& list = state.shared_built_units;
+  auto& list = state.shared_built_units();
   list.erase(std::remove_if(list.begin(), list.end(),
                             [&](const RunState::SharedBuiltUnit& e) {
                               auto u = e.unit.lock();
@@ -207,7 +207,7 @@ std::shared_ptr<Unit> shard_model(const std::shared_ptr<torch::nn::Module>& root
                                   const FullyShardOptions& given_options, const std::shared_ptr<RunState>& scope_state,
                                   const MeshState* mesh) {
   FSDP_CHECK(root != nullptr, "fsdp::fully_shard: the model is null");
-  check_options(scope_state ? scope_state->options : given_options, "fsdp::fully_shard");
+  check_options(scope_state ? scope_state->options() : given_options, "fsdp::fully_shard");
   FSDP_CHECK(pg, "fsdp::fully_shard: the process group is null; create one with fsdp::init_process_group()");
   FSDP_CHECK(dynamic_cast<ShardedUnit*>(root.get()) == nullptr,
              "fsdp::fully_shard: the root module is itself an fsdp::Sharded unit. Pass the plain root module: "
@@ -217,9 +217,9 @@ std::shared_ptr<Unit> shard_model(const std::shared_ptr<torch::nn::Module>& root
                                                         mesh != nullptr ? mesh->group_info(kDataDim) : GroupInfo{});
   if (mesh != nullptr) state->init_mesh(*mesh);
   record_tensor_splits(*state, *root);
-  const FullyShardOptions& options = state->options;
+  const FullyShardOptions& options = state->options();
   for (const auto& kv : root->named_parameters()) {  // the first says where the model is
-    check_offload(options, kv.key(), kv.value().device(), state->comm.rank());
+    check_offload(options, kv.key(), kv.value().device(), state->comm().rank());
     break;
   }
 
@@ -242,12 +242,12 @@ std::shared_ptr<Unit> shard_model(const std::shared_ptr<torch::nn::Module>& root
   // A module joining the unit of entry `f` (share_unit_with): met once (`earlier`: the path it was
   // met under before, if any), and a sibling of the unit's first module (both directly in one unit).
   auto check_join = [&](const Found& f, const std::string& name, size_t enclosing, const std::string& earlier) {
-    FSDP_CHECK_IN(state->comm.error_context("fsdp::fully_shard").unit(name), earlier.empty(),
-                  "fsdp::fully_shard (rank ", state->comm.rank(), "): module '", name,
+    FSDP_CHECK_IN(state->comm().error_context("fsdp::fully_shard").unit(name), earlier.empty(),
+                  "fsdp::fully_shard (rank ", state->comm().rank(), "): module '", name,
                   "' is registered twice, also as '", earlier,
                   "'. Register a module once; hold it under another name without register_module.");
-    FSDP_CHECK_IN(state->comm.error_context("fsdp::fully_shard").unit(name), f.parent == enclosing,
-                  "fsdp::fully_shard (rank ", state->comm.rank(), "): modules '", f.name, "' and '", name,
+    FSDP_CHECK_IN(state->comm().error_context("fsdp::fully_shard").unit(name), f.parent == enclosing,
+                  "fsdp::fully_shard (rank ", state->comm().rank(), "): modules '", f.name, "' and '", name,
                   "' share a unit (share_unit_with) but are not siblings: one is inside a unit the other is not in. "
                   "Modules sharing a unit must sit directly in the same unit (the root, or one fsdp::Sharded module).");
   };
@@ -266,8 +266,8 @@ std::shared_ptr<Unit> shard_model(const std::shared_ptr<torch::nn::Module>& root
   // Records which unit owns a parameter; a parameter met again must be in the same unit.
   auto claim = [&](const at::Tensor& p, const std::string& name, size_t unit) {
     auto [it, inserted] = owner.emplace(p.unsafeGetTensorImpl(), std::make_pair(name, unit));
-    FSDP_CHECK(inserted || it->second.second == unit, "fsdp::fully_shard (rank ", state->comm.rank(), "): parameter '",
-               it->second.first, "' is shared with '", name, "', which is in another unit ('",
+    FSDP_CHECK(inserted || it->second.second == unit, "fsdp::fully_shard (rank ", state->comm().rank(),
+               "): parameter '", it->second.first, "' is shared with '", name, "', which is in another unit ('",
                found[it->second.second]->name, "' vs '", found[unit]->name,
                "'). A shared parameter must live in one unit: move both modules into one fsdp::Sharded unit "
                "or leave them in the root.");
@@ -304,12 +304,12 @@ std::shared_ptr<Unit> shard_model(const std::shared_ptr<torch::nn::Module>& root
               visit(*kv.value(), name, joined->second, /*built=*/true, Access::member(*u));
               continue;
             }
-            FSDP_CHECK_IN(state->comm.error_context("fsdp::fully_shard").unit(name), scope_state != nullptr,
-                          "fsdp::fully_shard (rank ", state->comm.rank(), "): module '", name,
+            FSDP_CHECK_IN(state->comm().error_context("fsdp::fully_shard").unit(name), scope_state != nullptr,
+                          "fsdp::fully_shard (rank ", state->comm().rank(), "): module '", name,
                           "' is already sharded: either the model was wrapped before (wrap a model once) or it was "
                           "built inside an fsdp::ShardingScope (then wrap it with fsdp::fully_shard(model, scope)).");
-            FSDP_CHECK(&sharded->state() == state.get(), "fsdp::fully_shard (rank ", state->comm.rank(), "): module '",
-                       name,
+            FSDP_CHECK(&sharded->state() == state.get(), "fsdp::fully_shard (rank ", state->comm().rank(),
+                       "): module '", name,
                        "' was sharded by another ShardingScope or model; build and wrap a model within one scope.");
             found.push_back(std::make_unique<Found>(Found{name, u, {}, sharded, unit}));
             found.back()->member_paths.resize(sharded->members());
@@ -324,7 +324,7 @@ std::shared_ptr<Unit> shard_model(const std::shared_ptr<torch::nn::Module>& root
             continue;
           }
           if (u != nullptr) {
-            FSDP_CHECK(!built, "fsdp::fully_shard (rank ", state->comm.rank(), "): unit '", name,
+            FSDP_CHECK(!built, "fsdp::fully_shard (rank ", state->comm().rank(), "): unit '", name,
                        "' was built outside the ShardingScope that sharded the unit containing it; build the whole "
                        "model inside the scope.");
             const ShardedUnit* lead = group_lead(u);
@@ -348,8 +348,8 @@ std::shared_ptr<Unit> shard_model(const std::shared_ptr<torch::nn::Module>& root
   // Every module a unit's module joined (share_unit_with) must be in the model, in that unit.
   for (const auto& f : found) {
     for (size_t m = 0; m < f->member_paths.size(); ++m) {
-      FSDP_CHECK_IN(state->comm.error_context("fsdp::fully_shard").unit(f->name), !f->member_paths[m].empty(),
-                    "fsdp::fully_shard (rank ", state->comm.rank(), "): unit '", f->name,
+      FSDP_CHECK_IN(state->comm().error_context("fsdp::fully_shard").unit(f->name), !f->member_paths[m].empty(),
+                    "fsdp::fully_shard (rank ", state->comm().rank(), "): unit '", f->name,
                     "' was joined (share_unit_with) ",
                     "with a module that is not part of this model. Share units among modules of the model you wrap.");
     }
@@ -357,8 +357,8 @@ std::shared_ptr<Unit> shard_model(const std::shared_ptr<torch::nn::Module>& root
       ShardedUnit* lead = u->shares_unit_of();
       const bool in_group =
           lead == nullptr || std::find(f->members.begin(), f->members.end(), lead) != f->members.end();
-      FSDP_CHECK_IN(state->comm.error_context("fsdp::fully_shard").unit(f->name), in_group, "fsdp::fully_shard (rank ",
-                    state->comm.rank(), "): module '",
+      FSDP_CHECK_IN(state->comm().error_context("fsdp::fully_shard").unit(f->name), in_group,
+                    "fsdp::fully_shard (rank ", state->comm().rank(), "): module '",
                     f->member_paths[std::find(f->members.begin(), f->members.end(), u) - f->members.begin()],
                     "' shares the unit of a module (share_unit_with) that is not part of this model. Share units "
                     "among modules of the model you wrap.");
@@ -374,8 +374,8 @@ std::shared_ptr<Unit> shard_model(const std::shared_ptr<torch::nn::Module>& root
     for (size_t m = 0; m < f.members.size(); ++m) {
       const auto& own = get(*f.members[m]);
       if (!own) continue;
-      FSDP_CHECK_IN(state->comm.error_context("fsdp::fully_shard").unit(f.name), !out || same(*out, *own),
-                    "fsdp::fully_shard (rank ", state->comm.rank(), "): the modules sharing unit '", f.name,
+      FSDP_CHECK_IN(state->comm().error_context("fsdp::fully_shard").unit(f.name), !out || same(*out, *own),
+                    "fsdp::fully_shard (rank ", state->comm().rank(), "): the modules sharing unit '", f.name,
                     "' (share_unit_with) set different ", what, "; set it on one of them, or the same on each.");
       out = own;
     }
@@ -420,10 +420,10 @@ std::shared_ptr<Unit> shard_model(const std::shared_ptr<torch::nn::Module>& root
          << c10::DeviceTypeName(p.device().type(), true) << ")\n";
   }
   desc << describe_buffers(*root) << describe_offload(options);
-  check_same_model_on_all_ranks(state->comm, desc.str());
+  check_same_model_on_all_ranks(state->comm(), desc.str());
   // Buffers (running statistics, masks, tables drawn from the RNG) start equal on every rank, as
   // in PyTorch's FSDP and DDP; parameters are broadcast unit by unit as they are sharded.
-  if (options.sync_module_states()) broadcast_buffers(state->comm, *root);
+  if (options.sync_module_states()) broadcast_buffers(state->comm(), *root);
   if (hybrid) state->init_hybrid(options.shard_group_size());
 
   // Activation checkpointing: a unit's own setting, else every k-th unit that contains no other
@@ -438,20 +438,20 @@ std::shared_ptr<Unit> shard_model(const std::shared_ptr<torch::nn::Module>& root
         std::equal_to<>());
     const bool counted = !contains_units[i] && every > 0 && ++leaf % every == 0;
     checkpointed[i] = own.value_or(counted);
-    FSDP_CHECK_IN(state->comm.error_context("fsdp::fully_shard").unit(found[i]->name),
-                  !checkpointed[i] || !contains_units[i], "fsdp::fully_shard (rank ", state->comm.rank(), "): unit '",
+    FSDP_CHECK_IN(state->comm().error_context("fsdp::fully_shard").unit(found[i]->name),
+                  !checkpointed[i] || !contains_units[i], "fsdp::fully_shard (rank ", state->comm().rank(), "): unit '",
                   found[i]->name,
                   "' has set_activation_checkpointing(true) but contains other units: its recompute in backward "
                   "would run their forwards again. Checkpoint the units inside it instead.");
   }
   std::shared_ptr<Unit> root_group;
-  state->units.clear();
+  state->units().clear();
   for (auto& f : found) {
-    const bool checkpoints = checkpointed[state->units.size()];
+    const bool checkpoints = checkpointed[state->units().size()];
     if (f->built) {
       f->built->rename(f->member_paths);
       f->built->set_checkpoints_activations(checkpoints);
-      state->units.push_back(f->built);
+      state->units().push_back(f->built);
       continue;
     }
     auto g = std::make_shared<Unit>(f->name, std::move(f->params), state, f->unit == nullptr, strategy_of(*f),
@@ -459,7 +459,7 @@ std::shared_ptr<Unit> shard_model(const std::shared_ptr<torch::nn::Module>& root
     if (f->members.size() > 1) g->set_members(static_cast<int>(f->members.size()), std::move(f->slot_member));
     g->set_checkpoints_activations(checkpoints);
     g->init();
-    state->units.push_back(g);
+    state->units().push_back(g);
     if (f->unit != nullptr) {
       for (size_t m = 0; m < f->members.size(); ++m) Access::attach(*f->members[m], g, static_cast<int>(m));
     } else {

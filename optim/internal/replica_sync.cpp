@@ -1,9 +1,6 @@
 #include "optim/internal/replica_sync.h"
 
-#include "fsdp/internal/access.h"
 #include "fsdp/internal/check.h"
-#include "fsdp/internal/comm.h"
-#include "fsdp/internal/run_state.h"
 
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
@@ -19,10 +16,10 @@ using fsdp::detail::Fingerprint;
 ReplicaSync::ReplicaSync(const FSDPModule& model, std::string caller, int64_t sync_every, int64_t fragments,
                          const std::string& settings)
     : model_(model), caller_(std::move(caller)), sync_every_(sync_every) {
-  const std::string where = caller_ + " (" + fsdp::detail::Access::state(model).comm.where() + ")";
+  const std::string where = caller_ + " (" + fsdp::detail::model_group(model).where() + ")";
   // One outer optimizer per model: a second would average on its own schedule, and a checkpoint
   // would keep only one of their states.
-  if (auto other = fsdp::detail::Access::state(model).outer.lock()) {
+  if (auto other = fsdp::detail::outer_state(model)) {
     FSDP_CHECK(false, where, ": the model's replicas are already driven by a ", other->kind(),
                " made for it, which is still alive. One LocalSGD or DiLoCo per model: destroy the other first.");
   }
@@ -160,8 +157,8 @@ ReplicaSync::~ReplicaSync() {
 
 namespace {
 
-// RunState::OuterState over the callbacks LocalSGD or DiLoCo give.
-struct Registration : fsdp::detail::RunState::OuterState {
+// OuterState (fsdp/internal/core_access.h) over the callbacks LocalSGD or DiLoCo give.
+struct Registration : fsdp::detail::OuterState {
   ReplicaSync* sync = nullptr;
   std::string name;
   std::function<std::vector<at::Tensor>()> global;
@@ -187,7 +184,7 @@ void ReplicaSync::register_outer(std::string kind, std::function<std::vector<at:
   r->outer = outer;
   r->apply = std::move(flush);
   registration_ = r;
-  fsdp::detail::Access::state(model_).outer = registration_;
+  fsdp::detail::set_outer_state(model_, registration_);
 }
 
 std::vector<at::Tensor> ReplicaSync::mean_now() {

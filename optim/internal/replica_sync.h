@@ -9,8 +9,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/optim/optimizer.h>
 
-#include "fsdp/internal/comm.h"
-#include "fsdp/internal/run_state.h"
+#include "fsdp/internal/core_access.h"
 
 #include <cstdint>
 #include <functional>
@@ -85,7 +84,7 @@ class ReplicaSync {
   ReplicaSync(const ReplicaSync&) = delete;
   ReplicaSync& operator=(const ReplicaSync&) = delete;
 
-  /// For checkpoints (RunState::outer, fsdp/internal/run_state.h): `kind` ("LocalSGD", "DiLoCo"),
+  /// For checkpoints (fsdp::detail::outer_state, fsdp/internal/core_access.h): `kind` ("LocalSGD", "DiLoCo"),
   /// `global` the global shards per parameter in shard_specs() order (null: the replicas' mean
   /// now, mean_now()), `outer` the outer optimizer (null: none), `flush` what applies an exchange
   /// in flight. The callbacks' object must not move (LocalSGD and DiLoCo cannot).
@@ -118,7 +117,7 @@ class ReplicaSync {
     fsdp::detail::Pending pending;
   };
   std::optional<InFlight> in_flight_;
-  std::shared_ptr<fsdp::detail::RunState::OuterState> registration_;  // RunState::outer refers to it
+  std::shared_ptr<fsdp::detail::OuterState> registration_;  // the model observes it (set_outer_state)
   /// The agreement over the replicate group before an exchange, and the exchange's name.
   std::string agree_on(size_t f, const at::Tensor& flat, const std::string& what);
 };

@@ -3,6 +3,8 @@
 // Internal to the library.
 #pragma once
 
+#include "fsdp/export.h"
+
 #include <string>
 
 namespace fsdp::detail {
@@ -10,6 +12,6 @@ namespace fsdp::detail {
 /// Creates `dir` and every missing directory above it (mode 0777, less the umask). Returns "" on
 /// success, else what failed ("cannot create directory '/a/b': Permission denied", "'/a/b' is not
 /// a directory"). Never throws: the flight recorder calls it while reporting a failure.
-std::string make_dirs(const std::string& dir);
+FSDP_API std::string make_dirs(const std::string& dir);
 
 }  // namespace fsdp::detail

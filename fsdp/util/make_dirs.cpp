@@ -1,4 +1,4 @@
-#include "fsdp/internal/make_dirs.h"
+#include "fsdp/util/make_dirs.h"
 
 #include <sys/stat.h>
 
