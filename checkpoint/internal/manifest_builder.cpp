@@ -3,7 +3,7 @@
 #include "checkpoint/internal/crc32c.h"
 #include "checkpoint/manifest.h"
 #include "fsdp/internal/check.h"
-#include "fsdp/internal/json_text.h"
+#include "fsdp/util/json_text.h"
 #include "fsdp_version.h"
 
 #include <c10/util/Exception.h>
@@ -22,64 +22,178 @@ using fsdp::detail::append_json_array;
 using fsdp::detail::append_json_number;
 using fsdp::detail::append_json_string;
 
-constexpr std::string_view kPartMagic = "fsdp-manifest-part-2";
 constexpr std::string_view kSealKey = ",\n \"manifest_crc32c\": ";
 
-// RankPart's bytes: fixed-width integers in the machine's order, strings and arrays after their
-// length.
-struct Encoder {
-  std::string out;
-  void u64(uint64_t v) { out.append(reinterpret_cast<const char*>(&v), sizeof(v)); }
-  void i64(int64_t v) { u64(static_cast<uint64_t>(v)); }
-  void str(std::string_view s) {
-    u64(s.size());
-    out.append(s);
+// A tensor of the manifest, with its chunks as (file, chunk).
+struct Entry {
+  const TensorMeta* meta;
+  std::vector<std::pair<size_t, const ChunkRecord*>> chunks;
+};
+
+// The ranks' parts taken together, for the text: every tensor in the manifest's order (the
+// model's, then the others as the ranks wrote them) with its chunks, found by key through an
+// index so that assembly stays linear, and the optimizer steps the ranks agree on.
+struct PartsIndex {
+  std::vector<Entry> tensors;
+  std::unordered_map<std::string_view, size_t> index;
+  std::vector<std::pair<std::string_view, int64_t>> steps;  // in the order first met
+  std::unordered_map<std::string_view, int64_t> step_of;
+
+  // A tensor where it is first named: the manifest lists it there.
+  void add(const TensorMeta& t) {
+    if (index.emplace(t.key, tensors.size()).second) tensors.push_back({&t, {}});
   }
-  void shape(const std::vector<int64_t>& v) {
-    u64(v.size());
-    for (const int64_t x : v) i64(x);
+
+  // Rank r's part: its tensors, then its chunks, each under a tensor named by now, then its
+  // steps, each equal to any other rank's of the same parameter.
+  void take(size_t r, const RankPart& part, int64_t& bytes_total) {
+    for (const auto& t : part.tensors) add(t);
+    for (const auto& c : part.chunks) {
+      const auto it = index.find(c.tensor);
+      FSDP_CHECK(it != index.end(), "fsdp::checkpoint: rank ", r, " wrote a chunk of tensor '", c.tensor,
+                 "', which neither the model nor that rank's part names.");
+      bytes_total += static_cast<int64_t>(c.end - c.begin);
+      tensors[it->second].chunks.emplace_back(r, &c);
+    }
+    for (const auto& [name, s] : part.steps) {
+      const auto [it, fresh] = step_of.emplace(name, s);
+      FSDP_CHECK(fresh || it->second == s, "the optimizer's step of parameter '", name, "' is ", it->second,
+                 " on one rank but ", s, " on rank ", r,
+                 ": every rank must step the optimizer the same number of times.");
+      if (fresh) steps.emplace_back(name, s);
+    }
   }
 };
 
-struct Decoder {
-  const std::string& in;
-  int rank;
-  size_t at = 0;
-  void need(uint64_t n) const {
-    FSDP_CHECK(n <= in.size() - at, "fsdp::checkpoint: the manifest part rank ", rank, " sent ends at byte ", in.size(),
-               " where ", n,
-               " more were expected: it was not made by this build of the library (every rank must "
-               "run the same build).");
+// About the room the text takes, reserved at once so that the text is not regrown as it is written.
+size_t text_bytes(size_t tensors, const std::vector<RankPart>& parts) {
+  size_t n = 4096 + 160 * tensors;
+  for (const auto& p : parts) {
+    for (const auto& c : p.chunks) n += 100 + 12 * c.crc32c.size();
   }
-  uint64_t u64() {
-    need(sizeof(uint64_t));
-    uint64_t v = 0;
-    std::memcpy(&v, in.data() + at, sizeof(v));
-    at += sizeof(v);
-    return v;
+  return n;
+}
+
+// The start of a member after the manifest's first: ",\n \"<name>\": ".
+void append_field(std::string& out, const char* name) {
+  out += ",\n ";
+  append_json_string(out, name);
+  out += ": ";
+}
+
+// The members before the files: the format, what the header gives, and the optimizer's record
+// with the steps the ranks agreed on.
+void append_header(std::string& out, const ManifestHeader& header,
+                   const std::vector<std::pair<std::string_view, int64_t>>& steps) {
+  out += "{\n \"format\": \"libtorch-fsdp checkpoint\"";
+  append_field(out, "format_version");
+  append_json_number(out, kFormatVersion);
+  append_field(out, "library_version");
+  append_json_string(out, FSDP_VERSION);
+  append_field(out, "name");
+  append_json_string(out, header.name);
+  append_field(out, "step");
+  append_json_number(out, header.step);
+  append_field(out, "world_size");
+  append_json_number(out, header.world_size);
+  append_field(out, "block_bytes");
+  append_json_number(out, header.block_bytes);
+  append_field(out, "strategies");
+  out += header.strategies.dump();
+  append_field(out, "metadata");
+  out += header.metadata.dump();
+  append_field(out, "optimizer");
+  if (header.optimizer.is_null()) {
+    out += "null";
+  } else {
+    ordered_json optimizer = header.optimizer;
+    ordered_json& by_name = optimizer["steps"] = ordered_json::object();
+    for (const auto& [name, s] : steps) by_name[std::string(name)] = s;
+    out += optimizer.dump();
   }
-  int64_t i64() { return static_cast<int64_t>(u64()); }
-  // A count of items of at least `item_bytes` each: bounded by what is left, so that a malformed
-  // part cannot make us reserve memory it does not hold.
-  uint64_t count(uint64_t item_bytes) {
-    const uint64_t n = u64();
-    FSDP_CHECK(n <= (in.size() - at) / item_bytes, "fsdp::checkpoint: the manifest part rank ", rank, " sent counts ",
-               n, " items where at most ", (in.size() - at) / item_bytes,
-               " fit: it was not made by this build of the library (every rank must run the same build).");
-    return n;
+  append_field(out, "data");
+  out += header.data.dump();
+}
+
+// "files": each rank's file, in rank order (a chunk names its file by its place here).
+void append_files(std::string& out, const std::vector<RankPart>& parts) {
+  append_field(out, "files");
+  out += "[";
+  for (size_t r = 0; r < parts.size(); ++r) {
+    out += r == 0 ? "\n  {\"name\": " : ",\n  {\"name\": ";
+    append_json_string(out, parts[r].file);
+    out += ", \"rank\": ";
+    append_json_number(out, r);
+    out += ", \"bytes\": ";
+    append_json_number(out, parts[r].file_bytes);
+    out += "}";
   }
-  std::string str() {
-    const uint64_t n = count(1);
-    std::string s = in.substr(at, n);
-    at += n;
-    return s;
+  out += "\n ]";
+}
+
+// Puts a tensor's chunks in the manifest's order (by inner box, then row) and refuses chunks that
+// do not hold every element once: an optimizer state that some of its writers lack (a rank that
+// never stepped) leaves rows without a chunk.
+void sort_and_check_coverage(Entry& entry) {
+  auto& chunks = entry.chunks;
+  std::sort(chunks.begin(), chunks.end(), [](const auto& a, const auto& b) {
+    const ChunkRecord &x = *a.second, &y = *b.second;
+    return x.inner == y.inner ? x.row_begin < y.row_begin : x.inner < y.inner;
+  });
+  std::vector<ChunkExtent> extents;
+  extents.reserve(chunks.size());
+  for (const auto& c : chunks) extents.push_back({c.second->row_begin, c.second->row_end, &c.second->inner});
+  const std::string fault = coverage_fault(entry.meta->shape, std::move(extents));
+  FSDP_CHECK(fault.empty(), "tensor '", entry.meta->key, "' is not written once in all by the ranks: ", fault,
+             ". An optimizer state some ranks lack: step the optimizer on every rank before saving; otherwise the "
+             "ranks' tensor-parallel parts do not tile the tensor.");
+}
+
+// One chunk of a tensor's "chunks" (the first when `first`): its rows, inner box, file, bytes and
+// checksums.
+void append_chunk(std::string& out, const ChunkRecord& c, size_t file, bool first) {
+  out += first ? "\n   {\"rows\": " : ",\n   {\"rows\": ";
+  append_json_array(out, std::array<int64_t, 2>{c.row_begin, c.row_end});
+  if (!c.inner.whole()) {
+    out += ", \"inner\": [";
+    for (size_t d = 0; d < c.inner.offsets.size(); ++d) {
+      out += d == 0 ? "" : ", ";
+      append_json_array(out, std::array<int64_t, 2>{c.inner.offsets[d], c.inner.lengths[d]});
+    }
+    out += "]";
   }
-  std::vector<int64_t> shape() {
-    std::vector<int64_t> v(count(sizeof(int64_t)));
-    for (auto& x : v) x = i64();
-    return v;
+  out += ", \"file\": ";
+  append_json_number(out, file);
+  out += ", \"bytes\": ";
+  append_json_array(out, std::array<uint64_t, 2>{c.begin, c.end});
+  out += ", \"block_bytes\": ";
+  append_json_number(out, c.block_bytes);
+  out += ", \"crc32c\": ";
+  append_json_array(out, c.crc32c);
+  out += "}";
+}
+
+// "tensors": each tensor's kind, dtype, shape and chunks, each tensor checked before it is written.
+void append_tensors(std::string& out, std::vector<Entry>& tensors) {
+  append_field(out, "tensors");
+  out += "{";
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    sort_and_check_coverage(tensors[i]);
+    const auto& [meta, chunks] = tensors[i];
+    out += i == 0 ? "\n  " : ",\n  ";
+    append_json_string(out, meta->key);
+    out += ": {\"kind\": ";
+    append_json_string(out, meta->kind);
+    out += ", \"dtype\": ";
+    append_json_string(out, meta->dtype);
+    out += ", \"shape\": ";
+    append_json_array(out, meta->shape);
+    out += ", \"chunks\": [";
+    for (size_t k = 0; k < chunks.size(); ++k) append_chunk(out, *chunks[k].second, chunks[k].first, k == 0);
+    out += chunks.empty() ? "]}" : "\n  ]}";
   }
-};
+  out += "\n }";
+}
 
 }  // namespace
 
@@ -176,108 +290,6 @@ std::string coverage_fault(const std::vector<int64_t>& shape, std::vector<ChunkE
   return "";
 }
 
-std::string RankPart::encode() const {
-  Encoder e;
-  e.str(kPartMagic);
-  e.str(file);
-  e.u64(file_bytes);
-  e.u64(tensors.size());
-  for (const auto& t : tensors) {
-    e.str(t.key);
-    e.str(t.kind);
-    e.str(t.dtype);
-    e.shape(t.shape);
-  }
-  e.u64(steps.size());
-  for (const auto& [name, step] : steps) {
-    e.str(name);
-    e.i64(step);
-  }
-  e.u64(chunks.size());
-  for (const auto& c : chunks) {
-    e.str(c.tensor);
-    e.i64(c.row_begin);
-    e.i64(c.row_end);
-    e.shape(c.inner.offsets);
-    e.shape(c.inner.lengths);
-    e.u64(c.begin);
-    e.u64(c.end);
-    e.u64(c.block_bytes);
-    e.u64(c.crc32c.size());
-    e.out.append(reinterpret_cast<const char*>(c.crc32c.data()), c.crc32c.size() * sizeof(uint32_t));
-  }
-  return std::move(e.out);
-}
-
-RankPart RankPart::decode(const std::string& bytes, int rank) {
-  Decoder d{bytes, rank};
-  FSDP_CHECK(bytes.size() >= 8 && d.str() == kPartMagic, "fsdp::checkpoint: the manifest part rank ", rank,
-             " sent is not one this build of the library makes (every rank must run the same build).");
-  RankPart p;
-  p.file = d.str();
-  p.file_bytes = d.u64();
-  p.tensors.resize(d.count(4 * sizeof(uint64_t)));
-  for (auto& t : p.tensors) {
-    t.key = d.str();
-    t.kind = d.str();
-    t.dtype = d.str();
-    t.shape = d.shape();
-  }
-  p.steps.resize(d.count(2 * sizeof(uint64_t)));
-  for (auto& [name, step] : p.steps) {
-    name = d.str();
-    step = d.i64();
-  }
-  p.chunks.resize(d.count(9 * sizeof(uint64_t)));
-  for (auto& c : p.chunks) {
-    c.tensor = d.str();
-    c.row_begin = d.i64();
-    c.row_end = d.i64();
-    c.inner.offsets = d.shape();
-    c.inner.lengths = d.shape();
-    c.begin = d.u64();
-    c.end = d.u64();
-    c.block_bytes = d.u64();
-    c.crc32c.resize(d.count(sizeof(uint32_t)));
-    std::memcpy(c.crc32c.data(), bytes.data() + d.at, c.crc32c.size() * sizeof(uint32_t));
-    d.at += c.crc32c.size() * sizeof(uint32_t);
-  }
-  FSDP_CHECK(d.at == bytes.size(), "fsdp::checkpoint: the manifest part rank ", rank, " sent has ", bytes.size() - d.at,
-             " bytes after its end (every rank must run the same build).");
-  return p;
-}
-
-TensorMeta TensorMeta::from_json(const std::string& key, const ordered_json& j) {
-  return {key, j.at("kind").get<std::string>(), j.at("dtype").get<std::string>(),
-          j.at("shape").get<std::vector<int64_t>>()};
-}
-
-RankPart RankPart::from_json(const ordered_json& j) {
-  RankPart p;
-  p.file = j.at("file").get<std::string>();
-  p.file_bytes = j.at("bytes").get<uint64_t>();
-  for (const auto& [key, t] : j.at("tensors").items()) p.tensors.push_back(TensorMeta::from_json(key, t));
-  for (const auto& [name, step] : j.at("steps").items()) p.steps.emplace_back(name, step.get<int64_t>());
-  for (const auto& c : j.at("chunks")) {
-    ChunkRecord r;
-    r.tensor = c.at("tensor").get<std::string>();
-    const auto rows = c.at("rows").get<std::vector<int64_t>>();
-    const auto bytes = c.at("bytes").get<std::vector<uint64_t>>();
-    FSDP_CHECK(rows.size() == 2 && bytes.size() == 2, "fsdp::checkpoint: a chunk of tensor '", r.tensor,
-               "' in a manifest part has rows or bytes that are not a pair.");
-    r.row_begin = rows[0];
-    r.row_end = rows[1];
-    r.begin = bytes[0];
-    r.end = bytes[1];
-    r.block_bytes = c.at("block_bytes").get<uint64_t>();
-    r.crc32c = c.at("crc32c").get<std::vector<uint32_t>>();
-    if (c.contains("inner"))
-      r.inner = inner_from_json(nlohmann::json(c["inner"]), "a manifest part's chunk of tensor '" + r.tensor + "'");
-    p.chunks.push_back(std::move(r));
-  }
-  return p;
-}
-
 ordered_json sampler_state_json(const data::SamplerState& s) {
   return {{"sampler", "fsdp::data::DistributedSampler"},
           {"seed", s.seed},
@@ -309,143 +321,14 @@ data::SamplerState sampler_state_from_json(const nlohmann::json& j, const std::s
 std::string assemble_manifest(const ManifestHeader& header, const std::vector<TensorMeta>& model_tensors,
                               const std::vector<RankPart>& parts, int64_t& bytes_total) {
   bytes_total = 0;
-  // Every tensor in the manifest's order (the model's, then the others as the ranks wrote them),
-  // its chunks as (file, chunk); found by key through an index, so that assembly stays linear.
-  struct Entry {
-    const TensorMeta* meta;
-    std::vector<std::pair<size_t, const ChunkRecord*>> chunks;
-  };
-  std::vector<Entry> tensors;
-  std::unordered_map<std::string_view, size_t> index;
-  auto add = [&](const TensorMeta& t) {
-    if (index.emplace(t.key, tensors.size()).second) tensors.push_back({&t, {}});
-  };
-  for (const auto& t : model_tensors) add(t);
-  std::vector<std::pair<std::string_view, int64_t>> steps;
-  std::unordered_map<std::string_view, int64_t> step_of;
-  for (size_t r = 0; r < parts.size(); ++r) {
-    for (const auto& t : parts[r].tensors) add(t);
-    for (const auto& c : parts[r].chunks) {
-      const auto it = index.find(c.tensor);
-      FSDP_CHECK(it != index.end(), "fsdp::checkpoint: rank ", r, " wrote a chunk of tensor '", c.tensor,
-                 "', which neither the model nor that rank's part names.");
-      bytes_total += static_cast<int64_t>(c.end - c.begin);
-      tensors[it->second].chunks.emplace_back(r, &c);
-    }
-    for (const auto& [name, s] : parts[r].steps) {
-      const auto [it, fresh] = step_of.emplace(name, s);
-      FSDP_CHECK(fresh || it->second == s, "the optimizer's step of parameter '", name, "' is ", it->second,
-                 " on one rank but ", s, " on rank ", r,
-                 ": every rank must step the optimizer the same number of times.");
-      if (fresh) steps.emplace_back(name, s);
-    }
-  }
-
+  PartsIndex all;
+  for (const auto& t : model_tensors) all.add(t);
+  for (size_t r = 0; r < parts.size(); ++r) all.take(r, parts[r], bytes_total);
   std::string out;
-  out.reserve(4096 + 160 * tensors.size() + [&] {
-    size_t n = 0;
-    for (const auto& p : parts) {
-      for (const auto& c : p.chunks) n += 100 + 12 * c.crc32c.size();
-    }
-    return n;
-  }());
-  auto field = [&](const char* name) {
-    out += ",\n ";
-    append_json_string(out, name);
-    out += ": ";
-  };
-  out += "{\n \"format\": \"libtorch-fsdp checkpoint\"";
-  field("format_version");
-  append_json_number(out, kFormatVersion);
-  field("library_version");
-  append_json_string(out, FSDP_VERSION);
-  field("name");
-  append_json_string(out, header.name);
-  field("step");
-  append_json_number(out, header.step);
-  field("world_size");
-  append_json_number(out, header.world_size);
-  field("block_bytes");
-  append_json_number(out, header.block_bytes);
-  field("strategies");
-  out += header.strategies.dump();
-  field("metadata");
-  out += header.metadata.dump();
-  field("optimizer");
-  if (header.optimizer.is_null()) {
-    out += "null";
-  } else {
-    ordered_json optimizer = header.optimizer;
-    ordered_json& by_name = optimizer["steps"] = ordered_json::object();
-    for (const auto& [name, s] : steps) by_name[std::string(name)] = s;
-    out += optimizer.dump();
-  }
-  field("data");
-  out += header.data.dump();
-  field("files");
-  out += "[";
-  for (size_t r = 0; r < parts.size(); ++r) {
-    out += r == 0 ? "\n  {\"name\": " : ",\n  {\"name\": ";
-    append_json_string(out, parts[r].file);
-    out += ", \"rank\": ";
-    append_json_number(out, r);
-    out += ", \"bytes\": ";
-    append_json_number(out, parts[r].file_bytes);
-    out += "}";
-  }
-  out += "\n ]";
-  field("tensors");
-  out += "{";
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    auto& [meta, chunks] = tensors[i];
-    std::sort(chunks.begin(), chunks.end(), [](const auto& a, const auto& b) {
-      const ChunkRecord &x = *a.second, &y = *b.second;
-      return x.inner == y.inner ? x.row_begin < y.row_begin : x.inner < y.inner;
-    });
-    // Every element once: an optimizer state that some of its writers lack (a rank that never
-    // stepped) leaves rows without a chunk.
-    std::vector<ChunkExtent> extents;
-    extents.reserve(chunks.size());
-    for (const auto& c : chunks) extents.push_back({c.second->row_begin, c.second->row_end, &c.second->inner});
-    const auto& shape = meta->shape;
-    const std::string fault = coverage_fault(shape, std::move(extents));
-    FSDP_CHECK(fault.empty(), "tensor '", meta->key, "' is not written once in all by the ranks: ", fault,
-               ". An optimizer state some ranks lack: step the optimizer on every rank before saving; otherwise the "
-               "ranks' tensor-parallel parts do not tile the tensor.");
-    out += i == 0 ? "\n  " : ",\n  ";
-    append_json_string(out, meta->key);
-    out += ": {\"kind\": ";
-    append_json_string(out, meta->kind);
-    out += ", \"dtype\": ";
-    append_json_string(out, meta->dtype);
-    out += ", \"shape\": ";
-    append_json_array(out, shape);
-    out += ", \"chunks\": [";
-    for (size_t k = 0; k < chunks.size(); ++k) {
-      const ChunkRecord& c = *chunks[k].second;
-      out += k == 0 ? "\n   {\"rows\": " : ",\n   {\"rows\": ";
-      append_json_array(out, std::array<int64_t, 2>{c.row_begin, c.row_end});
-      if (!c.inner.whole()) {
-        out += ", \"inner\": [";
-        for (size_t d = 0; d < c.inner.offsets.size(); ++d) {
-          out += d == 0 ? "" : ", ";
-          append_json_array(out, std::array<int64_t, 2>{c.inner.offsets[d], c.inner.lengths[d]});
-        }
-        out += "]";
-      }
-      out += ", \"file\": ";
-      append_json_number(out, chunks[k].first);
-      out += ", \"bytes\": ";
-      append_json_array(out, std::array<uint64_t, 2>{c.begin, c.end});
-      out += ", \"block_bytes\": ";
-      append_json_number(out, c.block_bytes);
-      out += ", \"crc32c\": ";
-      append_json_array(out, c.crc32c);
-      out += "}";
-    }
-    out += chunks.empty() ? "]}" : "\n  ]}";
-  }
-  out += "\n }";
+  out.reserve(text_bytes(all.tensors.size(), parts));
+  append_header(out, header, all.steps);
+  append_files(out, parts);
+  append_tensors(out, all.tensors);
   return seal_manifest(std::move(out));
 }
 

@@ -9,6 +9,7 @@
 // manifest_from_parts, which the checkpoint benchmark times at 1024 simulated ranks).
 #pragma once
 
+#include "fsdp/export.h"
 #include "checkpoint/manifest.h"
 #include "data/distributed_sampler.h"
 
@@ -57,7 +58,7 @@ struct ChunkRecord {
 
 /// One rank's part: its file (name, size), its chunks in file order, the tensors it wrote that are
 /// not the model's (optimizer and generator states), and its optimizer steps by parameter name.
-struct RankPart {
+struct FSDP_TESTING_API RankPart {
   std::string file;
   uint64_t file_bytes = 0;
   std::vector<TensorMeta> tensors;
@@ -82,7 +83,7 @@ struct ChunkExtent {
 /// one inner box cover every row once; the distinct inner boxes tile the dimensions from 1 on
 /// (volumes sum to the whole, no two overlap). Linear in the chunks but for the distinct boxes,
 /// which are compared pairwise (one per tensor-parallel part). A tensor without elements needs none.
-std::string coverage_fault(const std::vector<int64_t>& shape, std::vector<ChunkExtent> chunks);
+FSDP_TESTING_API std::string coverage_fault(const std::vector<int64_t>& shape, std::vector<ChunkExtent> chunks);
 
 /// A chunk's "inner" member ([[offset, length], ...]); a malformed one is refused naming `what`.
 InnerBox inner_from_json(const nlohmann::json& j, const std::string& what);
@@ -99,7 +100,7 @@ data::SamplerState sampler_state_from_json(const nlohmann::json& j, const std::s
 /// the comma that precedes it, so that a reader finds a manifest edited or corrupted anywhere
 /// (a learning rate, a step, a sampler position), as the data's checksums find a flipped byte in
 /// a rank file. `open` is the manifest's text without its closing "\n}\n"; returns the whole text.
-std::string seal_manifest(std::string open);
+FSDP_TESTING_API std::string seal_manifest(std::string open);
 
 /// Checks `text` (a manifest of format 3 or later) against its seal: "" when it holds, else why not
 /// (a sentence that names no file).
@@ -108,7 +109,7 @@ std::string check_manifest_seal(const std::string& text, uint32_t sealed_crc32c)
 /// The manifest's text from `header`, the model's tensors (in the model's order) and every rank's
 /// part, in rank order. Checks that every tensor's chunks cover it once (coverage_fault) and that the
 /// ranks agree on each optimizer step; `bytes_total` gets the tensor bytes of all chunks.
-std::string assemble_manifest(const ManifestHeader& header, const std::vector<TensorMeta>& model_tensors,
+FSDP_TESTING_API std::string assemble_manifest(const ManifestHeader& header, const std::vector<TensorMeta>& model_tensors,
                               const std::vector<RankPart>& parts, int64_t& bytes_total);
 
 }  // namespace fsdp::checkpoint::detail
