@@ -31,7 +31,7 @@ struct MeshState;
 struct OuterState;  // fsdp/internal/core_access.h
 }  // namespace fsdp::detail
 namespace fsdp {
-class ShardedUnit;
+class FSDP_API ShardedUnit;  // public (fsdp/sharded.h): never declared hidden first
 }
 namespace fsdp::detail {
 

@@ -12,7 +12,7 @@
 #include <string>
 
 namespace fsdp {
-class ShardedUnit;
+class FSDP_API ShardedUnit;  // public (fsdp/sharded.h): never declared hidden first
 }  // namespace fsdp
 
 namespace fsdp::detail {
