@@ -102,7 +102,7 @@ std::vector<size_t> ReplicaSync::count_inner_step() {
   return due;
 }
 
-std::string ReplicaSync::agree_on(size_t f, const at::Tensor& flat, const std::string& what) {
+std::string ReplicaSync::agree(size_t f, const at::Tensor& flat, const std::string& what) {
   const std::string name = caller_ + ": " + what + " of fragment " + std::to_string(f) + " (" + fragments_[f].units +
                            ") at inner step " + std::to_string(inner_steps_);
   fsdp::detail::breaks_on_failure(model_, [&] {
@@ -119,7 +119,7 @@ std::string ReplicaSync::agree_on(size_t f, const at::Tensor& flat, const std::s
 void ReplicaSync::average(size_t f, const std::vector<at::Tensor>& tensors, const std::string& what) {
   at::NoGradGuard no_grad;
   at::Tensor flat = pack(tensors);
-  const std::string name = agree_on(f, flat, what);
+  const std::string name = agree(f, flat, what);
   fsdp::detail::breaks_on_failure(model_, [&] { replicate_->all_reduce(flat, c10d::ReduceOp::SUM, name); });
   flat.div_(static_cast<double>(replicas()));
   unpack(flat, tensors);
@@ -132,7 +132,7 @@ void ReplicaSync::begin_average(size_t f, const std::vector<at::Tensor>& tensors
   x.fragment = f;
   x.flat = pack(tensors);
   x.snapshot = pack(fragments_[f].flats);
-  const std::string name = agree_on(f, x.flat, what);
+  const std::string name = agree(f, x.flat, what);
   fsdp::detail::breaks_on_failure(model_,
                                   [&] { x.pending = replicate_->all_reduce_async(x.flat, c10d::ReduceOp::SUM, name); });
   in_flight_ = std::move(x);

@@ -119,7 +119,7 @@ class ReplicaSync {
   std::optional<InFlight> in_flight_;
   std::shared_ptr<fsdp::detail::OuterState> registration_;  // the model observes it (set_outer_state)
   /// The agreement over the replicate group before an exchange, and the exchange's name.
-  std::string agree_on(size_t f, const at::Tensor& flat, const std::string& what);
+  std::string agree(size_t f, const at::Tensor& flat, const std::string& what);
 };
 
 }  // namespace fsdp::optim::detail
