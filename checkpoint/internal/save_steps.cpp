@@ -10,7 +10,7 @@
 #include "checkpoint/plan.h"
 #include "checkpoint/safetensors.h"
 #include "fsdp/internal/check.h"
-#include "fsdp/internal/tensor_fingerprint.h"
+#include "fsdp/util/tensor_fingerprint.h"
 
 #include <c10/util/Exception.h>
 
@@ -83,6 +83,167 @@ void check_held_alike(const Group& group, const std::string& call, const std::st
   }
 }
 
+// A new PreparedSave: where and under what name the save goes, its options, refusing those no save
+// can run with before anything is read.
+PreparedSave with_options(const std::string& root, const SaveOptions& options, int rank, int world_size) {
+  PreparedSave p;
+  p.root = root;
+  p.name = checkpoint_name(options);
+  p.rank = rank;
+  p.world_size = world_size;
+  p.options = options;
+  FSDP_CHECK(options.io_threads() >= 1, "SaveOptions::io_threads is ", options.io_threads(),
+             ": give at least 1 thread.");
+  FSDP_CHECK(options.block_bytes() > 0,
+             "SaveOptions::block_bytes is 0: each tensor's checksum is taken per block "
+             "of that many bytes; give a positive size (the default is 1 MiB).");
+  FSDP_CHECK(options.keep_last() >= 0, "SaveOptions::keep_last is ", options.keep_last(),
+             ": give the number of newest checkpoints to keep, or 0 to keep all.");
+  return p;
+}
+
+// Rank 0's part of the manifest that no rank's part says: each parameter's kind, dtype and shape,
+// each unit's strategy and the optimizer's record.
+void describe_model(PreparedSave& p, const FSDPModule& model, const std::vector<ShardSpec>& specs,
+                    const torch::optim::Optimizer* opt, const std::string& type) {
+  for (const auto& s : specs) {
+    p.model_tensors.push_back({"model/" + s.name, "parameter", safetensors_dtype(s.dtype), place_of(s).shape});
+  }
+  for (const auto& u : model.units()) p.strategies[u.name.empty() ? "<root>" : u.name] = to_string(u.strategy);
+  if (opt != nullptr) p.optimizer = optimizer_record(specs, *opt, type);
+}
+
+// Each parameter's optimizer state (in `specs`' order), which has its layout, so that this rank
+// writes its rows of it; the steps go to `steps`. Refuses a parameter that is not the model's.
+std::vector<detail::ParamState> optimizer_states(const std::vector<ShardSpec>& specs,
+                                                 const torch::optim::Optimizer* opt, const std::string& type,
+                                                 std::vector<std::pair<std::string, int64_t>>& steps) {
+  std::vector<detail::ParamState> states(specs.size());
+  if (opt == nullptr) return states;
+  const auto index = spec_index(specs);
+  for (const auto& group : opt->param_groups()) {
+    for (const auto& param : group.params()) {
+      const auto it = index.find(param.unsafeGetTensorImpl());
+      FSDP_CHECK(it != index.end(), "the optimizer holds a parameter of shape ", param.sizes(),
+                 " that is not one of the wrapped model's: build the optimizer on the wrapped model's parameters "
+                 "(model->parameters() after fsdp::fully_shard).");
+      const ShardSpec& s = specs[it->second];
+      detail::ParamState st = detail::param_state(*opt, type, param);
+      for (const auto& [name, t] : st.tensors) {
+        FSDP_CHECK(t.sizes() == s.local.sizes() && t.scalar_type() == s.dtype && t.device() == s.local.device(),
+                   "the optimizer's '", name, "' of parameter '", s.name, "' is ", t.scalar_type(), " ", t.sizes(),
+                   " but this rank's rows of the parameter are ", s.dtype, " ", s.local.sizes(),
+                   ": it does not have the parameter's layout.");
+      }
+      if (st.step >= 0) steps.emplace_back(s.name, st.step);
+      states[it->second] = std::move(st);
+    }
+  }
+  return states;
+}
+
+// The fingerprints of the parameters this rank's tensor-parallel ranks hold alike (not split),
+// which the save compares across them before writing (check_held_alike).
+std::string held_alike_lines(const std::vector<ShardSpec>& specs) {
+  std::vector<std::pair<std::string, at::Tensor>> alike;
+  for (const auto& s : specs) {
+    if (s.tp_size > 1 && !s.tp.split()) alike.emplace_back(s.name, s.local);
+  }
+  return fsdp::detail::fingerprint_lines(alike);
+}
+
+// The tensors only the ranks' parts describe, each described once (by its parameter's first write).
+enum Described : size_t { kOptimizer, kOuter, kReplicaOptimizer, kReplica, kDescribedKinds };
+
+// This rank's file, entry by entry, in the order it is written (PreparedSave's keys, rows, inners
+// and tensors), and what its part of the manifest says of the tensors only it describes.
+struct FileEntries {
+  PreparedSave& p;
+  const std::vector<ShardSpec>& specs;
+  std::vector<std::vector<bool>> described =
+      std::vector<std::vector<bool>>(kDescribedKinds, std::vector<bool>(specs.size(), false));
+
+  // One entry: rows [b, e) of `key` within `inner`, named in the file "model/w[0:4]", a part of the
+  // width "model/w[0:4, 8:16]".
+  void add(const std::string& key, int64_t b, int64_t e, const at::Tensor& data, const InnerBox& inner = {}) {
+    p.keys.push_back(key);
+    p.rows.emplace_back(b, e);
+    p.inners.push_back(inner);
+    const std::string text = inner_text(inner);  // "[8:16]"
+    const std::string box = inner.whole() ? "" : ", " + text.substr(1, text.size() - 2);
+    p.tensors.emplace_back(key + "[" + std::to_string(b) + ":" + std::to_string(e) + box + "]", data);
+  }
+
+  // `tensors` (name, this rank's rows) of parameter w.spec, under `prefix`, as `kind`.
+  void add_states(const WriteChunk& w, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                  const std::string& prefix, const char* kind, Described which) {
+    const ShardSpec& s = specs[w.spec];
+    for (const auto& [name, t] : tensors) {
+      const std::string key = prefix + s.name + "/" + name;
+      if (!described[which][w.spec])
+        p.extra_tensors.push_back({key, kind, safetensors_dtype(t.scalar_type()), place_of(s).shape});
+      add(key, w.row_begin, w.row_end, rows_of(t.detach(), w.local_row, w.row_end - w.row_begin), w.inner);
+    }
+    described[which][w.spec] = true;
+  }
+
+  // The plan's rows of each parameter under "model/", with their optimizer states; while replicas
+  // train apart, the global state and the outer optimizer's instead.
+  void add_parameters(const std::vector<detail::ParamState>& states, const ReplicaSave* apart) {
+    for (const auto& w : plan_writes(specs)) {
+      const ShardSpec& s = specs[w.spec];
+      // The global state in the parameters' dtype (the manifest's for "model/"; DiLoCo keeps it in fp32).
+      const at::Tensor rows = apart ? apart->global[w.spec].to(s.dtype) : s.local;
+      add("model/" + s.name, w.row_begin, w.row_end, rows_of(rows.detach(), w.local_row, w.row_end - w.row_begin),
+          w.inner);
+      if (!apart) add_states(w, states[w.spec].tensors, "optim/", "optimizer", kOptimizer);
+      if (apart && apart->outer != nullptr) {
+        add_states(w, detail::param_state(*apart->outer, apart->outer_type, apart->global[w.spec]).tensors, "outer/",
+                   "outer", kOuter);
+      }
+    }
+  }
+
+  // A replica's own shards and optimizer state under "replica<r>/", written by its ranks alone.
+  void add_replica_own(const std::vector<detail::ParamState>& states, const ReplicaSave& apart) {
+    std::vector<ShardSpec> own = specs;  // this replica's rows, none held by another of its ranks
+    for (auto& s : own) s.replicas = 1, s.replica_rank = 0;
+    for (const auto& w : plan_writes(own)) {
+      const ShardSpec& s = specs[w.spec];
+      const std::string key = apart.prefix + "model/" + s.name;
+      if (!described[kReplica][w.spec])
+        p.extra_tensors.push_back({key, "replica", safetensors_dtype(s.dtype), place_of(s).shape});
+      add(key, w.row_begin, w.row_end, rows_of(s.local.detach(), w.local_row, w.row_end - w.row_begin), w.inner);
+      described[kReplica][w.spec] = true;
+      add_states(w, states[w.spec].tensors, apart.prefix + "optim/", "replica-optimizer", kReplicaOptimizer);
+    }
+  }
+
+  // Buffers: every rank holds them whole; their rows are split over all ranks like replicas'.
+  void add_buffers(const FSDPModule& model) {
+    size_t index = specs.size();
+    for (const auto& kv : model.named_buffers()) {
+      const at::Tensor& b = kv.value();
+      const std::string key = "model/" + kv.key();
+      const int64_t rows = b.dim() == 0 ? 1 : b.size(0);
+      if (p.rank == 0) {
+        p.model_tensors.push_back({key, "buffer", safetensors_dtype(b.scalar_type()), b.sizes().vec()});
+      }
+      const auto [first, last] = replica_part(rows, p.world_size, p.rank, index++);
+      if (last > first) add(key, first, last, rows_of(b.detach(), first, last - first));
+    }
+  }
+
+  // This rank's generators: its own, written by it alone.
+  void add_generators() {
+    for (const auto& [name, state] : detail::rng_states()) {
+      const std::string key = detail::rng_prefix(p.rank) + name;
+      p.extra_tensors.push_back({key, "rng", safetensors_dtype(state.scalar_type()), state.sizes().vec()});
+      add(key, 0, state.size(0), state);
+    }
+  }
+};
+
 }  // namespace
 
 std::string checkpoint_name(const SaveOptions& options) {
@@ -97,68 +258,14 @@ int64_t PreparedSave::bytes() const {
 
 PreparedSave prepare_save(const std::string& root, const FSDPModule& model, const torch::optim::Optimizer* opt,
                           const SaveOptions& options, int rank, int world_size) {
-  PreparedSave p;
-  p.root = root;
-  p.name = checkpoint_name(options);
-  p.rank = rank;
-  p.world_size = world_size;
-  p.options = options;
-  FSDP_CHECK(options.io_threads() >= 1, "SaveOptions::io_threads is ", options.io_threads(),
-             ": give at least 1 thread.");
-  FSDP_CHECK(options.block_bytes() > 0,
-             "SaveOptions::block_bytes is 0: each tensor's checksum is taken per block "
-             "of that many bytes; give a positive size (the default is 1 MiB).");
-  FSDP_CHECK(options.keep_last() >= 0, "SaveOptions::keep_last is ", options.keep_last(),
-             ": give the number of newest checkpoints to keep, or 0 to keep all.");
+  PreparedSave p = with_options(root, options, rank, world_size);
   // An optimizer the format cannot hold is refused before anything is on disk.
   const std::string type = opt != nullptr ? detail::optimizer_type(*opt, "fsdp::checkpoint::save") : "";
-  auto add = [&](const std::string& key, int64_t b, int64_t e, const at::Tensor& data, const InnerBox& inner = {}) {
-    p.keys.push_back(key);
-    p.rows.emplace_back(b, e);
-    p.inners.push_back(inner);
-    // The entry's name in this rank's file: "model/w[0:4]", a part of the width "model/w[0:4, 8:16]".
-    const std::string text = inner_text(inner);  // "[8:16]"
-    const std::string box = inner.whole() ? "" : ", " + text.substr(1, text.size() - 2);
-    p.tensors.emplace_back(key + "[" + std::to_string(b) + ":" + std::to_string(e) + box + "]", data);
-  };
   const auto specs = model.shard_specs();
-  if (p.rank == 0) {
-    for (const auto& s : specs) {
-      p.model_tensors.push_back({"model/" + s.name, "parameter", safetensors_dtype(s.dtype), place_of(s).shape});
-    }
-    for (const auto& u : model.units()) p.strategies[u.name.empty() ? "<root>" : u.name] = to_string(u.strategy);
-    if (opt != nullptr) p.optimizer = optimizer_record(specs, *opt, type);
-  }
-  // Each parameter's optimizer state, which has its layout: this rank's rows of it.
-  std::vector<detail::ParamState> states(specs.size());
-  if (opt != nullptr) {
-    const auto index = spec_index(specs);
-    for (const auto& group : opt->param_groups()) {
-      for (const auto& param : group.params()) {
-        const auto it = index.find(param.unsafeGetTensorImpl());
-        FSDP_CHECK(it != index.end(), "the optimizer holds a parameter of shape ", param.sizes(),
-                   " that is not one of the wrapped model's: build the optimizer on the wrapped model's parameters "
-                   "(model->parameters() after fsdp::fully_shard).");
-        const ShardSpec& s = specs[it->second];
-        detail::ParamState st = detail::param_state(*opt, type, param);
-        for (const auto& [name, t] : st.tensors) {
-          FSDP_CHECK(t.sizes() == s.local.sizes() && t.scalar_type() == s.dtype && t.device() == s.local.device(),
-                     "the optimizer's '", name, "' of parameter '", s.name, "' is ", t.scalar_type(), " ", t.sizes(),
-                     " but this rank's rows of the parameter are ", s.dtype, " ", s.local.sizes(),
-                     ": it does not have the parameter's layout.");
-        }
-        if (st.step >= 0) p.steps.emplace_back(s.name, st.step);
-        states[it->second] = std::move(st);
-      }
-    }
-  }
-
+  if (p.rank == 0) describe_model(p, model, specs, opt, type);
+  const std::vector<detail::ParamState> states = optimizer_states(specs, opt, type, p.steps);
   p.tp_ranks = tensor_parallel_ranks(model);
-  std::vector<std::pair<std::string, at::Tensor>> alike;
-  for (const auto& s : specs) {
-    if (s.tp_size > 1 && !s.tp.split()) alike.emplace_back(s.name, s.local);
-  }
-  p.alike = fsdp::detail::fingerprint_lines(alike);
+  p.alike = held_alike_lines(specs);
   // Replicas that train apart (LocalSGD, DiLoCo: internal/replicas.h): "model/" holds the global
   // state, split over the replicas (they hold it alike); each replica's own shards and optimizer
   // state go under "replica<r>/", written by its ranks alone, never split over the replicas.
@@ -166,64 +273,11 @@ PreparedSave prepare_save(const std::string& root, const FSDPModule& model, cons
   if (apart) {
     for (const auto& [k, v] : apart->metadata) p.options.metadata()[k] = v;
   }
-  // Writes `tensors` (name, this rank's rows) of parameter w.spec under `prefix`, as `kind`.
-  std::vector<std::vector<bool>> described(4, std::vector<bool>(specs.size(), false));
-  auto write_states = [&](const WriteChunk& w, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
-                          const std::string& prefix, const char* kind, size_t which) {
-    const ShardSpec& s = specs[w.spec];
-    for (const auto& [name, t] : tensors) {
-      const std::string key = prefix + s.name + "/" + name;
-      if (!described[which][w.spec])
-        p.extra_tensors.push_back({key, kind, safetensors_dtype(t.scalar_type()), place_of(s).shape});
-      add(key, w.row_begin, w.row_end, rows_of(t.detach(), w.local_row, w.row_end - w.row_begin), w.inner);
-    }
-    described[which][w.spec] = true;
-  };
-  for (const auto& w : plan_writes(specs)) {
-    const ShardSpec& s = specs[w.spec];
-    // The global state in the parameters' dtype (the manifest's for "model/"; DiLoCo keeps it in fp32).
-    const at::Tensor rows = apart ? apart->global[w.spec].to(s.dtype) : s.local;
-    add("model/" + s.name, w.row_begin, w.row_end, rows_of(rows.detach(), w.local_row, w.row_end - w.row_begin),
-        w.inner);
-    if (!apart) write_states(w, states[w.spec].tensors, "optim/", "optimizer", 0);
-    if (apart && apart->outer != nullptr) {
-      write_states(w, detail::param_state(*apart->outer, apart->outer_type, apart->global[w.spec]).tensors, "outer/",
-                   "outer", 1);
-    }
-  }
-  if (apart) {
-    std::vector<ShardSpec> own = specs;  // this replica's rows, none held by another of its ranks
-    for (auto& s : own) s.replicas = 1, s.replica_rank = 0;
-    for (const auto& w : plan_writes(own)) {
-      const ShardSpec& s = specs[w.spec];
-      const std::string key = apart->prefix + "model/" + s.name;
-      if (!described[3][w.spec])
-        p.extra_tensors.push_back({key, "replica", safetensors_dtype(s.dtype), place_of(s).shape});
-      add(key, w.row_begin, w.row_end, rows_of(s.local.detach(), w.local_row, w.row_end - w.row_begin), w.inner);
-      described[3][w.spec] = true;
-      write_states(w, states[w.spec].tensors, apart->prefix + "optim/", "replica-optimizer", 2);
-    }
-  }
-  // Buffers: every rank holds them whole; their rows are split over all ranks like replicas'.
-  size_t index = specs.size();
-  for (const auto& kv : model.named_buffers()) {
-    const at::Tensor& b = kv.value();
-    const std::string key = "model/" + kv.key();
-    const int64_t rows = b.dim() == 0 ? 1 : b.size(0);
-    if (p.rank == 0) {
-      p.model_tensors.push_back({key, "buffer", safetensors_dtype(b.scalar_type()), b.sizes().vec()});
-    }
-    const auto [first, last] = replica_part(rows, p.world_size, p.rank, index++);
-    if (last > first) add(key, first, last, rows_of(b.detach(), first, last - first));
-  }
-  // This rank's generators: its own, written by it alone.
-  if (options.rng_states()) {
-    for (const auto& [name, state] : detail::rng_states()) {
-      const std::string key = detail::rng_prefix(p.rank) + name;
-      p.extra_tensors.push_back({key, "rng", safetensors_dtype(state.scalar_type()), state.sizes().vec()});
-      add(key, 0, state.size(0), state);
-    }
-  }
+  FileEntries file{p, specs};
+  file.add_parameters(states, apart ? &*apart : nullptr);
+  if (apart) file.add_replica_own(states, *apart);
+  file.add_buffers(model);
+  if (options.rng_states()) file.add_generators();
   return p;
 }
 
