@@ -244,6 +244,179 @@ struct FileEntries {
   }
 };
 
+// Each rank's facts that every rank compares before anything is written: its data sampler's
+// state ("none" without one), its tensor-parallel ranks, and the fingerprints of what they hold alike.
+struct RankFacts {
+  std::vector<std::string> states, alike;
+  std::vector<std::vector<int>> tp_ranks;
+};
+
+// The facts as all_gather gave them: "<state>\x1e<tensor-parallel ranks>\x1e<fingerprints>" a rank.
+RankFacts split_facts(const std::vector<std::string>& gathered, int W) {
+  RankFacts f{std::vector<std::string>(W), std::vector<std::string>(W), std::vector<std::vector<int>>(W)};
+  for (int r = 0; r < W; ++r) {
+    const std::string& g = gathered[r];
+    const size_t a = g.find('\x1e'), b = g.find('\x1e', a + 1);
+    f.states[r] = g.substr(0, a);
+    std::istringstream in(g.substr(a + 1, b - a - 1));
+    for (int x = 0; in >> x;) f.tp_ranks[r].push_back(x);
+    f.alike[r] = g.substr(b + 1);
+  }
+  return f;
+}
+
+// Rank 0's manifest header: the save's name, step, size, options and what rank 0 described.
+ManifestHeader manifest_header(const PreparedSave& p, int W, const ordered_json& data) {
+  ManifestHeader header;
+  header.name = p.name;
+  header.step = p.options.step();
+  header.world_size = W;
+  header.block_bytes = p.options.block_bytes();
+  header.strategies = p.strategies;
+  header.metadata = p.options.metadata();
+  header.optimizer = p.optimizer;
+  header.data = data;
+  return header;
+}
+
+// One run of write_and_commit on this rank: how its errors and agreements name the save, its
+// phases (each agreed by every rank of `group`), and its claim on the staging directory.
+struct SaveRun {
+  PreparedSave& p;
+  const Group& group;
+  const std::string& who;
+  const int rank = group.rank(), W = group.size();
+  // This rank's name for the save in errors.
+  const std::string where =
+      who + " (rank " + std::to_string(rank) + " of " + std::to_string(W) + ", '" + p.root + "/" + p.name + "')";
+  const std::string call = who + " of '" + p.root + "/" + p.name + "'";  // the same on every rank
+  const std::string staging = staging_path(p.root, p.name);
+  // This process's claim on the staging directory, released however the save ends.
+  bool staged = false;
+
+  SaveRun(PreparedSave& p, const Group& group, const std::string& who) : p(p), group(group), who(who) {}
+  SaveRun(const SaveRun&) = delete;
+  SaveRun& operator=(const SaveRun&) = delete;
+  ~SaveRun() {
+    if (staged) end_staging(p.root, p.name);
+  }
+
+  // Each phase ends with every rank agreeing that it went well: a failure anywhere is every
+  // rank's error, and nothing is committed.
+  void phase(const char* what, const std::function<void()>& fn,
+             const char* consequence = "nothing was committed") const {
+    detail::agree(group, call, where, what, consequence, fn);
+  }
+
+  // Rank 0 claims the staging directory; `first` runs before, so that a rank that cannot prepare
+  // fails every rank before anything is on disk.
+  void stage(const std::function<void()>& first) {
+    phase("creating the staging directory", [&] {
+      if (first) first();
+      if (rank == 0) {
+        begin_staging(p.root, p.name);
+        staged = true;
+      }
+      detail::crash_point("staged", rank);
+    });
+  }
+
+  // The data sampler's state is global: every rank must save the same one (or none). Compared
+  // before any file is written, so that every rank's error names the rank that differs; every rank
+  // compares the same gathered states, so every rank fails alike without a further agreement. With
+  // it, what the tensor-parallel ranks hold alike. Returns the state, for the manifest.
+  ordered_json compare_ranks() const {
+    const ordered_json data = p.options.sampler_state() ? sampler_state_json(*p.options.sampler_state()) : nullptr;
+    std::string peers;
+    for (const int g : p.tp_ranks) peers += std::to_string(g) + " ";
+    const auto gathered = group.all_gather((data.is_null() ? "none" : data.dump()) + '\x1e' + peers + '\x1e' + p.alike,
+                                           "the data sampler states for " + where);
+    const RankFacts facts = split_facts(gathered, W);
+    for (int r = 0; r < W; ++r) {
+      FSDP_CHECK_IN(
+          group.error_context(call + ": comparing the ranks' data sampler states"), facts.states[r] == facts.states[0],
+          where, ": the data sampler's state differs between ranks: rank 0 saves ", facts.states[0], ", rank ", r,
+          " has ", facts.states[r],
+          ". Pass SaveOptions::sampler_state on every rank, each sampler having taken the same global batches; "
+          "nothing was committed.");
+    }
+    check_held_alike(group, call, where, facts.tp_ranks, facts.alike);
+    return data;
+  }
+
+  // This rank's file in the staging directory, on disk (fsynced) before the agreement; returns its
+  // part of the manifest (its chunks, in the file's order), encoded for rank 0.
+  std::string write_file(SaveResult& result) {
+    std::string part;
+    phase("writing this rank's file", [&] {
+      // A model on a GPU: its chunks are copied to the host first (an AsyncSaver's snapshot already
+      // is there), since the file is written from host memory.
+      for (auto& kv : p.tensors) {
+        if (!kv.second.is_cpu()) kv.second = kv.second.to(at::kCPU);
+      }
+      const std::string path = staging + "/" + rank_file(rank);
+      const FileRecord file = write_safetensors(path, p.tensors, {{"rank", std::to_string(rank)}},
+                                                WriteOptions()
+                                                    .block_bytes(p.options.block_bytes())
+                                                    .min_blocks(kMinBlocks)
+                                                    .fsync(false)
+                                                    .threads(p.options.io_threads())
+                                                    .direct(p.options.direct_io()));
+      detail::crash_point("data-written", rank);
+      fsync_path(path);
+      detail::crash_point("data-fsynced", rank);
+      for (const auto& t : file.tensors) result.bytes_written += static_cast<int64_t>(t.end - t.begin);
+      part = rank_part(file).encode();
+    });
+    return part;
+  }
+
+  // This rank's part of the manifest: its file, its chunks in the file's order, what only it
+  // describes and its optimizer steps.
+  RankPart rank_part(const FileRecord& file) const {
+    RankPart mine;
+    mine.file = rank_file(rank);
+    mine.file_bytes = file.size;
+    mine.tensors = p.extra_tensors;
+    mine.steps = p.steps;
+    for (size_t i = 0; i < p.keys.size(); ++i) {
+      const auto& t = file.tensors[i];
+      mine.chunks.push_back(
+          {p.keys[i], p.rows[i].first, p.rows[i].second, p.inners[i], t.begin, t.end, t.block_bytes, t.crc32c});
+    }
+    return mine;
+  }
+
+  // Rank 0 commits, then removes what keep_last drops, then every rank agrees: a failure after the
+  // commit (keep_last's, or a rank that died meanwhile) must not be reported as a save that
+  // committed nothing, since the new checkpoint is the latest.
+  void commit_manifest(const std::vector<std::string>& parts, const ordered_json& data, SaveResult& result) {
+    bool committed = false;
+    try {
+      phase(
+          "writing the manifest and committing",
+          [&] {
+            if (rank != 0) return;
+            const ManifestHeader header = manifest_header(p, W, data);
+            std::vector<RankPart> decoded;
+            decoded.reserve(parts.size());
+            for (size_t r = 0; r < parts.size(); ++r)
+              decoded.push_back(RankPart::decode(parts[r], static_cast<int>(r)));
+            const std::string manifest = assemble_manifest(header, p.model_tensors, decoded, result.bytes_total);
+            write_atomically(staging, kManifest, manifest);
+            commit(p.root, staging, p.name);
+            committed = true;
+            keep_last(p.root, p.options.keep_last());
+          },
+          "whether it was committed, rank 0's error says (fsdp::checkpoint::latest_checkpoint names the latest)");
+    } catch (...) {
+      if (!committed) throw;
+      FSDP_CHECK(false, where, ": the checkpoint was committed ('", p.root, "/", p.name,
+                 "' is the latest), but what came after it failed: ", error_text(std::current_exception()));
+    }
+  }
+};
+
 }  // namespace
 
 std::string checkpoint_name(const SaveOptions& options) {
@@ -284,133 +457,14 @@ PreparedSave prepare_save(const std::string& root, const FSDPModule& model, cons
 SaveResult write_and_commit(PreparedSave& p, const Group& group, const std::string& who,
                             const std::function<void()>& first) {
   const auto t0 = std::chrono::steady_clock::now();
-  const int rank = group.rank(), W = group.size();
-  const std::string where =
-      who + " (rank " + std::to_string(rank) + " of " + std::to_string(W) + ", '" + p.root + "/" + p.name + "')";
-  // Each phase ends with every rank agreeing that it went well: a failure anywhere is every
-  // rank's error, and nothing is committed.
-  const std::string call = who + " of '" + p.root + "/" + p.name + "'";  // the same on every rank
-  auto phase = [&](const char* what, const std::function<void()>& fn,
-                   const char* consequence = "nothing was committed") {
-    detail::agree(group, call, where, what, consequence, fn);
-  };
-
-  const std::string staging = staging_path(p.root, p.name);
-  // This process's claim on the staging directory, released however the save ends.
-  struct Staged {
-    const PreparedSave& p;
-    bool begun = false;
-    ~Staged() {
-      if (begun) end_staging(p.root, p.name);
-    }
-  } staged{p};
-  phase("creating the staging directory", [&] {
-    if (first) first();
-    if (rank == 0) {
-      begin_staging(p.root, p.name);
-      staged.begun = true;
-    }
-    detail::crash_point("staged", rank);
-  });
-
-  // The data sampler's state is global: every rank must save the same one (or none). Compared
-  // before any file is written, so that every rank's error names the rank that differs; every rank
-  // compares the same gathered states, so every rank fails alike without a further agreement.
-  const ordered_json data = p.options.sampler_state() ? sampler_state_json(*p.options.sampler_state()) : nullptr;
-  // With it, each rank's tensor-parallel ranks and the fingerprints of what they hold alike.
-  std::string peers;
-  for (const int g : p.tp_ranks) peers += std::to_string(g) + " ";
-  const auto gathered = group.all_gather((data.is_null() ? "none" : data.dump()) + '\x1e' + peers + '\x1e' + p.alike,
-                                         "the data sampler states for " + where);
-  std::vector<std::string> states(W), alike(W);
-  std::vector<std::vector<int>> tp_ranks(W);
-  for (int r = 0; r < W; ++r) {
-    const std::string& g = gathered[r];
-    const size_t a = g.find('\x1e'), b = g.find('\x1e', a + 1);
-    states[r] = g.substr(0, a);
-    std::istringstream in(g.substr(a + 1, b - a - 1));
-    for (int x = 0; in >> x;) tp_ranks[r].push_back(x);
-    alike[r] = g.substr(b + 1);
-  }
-  for (int r = 0; r < W; ++r) {
-    FSDP_CHECK_IN(group.error_context(call + ": comparing the ranks' data sampler states"), states[r] == states[0],
-                  where, ": the data sampler's state differs between ranks: rank 0 saves ", states[0], ", rank ", r,
-                  " has ", states[r],
-                  ". Pass SaveOptions::sampler_state on every rank, each sampler having taken the same global batches; "
-                  "nothing was committed.");
-  }
-  check_held_alike(group, call, where, tp_ranks, alike);
-
-  std::string part;  // this rank's chunks, for the manifest
+  SaveRun run(p, group, who);
+  run.stage(first);
+  const ordered_json data = run.compare_ranks();
   SaveResult result;
-  phase("writing this rank's file", [&] {
-    // A model on a GPU: its chunks are copied to the host first (an AsyncSaver's snapshot already
-    // is there), since the file is written from host memory.
-    for (auto& kv : p.tensors) {
-      if (!kv.second.is_cpu()) kv.second = kv.second.to(at::kCPU);
-    }
-    const std::string path = staging + "/" + rank_file(rank);
-    const FileRecord file = write_safetensors(path, p.tensors, {{"rank", std::to_string(rank)}},
-                                              WriteOptions()
-                                                  .block_bytes(p.options.block_bytes())
-                                                  .min_blocks(kMinBlocks)
-                                                  .fsync(false)
-                                                  .threads(p.options.io_threads())
-                                                  .direct(p.options.direct_io()));
-    detail::crash_point("data-written", rank);
-    fsync_path(path);
-    detail::crash_point("data-fsynced", rank);
-    for (const auto& t : file.tensors) result.bytes_written += static_cast<int64_t>(t.end - t.begin);
-    // This rank's part of the manifest: its chunks, in the file's order.
-    detail::RankPart mine;
-    mine.file = rank_file(rank);
-    mine.file_bytes = file.size;
-    mine.tensors = p.extra_tensors;
-    mine.steps = p.steps;
-    for (size_t i = 0; i < p.keys.size(); ++i) {
-      const auto& t = file.tensors[i];
-      mine.chunks.push_back(
-          {p.keys[i], p.rows[i].first, p.rows[i].second, p.inners[i], t.begin, t.end, t.block_bytes, t.crc32c});
-    }
-    part = mine.encode();
-  });
-  detail::crash_point("agreed", rank);
-  const auto parts = group.gather_to_rank0(part, "gathering the manifest's parts for " + where);
-
-  // Rank 0 commits, then removes what keep_last drops, then every rank agrees: a failure after the
-  // commit (keep_last's, or a rank that died meanwhile) must not be reported as a save that
-  // committed nothing, since the new checkpoint is the latest.
-  bool committed = false;
-  try {
-    phase(
-        "writing the manifest and committing",
-        [&] {
-          if (rank != 0) return;
-          detail::ManifestHeader header;
-          header.name = p.name;
-          header.step = p.options.step();
-          header.world_size = W;
-          header.block_bytes = p.options.block_bytes();
-          header.strategies = p.strategies;
-          header.metadata = p.options.metadata();
-          header.optimizer = p.optimizer;
-          header.data = data;
-          std::vector<detail::RankPart> decoded;
-          decoded.reserve(parts.size());
-          for (size_t r = 0; r < parts.size(); ++r)
-            decoded.push_back(detail::RankPart::decode(parts[r], static_cast<int>(r)));
-          const std::string manifest = detail::assemble_manifest(header, p.model_tensors, decoded, result.bytes_total);
-          write_atomically(staging, kManifest, manifest);
-          commit(p.root, staging, p.name);
-          committed = true;
-          keep_last(p.root, p.options.keep_last());
-        },
-        "whether it was committed, rank 0's error says (fsdp::checkpoint::latest_checkpoint names the latest)");
-  } catch (...) {
-    if (!committed) throw;
-    FSDP_CHECK(false, where, ": the checkpoint was committed ('", p.root, "/", p.name,
-               "' is the latest), but what came after it failed: ", error_text(std::current_exception()));
-  }
+  const std::string part = run.write_file(result);
+  detail::crash_point("agreed", run.rank);
+  const auto parts = group.gather_to_rank0(part, "gathering the manifest's parts for " + run.where);
+  run.commit_manifest(parts, data, result);
   result.path = p.root + "/" + p.name;
   result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return result;
