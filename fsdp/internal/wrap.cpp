@@ -202,203 +202,74 @@ void merge_built_units(ShardedUnit& first, ShardedUnit& other) {
   list.push_back({merged, std::move(held)});
 }
 
-std::shared_ptr<Unit> shard_model(const std::shared_ptr<torch::nn::Module>& root,
-                                  const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
-                                  const FullyShardOptions& given_options, const std::shared_ptr<RunState>& scope_state,
-                                  const MeshState* mesh) {
+namespace {
+
+// What fully_shard cannot work with, refused before anything is built or any rank is waited for.
+void check_arguments(const std::shared_ptr<torch::nn::Module>& root, const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
+                     const FullyShardOptions& given_options, const std::shared_ptr<RunState>& scope_state) {
   FSDP_CHECK(root != nullptr, "fsdp::fully_shard: the model is null");
   check_options(scope_state ? scope_state->options() : given_options, "fsdp::fully_shard");
   FSDP_CHECK(pg, "fsdp::fully_shard: the process group is null; create one with fsdp::init_process_group()");
   FSDP_CHECK(dynamic_cast<ShardedUnit*>(root.get()) == nullptr,
              "fsdp::fully_shard: the root module is itself an fsdp::Sharded unit. Pass the plain root module: "
              "fully_shard makes it the root unit and returns its handle.");
+}
+
+// The state the model's units share: the scope's, or a new one over `pg` (the mesh's dp group),
+// with the mesh's groups and the tensor-parallel splits recorded; the first parameter says where
+// the model is, checked against the offload policy.
+std::shared_ptr<RunState> open_state(torch::nn::Module& root, const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
+                                     const FullyShardOptions& given_options,
+                                     const std::shared_ptr<RunState>& scope_state, const MeshState* mesh) {
   auto state = scope_state ? scope_state
                            : std::make_shared<RunState>(pg, given_options,
                                                         mesh != nullptr ? mesh->group_info(kDataDim) : GroupInfo{});
   if (mesh != nullptr) state->init_mesh(*mesh);
-  record_tensor_splits(*state, *root);
-  const FullyShardOptions& options = state->options();
-  for (const auto& kv : root->named_parameters()) {  // the first says where the model is
-    check_offload(options, kv.key(), kv.value().device(), state->comm().rank());
+  record_tensor_splits(*state, root);
+  for (const auto& kv : root.named_parameters()) {  // the first says where the model is
+    check_offload(state->options(), kv.key(), kv.value().device(), state->comm().rank());
     break;
   }
+  return state;
+}
 
-  struct Found {
-    std::string name;
-    ShardedUnit* unit;  // its first module (null: the root)
-    std::vector<std::pair<std::string, at::Tensor>> params;
-    std::shared_ptr<Unit> built;  // sharded while the model was built (ShardingScope)
-    size_t parent = 0;            // the unit containing it (the root: itself)
-    // Its modules (more than one: ShardedUnit::share_unit_with), their paths, and the module each
-    // parameter came from.
-    std::vector<ShardedUnit*> members;
-    std::vector<std::string> member_paths;
-    std::vector<int> slot_member;
-  };
-  std::vector<std::unique_ptr<Found>> found;
-  found.push_back(std::make_unique<Found>(Found{"", nullptr, {}, nullptr}));
-  std::unordered_map<const ShardedUnit*, size_t> group_of;  // group lead -> its unit (share_unit_with)
-  std::unordered_map<const Unit*, size_t> built_at;         // a unit sharded while built -> its entry
-  // A module joining the unit of entry `f` (share_unit_with): met once (`earlier`: the path it was
-  // met under before, if any), and a sibling of the unit's first module (both directly in one unit).
-  auto check_join = [&](const Found& f, const std::string& name, size_t enclosing, const std::string& earlier) {
-    FSDP_CHECK_IN(state->comm().error_context("fsdp::fully_shard").unit(name), earlier.empty(),
-                  "fsdp::fully_shard (rank ", state->comm().rank(), "): module '", name,
-                  "' is registered twice, also as '", earlier,
-                  "'. Register a module once; hold it under another name without register_module.");
-    FSDP_CHECK_IN(state->comm().error_context("fsdp::fully_shard").unit(name), f.parent == enclosing,
-                  "fsdp::fully_shard (rank ", state->comm().rank(), "): modules '", f.name, "' and '", name,
-                  "' share a unit (share_unit_with) but are not siblings: one is inside a unit the other is not in. "
-                  "Modules sharing a unit must sit directly in the same unit (the root, or one fsdp::Sharded module).");
-  };
-  auto join = [&](size_t g, ShardedUnit* u, const std::string& name, size_t enclosing) {
-    Found& f = *found[g];
-    const auto again = std::find(f.members.begin(), f.members.end(), u);
-    check_join(f, name, enclosing,
-               again == f.members.end() ? std::string() : f.member_paths[again - f.members.begin()]);
-    f.members.push_back(u);
-    f.member_paths.push_back(name);
-    return static_cast<int>(f.members.size()) - 1;
-  };
-  std::unordered_map<const c10::TensorImpl*, std::vector<int64_t>> built_shape;      // of parameters sharded already
-  std::unordered_map<const c10::TensorImpl*, std::pair<std::string, size_t>> owner;  // -> name, unit
-
-  // Records which unit owns a parameter; a parameter met again must be in the same unit.
-  auto claim = [&](const at::Tensor& p, const std::string& name, size_t unit) {
-    auto [it, inserted] = owner.emplace(p.unsafeGetTensorImpl(), std::make_pair(name, unit));
-    FSDP_CHECK(inserted || it->second.second == unit, "fsdp::fully_shard (rank ", state->comm().rank(),
-               "): parameter '", it->second.first, "' is shared with '", name, "', which is in another unit ('",
-               found[it->second.second]->name, "' vs '", found[unit]->name,
-               "'). A shared parameter must live in one unit: move both modules into one fsdp::Sharded unit "
-               "or leave them in the root.");
-    return inserted;  // false: shared inside one unit, sharded once
-  };
-
-  // `built`: inside a unit sharded while the model was built (ShardingScope), whose parameters
-  // are in it already; only units nested in it remain to be found.
-  // `member`: which of the unit's modules `m` is in.
-  std::function<void(torch::nn::Module&, const std::string&, size_t, bool, int)> visit =
-      [&](torch::nn::Module& m, const std::string& prefix, size_t unit, bool built, int member) {
-        if (!built) {
-          for (const auto& kv : m.named_parameters(/*recurse=*/false)) {
-            const std::string name = prefix.empty() ? kv.key() : prefix + "." + kv.key();
-            if (claim(kv.value(), name, unit)) {
-              found[unit]->params.emplace_back(name, kv.value());
-              found[unit]->slot_member.push_back(member);
-            }
-          }
-        }
-        for (const auto& kv : m.named_children()) {
-          const std::string name = prefix.empty() ? kv.key() : prefix + "." + kv.key();
-          size_t child_unit = unit;
-          int child_member = member;
-          auto* u = dynamic_cast<ShardedUnit*>(kv.value().get());
-          if (u != nullptr && u->is_sharded()) {
-            const std::shared_ptr<Unit>& sharded = Access::unit(*u);
-            auto joined = built_at.find(sharded.get());
-            if (joined != built_at.end()) {  // another module of a unit met already (share_unit_with)
-              Found& f = *found[joined->second];
-              check_join(f, name, unit, f.member_paths[Access::member(*u)]);
-              f.member_paths[Access::member(*u)] = name;
-              f.members.push_back(u);
-              visit(*kv.value(), name, joined->second, /*built=*/true, Access::member(*u));
-              continue;
-            }
-            FSDP_CHECK_IN(state->comm().error_context("fsdp::fully_shard").unit(name), scope_state != nullptr,
-                          "fsdp::fully_shard (rank ", state->comm().rank(), "): module '", name,
-                          "' is already sharded: either the model was wrapped before (wrap a model once) or it was "
-                          "built inside an fsdp::ShardingScope (then wrap it with fsdp::fully_shard(model, scope)).");
-            FSDP_CHECK(&sharded->state() == state.get(), "fsdp::fully_shard (rank ", state->comm().rank(),
-                       "): module '", name,
-                       "' was sharded by another ShardingScope or model; build and wrap a model within one scope.");
-            found.push_back(std::make_unique<Found>(Found{name, u, {}, sharded, unit}));
-            found.back()->member_paths.resize(sharded->members());
-            found.back()->member_paths[Access::member(*u)] = name;
-            found.back()->members = {u};
-            built_at[sharded.get()] = found.size() - 1;
-            for (const auto& s : sharded->slots()) {
-              claim(s.param, name + "." + s.name, found.size() - 1);
-              built_shape[s.param.unsafeGetTensorImpl()] = s.shape;
-            }
-            visit(*kv.value(), name, found.size() - 1, /*built=*/true, Access::member(*u));
-            continue;
-          }
-          if (u != nullptr) {
-            FSDP_CHECK(!built, "fsdp::fully_shard (rank ", state->comm().rank(), "): unit '", name,
-                       "' was built outside the ShardingScope that sharded the unit containing it; build the whole "
-                       "model inside the scope.");
-            const ShardedUnit* lead = group_lead(u);
-            auto group = group_of.find(lead);
-            if (group != group_of.end()) {
-              child_unit = group->second;
-              child_member = join(child_unit, u, name, unit);
-            } else {
-              found.push_back(std::make_unique<Found>(Found{name, u, {}, nullptr, unit}));
-              child_unit = found.size() - 1;
-              found.back()->members = {u};
-              found.back()->member_paths = {name};
-              child_member = 0;
-              group_of[lead] = child_unit;
-            }
-          }
-          visit(*kv.value(), name, child_unit, built, child_member);
-        }
-      };
-  visit(*root, "", 0, /*built=*/false, 0);
-  // Every module a unit's module joined (share_unit_with) must be in the model, in that unit.
-  for (const auto& f : found) {
-    for (size_t m = 0; m < f->member_paths.size(); ++m) {
-      FSDP_CHECK_IN(state->comm().error_context("fsdp::fully_shard").unit(f->name), !f->member_paths[m].empty(),
-                    "fsdp::fully_shard (rank ", state->comm().rank(), "): unit '", f->name,
-                    "' was joined (share_unit_with) ",
-                    "with a module that is not part of this model. Share units among modules of the model you wrap.");
-    }
-    for (ShardedUnit* u : f->members) {
-      ShardedUnit* lead = u->shares_unit_of();
-      const bool in_group =
-          lead == nullptr || std::find(f->members.begin(), f->members.end(), lead) != f->members.end();
-      FSDP_CHECK_IN(state->comm().error_context("fsdp::fully_shard").unit(f->name), in_group,
-                    "fsdp::fully_shard (rank ", state->comm().rank(), "): module '",
-                    f->member_paths[std::find(f->members.begin(), f->members.end(), u) - f->members.begin()],
-                    "' shares the unit of a module (share_unit_with) that is not part of this model. Share units "
-                    "among modules of the model you wrap.");
-    }
-    if (f->members.size() > 1) f->name = unit_name(f->member_paths);
+// A unit's own setting: its modules', which must agree where more than one set it.
+template <class Get, class Same>
+auto setting_of(RunState& state, const FoundUnit& f, Get get, const char* what, Same same) {
+  std::decay_t<decltype(get(*f.unit))> out;
+  for (size_t m = 0; m < f.members.size(); ++m) {
+    const auto& own = get(*f.members[m]);
+    if (!own) continue;
+    FSDP_CHECK_IN(state.comm().error_context("fsdp::fully_shard").unit(f.name), !out || same(*out, *own),
+                  "fsdp::fully_shard (rank ", state.comm().rank(), "): the modules sharing unit '", f.name,
+                  "' (share_unit_with) set different ", what, "; set it on one of them, or the same on each.");
+    out = own;
   }
+  return out;
+}
 
-  // Everything that decides the collectives' sizes and order: names, shapes, dtypes, the unit
-  // each parameter is in, whether it trains, its device type.
-  // A unit's own setting: its modules', which must agree where more than one set it.
-  auto setting_of = [&](const Found& f, auto get, const char* what, auto same) {
-    std::decay_t<decltype(get(*f.unit))> out;
-    for (size_t m = 0; m < f.members.size(); ++m) {
-      const auto& own = get(*f.members[m]);
-      if (!own) continue;
-      FSDP_CHECK_IN(state->comm().error_context("fsdp::fully_shard").unit(f.name), !out || same(*out, *own),
-                    "fsdp::fully_shard (rank ", state->comm().rank(), "): the modules sharing unit '", f.name,
-                    "' (share_unit_with) set different ", what, "; set it on one of them, or the same on each.");
-      out = own;
-    }
-    return out;
-  };
-  auto strategy_of = [&](const Found& f) {
-    return setting_of(
-               f, [](const ShardedUnit& u) { return u.sharding_strategy(); }, "sharding strategies", std::equal_to<>())
-        .value_or(options.strategy());
-  };
-  auto precision_of = [&](const Found& f) {
-    return setting_of(
-               f, [](const ShardedUnit& u) { return u.mixed_precision(); }, "mixed-precision policies",
-               [](const MixedPrecisionPolicy& x, const MixedPrecisionPolicy& y) {
-                 return to_string(x) == to_string(y);
-               })
-        .value_or(options.mixed_precision());
-  };
+// A unit's strategy and mixed-precision policy: its modules' setting, else the options'.
+ShardingStrategy strategy_of(RunState& state, const FoundUnit& f) {
+  return setting_of(
+             state, f, [](const ShardedUnit& u) { return u.sharding_strategy(); }, "sharding strategies",
+             std::equal_to<>())
+      .value_or(state.options().strategy());
+}
+
+MixedPrecisionPolicy precision_of(RunState& state, const FoundUnit& f) {
+  return setting_of(
+             state, f, [](const ShardedUnit& u) { return u.mixed_precision(); }, "mixed-precision policies",
+             [](const MixedPrecisionPolicy& x, const MixedPrecisionPolicy& y) { return to_string(x) == to_string(y); })
+      .value_or(state.options().mixed_precision());
+}
+
+// Each parameter's unit as the model check names it: "<unit>' (<strategy>[, <policy>])".
+std::unordered_map<const c10::TensorImpl*, std::string> unit_labels(RunState& state, const FoundUnits& units) {
   std::unordered_map<const c10::TensorImpl*, std::string> unit_of;
-  for (const auto& f : found) {
-    const MixedPrecisionPolicy& mp = f->built ? f->built->mixed_precision() : precision_of(*f);
+  for (const auto& f : units.found) {
+    const MixedPrecisionPolicy& mp = f->built ? f->built->mixed_precision() : precision_of(state, *f);
     const bool mixed = mp.any_dtype();
-    const std::string strategy = std::string(to_string(f->built ? f->built->strategy() : strategy_of(*f))) +
+    const std::string strategy = std::string(to_string(f->built ? f->built->strategy() : strategy_of(state, *f))) +
                                  (mixed ? ", " + to_string(mp) : std::string());
     for (const auto& np : f->params) {
       unit_of[np.second.unsafeGetTensorImpl()] = (f->unit ? f->name : "<root>") + "' (" + strategy + ")";
@@ -407,46 +278,67 @@ std::shared_ptr<Unit> shard_model(const std::shared_ptr<torch::nn::Module>& root
       for (const auto& s : f->built->slots()) unit_of[s.param.unsafeGetTensorImpl()] = f->name + "' (" + strategy + ")";
     }
   }
+  return unit_of;
+}
+
+// Whether any unit shards over hybrid's groups, which are then made once for all of them.
+bool any_hybrid(RunState& state, const FoundUnits& units) {
   bool hybrid = false;
-  for (const auto& f : found) hybrid = hybrid || traits(strategy_of(*f)).shard_over == ShardOver::kGroup;
+  for (const auto& f : units.found) hybrid = hybrid || traits(strategy_of(state, *f)).shard_over == ShardOver::kGroup;
+  return hybrid;
+}
+
+// The model check's text: everything that decides the collectives' sizes and order (names,
+// shapes, dtypes, the unit each parameter is in, whether it trains, its device type), the
+// buffers and the options.
+std::string describe_model(torch::nn::Module& root, const FoundUnits& units,
+                           std::unordered_map<const c10::TensorImpl*, std::string>& unit_of,
+                           const FullyShardOptions& options) {
   std::ostringstream desc;
   desc << describe_options(options);
-  for (const auto& kv : root->named_parameters()) {  // module order: the same on every rank
+  for (const auto& kv : root.named_parameters()) {  // module order: the same on every rank
     const at::Tensor& p = kv.value();
-    auto built = built_shape.find(p.unsafeGetTensorImpl());
-    const std::vector<int64_t> shape = built != built_shape.end() ? built->second : p.sizes().vec();
+    auto built = units.built_shape.find(p.unsafeGetTensorImpl());
+    const std::vector<int64_t> shape = built != units.built_shape.end() ? built->second : p.sizes().vec();
     desc << "param " << kv.key() << ' ' << p.dtype() << ' ' << c10::IntArrayRef(shape) << " in unit '"
          << unit_of[p.unsafeGetTensorImpl()] << (p.requires_grad() ? "" : " frozen") << " ("
          << c10::DeviceTypeName(p.device().type(), true) << ")\n";
   }
-  desc << describe_buffers(*root) << describe_offload(options);
-  check_same_model_on_all_ranks(state->comm(), desc.str());
-  // Buffers (running statistics, masks, tables drawn from the RNG) start equal on every rank, as
-  // in PyTorch's FSDP and DDP; parameters are broadcast unit by unit as they are sharded.
-  if (options.sync_module_states()) broadcast_buffers(state->comm(), *root);
-  if (hybrid) state->init_hybrid(options.shard_group_size());
+  desc << describe_buffers(root) << describe_offload(options);
+  return desc.str();
+}
 
-  // Activation checkpointing: a unit's own setting, else every k-th unit that contains no other
-  // (a recompute in backward must not run another unit's forward), in module order.
+// Activation checkpointing: a unit's own setting, else every k-th unit that contains no other
+// (a recompute in backward must not run another unit's forward), in module order.
+std::vector<bool> checkpointed_units(RunState& state, const FoundUnits& units) {
+  const auto& found = units.found;
   std::vector<bool> contains_units(found.size(), false), checkpointed(found.size(), false);
   for (size_t i = 1; i < found.size(); ++i) contains_units[found[i]->parent] = true;
-  const int every = options.activation_checkpointing_every();
+  const int every = state.options().activation_checkpointing_every();
   int leaf = 0;
   for (size_t i = 1; i < found.size(); ++i) {
     const std::optional<bool> own = setting_of(
-        *found[i], [](const ShardedUnit& u) { return u.activation_checkpointing(); }, "activation checkpointing",
+        state, *found[i], [](const ShardedUnit& u) { return u.activation_checkpointing(); }, "activation checkpointing",
         std::equal_to<>());
     const bool counted = !contains_units[i] && every > 0 && ++leaf % every == 0;
     checkpointed[i] = own.value_or(counted);
-    FSDP_CHECK_IN(state->comm().error_context("fsdp::fully_shard").unit(found[i]->name),
-                  !checkpointed[i] || !contains_units[i], "fsdp::fully_shard (rank ", state->comm().rank(), "): unit '",
+    FSDP_CHECK_IN(state.comm().error_context("fsdp::fully_shard").unit(found[i]->name),
+                  !checkpointed[i] || !contains_units[i], "fsdp::fully_shard (rank ", state.comm().rank(), "): unit '",
                   found[i]->name,
                   "' has set_activation_checkpointing(true) but contains other units: its recompute in backward "
                   "would run their forwards again. Checkpoint the units inside it instead.");
   }
+  return checkpointed;
+}
+
+// The state's units, in module order: those built in a scope renamed to their paths, the others
+// made and sharded one by one (each broadcasting rank 0's weights) and attached to their modules.
+// Returns the root unit.
+std::shared_ptr<Unit> make_units(const std::shared_ptr<RunState>& state, FoundUnits& units,
+                                 const std::vector<bool>& checkpointed) {
   std::shared_ptr<Unit> root_group;
   state->units().clear();
-  for (auto& f : found) {
+  for (auto& f : units.found) {
     const bool checkpoints = checkpointed[state->units().size()];
     if (f->built) {
       f->built->rename(f->member_paths);
@@ -454,8 +346,8 @@ std::shared_ptr<Unit> shard_model(const std::shared_ptr<torch::nn::Module>& root
       state->units().push_back(f->built);
       continue;
     }
-    auto g = std::make_shared<Unit>(f->name, std::move(f->params), state, f->unit == nullptr, strategy_of(*f),
-                                    precision_of(*f));
+    auto g = std::make_shared<Unit>(f->name, std::move(f->params), state, f->unit == nullptr, strategy_of(*state, *f),
+                                    precision_of(*state, *f));
     if (f->members.size() > 1) g->set_members(static_cast<int>(f->members.size()), std::move(f->slot_member));
     g->set_checkpoints_activations(checkpoints);
     g->init();
@@ -467,6 +359,29 @@ std::shared_ptr<Unit> shard_model(const std::shared_ptr<torch::nn::Module>& root
     }
   }
   return root_group;
+}
+
+}  // namespace
+
+std::shared_ptr<Unit> shard_model(const std::shared_ptr<torch::nn::Module>& root,
+                                  const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
+                                  const FullyShardOptions& given_options, const std::shared_ptr<RunState>& scope_state,
+                                  const MeshState* mesh) {
+  check_arguments(root, pg, given_options, scope_state);
+  const std::shared_ptr<RunState> state = open_state(*root, pg, given_options, scope_state, mesh);
+  const FullyShardOptions& options = state->options();
+  FoundUnits units = find_units(*root, *state, scope_state != nullptr);
+  auto unit_of = unit_labels(*state, units);
+  const bool hybrid = any_hybrid(*state, units);
+  // The collectives below (buffers, hybrid's groups, each unit's broadcast) pair up only if every
+  // rank has the same model.
+  check_same_model_on_all_ranks(state->comm(), describe_model(*root, units, unit_of, options));
+  // Buffers (running statistics, masks, tables drawn from the RNG) start equal on every rank, as
+  // in PyTorch's FSDP and DDP; parameters are broadcast unit by unit as they are sharded.
+  if (options.sync_module_states()) broadcast_buffers(state->comm(), *root);
+  if (hybrid) state->init_hybrid(options.shard_group_size());
+  const std::vector<bool> checkpointed = checkpointed_units(*state, units);
+  return make_units(state, units, checkpointed);
 }
 
 }  // namespace fsdp::detail

@@ -10,6 +10,9 @@
 
 #include <memory>
 #include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
 
 namespace fsdp {
 class FSDP_API ShardedUnit;  // public (fsdp/sharded.h): never declared hidden first
@@ -45,6 +48,32 @@ ShardedUnit* group_lead(ShardedUnit* u);
 
 /// A module's type as messages name it: "BlockImpl" for an fsdp::ShardedImpl<BlockImpl, ...>.
 std::string module_type(const torch::nn::Module& module);
+
+/// One unit shard_model's walk found (fsdp/internal/wrap_walk.cpp), before it is made.
+struct FoundUnit {
+  std::string name;
+  ShardedUnit* unit;  // its first module (null: the root)
+  std::vector<std::pair<std::string, at::Tensor>> params;
+  std::shared_ptr<Unit> built;  // sharded while the model was built (ShardingScope)
+  size_t parent = 0;            // the unit containing it (the root: itself)
+  // Its modules (more than one: ShardedUnit::share_unit_with), their paths, and the module each
+  // parameter came from.
+  std::vector<ShardedUnit*> members;
+  std::vector<std::string> member_paths;
+  std::vector<int> slot_member;
+};
+
+/// The units of a model in module order, the root's first.
+struct FoundUnits {
+  std::vector<std::unique_ptr<FoundUnit>> found;
+  std::unordered_map<const c10::TensorImpl*, std::vector<int64_t>> built_shape;  // of parameters sharded already
+};
+
+/// shard_model's walk over `root`: the units (each fsdp::ShardedUnit module, those sharing a unit
+/// grouped, units built in a scope as they are), each parameter in the one unit it is met in;
+/// checks ties, modules met twice and that every module a unit was shared with is in the model.
+/// `in_scope`: the model was built in an fsdp::ShardingScope (fsdp::fully_shard(model, scope)).
+FoundUnits find_units(torch::nn::Module& root, RunState& state, bool in_scope);
 
 void shard_on_construction(const std::shared_ptr<RunState>& state, torch::nn::Module& module, ShardedUnit& unit);
 
