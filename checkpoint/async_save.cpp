@@ -98,9 +98,11 @@ struct AsyncSaver::Impl {
   AsyncSaveStarted save(const std::string& root, const torch::optim::Optimizer* opt, const SaveOptions& save_options) {
     const auto t0 = Clock::now();
     AsyncSaveStarted out;
-    const std::string who = "fsdp::checkpoint::AsyncSaver::save (rank " + std::to_string(group.rank()) + " of " +
-                            std::to_string(group.size()) + ", '" + root + "/" + detail::checkpoint_name(save_options) +
-                            "')";
+    const std::string who = fsdp::detail::error_caller(ErrorContext()
+                                                           .api("fsdp::checkpoint::AsyncSaver::save")
+                                                           .rank(group.rank())
+                                                           .world_size(group.size())
+                                                           .path(root + "/" + detail::checkpoint_name(save_options)));
     if (options.if_busy() != IfBusy::kWait) {
       // Every rank must make the same choice, or their saves would pair up wrongly: whether any
       // rank's previous save is still being written is agreed on the caller's thread, over the
@@ -255,8 +257,8 @@ SaveResult AsyncSaver::wait() {
   if (impl_->started()) {
     bool reportable = true;
     const std::exception_ptr e = impl_->collect(reportable);
-    FSDP_CHECK_IN(context_of(e), !e || !reportable, "fsdp::checkpoint::AsyncSaver::wait (rank ", impl_->group.rank(),
-                  " of ", impl_->group.size(), "): ", impl_->what, " failed: ", error_text(e));
+    FSDP_CHECK_IN(context_of(e).api("fsdp::checkpoint::AsyncSaver::wait").world_size(impl_->group.size()),
+                  !e || !reportable, impl_->what, " failed: ", error_text(e));
   }
   return impl_->result;
 }

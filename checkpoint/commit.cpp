@@ -93,7 +93,7 @@ std::string staging_path(const std::string& root, const std::string& name) {
 
 std::string begin_staging(const std::string& root, const std::string& name) {
   check_name(name);
-  if (const std::string e = fsdp::detail::make_dirs(root); !e.empty()) {
+  if (const std::string e = fsdp::util::make_dirs(root); !e.empty()) {
     FSDP_CHECK(false, "fsdp::checkpoint: ", e, ": cannot save under '", root, "'.");
   }
   const std::string staging = staging_path(root, name);
@@ -188,7 +188,7 @@ std::string latest_checkpoint(const std::string& root) {
   const bool printable =
       std::none_of(name.begin(), name.end(), [](char c) { return static_cast<unsigned char>(c) < 0x20; });
   FSDP_CHECK(!name.empty() && name.find('/') == std::string::npos && printable, "fsdp::checkpoint: '", root, "/",
-             kLatest, "' does not name a checkpoint (it holds ", fsdp::detail::json_string(name),
+             kLatest, "' does not name a checkpoint (it holds ", fsdp::util::json_string(name),
              "): it was damaged or written by something else. Write the name of a committed checkpoint into it, or "
              "load one by its directory.");
   const std::string dir = root + "/" + name;

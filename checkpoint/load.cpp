@@ -309,7 +309,8 @@ LoadResult load_checkpoint(const std::string& path, FSDPModule& model, torch::op
   const detail::Group group = detail::Group::of(model);
   const int rank = group.rank(), W = group.size();
   const std::string where =
-      "fsdp::checkpoint::load (rank " + std::to_string(rank) + " of " + std::to_string(W) + ") of '" + path + "'";
+      fsdp::detail::error_caller(ErrorContext().api("fsdp::checkpoint::load").rank(rank).world_size(W)) + " of '" +
+      path + "'";
   // The same on every rank (the agreements compare it): a sampler restored on some ranks only is
   // refused with the first agreement.
   const std::string call = "fsdp::checkpoint::load of '" + path + "'" +

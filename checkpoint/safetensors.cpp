@@ -151,15 +151,15 @@ std::string header_of(const std::string& path, std::vector<TensorRecord> tensors
   // Written as text (fsdp/util/json_text.h), as nlohmann's compact dump would: a tree of a few
   // hundred tensors is rebuilt at every save, and its keys are found by a linear scan.
   std::string text = "{";
-  fsdp::detail::append_json_string(text, kMetadataKey);
+  fsdp::util::append_json_string(text, kMetadataKey);
   text += ":{";
   bool first = true;
   for (const auto& [k, v] : metadata) {
     if (!first) text += ',';
     first = false;
-    fsdp::detail::append_json_string(text, k);
+    fsdp::util::append_json_string(text, k);
     text += ':';
-    fsdp::detail::append_json_string(text, v);
+    fsdp::util::append_json_string(text, v);
   }
   text += '}';
   std::set<std::string> names;
@@ -172,13 +172,13 @@ std::string header_of(const std::string& path, std::vector<TensorRecord> tensors
     tr.end = offset + bytes;
     offset = tr.end;
     text += ',';
-    fsdp::detail::append_json_string(text, tr.name);
+    fsdp::util::append_json_string(text, tr.name);
     text += ":{\"dtype\":";
-    fsdp::detail::append_json_string(text, tr.dtype);
+    fsdp::util::append_json_string(text, tr.dtype);
     text += ",\"shape\":";
-    fsdp::detail::append_json_array(text, tr.shape, ",");
+    fsdp::util::append_json_array(text, tr.shape, ",");
     text += ",\"data_offsets\":";
-    fsdp::detail::append_json_array(text, std::array<uint64_t, 2>{tr.begin, tr.end}, ",");
+    fsdp::util::append_json_array(text, std::array<uint64_t, 2>{tr.begin, tr.end}, ",");
     text += '}';
   }
   text += '}';

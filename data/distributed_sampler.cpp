@@ -59,18 +59,20 @@ DistributedSampler::DistributedSampler(int64_t dataset_size, int rank, int ranks
   const int64_t g = options_.global_batch();
   FSDP_CHECK(ranks >= 1 && rank >= 0 && rank < ranks, "fsdp::data::DistributedSampler: rank ", rank, " of ", ranks,
              " data-parallel ranks; the rank must be in [0, ranks).");
-  FSDP_CHECK(dataset_size > 0, "fsdp::data::DistributedSampler (rank ", rank, "): a dataset of ", dataset_size,
-             " samples: pass the dataset's size (dataset.size().value()), at least 1.");
-  FSDP_CHECK(g >= 1, "fsdp::data::DistributedSampler (rank ", rank, "): global batch ", g, "; it must be >= 1.");
-  FSDP_CHECK(g % ranks == 0, "fsdp::data::DistributedSampler (rank ", rank, "): the global batch of ", g,
-             " samples cannot be split over ", ranks, " data-parallel ranks into equal shares (", g, " % ", ranks,
-             " = ", g % ranks, "); ", divisible_sizes(g, ranks),
-             ". Pass a global batch the ranks divide (fsdp::data::plan_batch keeps it constant across rank counts).");
-  FSDP_CHECK(g <= dataset_size || (options_.last_batch() == LastBatch::kUneven && dataset_size > 0),
-             "fsdp::data::DistributedSampler (rank ", rank, "): the global batch of ", g,
-             " samples is larger than the dataset (", dataset_size,
-             " samples), so an epoch has no whole global batch; lower the global batch, or keep the last uneven one "
-             "(LastBatch::kUneven).");
+  FSDP_CHECK_IN(ErrorContext().api("fsdp::data::DistributedSampler").rank(rank), dataset_size > 0, "a dataset of ",
+                dataset_size, " samples: pass the dataset's size (dataset.size().value()), at least 1.");
+  FSDP_CHECK_IN(ErrorContext().api("fsdp::data::DistributedSampler").rank(rank), g >= 1, "global batch ", g,
+                "; it must be >= 1.");
+  FSDP_CHECK_IN(
+      ErrorContext().api("fsdp::data::DistributedSampler").rank(rank), g % ranks == 0, "the global batch of ", g,
+      " samples cannot be split over ", ranks, " data-parallel ranks into equal shares (", g, " % ", ranks, " = ",
+      g % ranks, "); ", divisible_sizes(g, ranks),
+      ". Pass a global batch the ranks divide (fsdp::data::plan_batch keeps it constant across rank counts).");
+  FSDP_CHECK_IN(ErrorContext().api("fsdp::data::DistributedSampler").rank(rank),
+                g <= dataset_size || (options_.last_batch() == LastBatch::kUneven && dataset_size > 0),
+                "the global batch of ", g, " samples is larger than the dataset (", dataset_size,
+                " samples), so an epoch has no whole global batch; lower the global batch, or keep the last uneven one "
+                "(LastBatch::kUneven).");
   state_.seed = options_.seed();
   state_.shuffle = options_.shuffle();
   state_.dataset_size = dataset_size;
@@ -114,28 +116,27 @@ std::optional<Share> DistributedSampler::next_share() {
 }
 
 void DistributedSampler::load_state(const SamplerState& saved) {
-  const char* what = "fsdp::data::DistributedSampler::load_state";
-  FSDP_CHECK(saved.dataset_size == state_.dataset_size, what, " (rank ", rank_,
-             "): the state was saved over a dataset of ", saved.dataset_size, " samples, this sampler's has ",
-             state_.dataset_size,
-             ": the dataset changed since the save, so its order and position mean other samples. Resume with the "
-             "same dataset, or start a new run without the saved data state.");
-  FSDP_CHECK(saved.seed == state_.seed, what, " (rank ", rank_, "): the state was saved with seed ", saved.seed,
-             ", this sampler has seed ", state_.seed,
-             ": another seed is another order. Build the sampler with SamplerOptions::seed(", saved.seed,
-             "), as the saved run did.");
-  FSDP_CHECK(saved.shuffle == state_.shuffle, what, " (rank ", rank_, "): the state was saved with shuffle ",
-             saved.shuffle ? "on" : "off", ", this sampler has it ", state_.shuffle ? "on" : "off",
-             ". Build the sampler with the saved run's shuffle option.");
-  FSDP_CHECK(possible(saved), what, " (rank ", rank_, "): the state (", to_string(saved),
-             ") is not one a sampler can be in (epoch and position >= 0, position <= dataset size, samples consumed "
-             ">= position): pass a state from DistributedSampler::state() or a checkpoint.");
+  const ErrorContext context = ErrorContext().api("fsdp::data::DistributedSampler::load_state").rank(rank_);
+  FSDP_CHECK_IN(context, saved.dataset_size == state_.dataset_size, "the state was saved over a dataset of ",
+                saved.dataset_size, " samples, this sampler's has ", state_.dataset_size,
+                ": the dataset changed since the save, so its order and position mean other samples. Resume with the "
+                "same dataset, or start a new run without the saved data state.");
+  FSDP_CHECK_IN(context, saved.seed == state_.seed, "the state was saved with seed ", saved.seed,
+                ", this sampler has seed ", state_.seed,
+                ": another seed is another order. Build the sampler with SamplerOptions::seed(", saved.seed,
+                "), as the saved run did.");
+  FSDP_CHECK_IN(context, saved.shuffle == state_.shuffle, "the state was saved with shuffle ",
+                saved.shuffle ? "on" : "off", ", this sampler has it ", state_.shuffle ? "on" : "off",
+                ". Build the sampler with the saved run's shuffle option.");
+  FSDP_CHECK_IN(context, possible(saved), "the state (", to_string(saved),
+                ") is not one a sampler can be in (epoch and position >= 0, position <= dataset size, samples consumed "
+                ">= position): pass a state from DistributedSampler::state() or a checkpoint.");
   state_ = saved;
 }
 
 void DistributedSampler::set_epoch(int64_t epoch) {
-  FSDP_CHECK(epoch >= 0, "fsdp::data::DistributedSampler::set_epoch (rank ", rank_, "): epoch ", epoch,
-             "; epochs count from 0.");
+  FSDP_CHECK_IN(ErrorContext().api("fsdp::data::DistributedSampler::set_epoch").rank(rank_), epoch >= 0, "epoch ",
+                epoch, "; epochs count from 0.");
   if (epoch == state_.epoch) return;
   state_.epoch = epoch;
   state_.position = 0;
@@ -168,9 +169,9 @@ void DistributedSampler::load(torch::serialize::InputArchive& archive) {
   // Each field an integer (a bool for shuffle), or the archive holds no sampler's state.
   auto field = [&](const char* key) {
     c10::IValue v;
-    FSDP_CHECK(archive.try_read(key, v) && (v.isInt() || v.isBool()), "fsdp::data::DistributedSampler::load (rank ",
-               rank_, "): the archive has no '", key,
-               "': it does not hold a sampler's state (DistributedSampler::save writes one).");
+    FSDP_CHECK_IN(ErrorContext().api("fsdp::data::DistributedSampler::load").rank(rank_),
+                  archive.try_read(key, v) && (v.isInt() || v.isBool()), "the archive has no '", key,
+                  "': it does not hold a sampler's state (DistributedSampler::save writes one).");
     return v;
   };
   SamplerState s;

@@ -7,17 +7,18 @@
 namespace fsdp::data {
 
 LoaderSampler::LoaderSampler(DistributedSampler& sampler) : sampler_(&sampler) {
-  FSDP_CHECK(sampler.options().last_batch() == LastBatch::kDrop, "fsdp::data::LoaderSampler (rank ", sampler.rank(),
-             "): a sampler with LastBatch::kUneven gives the ranks shares of different sizes, so their loaders would "
-             "run different numbers of micro-batches (each a collective step of the model). Use next_share() and "
-             "Share::max_rows for an uneven evaluation, or LastBatch::kDrop.");
+  FSDP_CHECK_IN(ErrorContext().api("fsdp::data::LoaderSampler").rank(sampler.rank()),
+                sampler.options().last_batch() == LastBatch::kDrop,
+                "a sampler with LastBatch::kUneven gives the ranks shares of different sizes, so their loaders would "
+                "run different numbers of micro-batches (each a collective step of the model). Use next_share() and "
+                "Share::max_rows for an uneven evaluation, or LastBatch::kDrop.");
 }
 
 void LoaderSampler::reset(std::optional<size_t> new_size) {
-  FSDP_CHECK(!new_size || static_cast<int64_t>(*new_size) == sampler_->dataset_size(),
-             "fsdp::data::LoaderSampler::reset (rank ", sampler_->rank(), "): a dataset of ", *new_size,
-             " samples, but the sampler was built for ", sampler_->dataset_size(),
-             ": its order and state are for that size. Build a new sampler for the new dataset.");
+  FSDP_CHECK_IN(ErrorContext().api("fsdp::data::LoaderSampler::reset").rank(sampler_->rank()),
+                !new_size || static_cast<int64_t>(*new_size) == sampler_->dataset_size(), "a dataset of ", *new_size,
+                " samples, but the sampler was built for ", sampler_->dataset_size(),
+                ": its order and state are for that size. Build a new sampler for the new dataset.");
   ended_ = false;  // the next epoch, or the rest of this one: the position is kept
 }
 
@@ -32,11 +33,12 @@ std::optional<std::vector<size_t>> LoaderSampler::next(size_t batch_size) {
     }
   }
   const size_t share = current_->indices.size();
-  FSDP_CHECK(batch_size >= 1 && share % batch_size == 0, "fsdp::data::LoaderSampler (rank ", sampler_->rank(),
-             "): the loader's batch size ", batch_size, " does not divide this rank's share of each global batch (",
-             share, " rows of ", current_->global_rows,
-             "): micro-batches must be equal. Use fsdp::data::plan_batch(global_batch, ranks, max_rows).micro_batch as "
-             "the batch size.");
+  FSDP_CHECK_IN(
+      ErrorContext().api("fsdp::data::LoaderSampler").rank(sampler_->rank()),
+      batch_size >= 1 && share % batch_size == 0, "the loader's batch size ", batch_size,
+      " does not divide this rank's share of each global batch (", share, " rows of ", current_->global_rows,
+      "): micro-batches must be equal. Use fsdp::data::plan_batch(global_batch, ranks, max_rows).micro_batch as "
+      "the batch size.");
   std::vector<size_t> out(batch_size);
   for (size_t i = 0; i < batch_size; ++i) out[i] = static_cast<size_t>(current_->indices[handed_ + i]);
   handed_ += batch_size;

@@ -57,10 +57,10 @@ int MeshState::index(const std::string& name) const {
 
 const MeshGroup& MeshState::group(const std::string& name) const {
   auto it = groups.find(name);
-  FSDP_CHECK(it != groups.end(), "fsdp::DeviceMesh (global rank ", world->getRank(), " at ", where(),
-             "): no dimension '", name,
-             "'; the mesh's are dp_replicate, dp_shard and tp, and 'dp' for both "
-             "data-parallel dimensions flattened.");
+  FSDP_CHECK_IN(ErrorContext().api("fsdp::DeviceMesh").rank(world->getRank()).mesh(where()), it != groups.end(),
+                "no dimension '", name,
+                "'; the mesh's are dp_replicate, dp_shard and tp, and 'dp' for both "
+                "data-parallel dimensions flattened.");
   return it->second;
 }
 

@@ -28,9 +28,20 @@ std::string error_text(const std::exception& error) {
 
 namespace detail {
 
+std::string error_caller(const ErrorContext& context) {
+  std::string text = context.api();
+  if (context.rank() < 0) return text;
+  if (!context.mesh().empty()) return c10::str(text, " (global rank ", context.rank(), " at ", context.mesh(), ")");
+  text += c10::str(" (rank ", context.rank());
+  if (context.world_size() > 0) text += c10::str(" of ", context.world_size());
+  if (!context.path().empty()) text += ", '" + context.path() + "'";
+  return text + ")";
+}
+
 void throw_error(const c10::SourceLocation& source, std::string message, ErrorContext context) {
   // This process's rank once a process group was made here (a simulated rank's is not known).
   if (context.rank() < 0 && !launch_env().launcher.empty()) context.rank(launch_env().rank);
+  if (!context.api().empty()) message = error_caller(context) + ": " + message;
   throw Error(source, std::move(message), std::move(context));
 }
 

@@ -39,6 +39,17 @@ struct ErrorContext {
   TORCH_ARG(std::string, group);
   /// The global rank found to have stopped answering or to be elsewhere (-1: none named).
   TORCH_ARG(int, peer) = -1;
+  /// The library call that raised, with which the message begins: "fsdp::fully_shard",
+  /// "fsdp::checkpoint::load" ("": the message begins otherwise, e.g. a failed collective's).
+  TORCH_ARG(std::string, api);
+  /// How many ranks `rank` is one of, where the message says it ("rank 1 of 4"); -1: not said.
+  TORCH_ARG(int, world_size) = -1;
+  /// This rank's place on a device mesh, "(dp_shard 1, tp 0) of mesh (dp_shard 2, tp 2)", where
+  /// it trains on one ("": no mesh).
+  TORCH_ARG(std::string, mesh);
+  /// The file or directory it concerns, where the caller's name says it: a save's "(rank 1 of 4,
+  /// 'ckpts/step-000100')" ("": none named).
+  TORCH_ARG(std::string, path);
 };
 
 class Error : public c10::Error {
@@ -49,6 +60,7 @@ class Error : public c10::Error {
   const std::string& unit() const { return context_.unit(); }
   const std::string& group() const { return context_.group(); }
   int peer() const { return context_.peer(); }
+  const std::string& api() const { return context_.api(); }
   const ErrorContext& where() const { return context_; }
 
  private:

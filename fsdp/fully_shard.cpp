@@ -25,8 +25,8 @@ FSDPModule::FSDPModule(std::shared_ptr<torch::nn::Module> module, const c10::int
 FSDPModule::FSDPModule(std::shared_ptr<torch::nn::Module> module, ShardingScope& scope) : module_(std::move(module)) {
   const std::shared_ptr<RunState>& state = detail::Access::state(scope);
   FSDP_CHECK(state != nullptr, "fsdp::fully_shard: the ShardingScope has no state");
-  FSDP_CHECK(state->units().empty(), "fsdp::fully_shard (rank ", state->comm().rank(),
-             "): this ShardingScope already wrapped a model; open one scope per model.");
+  FSDP_CHECK_IN(state->comm().error_in("fsdp::fully_shard"), state->units().empty(),
+                "this ShardingScope already wrapped a model; open one scope per model.");
   scope.close();
   root_ = shard_model(module_, scope.process_group(), state->options(), state);
   reset_comm_stats();
@@ -38,15 +38,17 @@ FullyShardOptions options_for_mesh(const DeviceMesh& mesh, FullyShardOptions opt
   const int R = mesh.size(kReplicateDim), S = mesh.size(kShardDim);
   if (R > 1 && S > 1) {
     const ShardingStrategy s = options.strategy();
-    FSDP_CHECK(s == ShardingStrategy::kFullShard || s == ShardingStrategy::kHybridShard,
-               "fsdp::fully_shard (global rank ", mesh.rank(), " at ", mesh.coordinates_text(), " of mesh ",
-               mesh.shape_text(), "): a mesh with dp_replicate ", R, " and dp_shard ", S,
-               " means hybrid sharding, but the options ask for ", to_string(s),
-               ". Use kFullShard or kHybridShard with this mesh, or a mesh with one data-parallel dimension.");
-    FSDP_CHECK(options.shard_group_size() == 0 || options.shard_group_size() == S, "fsdp::fully_shard (global rank ",
-               mesh.rank(), " at ", mesh.coordinates_text(), " of mesh ", mesh.shape_text(), "): shard_group_size is ",
-               options.shard_group_size(), ", but the mesh's dp_shard dimension has ", S,
-               " ranks. Leave shard_group_size unset with a mesh: its dp_shard size is the group size.");
+    const ErrorContext context = ErrorContext()
+                                     .api("fsdp::fully_shard")
+                                     .rank(mesh.rank())
+                                     .mesh(mesh.coordinates_text() + " of mesh " + mesh.shape_text());
+    FSDP_CHECK_IN(context, s == ShardingStrategy::kFullShard || s == ShardingStrategy::kHybridShard,
+                  "a mesh with dp_replicate ", R, " and dp_shard ", S,
+                  " means hybrid sharding, but the options ask for ", to_string(s),
+                  ". Use kFullShard or kHybridShard with this mesh, or a mesh with one data-parallel dimension.");
+    FSDP_CHECK_IN(context, options.shard_group_size() == 0 || options.shard_group_size() == S, "shard_group_size is ",
+                  options.shard_group_size(), ", but the mesh's dp_shard dimension has ", S,
+                  " ranks. Leave shard_group_size unset with a mesh: its dp_shard size is the group size.");
     options.strategy(ShardingStrategy::kHybridShard).shard_group_size(S);
   }
   return options;
@@ -93,8 +95,8 @@ void FSDPModule::end_access(bool threw) const {
   // says nothing of the wrapper. Said here, as the error leaves the call.
   const bool refused = std::exchange(state.access_error_explained(), false);
   if (threw && !refused && state.direct_access() == 0 && !state.in_root_forward()) {
-    TORCH_WARN("fsdp (rank ", state.comm().rank(),
-               "): an error left a call through the handle's operator->. If that call was the module's own "
+    TORCH_WARN(detail::error_caller(state.comm().error_in("fsdp")),
+               ": an error left a call through the handle's operator->. If that call was the module's own "
                "forward (model->forward(x)) or a unit's Impl::forward (model->h0->BlockImpl::forward(x)), it ran "
                "around the wrapper on this rank's shards; call the handle itself: model(x) or model.forward(x), "
                "and a unit as block(x) or block->forward(x).");

@@ -34,12 +34,12 @@ bool offload_on_cpu_for_tests() {
 void check_offload(const FullyShardOptions& o, const std::string& param, const c10::Device& device, int rank) {
   if (!o.offload_policy()) return;
   if (device.is_cpu() && offload_on_cpu_for_tests()) return;
-  FSDP_CHECK(device.is_cuda(), "fsdp::fully_shard (rank ", rank,
-             "): FullyShardOptions::offload_policy keeps a CUDA model's shards, gradients and optimizer state in "
-             "host memory, but this model's parameters are on ",
-             device, " ('", param,
-             "'): there is nothing to offload, they are in host memory already. Remove offload_policy, or build "
-             "the model on a CUDA device (model->to(torch::kCUDA)) before fsdp::fully_shard.");
+  FSDP_CHECK_IN(ErrorContext().api("fsdp::fully_shard").rank(rank), device.is_cuda(),
+                "FullyShardOptions::offload_policy keeps a CUDA model's shards, gradients and optimizer state in "
+                "host memory, but this model's parameters are on ",
+                device, " ('", param,
+                "'): there is nothing to offload, they are in host memory already. Remove offload_policy, or build "
+                "the model on a CUDA device (model->to(torch::kCUDA)) before fsdp::fully_shard.");
 }
 
 }  // namespace detail

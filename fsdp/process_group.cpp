@@ -158,14 +158,14 @@ c10::intrusive_ptr<c10d::ProcessGroup> new_subgroup(const c10::intrusive_ptr<c10
   FSDP_CHECK(pg, "fsdp::new_subgroup: the parent process group is null");
   const int me = pg->getRank();
   const auto it = std::find(ranks.begin(), ranks.end(), me);
-  FSDP_CHECK(it != ranks.end(), "fsdp::new_subgroup (rank ", me, "): this rank is not among the ranks of subgroup '",
-             name, "'");
+  FSDP_CHECK_IN(ErrorContext().api("fsdp::new_subgroup").rank(me), it != ranks.end(),
+                "this rank is not among the ranks of subgroup '", name, "'");
   // The members' global ranks (through the parent's when it is a subgroup too), for messages.
   const auto parent_info = detail::subgroup_info(pg.get());
   std::vector<int> global;
   for (const int r : ranks) {
-    FSDP_CHECK(r >= 0 && r < pg->getSize(), "fsdp::new_subgroup (rank ", me, "): rank ", r, " of subgroup '", name,
-               "' is not a rank of the parent group of ", pg->getSize());
+    FSDP_CHECK_IN(ErrorContext().api("fsdp::new_subgroup").rank(me), r >= 0 && r < pg->getSize(), "rank ", r,
+                  " of subgroup '", name, "' is not a rank of the parent group of ", pg->getSize());
     global.push_back(parent_info ? parent_info->global_ranks.at(static_cast<size_t>(r)) : r);
   }
   const int job = parent_info ? parent_info->world_size : pg->getSize();
@@ -175,10 +175,11 @@ c10::intrusive_ptr<c10d::ProcessGroup> new_subgroup(const c10::intrusive_ptr<c10
     return fake;
   }
   auto store = pg->getStore();
-  FSDP_CHECK(store, "fsdp::new_subgroup (rank ", me,
-             "): the parent process group has no store; create it with fsdp::init_process_group()");
+  FSDP_CHECK_IN(ErrorContext().api("fsdp::new_subgroup").rank(me), store,
+                "the parent process group has no store; create it with fsdp::init_process_group()");
   auto parent = c10::dynamic_intrusive_pointer_cast<c10d::ProcessGroupGloo>(pg->getBackend(c10::DeviceType::CPU));
-  FSDP_CHECK(parent, "fsdp::new_subgroup (rank ", me, "): the parent process group has no Gloo backend for CPU");
+  FSDP_CHECK_IN(ErrorContext().api("fsdp::new_subgroup").rank(me), parent,
+                "the parent process group has no Gloo backend for CPU");
   const int rank = static_cast<int>(it - ranks.begin());
   const int size = static_cast<int>(ranks.size());
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>("fsdp_subgroup/" + name, store);
@@ -216,13 +217,7 @@ void all_reduce(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, at::Tensor& te
                            std::string(c10::toString(tensor.scalar_type())) + " element(s)";
   // Every rank must be at this call: one rank reducing a metric while another runs the model would
   // otherwise pair collectives of different sizes.
-  comm.agree(detail::Call::kUserAllReduce,
-             detail::Fingerprint()
-                 .add(tensor.numel())
-                 .add(static_cast<int64_t>(tensor.scalar_type()))
-                 .add(static_cast<int64_t>(op.op_))
-                 .value(),
-             what);
+  comm.agree(detail::Call::kUserAllReduce, detail::Comm::reduction_fingerprint(tensor, op, what), what);
   comm.all_reduce(tensor, std::move(op), what);
 }
 

@@ -81,8 +81,8 @@ void name_unit_in_error(const Unit& unit, const ForwardCasts& casts, c10::Error&
   if (state.named_error() == &e) return;  // an inner unit's (the same exception, passing through)
   state.named_error() = &e;
   std::ostringstream os;
-  os << "fsdp (rank " << state.comm().rank() << "): raised in the forward of unit '" << unit.label()
-     << "', whose parameters compute in " << unit.param_dtype();
+  os << detail::error_caller(ErrorContext().api("fsdp").rank(state.comm().rank()))
+     << ": raised in the forward of unit '" << unit.label() << "', whose parameters compute in " << unit.param_dtype();
   if (const auto in = unit.input_cast()) {
     os << " and whose floating-point inputs are cast to " << *in;
   } else {
@@ -146,8 +146,8 @@ void refuse_when_sharded(const std::shared_ptr<detail::Unit>& unit, const std::s
                          const char* setting) {
   if (!unit) return;
   detail::explained_check(*unit, [&] {
-    FSDP_CHECK_IN(unit->error_context(call), false, "fsdp (rank ", unit->state().comm().rank(), "): ", call,
-                  " on unit '", unit->label(), "', which is sharded already (", has,
+    FSDP_CHECK_IN(unit->error_context(call).api("fsdp"), false, call, " on unit '", unit->label(),
+                  "', which is sharded already (", has,
                   "). Call it before fsdp::fully_shard; a unit built inside an fsdp::ShardingScope is sharded as it "
                   "is built: give the ",
                   setting, " to the scope's options.");

@@ -67,9 +67,10 @@ double global_norm(const FSDPModule& model, double norm_type, bool error_if_nonf
   std::ostringstream call;
   call << caller << " (norm_type " << norm_type << ")";
   fsdp::detail::all_reduce(model, t, inf ? c10d::ReduceOp::MAX : c10d::ReduceOp::SUM, call.str());
-  const ErrorContext context = ErrorContext().rank(model.rank()).operation(caller);
-  FSDP_CHECK_IN(context, t[1].item<double>() > 0, caller, " (rank ", model.rank(), " of ", model.world_size(),
-                "): no sharded parameter has a gradient on any rank. Call it after loss.backward() and before "
+  const ErrorContext context =
+      ErrorContext().api(caller).rank(model.rank()).world_size(model.world_size()).operation(caller);
+  FSDP_CHECK_IN(context, t[1].item<double>() > 0,
+                "no sharded parameter has a gradient on any rank. Call it after loss.backward() and before "
                 "the optimizer step.");
   double total = inf ? t[0].item<double>() : std::pow(t[0].item<double>(), 1.0 / norm_type);
   if (t[2].item<double>() > 0 && std::isfinite(total)) total = std::numeric_limits<double>::quiet_NaN();
@@ -86,8 +87,8 @@ double global_norm(const FSDPModule& model, double norm_type, bool error_if_nonf
       mine << "every gradient on this rank is finite (the non-finite values are on another rank, or the sum of "
               "their powers overflowed)";
     }
-    FSDP_CHECK_IN(context, false, caller, " (rank ", model.rank(), " of ", model.world_size(),
-                  "): the total gradient norm ", "(norm_type ", norm_type, ") is ", total, ", not finite; ", mine.str(),
+    FSDP_CHECK_IN(context, false, "the total gradient norm (norm_type ", norm_type, ") is ", total, ", not finite; ",
+                  mine.str(),
                   ". Training has diverged or the data holds bad values: lower the learning rate, check the input "
                   "data, or clip the gradients (a smaller max_norm); error_if_nonfinite=false returns the norm "
                   "instead of throwing.");

@@ -43,10 +43,10 @@ torch::optim::AdamWParamState& FusedAdamW::param_state(const ShardSpec& p, size_
   // Loaded (torch::load of the optimizer) or otherwise replaced: into the flat buffers.
   for (auto [mine, flat] : {std::pair{st.exp_avg(), exp_avg}, std::pair{st.exp_avg_sq(), exp_avg_sq}}) {
     if (aliases(mine, flat)) continue;
-    FSDP_CHECK(mine.sizes() == flat.sizes(), "fsdp::optim::FusedAdamW (rank ", model_.rank(),
-               "): the loaded state of parameter '", p.name, "' has shape ", mine.sizes(),
-               ", but this rank's rows of it are ", flat.sizes(),
-               ". Load the optimizer state this rank saved from the same wrapped model and world size.");
+    FSDP_CHECK_IN(ErrorContext().api("fsdp::optim::FusedAdamW").rank(model_.rank()), mine.sizes() == flat.sizes(),
+                  "the loaded state of parameter '", p.name, "' has shape ", mine.sizes(),
+                  ", but this rank's rows of it are ", flat.sizes(),
+                  ". Load the optimizer state this rank saved from the same wrapped model and world size.");
     flat.copy_(mine);
   }
   st.exp_avg(exp_avg);

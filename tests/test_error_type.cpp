@@ -6,7 +6,9 @@
 #include "tests/models.h"
 
 #include "fsdp/error.h"
+#include "fsdp/internal/check.h"
 #include "fsdp/internal/foreign_errors.h"
+#include "optim/grad_scaler.h"
 
 #include <chrono>
 #include <optional>
@@ -68,6 +70,40 @@ TEST(ErrorType, CarriesWhereItAroseAndIsACppError) {
       foreign = true;
     }
     EXPECT_TRUE(foreign) << "a shape mismatch in the user's own forward is LibTorch's error";
+  });
+}
+
+// One rendering of "who raised it" for every library call: the message begins with the context's
+// api, rank, job size, mesh place and path, as far as each is known, and the error carries them.
+TEST(ErrorType, MessagesBeginWithTheCallerTheirContextNames) {
+  using fsdp::detail::error_caller;
+  EXPECT_EQ(error_caller(ErrorContext().api("fsdp::x")), "fsdp::x");
+  EXPECT_EQ(error_caller(ErrorContext().api("fsdp::x").rank(3)), "fsdp::x (rank 3)");
+  EXPECT_EQ(error_caller(ErrorContext().api("fsdp::x").rank(3).world_size(8)), "fsdp::x (rank 3 of 8)");
+  EXPECT_EQ(error_caller(ErrorContext().api("fsdp::x").rank(3).world_size(8).path("ck/step-1")),
+            "fsdp::x (rank 3 of 8, 'ck/step-1')");
+  EXPECT_EQ(error_caller(ErrorContext().api("fsdp::x").rank(3).mesh("(tp 1) of mesh (tp 2)")),
+            "fsdp::x (global rank 3 at (tp 1) of mesh (tp 2))");
+  const auto thrown = fsdp_error_of([] {
+    FSDP_CHECK_IN(ErrorContext().api("fsdp::x").rank(1).world_size(2).operation("op"), false, "what; remedy.");
+  });
+  ASSERT_TRUE(thrown.has_value());
+  EXPECT_EQ(std::string(thrown->what_without_backtrace()).rfind("fsdp::x (rank 1 of 2): what; remedy.", 0), 0u)
+      << thrown->what_without_backtrace();
+  EXPECT_EQ(thrown->api(), "fsdp::x");
+  EXPECT_EQ(thrown->operation(), "op");
+  // A real call's: the rank is the model's, the api the call's.
+  run_ranks(2, [](Rank& r) {
+    auto model = fsdp::fully_shard(std::make_shared<UnevenMLPImpl<true>>(), r.pg, test_options());
+    const auto e = fsdp_error_of(
+        [&] { fsdp::optim::ShardedGradScaler(model, fsdp::optim::GradScalerOptions().init_scale(-1.0)); });
+    ASSERT_TRUE(e.has_value());
+    const std::string text = e->what_without_backtrace();
+    EXPECT_EQ(text.rfind("fsdp::optim::ShardedGradScaler (rank " + std::to_string(r.rank) + "): init_scale is -1", 0),
+              0u)
+        << text;
+    EXPECT_EQ(e->api(), "fsdp::optim::ShardedGradScaler");
+    EXPECT_EQ(e->rank(), r.rank);
   });
 }
 

@@ -18,9 +18,9 @@
 namespace fsdp::checkpoint::detail {
 namespace {
 
-using fsdp::detail::append_json_array;
-using fsdp::detail::append_json_number;
-using fsdp::detail::append_json_string;
+using fsdp::util::append_json_array;
+using fsdp::util::append_json_number;
+using fsdp::util::append_json_string;
 
 constexpr std::string_view kSealKey = ",\n \"manifest_crc32c\": ";
 

@@ -13,9 +13,9 @@ namespace {
 
 std::shared_ptr<fsdp::detail::OuterState> outer_of(const FSDPModule& model, const char* call) {
   auto outer = fsdp::detail::outer_state(model);
-  FSDP_CHECK(outer != nullptr, call, " (rank ", model.rank(),
-             "): the model's replicas train apart, but the fsdp::optim::LocalSGD or DiLoCo object that drives them is "
-             "gone, and with it the outer state: keep it alive while saving or loading.");
+  FSDP_CHECK_IN(ErrorContext().api(call).rank(model.rank()), outer != nullptr,
+                "the model's replicas train apart, but the fsdp::optim::LocalSGD or DiLoCo object that drives them is "
+                "gone, and with it the outer state: keep it alive while saving or loading.");
   return outer;
 }
 

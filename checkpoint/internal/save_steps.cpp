@@ -73,7 +73,7 @@ void check_held_alike(const Group& group, const std::string& call, const std::st
       const auto q = static_cast<size_t>(std::find(global.begin(), global.end(), peer) - global.begin());
       if (q >= alike.size() || alike[q] == alike[r]) continue;
       FSDP_CHECK_IN(group.error_context(call + ": comparing what the tensor-parallel ranks hold alike"), false, where,
-                    ": parameter '", fsdp::detail::first_difference(alike[r], alike[q]),
+                    ": parameter '", fsdp::util::first_difference(alike[r], alike[q]),
                     "' differs between global ranks ", global[r], " and ", peer,
                     " of one tensor-parallel group, though no fsdp::SplitModule declares it split: the checkpoint "
                     "would write its rows from one rank's values for all. Keep it alike on the tensor-parallel ranks "
@@ -149,7 +149,7 @@ std::string held_alike_lines(const std::vector<ShardSpec>& specs) {
   for (const auto& s : specs) {
     if (s.tp_size > 1 && !s.tp.split()) alike.emplace_back(s.name, s.local);
   }
-  return fsdp::detail::fingerprint_lines(alike);
+  return fsdp::util::fingerprint_lines(alike);
 }
 
 // The tensors only the ranks' parts describe, each described once (by its parameter's first write).
@@ -288,7 +288,7 @@ struct SaveRun {
   const int rank = group.rank(), W = group.size();
   // This rank's name for the save in errors.
   const std::string where =
-      who + " (rank " + std::to_string(rank) + " of " + std::to_string(W) + ", '" + p.root + "/" + p.name + "')";
+      fsdp::detail::error_caller(ErrorContext().api(who).rank(rank).world_size(W).path(p.root + "/" + p.name));
   const std::string call = who + " of '" + p.root + "/" + p.name + "'";  // the same on every rank
   const std::string staging = staging_path(p.root, p.name);
   // This process's claim on the staging directory, released however the save ends.

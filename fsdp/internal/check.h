@@ -14,7 +14,14 @@
 
 namespace fsdp::detail {
 
-/// Throws fsdp::Error; a context without a rank gets this process's, where a process group made it known.
+/// Who raises, as every message of the library that names its call begins, built from `context`
+/// alone: "<api> (rank r)", "<api> (rank r of N)" (world_size set), "<api> (global rank r at
+/// (dp_shard 1, tp 0) of mesh (dp_shard 2, tp 2))" (mesh set), "<api>" (rank not known).
+FSDP_API std::string error_caller(const ErrorContext& context);
+
+/// Throws fsdp::Error; a context without a rank gets this process's, where a process group made it
+/// known. A context with an api() gets its message prefixed "<error_caller(context)>: ", so that
+/// call sites write only what went wrong and what to do.
 [[noreturn]] FSDP_API void throw_error(const c10::SourceLocation& source, std::string message,
                                        ErrorContext context = {});
 
@@ -31,7 +38,8 @@ namespace fsdp::detail {
     ::fsdp::detail::throw_error(FSDP_SOURCE_LOCATION, ::c10::str(__VA_ARGS__)); \
   }
 
-/// FSDP_CHECK_IN(context, cond, message parts...): the same, carrying `context` (an fsdp::ErrorContext).
+/// FSDP_CHECK_IN(context, cond, message parts...): the same, carrying `context` (an fsdp::ErrorContext);
+/// with context.api() set, the message is "<api> (rank r): <parts>" (error_caller).
 #define FSDP_CHECK_IN(context, cond, ...)                                                  \
   if (C10_UNLIKELY_OR_CONST(!(cond))) {                                                    \
     ::fsdp::detail::throw_error(FSDP_SOURCE_LOCATION, ::c10::str(__VA_ARGS__), (context)); \

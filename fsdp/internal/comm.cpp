@@ -240,6 +240,7 @@ void Comm::wait_on_event(Pending& p) const {
 ErrorContext Comm::error_context(const std::string& operation) const {
   return ErrorContext()
       .rank(global_rank_)
+      .mesh(group_.mesh)
       .operation(operation)
       .group(group_.name == "world" ? "world"
                                     : group_.name + " (global ranks " + list_ranks(group_.global_ranks) + ")");
@@ -394,6 +395,15 @@ Pending Comm::all_reduce_async(at::Tensor& t, c10d::ReduceOp op, const std::stri
         return b.allreduce(ts, opts);
       },
       SideStream::kReduce);
+}
+
+uint64_t Comm::reduction_fingerprint(const at::Tensor& t, const c10d::ReduceOp& op, const std::string& what) {
+  return Fingerprint()
+      .add(what)
+      .add(t.numel())
+      .add(static_cast<int64_t>(t.scalar_type()))
+      .add(static_cast<int64_t>(op.op_))
+      .value();
 }
 
 void Comm::all_reduce(at::Tensor& t, c10d::ReduceOp op, const std::string& what) {

@@ -132,6 +132,11 @@ class FSDP_API Comm {
   /// first wait after the failure is known, with the usual message.
   void wait(Pending& pending) const;
   void all_reduce(at::Tensor& t, c10d::ReduceOp op, const std::string& what);
+  /// What the agreement before an "agree, then all-reduce" compares, in both places it is done
+  /// (fsdp::all_reduce over a group; the door's all_reduce, which agrees through the model's call
+  /// log): `what` and the tensor's element count, dtype and op, so that ranks about to reduce
+  /// different tensors stop with an error naming both instead of pairing them.
+  static uint64_t reduction_fingerprint(const at::Tensor& t, const c10d::ReduceOp& op, const std::string& what);
   Pending all_reduce_async(at::Tensor& t, c10d::ReduceOp op, const std::string& what);
   /// Broadcasts `t` in place from group rank `root` (a strided tensor goes through a copy).
   void broadcast(const at::Tensor& t, int root, const std::string& what);
@@ -162,6 +167,9 @@ class FSDP_API Comm {
   std::vector<std::string> exchange_strings(const std::string& text, const std::string& what, int root = -1);
   /// What an error raised here carries: this rank, `operation`, the group (fsdp/error.h).
   ErrorContext error_context(const std::string& operation = "") const;
+  /// The same for an error raised by the library call `api` (operation and api both `api`): its
+  /// message begins "<api> (rank r): " (fsdp/internal/check.h, error_caller).
+  ErrorContext error_in(const std::string& api) const { return error_context(api).api(api); }
 
   /// The same group without the check before every collective: for the model check, which must
   /// pair up on every rank even when the ranks disagree about `verify` itself.

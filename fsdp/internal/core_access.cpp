@@ -19,7 +19,7 @@ std::vector<int64_t> agree(const FSDPModule& model, Call call, uint64_t payload,
 void all_reduce(const FSDPModule& model, at::Tensor& tensor, c10d::ReduceOp op, const std::string& what, Span span) {
   // Every rank must be at this call: one rank reducing while another runs its next forward would
   // pair this all-reduce with a collective of another size.
-  agree(model, Call::kModelCollective, Fingerprint().add(what).add(tensor.numel()).value(), what);
+  agree(model, Call::kModelCollective, Comm::reduction_fingerprint(tensor, op, what), what);
   RunState& state = Access::state(model);
   state.breaks_on_failure([&] {
     (span == Span::kStep ? state.step_comm() : state.comm()).all_reduce(tensor, op, what);

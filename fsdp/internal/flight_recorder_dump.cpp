@@ -31,9 +31,9 @@ void write_last(std::ostream& os, const LastCollective& l) {
     os << "null";
     return;
   }
-  os << "{\"seq\": " << l.seq << ", \"group\": " << json_string(l.group) << ", \"group_seq\": " << l.group_seq
-     << ", \"op\": " << json_string(l.op) << ", \"what\": " << json_string(l.what)
-     << ", \"state\": " << json_string(l.state) << "}";
+  os << "{\"seq\": " << l.seq << ", \"group\": " << util::json_string(l.group) << ", \"group_seq\": " << l.group_seq
+     << ", \"op\": " << util::json_string(l.op) << ", \"what\": " << util::json_string(l.what)
+     << ", \"state\": " << util::json_string(l.state) << "}";
 }
 
 // Which run wrote the file, so that fsdp-trace refuses to compare files of different runs left in
@@ -54,38 +54,39 @@ std::string document(const std::string& reason, const PeerDiagnosis& peers, int 
   const int64_t now = unix_ms();
   std::ostringstream os;
   os << "{\n  \"format\": \"fsdp-flight-recorder\",\n  \"version\": " << kFormatVersion << ",\n  \"rank\": " << rank
-     << ",\n  \"world_size\": " << world_size << ",\n  \"job\": " << json_string(job_identity())
-     << ",\n  \"host\": " << json_string(who.substr(0, who.rfind(':'))) << ",\n  \"pid\": " << ::getpid()
-     << ",\n  \"dump_unix_ms\": " << now << ",\n  \"reason\": " << json_string(reason)
+     << ",\n  \"world_size\": " << world_size << ",\n  \"job\": " << util::json_string(job_identity())
+     << ",\n  \"host\": " << util::json_string(who.substr(0, who.rfind(':'))) << ",\n  \"pid\": " << ::getpid()
+     << ",\n  \"dump_unix_ms\": " << now << ",\n  \"reason\": " << util::json_string(reason)
      << ",\n  \"capacity\": " << trace_capacity() << ",\n  \"recorded\": " << trace_recorded() << ",\n  \"entries\": [";
   for (size_t i = 0; i < entries.size(); ++i) {
     const TraceEntry& e = entries[i];
     os << (i ? ",\n" : "\n") << "    {\"seq\": " << e.seq
-       << ", \"group\": " << json_string(e.group ? e.group->name : "") << ", \"group_ranks\": [";
+       << ", \"group\": " << util::json_string(e.group ? e.group->name : "") << ", \"group_ranks\": [";
     if (e.group) {
       for (size_t q = 0; q < e.group->global_ranks.size(); ++q) os << (q ? ", " : "") << e.group->global_ranks[q];
     }
-    os << "], \"group_seq\": " << e.group_seq << ", \"op\": " << json_string(e.op)
-       << ", \"what\": " << json_string(e.what) << ", \"numel\": " << e.numel
-       << ", \"dtype\": " << json_string(c10::toString(e.dtype)) << ", \"bytes\": " << e.bytes
-       << ", \"device\": " << json_string(e.device.str()) << ", \"issued_unix_ms\": " << e.issued_ms
-       << ", \"ended_unix_ms\": " << e.ended_ms << ", \"state\": " << json_string(trace_state_name(e.state)) << "}";
+    os << "], \"group_seq\": " << e.group_seq << ", \"op\": " << util::json_string(e.op)
+       << ", \"what\": " << util::json_string(e.what) << ", \"numel\": " << e.numel
+       << ", \"dtype\": " << util::json_string(c10::toString(e.dtype)) << ", \"bytes\": " << e.bytes
+       << ", \"device\": " << util::json_string(e.device.str()) << ", \"issued_unix_ms\": " << e.issued_ms
+       << ", \"ended_unix_ms\": " << e.ended_ms << ", \"state\": " << util::json_string(trace_state_name(e.state))
+       << "}";
   }
   os << (entries.empty() ? "" : "\n  ") << "],\n  \"peers\": [";
   bool first = true;
   for (const auto& [peer, b] : peers.beats) {
-    os << (first ? "\n" : ",\n") << "    {\"rank\": " << peer << ", \"who\": " << json_string(b.who)
+    os << (first ? "\n" : ",\n") << "    {\"rank\": " << peer << ", \"who\": " << util::json_string(b.who)
        << ", \"heartbeat_unix_ms\": " << b.at_ms << ", \"heartbeat_seq\": " << b.seq
        << ", \"stale\": " << (peers.stale.count(peer) ? "true" : "false")
-       << ", \"exited\": " << (b.exited ? "true" : "false") << ", \"activity\": " << json_string(b.activity)
-       << ", \"activity_since_unix_ms\": " << b.activity_since << ", \"failure\": " << json_string(b.failure)
+       << ", \"exited\": " << (b.exited ? "true" : "false") << ", \"activity\": " << util::json_string(b.activity)
+       << ", \"activity_since_unix_ms\": " << b.activity_since << ", \"failure\": " << util::json_string(b.failure)
        << ", \"last_collective\": ";
     write_last(os, b.last);
     os << "}";
     first = false;
   }
   os << (first ? "" : "\n  ") << "],\n  \"peers_read_unix_ms\": " << peers.read_at_ms
-     << ",\n  \"diagnosis\": " << json_string(peers.text) << "\n}\n";
+     << ",\n  \"diagnosis\": " << util::json_string(peers.text) << "\n}\n";
   return os.str();
 }
 
@@ -110,7 +111,7 @@ DumpResult dump_flight_record(const std::string& reason, const PeerDiagnosis& pe
     const std::string dir = trace_dir();
     const std::string path =
         rank >= 0 ? trace_file(rank) : dir + "/fsdp-trace-pid-" + std::to_string(::getpid()) + ".json";
-    if (std::string e = make_dirs(dir); !e.empty()) return {"", e};
+    if (std::string e = util::make_dirs(dir); !e.empty()) return {"", e};
     const std::string text = document(reason, peers, rank, world);
     // Unique per dump: the signal's thread and a failing collective may dump at the same time.
     static std::atomic<int64_t> dumps{0};

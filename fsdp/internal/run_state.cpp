@@ -36,9 +36,9 @@ void RunState::init_hybrid(int group_size) {
   if (shard_comm_) return;
   const int W = comm_.world_size();
   const int r = comm_.rank();
-  FSDP_CHECK(group_size >= 1 && W % group_size == 0, "fsdp::fully_shard (rank ", r, " of ", W,
-             "): kHybridShard needs FullyShardOptions::shard_group_size to divide the world size, but it is ",
-             group_size, ". Set it to the ranks of one group, e.g. the processes of one node.");
+  FSDP_CHECK_IN(ErrorContext().api("fsdp::fully_shard").rank(r).world_size(W), group_size >= 1 && W % group_size == 0,
+                "kHybridShard needs FullyShardOptions::shard_group_size to divide the world size, but it is ",
+                group_size, ". Set it to the ranks of one group, e.g. the processes of one node.");
   // A fresh name per model for the subgroups' store keys: rank 0's random id, broadcast (no
   // process-wide counter that would have to agree between ranks).
   at::Tensor id = at::empty({1}, at::kLong);

@@ -69,7 +69,7 @@ void check_held_alike(RunState& state, torch::nn::Module& root) {
   for (const auto& kv : root.named_parameters()) {
     if (state.tp_splits().count(kv.value().unsafeGetTensorImpl()) == 0) alike.emplace_back(kv.key(), kv.value());
   }
-  const std::string mine = fingerprint_lines(alike);
+  const std::string mine = util::fingerprint_lines(alike);
   const Comm& tp = *state.tp_comm();
   const auto all = state.tp_comm()->exchange_strings(mine, "fsdp::fully_shard: the parameters held alike");
   for (int r = 0; r < tp.world_size(); ++r) {
@@ -77,8 +77,8 @@ void check_held_alike(RunState& state, torch::nn::Module& root) {
     ErrorContext context = tp.error_context("fsdp::fully_shard");
     context.peer(tp.global_ranks()[static_cast<size_t>(r)]);
     FSDP_CHECK_IN(context, false, "fsdp::fully_shard (", tp.where(), "): parameter '",
-                  first_difference(mine, all[static_cast<size_t>(r)]), "' differs between this rank and global rank ",
-                  tp.global_ranks()[static_cast<size_t>(r)],
+                  util::first_difference(mine, all[static_cast<size_t>(r)]),
+                  "' differs between this rank and global rank ", tp.global_ranks()[static_cast<size_t>(r)],
                   " of its tensor-parallel group, but no fsdp::SplitModule declares it split, so it is taken as held "
                   "alike (a checkpoint would write its rows from different ranks' values, clipping would count one "
                   "rank's). If it is a part of a larger tensor, declare it in the module's parameter_splits(); if "

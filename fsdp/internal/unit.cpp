@@ -49,10 +49,9 @@ Unit::Unit(std::string name, const std::vector<std::pair<std::string, at::Tensor
   for (const auto& [pname, p] : params) {
     if (!slots_.empty()) {
       const at::Tensor& first = slots_.front().param;
-      FSDP_CHECK_IN(error_context(), p.dtype() == first.dtype() && p.device() == first.device(),
-                    "fsdp::fully_shard (rank ", run_->comm().rank(), "): unit '", name_, "' mixes parameter '",
-                    slots_.front().name, "' (", first.dtype(), ", ", first.device(), ") with '", pname, "' (",
-                    p.dtype(), ", ", p.device(),
+      FSDP_CHECK_IN(error_in("fsdp::fully_shard"), p.dtype() == first.dtype() && p.device() == first.device(), "unit '",
+                    name_, "' mixes parameter '", slots_.front().name, "' (", first.dtype(), ", ", first.device(),
+                    ") with '", pname, "' (", p.dtype(), ", ", p.device(),
                     "). A unit's parameters share one flat buffer: give them one dtype and device, or put them in "
                     "separate fsdp::Sharded units.");
     }
@@ -95,8 +94,7 @@ bool Unit::wrapped() const {
 }
 
 void Unit::set_members(int count, std::vector<int> slot_member) {
-  FSDP_CHECK_IN(error_context("fsdp::fully_shard"), count <= 64, "fsdp::fully_shard (rank ", run_->comm().rank(),
-                "): unit '", name_, "' has ", count,
+  FSDP_CHECK_IN(error_in("fsdp::fully_shard"), count <= 64, "unit '", name_, "' has ", count,
                 " modules (share_unit_with); a unit can have at most 64. Join fewer modules, or make their parent "
                 "the unit.");
   TORCH_INTERNAL_ASSERT(count >= 1 && (slot_member.empty() || slot_member.size() == slots_.size()));
@@ -199,7 +197,7 @@ void Unit::reshard() {
 void Unit::pre_forward(int member) {
   // A unit called inside fsdp::activation_checkpoint runs again in backward, where its forward
   // hooks would gather it a second time outside any forward: the unit itself must be checkpointed.
-  FSDP_CHECK_IN(error_context(), !in_activation_recompute(), "fsdp (rank ", run_->comm().rank(), "): unit '", label(),
+  FSDP_CHECK_IN(error_in("fsdp"), !in_activation_recompute(), "unit '", label(),
                 "' ran its forward in the recompute of an fsdp::activation_checkpoint (in backward). A sharded unit "
                 "cannot be called inside fsdp::activation_checkpoint: checkpoint the unit instead, "
                 "unit->set_activation_checkpointing(true) or FullyShardOptions::activation_checkpointing_every, "
@@ -209,8 +207,7 @@ void Unit::pre_forward(int member) {
   const bool outside = !run_->in_root_forward();
   const bool direct = outside && run_->direct_access() > 0;
   run_->access_error_explained() = direct;  // said here: no second hint as the error leaves the handle
-  FSDP_CHECK_IN(error_context(), !outside, "fsdp (rank ", run_->comm().rank(), "): unit '", label(),
-                "' ran its forward ",
+  FSDP_CHECK_IN(error_in("fsdp"), !outside, "unit '", label(), "' ran its forward ",
                 direct ? "inside a call through the handle's operator-> (such as model->forward(x)), which calls the "
                          "module's own forward around the wrapper"
                        : "outside the wrapped model's forward: the module given to fsdp::fully_shard (or one of its "
@@ -240,8 +237,8 @@ void Unit::post_forward(const std::vector<at::Tensor>& outputs, int member) {
       const_cast<at::Tensor&>(t).register_hook([self, fired](const at::Tensor&) {
         auto u = self.lock();
         if (!u) return;
-        FSDP_CHECK_IN(u->error_context("backward"), !*fired, "fsdp (rank ", u->state().comm().rank(),
-                      "): a second backward through the forward of unit '", u->label(),
+        FSDP_CHECK_IN(u->error_context("backward").api("fsdp"), !*fired,
+                      "a second backward through the forward of unit '", u->label(),
                       "' (retain_graph=true, or torch::autograd::grad after a backward): the first backward "
                       "freed its gathered parameters and reduced its gradients. Run the forward again for each "
                       "backward; to use one loss twice, add the losses and call backward once.");
@@ -300,8 +297,8 @@ void Unit::pre_backward() {
 
 void Unit::on_grad_ready(size_t slot) {
   ParamSlot& s = slots_[slot];
-  FSDP_CHECK_IN(error_context(), backward_ == BackwardPhase::kRunning, "fsdp (rank ", run_->comm().rank(),
-                "): parameter '", s.name, "' received a gradient although the backward of its unit '", label(),
+  FSDP_CHECK_IN(error_in("fsdp"), backward_ == BackwardPhase::kRunning, "parameter '", s.name,
+                "' received a gradient although the backward of its unit '", label(),
                 "' never began. Was the module called directly instead of through its fsdp::Sharded wrapper "
                 "(or the root through the handle fsdp::fully_shard returned)?");
   if (s.grad_ready) return;
@@ -416,8 +413,8 @@ void Unit::check_conversion(const std::optional<at::Device>& device, const std::
   if (offload_ && device) {
     // Offload: the model is on its device although the shards are in host memory.
     const at::Device model = buffers_.unsharded.device();
-    FSDP_CHECK_IN(error_context(), is_on(model, *device), "fsdp (rank ", run_->comm().rank(), "): .to(", device->str(),
-                  ") on the wrapped model: unit '", label(), "' is on ", model,
+    FSDP_CHECK_IN(error_in("fsdp"), is_on(model, *device), ".to(", device->str(), ") on the wrapped model: unit '",
+                  label(), "' is on ", model,
                   " with its shards offloaded to host memory (FullyShardOptions::offload_policy). A wrapped model's "
                   "device is fixed: wrap a model built on ",
                   *device, " without offload_policy instead.");

@@ -72,6 +72,8 @@ class Unit : public std::enable_shared_from_this<Unit> {
   void set_checkpoints_activations(bool on) { checkpoints_activations_ = on; }
   /// What an error about this unit carries: this rank, `operation`, the unit (fsdp/error.h).
   ErrorContext error_context(const std::string& operation = "") const;
+  /// The same for an error raised by the library call `api`: its message begins "<api> (rank r): ".
+  ErrorContext error_in(const std::string& api) const { return error_context(api).api(api); }
   ShardingStrategy strategy() const { return strategy_; }
   /// Its mixed-precision policy, and the dtypes it resolves to: the shards' (the master weights'),
   /// the gathered parameters' (forward and backward) and the reduction's.

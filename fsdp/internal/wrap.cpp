@@ -77,9 +77,8 @@ void shard_on_construction(const std::shared_ptr<RunState>& state, torch::nn::Mo
   for (const auto& [name, p] : unique) {
     auto earlier = state->built_params().find(p.unsafeGetTensorImpl());
     const bool seen_before = earlier != state->built_params().end() && !earlier->second.first.expired();
-    FSDP_CHECK_IN(state->comm().error_context("fsdp::ShardingScope").unit(label), !seen_before,
-                  "fsdp::ShardingScope (rank ", state->comm().rank(), "): parameter '", name, "' of ", label,
-                  " was sharded already, by ", earlier->second.second,
+    FSDP_CHECK_IN(state->comm().error_in("fsdp::ShardingScope").unit(label), !seen_before, "parameter '", name, "' of ",
+                  label, " was sharded already, by ", earlier->second.second,
                   ": a weight shared by two modules built in a ShardingScope (a tied embedding and head) would be "
                   "sharded twice. Build the modules that share it outside the scope and make them one unit "
                   "(share_unit_with), or make them one fsdp::Sharded module.");
@@ -119,21 +118,17 @@ void merge_built_units(ShardedUnit& first, ShardedUnit& other) {
   if (a == b) return;
   RunState& state = a->state();
   const std::string what = "share_unit_with: '" + b->label() + "' joins '" + a->label() + "'";
-  const ErrorContext context = state.comm().error_context("fsdp::ShardedUnit::share_unit_with");
-  FSDP_CHECK_IN(context, &b->state() == &state, "fsdp::ShardedUnit::share_unit_with (rank ", state.comm().rank(),
-                "): '", b->label(), "' and '", a->label(),
+  const ErrorContext context = state.comm().error_in("fsdp::ShardedUnit::share_unit_with");
+  FSDP_CHECK_IN(context, &b->state() == &state, "'", b->label(), "' and '", a->label(),
                 "' were sharded by different ShardingScopes; build the model within one scope.");
-  FSDP_CHECK_IN(context, !a->wrapped() && !b->wrapped(), "fsdp::ShardedUnit::share_unit_with (rank ",
-                state.comm().rank(), "): ", what,
+  FSDP_CHECK_IN(context, !a->wrapped() && !b->wrapped(), what,
                 ", but the model is wrapped already: units are fixed by fsdp::fully_shard. Call share_unit_with "
                 "before it (in the model's constructor).");
   if (!a->slots().empty() && !b->slots().empty()) {  // one flat buffer: checked before anything moves
     const at::Tensor& pa = a->slots().front().param;
     const at::Tensor& pb = b->slots().front().param;
-    FSDP_CHECK_IN(context, pa.dtype() == pb.dtype() && pa.device() == pb.device(),
-                  "fsdp::ShardedUnit::share_unit_with (rank ", state.comm().rank(), "): ", what,
-                  ", but their parameters are ", pa.dtype(), " on ", pa.device(), " and ", pb.dtype(), " on ",
-                  pb.device(),
+    FSDP_CHECK_IN(context, pa.dtype() == pb.dtype() && pa.device() == pb.device(), what, ", but their parameters are ",
+                  pa.dtype(), " on ", pa.device(), " and ", pb.dtype(), " on ", pb.device(),
                   ": a unit's parameters share one flat buffer. Give them one dtype and device, or keep two units.");
   }
   // The gathers below pair up only if every rank merges the same units now.
@@ -240,9 +235,9 @@ auto setting_of(RunState& state, const FoundUnit& f, Get get, const char* what, 
   for (size_t m = 0; m < f.members.size(); ++m) {
     const auto& own = get(*f.members[m]);
     if (!own) continue;
-    FSDP_CHECK_IN(state.comm().error_context("fsdp::fully_shard").unit(f.name), !out || same(*out, *own),
-                  "fsdp::fully_shard (rank ", state.comm().rank(), "): the modules sharing unit '", f.name,
-                  "' (share_unit_with) set different ", what, "; set it on one of them, or the same on each.");
+    FSDP_CHECK_IN(state.comm().error_in("fsdp::fully_shard").unit(f.name), !out || same(*out, *own),
+                  "the modules sharing unit '", f.name, "' (share_unit_with) set different ", what,
+                  "; set it on one of them, or the same on each.");
     out = own;
   }
   return out;
@@ -322,9 +317,8 @@ std::vector<bool> checkpointed_units(RunState& state, const FoundUnits& units) {
         std::equal_to<>());
     const bool counted = !contains_units[i] && every > 0 && ++leaf % every == 0;
     checkpointed[i] = own.value_or(counted);
-    FSDP_CHECK_IN(state.comm().error_context("fsdp::fully_shard").unit(found[i]->name),
-                  !checkpointed[i] || !contains_units[i], "fsdp::fully_shard (rank ", state.comm().rank(), "): unit '",
-                  found[i]->name,
+    FSDP_CHECK_IN(state.comm().error_in("fsdp::fully_shard").unit(found[i]->name),
+                  !checkpointed[i] || !contains_units[i], "unit '", found[i]->name,
                   "' has set_activation_checkpointing(true) but contains other units: its recompute in backward "
                   "would run their forwards again. Checkpoint the units inside it instead.");
   }

@@ -63,12 +63,11 @@ class UnitWalk {
 };
 
 void UnitWalk::check_join(const FoundUnit& f, const std::string& name, size_t enclosing, const std::string& earlier) {
-  FSDP_CHECK_IN(state_.comm().error_context("fsdp::fully_shard").unit(name), earlier.empty(),
-                "fsdp::fully_shard (rank ", state_.comm().rank(), "): module '", name,
+  FSDP_CHECK_IN(state_.comm().error_in("fsdp::fully_shard").unit(name), earlier.empty(), "module '", name,
                 "' is registered twice, also as '", earlier,
                 "'. Register a module once; hold it under another name without register_module.");
-  FSDP_CHECK_IN(state_.comm().error_context("fsdp::fully_shard").unit(name), f.parent == enclosing,
-                "fsdp::fully_shard (rank ", state_.comm().rank(), "): modules '", f.name, "' and '", name,
+  FSDP_CHECK_IN(state_.comm().error_in("fsdp::fully_shard").unit(name), f.parent == enclosing, "modules '", f.name,
+                "' and '", name,
                 "' share a unit (share_unit_with) but are not siblings: one is inside a unit the other is not in. "
                 "Modules sharing a unit must sit directly in the same unit (the root, or one fsdp::Sharded module).");
 }
@@ -84,11 +83,11 @@ int UnitWalk::join(size_t g, ShardedUnit* u, const std::string& name, size_t enc
 
 bool UnitWalk::claim(const at::Tensor& p, const std::string& name, size_t unit) {
   auto [it, inserted] = owner_.emplace(p.unsafeGetTensorImpl(), std::make_pair(name, unit));
-  FSDP_CHECK(inserted || it->second.second == unit, "fsdp::fully_shard (rank ", state_.comm().rank(), "): parameter '",
-             it->second.first, "' is shared with '", name, "', which is in another unit ('",
-             units_.found[it->second.second]->name, "' vs '", units_.found[unit]->name,
-             "'). A shared parameter must live in one unit: move both modules into one fsdp::Sharded unit "
-             "or leave them in the root.");
+  FSDP_CHECK_IN(state_.comm().error_in("fsdp::fully_shard"), inserted || it->second.second == unit, "parameter '",
+                it->second.first, "' is shared with '", name, "', which is in another unit ('",
+                units_.found[it->second.second]->name, "' vs '", units_.found[unit]->name,
+                "'). A shared parameter must live in one unit: move both modules into one fsdp::Sharded unit "
+                "or leave them in the root.");
   return inserted;  // false: shared inside one unit, sharded once
 }
 
@@ -117,9 +116,9 @@ void UnitWalk::visit(torch::nn::Module& m, const std::string& prefix, size_t uni
 }
 
 std::pair<size_t, int> UnitWalk::enter_unit(ShardedUnit* u, const std::string& name, size_t unit, bool built) {
-  FSDP_CHECK(!built, "fsdp::fully_shard (rank ", state_.comm().rank(), "): unit '", name,
-             "' was built outside the ShardingScope that sharded the unit containing it; build the whole "
-             "model inside the scope.");
+  FSDP_CHECK_IN(state_.comm().error_in("fsdp::fully_shard"), !built, "unit '", name,
+                "' was built outside the ShardingScope that sharded the unit containing it; build the whole "
+                "model inside the scope.");
   const ShardedUnit* lead = group_lead(u);
   auto group = group_of_.find(lead);
   if (group != group_of_.end()) {
@@ -147,12 +146,11 @@ void UnitWalk::visit_built(torch::nn::Module& m, ShardedUnit* u, const std::stri
     visit(m, name, joined->second, /*built=*/true, Access::member(*u));
     return;
   }
-  FSDP_CHECK_IN(state_.comm().error_context("fsdp::fully_shard").unit(name), in_scope_, "fsdp::fully_shard (rank ",
-                state_.comm().rank(), "): module '", name,
+  FSDP_CHECK_IN(state_.comm().error_in("fsdp::fully_shard").unit(name), in_scope_, "module '", name,
                 "' is already sharded: either the model was wrapped before (wrap a model once) or it was "
                 "built inside an fsdp::ShardingScope (then wrap it with fsdp::fully_shard(model, scope)).");
-  FSDP_CHECK(&sharded->state() == &state_, "fsdp::fully_shard (rank ", state_.comm().rank(), "): module '", name,
-             "' was sharded by another ShardingScope or model; build and wrap a model within one scope.");
+  FSDP_CHECK_IN(state_.comm().error_in("fsdp::fully_shard"), &sharded->state() == &state_, "module '", name,
+                "' was sharded by another ShardingScope or model; build and wrap a model within one scope.");
   found.push_back(std::make_unique<FoundUnit>(FoundUnit{name, u, {}, sharded, unit}));
   found.back()->member_paths.resize(sharded->members());
   found.back()->member_paths[Access::member(*u)] = name;
@@ -168,17 +166,15 @@ void UnitWalk::visit_built(torch::nn::Module& m, ShardedUnit* u, const std::stri
 void UnitWalk::check_members() {
   for (const auto& f : units_.found) {
     for (size_t m = 0; m < f->member_paths.size(); ++m) {
-      FSDP_CHECK_IN(state_.comm().error_context("fsdp::fully_shard").unit(f->name), !f->member_paths[m].empty(),
-                    "fsdp::fully_shard (rank ", state_.comm().rank(), "): unit '", f->name,
-                    "' was joined (share_unit_with) ",
+      FSDP_CHECK_IN(state_.comm().error_in("fsdp::fully_shard").unit(f->name), !f->member_paths[m].empty(), "unit '",
+                    f->name, "' was joined (share_unit_with) ",
                     "with a module that is not part of this model. Share units among modules of the model you wrap.");
     }
     for (ShardedUnit* u : f->members) {
       ShardedUnit* lead = u->shares_unit_of();
       const bool in_group =
           lead == nullptr || std::find(f->members.begin(), f->members.end(), lead) != f->members.end();
-      FSDP_CHECK_IN(state_.comm().error_context("fsdp::fully_shard").unit(f->name), in_group,
-                    "fsdp::fully_shard (rank ", state_.comm().rank(), "): module '",
+      FSDP_CHECK_IN(state_.comm().error_in("fsdp::fully_shard").unit(f->name), in_group, "module '",
                     f->member_paths[std::find(f->members.begin(), f->members.end(), u) - f->members.begin()],
                     "' shares the unit of a module (share_unit_with) that is not part of this model. Share units "
                     "among modules of the model you wrap.");

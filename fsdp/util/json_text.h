@@ -10,7 +10,7 @@
 #include <string_view>
 #include <type_traits>
 
-namespace fsdp::detail {
+namespace fsdp::util {
 
 /// Appends `s` as a JSON string literal: quotes, backslashes and control characters escaped,
 /// UTF-8 passed through (the bytes nlohmann's dump writes for the same string).
@@ -71,4 +71,4 @@ void append_json_array(std::string& out, const Ints& values, std::string_view se
   out += ']';
 }
 
-}  // namespace fsdp::detail
+}  // namespace fsdp::util

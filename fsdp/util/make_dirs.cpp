@@ -5,7 +5,7 @@
 #include <cerrno>
 #include <cstring>
 
-namespace fsdp::detail {
+namespace fsdp::util {
 
 std::string make_dirs(const std::string& dir) {
   for (size_t at = 1; at <= dir.size(); ++at) {
@@ -20,4 +20,4 @@ std::string make_dirs(const std::string& dir) {
   return "";
 }
 
-}  // namespace fsdp::detail
+}  // namespace fsdp::util

@@ -7,11 +7,11 @@
 
 #include <string>
 
-namespace fsdp::detail {
+namespace fsdp::util {
 
 /// Creates `dir` and every missing directory above it (mode 0777, less the umask). Returns "" on
 /// success, else what failed ("cannot create directory '/a/b': Permission denied", "'/a/b' is not
 /// a directory"). Never throws: the flight recorder calls it while reporting a failure.
 FSDP_API std::string make_dirs(const std::string& dir);
 
-}  // namespace fsdp::detail
+}  // namespace fsdp::util

@@ -14,7 +14,7 @@
 #include <utility>
 #include <vector>
 
-namespace fsdp::detail {
+namespace fsdp::util {
 
 inline uint64_t tensor_fingerprint(const at::Tensor& t) {
   const at::Tensor c = t.detach().cpu().contiguous();
@@ -53,4 +53,4 @@ inline std::string first_difference(const std::string& a, const std::string& b) 
   return "";
 }
 
-}  // namespace fsdp::detail
+}  // namespace fsdp::util
