@@ -219,7 +219,7 @@ inline std::pair<int, std::string> run_logged(const std::string& command) {
 }
 
 #ifdef FSDP_PYTHON
-/// Python reads what C++ wrote (tests/check_consolidated_in_python.py): the consolidated `single`
+/// Python reads what C++ wrote (tests/checkpoint/check_consolidated_in_python.py): the consolidated `single`
 /// file and `sharded` files (with the optimizer), and `checkpoint` itself through
 /// tools/read_checkpoint.py, each equal to `full` bit for bit.
 inline void expect_python_reads(const torch::OrderedDict<std::string, at::Tensor>& full, const std::string& checkpoint,
@@ -229,7 +229,7 @@ inline void expect_python_reads(const torch::OrderedDict<std::string, at::Tensor
   const std::string reference = shared_dir() + "/reference.safetensors";
   checkpoint::write_safetensors(reference, tensors);
   const auto [rc, text] =
-      run_logged(std::string(FSDP_PYTHON) + " " + FSDP_SOURCE_DIR + "/tests/check_consolidated_in_python.py " +
+      run_logged(std::string(FSDP_PYTHON) + " " + FSDP_SOURCE_DIR + "/tests/checkpoint/check_consolidated_in_python.py " +
                  reference + " " + checkpoint + " " + single + " " + sharded);
   EXPECT_EQ(rc, 0) << text;
   std::cout << text;

@@ -2,7 +2,7 @@
 // c10d throw plain exceptions whose type says nothing, and for two of them the library reacts (a
 // timeout is reported as one; a collective of another size, thrown by Gloo's transport thread
 // where nothing can catch it, gets an explanation before the abort). Every other "is this ours?"
-// is a type test (fsdp::Error). tests/test_errors.cpp checks each pattern against the text the
+// is a type test (fsdp::Error). tests/fsdp/test_errors.cpp checks each pattern against the text the
 // real component throws. Internal to the library.
 #pragma once
 

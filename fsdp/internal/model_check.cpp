@@ -88,7 +88,7 @@ std::string describe_options(const FullyShardOptions& o) {
 std::string describe_offload(const FullyShardOptions& o) {
   // Offloaded units gather full weights over the CPU backend, others over the device's. A line
   // only when set (the description's bytes are a transient of every wrap, which
-  // tests/test_construction.cpp counts), last, so that a difference reads "rank 0 has option
+  // tests/fsdp/test_construction.cpp counts), last, so that a difference reads "rank 0 has option
   // 'offload_policy' that rank 1 does not have".
   return o.offload_policy() ? "option offload_policy set\n" : "";
 }
