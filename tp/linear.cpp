@@ -28,7 +28,7 @@ void check_split(const Group& g, const char* layer, const char* what, int64_t n,
 }  // namespace
 
 ColumnParallelLinearImpl::ColumnParallelLinearImpl(Group group, ColumnParallelLinearOptions options)
-    : group(std::move(group)), options(options) {
+    : SplitLinear(std::move(group)), options(options) {
   ColumnParallelLinearImpl::reset();  // qualified: called from the constructor
 }
 
@@ -80,7 +80,7 @@ std::vector<std::pair<std::string, TensorSplit>> ColumnParallelLinearImpl::param
 }
 
 RowParallelLinearImpl::RowParallelLinearImpl(Group group, RowParallelLinearOptions options)
-    : group(std::move(group)), options(options) {
+    : SplitLinear(std::move(group)), options(options) {
   RowParallelLinearImpl::reset();  // qualified: called from the constructor
 }
 

@@ -27,6 +27,8 @@
 #include <torch/nn/pimpl.h>
 
 #include <cstdint>
+#include <utility>
+#include <vector>
 
 FSDP_PUBLIC_BEGIN
 
@@ -52,7 +54,23 @@ struct ColumnParallelLinearOptions {
   TORCH_ARG(bool, sequence_parallel) = false;
 };
 
-class ColumnParallelLinearImpl : public torch::nn::Cloneable<ColumnParallelLinearImpl>, public SplitModule {
+/// What the column- and row-parallel layers share: the group their weight is split over, their
+/// parts of the weight and bias (registered as "weight" and "bias"), and the ranks holding the
+/// other parts (SplitModule).
+class SplitLinear : public SplitModule {
+ public:
+  std::vector<int> split_ranks() const override { return group.global_ranks(); }
+
+  Group group;
+  at::Tensor weight;  ///< this rank's part of the full [out, in] weight (see each layer)
+  at::Tensor bias;    ///< this rank's part of the full [out] bias (see each layer); undefined without bias
+
+ protected:
+  explicit SplitLinear(Group group) : group(std::move(group)) {}
+};
+
+/// weight: [out / T, in], rows [r out/T, (r + 1) out/T) of the full weight; bias: [out / T].
+class ColumnParallelLinearImpl : public torch::nn::Cloneable<ColumnParallelLinearImpl>, public SplitLinear {
  public:
   ColumnParallelLinearImpl(Group group, ColumnParallelLinearOptions options);
   void reset() override;
@@ -61,12 +79,8 @@ class ColumnParallelLinearImpl : public torch::nn::Cloneable<ColumnParallelLinea
   at::Tensor forward(const at::Tensor& input);
   /// weight and bias: split along dimension 0.
   std::vector<std::pair<std::string, TensorSplit>> parameter_splits() const override;
-  std::vector<int> split_ranks() const override { return group.global_ranks(); }
 
-  Group group;
   ColumnParallelLinearOptions options;
-  at::Tensor weight;  ///< [out / T, in]: rows [r out/T, (r + 1) out/T) of the full weight
-  at::Tensor bias;    ///< [out / T], undefined without bias
 };
 TORCH_MODULE(ColumnParallelLinear);
 
@@ -87,7 +101,9 @@ struct RowParallelLinearOptions {
   TORCH_ARG(bool, sequence_parallel) = false;
 };
 
-class RowParallelLinearImpl : public torch::nn::Cloneable<RowParallelLinearImpl>, public SplitModule {
+/// weight: [out, in / T], columns [r in/T, (r + 1) in/T) of the full weight; bias: [out], whole
+/// on every rank.
+class RowParallelLinearImpl : public torch::nn::Cloneable<RowParallelLinearImpl>, public SplitLinear {
  public:
   RowParallelLinearImpl(Group group, RowParallelLinearOptions options);
   void reset() override;
@@ -97,12 +113,8 @@ class RowParallelLinearImpl : public torch::nn::Cloneable<RowParallelLinearImpl>
   at::Tensor forward(const at::Tensor& input);
   /// weight: split along dimension 1; bias: not split.
   std::vector<std::pair<std::string, TensorSplit>> parameter_splits() const override;
-  std::vector<int> split_ranks() const override { return group.global_ranks(); }
 
-  Group group;
   RowParallelLinearOptions options;
-  at::Tensor weight;  ///< [out, in / T]: columns [r in/T, (r + 1) in/T) of the full weight
-  at::Tensor bias;    ///< [out], whole on every rank; undefined without bias
 };
 TORCH_MODULE(RowParallelLinear);
 
