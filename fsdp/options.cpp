@@ -2,6 +2,7 @@
 
 #include "fsdp/internal/check.h"
 #include "fsdp/internal/env.h"
+#include "fsdp/internal/subgroups.h"
 
 #include <c10/util/Exception.h>
 
@@ -10,20 +11,23 @@
 namespace fsdp {
 
 namespace detail {
-void check_options(const FullyShardOptions& o, const char* caller) {
-  const ErrorContext context = ErrorContext().operation(caller);
-  FSDP_CHECK_IN(context, is_valid(o.strategy()), caller, ": FullyShardOptions::strategy is ",
-                static_cast<int>(o.strategy()),
+void check_options(const FullyShardOptions& o, const char* caller, const c10d::ProcessGroup& pg) {
+  // Named by global rank, as every message is ("rank 3 of 4"), also when `pg` is a subgroup.
+  const auto sub = subgroup_info(&pg);
+  const int rank = sub ? sub->global_ranks.at(static_cast<size_t>(pg.getRank())) : pg.getRank();
+  const ErrorContext context = ErrorContext().api(caller).operation(caller).rank(rank).world_size(
+      sub && sub->world_size > 0 ? sub->world_size : pg.getSize());
+  FSDP_CHECK_IN(context, is_valid(o.strategy()), "FullyShardOptions::strategy is ", static_cast<int>(o.strategy()),
                 ", not a ShardingStrategy; use one of fsdp::ShardingStrategy's values (fsdp/strategy.h).");
-  FSDP_CHECK_IN(context, o.prefetch() >= 0, caller, ": FullyShardOptions::prefetch is ", o.prefetch(),
+  FSDP_CHECK_IN(context, o.prefetch() >= 0, "FullyShardOptions::prefetch is ", o.prefetch(),
                 "; it is the number of units gathered ahead, 0 or more (0 turns prefetch off).");
-  FSDP_CHECK_IN(context, o.bucket_bytes() > 0, caller, ": FullyShardOptions::bucket_bytes is ", o.bucket_bytes(),
+  FSDP_CHECK_IN(context, o.bucket_bytes() > 0, "FullyShardOptions::bucket_bytes is ", o.bucket_bytes(),
                 "; replicated units all-reduce their gradients in buckets of that many bytes, so it must be "
                 "positive (PyTorch DDP's default is 25 MiB).");
-  FSDP_CHECK_IN(context, o.activation_checkpointing_every() >= 0, caller,
-                ": FullyShardOptions::activation_checkpointing_every is ", o.activation_checkpointing_every(),
+  FSDP_CHECK_IN(context, o.activation_checkpointing_every() >= 0,
+                "FullyShardOptions::activation_checkpointing_every is ", o.activation_checkpointing_every(),
                 "; it checkpoints every k-th unit, so it is 0 (none) or more (1: every unit).");
-  FSDP_CHECK_IN(context, o.timeout().count() > 0, caller, ": FullyShardOptions::timeout is ", o.timeout().count(),
+  FSDP_CHECK_IN(context, o.timeout().count() > 0, "FullyShardOptions::timeout is ", o.timeout().count(),
                 " ms; it bounds every wait for a collective, so it must be positive (the default is 10 minutes).");
 }
 bool offload_on_cpu_for_tests() {

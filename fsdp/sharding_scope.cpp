@@ -22,7 +22,7 @@ thread_local std::vector<ShardingScope*> g_open;
 ShardingScope::ShardingScope(c10::intrusive_ptr<c10d::ProcessGroup> pg, FullyShardOptions options)
     : pg_(std::move(pg)) {
   FSDP_CHECK(pg_, "fsdp::ShardingScope: the process group is null; create one with fsdp::init_process_group()");
-  detail::check_options(options, "fsdp::ShardingScope");
+  detail::check_options(options, "fsdp::ShardingScope", *pg_);
   state_ = std::make_shared<detail::RunState>(pg_, options);
   g_open.push_back(this);
   open_ = true;
@@ -31,7 +31,7 @@ ShardingScope::ShardingScope(c10::intrusive_ptr<c10d::ProcessGroup> pg, FullySha
 ShardingScope::ShardingScope(const DeviceMesh& mesh, FullyShardOptions options) : pg_(mesh.group(kDataDim)) {
   const detail::MeshState& m = detail::mesh_state(mesh);
   options = detail::options_for_mesh(mesh, options);
-  detail::check_options(options, "fsdp::ShardingScope");
+  detail::check_options(options, "fsdp::ShardingScope", *pg_);
   state_ = std::make_shared<detail::RunState>(pg_, options, m.group_info(kDataDim));
   state_->init_mesh(m);
   g_open.push_back(this);

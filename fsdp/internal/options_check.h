@@ -8,12 +8,17 @@
 
 #include <string>
 
+namespace c10d {
+class ProcessGroup;
+}  // namespace c10d
+
 namespace fsdp::detail {
 
-/// Throws, naming `caller` and the option, when a value cannot be used: an unknown strategy, a
+/// Throws, naming `caller`, this rank (of `pg`, the group the options are for) and the option,
+/// when a value cannot be used: an unknown strategy, a
 /// negative prefetch, a bucket size that is not positive. (Group sizes are checked against the
 /// world size when the groups are made.)
-void check_options(const FullyShardOptions& options, const char* caller);
+void check_options(const FullyShardOptions& options, const char* caller, const c10d::ProcessGroup& pg);
 /// Test seam: $FSDP_TEST_OFFLOAD_ON_CPU=1 lets a CPU model take an offload policy, "offloading" to
 /// the same CPU through separate buffers, so that CI exercises every copy and pointer switch of
 /// the CUDA path (docs/design.md, "CPU offload"). Never for training.

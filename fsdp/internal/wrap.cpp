@@ -203,8 +203,8 @@ namespace {
 void check_arguments(const std::shared_ptr<torch::nn::Module>& root, const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
                      const FullyShardOptions& given_options, const std::shared_ptr<RunState>& scope_state) {
   FSDP_CHECK(root != nullptr, "fsdp::fully_shard: the model is null");
-  check_options(scope_state ? scope_state->options() : given_options, "fsdp::fully_shard");
   FSDP_CHECK(pg, "fsdp::fully_shard: the process group is null; create one with fsdp::init_process_group()");
+  check_options(scope_state ? scope_state->options() : given_options, "fsdp::fully_shard", *pg);
   FSDP_CHECK(dynamic_cast<ShardedUnit*>(root.get()) == nullptr,
              "fsdp::fully_shard: the root module is itself an fsdp::Sharded unit. Pass the plain root module: "
              "fully_shard makes it the root unit and returns its handle.");

@@ -361,13 +361,18 @@ TEST(ModuleSemantics, FullStateDict) {
   });
 }
 
-// Option values that cannot be used are refused when wrapping, naming the option.
+// Option values that cannot be used are refused when wrapping (or opening a scope), naming the
+// caller, this rank and the option.
 TEST(ModuleSemantics, BadOptionValuesAreRefused) {
-  run_ranks(1, [](Rank& r) {
+  run_ranks(2, [](Rank& r) {
     auto wrap = [&](const FullyShardOptions& o) {
       return error_of([&] { fsdp::fully_shard(std::make_shared<UnevenMLPImpl<true>>(), r.pg, o); });
     };
-    EXPECT_NE(wrap(test_options().prefetch(-1)).find("FullyShardOptions::prefetch is -1"), std::string::npos);
+    const std::string of = " (rank " + std::to_string(r.rank) + " of 2): ";
+    std::string msg = wrap(test_options().prefetch(-1));
+    EXPECT_EQ(msg.rfind("fsdp::fully_shard" + of + "FullyShardOptions::prefetch is -1", 0), 0u) << msg;
+    msg = error_of([&] { fsdp::ShardingScope scope(r.pg, test_options().timeout(std::chrono::milliseconds(0))); });
+    EXPECT_EQ(msg.rfind("fsdp::ShardingScope" + of + "FullyShardOptions::timeout is 0 ms", 0), 0u) << msg;
     EXPECT_NE(wrap(test_options().strategy(ShardingStrategy::kNoShard).bucket_bytes(0))
                   .find("FullyShardOptions::bucket_bytes is 0"),
               std::string::npos);
