@@ -205,6 +205,8 @@ std::string resolve_checkpoint(const std::string& path) {
              "' is a staging directory of a save that did not finish: it is never loaded. Load a committed "
              "checkpoint (the root, for its latest).");
   if (exists(path + "/" + kManifest)) return path;
+  FSDP_CHECK(exists(path), "fsdp::checkpoint: '", path,
+             "' does not exist: give a checkpoint directory, or the root a save wrote into.");
   const std::string latest = latest_checkpoint(path);
   FSDP_CHECK(!latest.empty(), "fsdp::checkpoint: '", path, "' is neither a checkpoint (no ", kManifest,
              ") nor a root with a '", kLatest, "' pointer", is_dir(path) ? "" : " (it is not a directory)",

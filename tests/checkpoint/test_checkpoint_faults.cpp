@@ -52,8 +52,8 @@ void check_faults(Rank& r) {
     std::snprintf(file, sizeof(file), "/rank-%05d.safetensors", r.rank);
     const std::string back = shared_dir() + "/python-" + std::to_string(r.rank) + ".safetensors";
     const std::string cmd = std::string(FSDP_PYTHON) + " " + FSDP_SOURCE_DIR +
-                            "/tests/checkpoint/check_safetensors_in_python.py " + good + file + " " + back + " > " + back +
-                            ".log 2>&1";
+                            "/tests/checkpoint/check_safetensors_in_python.py " + good + file + " " + back + " > " +
+                            back + ".log 2>&1";
     ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
     const auto rec = checkpoint::read_safetensors_header(back);
     int compared = 0;
@@ -109,6 +109,10 @@ void check_faults(Rank& r) {
       {"no manifest",
        [&](const std::string& d) { ::unlink((d + "/" + checkpoint::kManifest).c_str()); },
        "is neither a checkpoint (no manifest.json) nor a root with a 'latest' pointer",
+       {0, 1}},
+      {"gone",
+       [&](const std::string& d) { ASSERT_EQ(::rename(d.c_str(), (d + "-moved").c_str()), 0); },
+       "' does not exist: give a checkpoint directory",
        {0, 1}},
   };
   for (const Fault& f : faults) {
