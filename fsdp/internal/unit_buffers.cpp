@@ -145,9 +145,9 @@ bool adopt_replaced(std::vector<ParamSlot>& slots, int64_t shard_rank, int rank,
                   s.sharded.device(), "\"), torch::k", s.sharded.scalar_type(), ").");
     FSDP_CHECK_IN(ErrorContext().rank(rank).unit(unit).api("fsdp"), p.sizes() == s.sharded.sizes(), "parameter '",
                   s.name, "' of unit '", unit, "' has shape ", p.sizes(), ", but this rank's shard is ",
-                  s.sharded.sizes(), " (rows ", s.layout.begin(shard_rank), " to ", s.layout.end(shard_rank), " of ",
-                  s.layout.rows, " over ", s.layout.shards,
-                  " ranks). Something replaced the parameter with a tensor of another shape, such as torch::load of a "
+                  s.sharded.sizes(), " (rows [", s.layout.begin(shard_rank), ", ", s.layout.end(shard_rank), ") of ",
+                  s.layout.rows, ", split over ", s.layout.shards, s.layout.shards == 1 ? " rank" : " ranks",
+                  "). Something replaced the parameter with a tensor of another shape, such as torch::load of a "
                   "file saved at another world size or strategy, or of a full (unwrapped) model. Load what this rank "
                   "saved from the same wrapped model, or gather full weights with model.full_state_dict().");
     {

@@ -154,6 +154,11 @@ TEST(ModuleSemantics, LoadingAnotherLayoutIsRefused) {
               std::string::npos)
         << msg;
     EXPECT_NE(msg.find("torch::load of a file saved at another world size"), std::string::npos) << msg;
+    // The shard's rows from the shape: 31 rows in chunks of ceil(31 / 2) = 16.
+    const int64_t begin = std::min<int64_t>(16 * r.rank, 31), end = std::min<int64_t>(16 * (r.rank + 1), 31);
+    EXPECT_NE(msg.find("(rows [" + std::to_string(begin) + ", " + std::to_string(end) + ") of 31, split over 2 ranks)"),
+              std::string::npos)
+        << msg;
   });
 }
 
