@@ -50,11 +50,14 @@ LaunchEnv& current_env() {
 void read_master(LaunchEnv& env) {
   if (env.world_size == 1) return;
   const char* addr = getenv_or_null("MASTER_ADDR");
-  FSDP_CHECK(addr != nullptr, "fsdp::init_process_group: environment variable MASTER_ADDR is not set (rank ", env.rank,
-             " of ", env.world_size, ", launcher ", env.launcher, "). ",
-             env.launcher == "slurm"
-                 ? "Under Slurm, export MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1)."
-                 : "torchrun sets it; set it to rank 0's host when launching by hand.");
+  FSDP_CHECK(
+      addr != nullptr, "fsdp::init_process_group: environment variable MASTER_ADDR is not set (rank ", env.rank, " of ",
+      env.world_size,
+      env.launcher == "torchrun" ? ", from RANK and WORLD_SIZE as torchrun sets them" : ", launcher " + env.launcher,
+      "). ",
+      env.launcher == "slurm"
+          ? "Under Slurm, export MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1)."
+          : "torchrun sets it; set it to rank 0's host when launching by hand.");
   env.master_addr = addr;
   const char* port = getenv_or_null("MASTER_PORT");
   if (port == nullptr) {
