@@ -7,6 +7,29 @@ namespace fsdp::checkpoint::detail {
 using fsdp::detail::Call;
 using fsdp::detail::Fingerprint;
 
+namespace {
+
+// What a phase's check raised, without the caller its message begins with: the phase's error
+// names the call already ("fsdp::checkpoint::load (rank 0 of 2) of 'ck': checking ... failed on
+// this rank: <this>"). A check of ours begins with its context's caller, or, in the checkpoint's
+// own helpers, which also raise outside a save or load, with "fsdp::checkpoint: ".
+std::string without_caller(const std::exception_ptr& raised) {
+  constexpr const char* kCaller = "fsdp::checkpoint: ";
+  std::string text = error_text(raised);
+  try {
+    std::rethrow_exception(raised);
+  } catch (const fsdp::Error& e) {
+    for (const std::string& caller :
+         {e.api().empty() ? std::string() : fsdp::detail::error_caller(e.where()) + ": ", std::string(kCaller)}) {
+      if (!caller.empty() && text.rfind(caller, 0) == 0) return text.substr(caller.size());
+    }
+  } catch (...) {
+  }
+  return text;
+}
+
+}  // namespace
+
 const c10::intrusive_ptr<c10d::ProcessGroup>& checkpoint_group(const FSDPModule& model) {
   return fsdp::detail::checkpoint_group(model)->process_group();
 }
@@ -23,10 +46,9 @@ Group Group::of(const FSDPModule& model) {
   const fsdp::detail::Comm& dp = fsdp::detail::model_group(model);
   // Replicas that train apart keep part of their state in their LocalSGD or DiLoCo object: a
   // checkpoint without it is refused before anything happens (the same on every rank).
-  FSDP_CHECK_IN(dp.error_context("fsdp::checkpoint"),
+  FSDP_CHECK_IN(dp.error_in("fsdp::checkpoint"),
                 !fsdp::detail::replicas_apart(model) || fsdp::detail::outer_state(model) != nullptr,
-                "fsdp::checkpoint (", dp.where(),
-                "): the model's replicas train apart, but the fsdp::optim::LocalSGD or DiLoCo object that drives "
+                "the model's replicas train apart, but the fsdp::optim::LocalSGD or DiLoCo object that drives "
                 "them is gone, and with it the outer state: keep it alive while saving or loading (or make a new one "
                 "first). Nothing was written or read.");
   // Over a mesh with tensor parallelism, or while replicas train apart (LocalSGD), the model's
@@ -94,7 +116,7 @@ void agree(const Group& group, const std::string& call, const std::string& where
   try {
     fn();
   } catch (...) {
-    error = error_text(std::current_exception());
+    error = without_caller(std::current_exception());
   }
   const std::vector<int> failed = group.agree(call + ": " + phase, !error.empty());
   ErrorContext context = group.error_context(call + ": " + phase);

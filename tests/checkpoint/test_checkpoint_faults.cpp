@@ -131,6 +131,8 @@ void check_faults(Rank& r) {
     EXPECT_NE(msg.find("fsdp::checkpoint::load (rank " + std::to_string(r.rank) + " of 2) of '" + dir + "': "),
               std::string::npos)
         << msg;
+    // The call is named once: the inner check's own "fsdp::checkpoint: " is not repeated.
+    EXPECT_EQ(msg.find("fsdp::checkpoint", 1), std::string::npos) << msg;
     std::string finders;  // the ranks whose errors say why, named by the others
     for (int q : f.found_by) finders += (finders.empty() ? "" : ", ") + std::to_string(q);
     EXPECT_NE(msg.find(finds ? f.message
