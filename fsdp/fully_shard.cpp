@@ -153,8 +153,8 @@ void FSDPModule::to(at::Device device) {
 torch::OrderedDict<std::string, at::Tensor> FSDPModule::full_state_dict(bool rank0_only) const {
   RunState& state = root_->state();
   state.check_not_broken();
-  FSDP_CHECK(!state.in_backward(), "fsdp::full_state_dict (", state.comm().where(),
-             "): called during backward; call it between steps.");
+  FSDP_CHECK_IN(state.comm().error_in("fsdp::full_state_dict"), !state.in_backward(),
+                "called during backward; call it between steps.");
   state.agree(detail::Call::kFullStateDict, detail::Fingerprint().add(rank0_only ? 1 : 0),
               std::string("full_state_dict(rank0_only=") + (rank0_only ? "true" : "false") + ")");
   const bool keep = !rank0_only || state.comm().rank() == 0;
@@ -211,8 +211,7 @@ std::vector<ShardSpec> FSDPModule::shard_specs() const {
   std::vector<ShardSpec> out;
   size_t unit = 0;
   state.for_each_unit([&](const detail::Unit& g) {
-    FSDP_CHECK_IN(g.error_context("fsdp::shard_specs"), !g.is_unsharded(), "fsdp::shard_specs (", state.comm().where(),
-                  "): unit '", g.label(),
+    FSDP_CHECK_IN(g.error_context("fsdp::shard_specs").api("fsdp::shard_specs"), !g.is_unsharded(), "unit '", g.label(),
                   "' is unsharded (inside its forward or backward); ask for the shard contract between steps. (A "
                   "backward that threw leaves its units so until the next forward of the model, which clears what it "
                   "left: run one, or restart from the last checkpoint.)");
@@ -245,8 +244,8 @@ std::vector<ShardSpec> FSDPModule::shard_specs() const {
 }
 
 void FSDPModule::discard_unsynced_gradients() {
-  FSDP_CHECK(!root_->state().in_backward(), "fsdp::discard_unsynced_gradients (", root_->state().comm().where(),
-             "): called during backward; call it between steps.");
+  FSDP_CHECK_IN(root_->state().comm().error_in("fsdp::discard_unsynced_gradients"), !root_->state().in_backward(),
+                "called during backward; call it between steps.");
   root_->state().for_each_unit([](detail::Unit& u) { u.drop_unsynced_grads(); });
 }
 

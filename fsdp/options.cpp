@@ -35,10 +35,11 @@ bool offload_on_cpu_for_tests() {
   return v != nullptr && std::string(v) == "1";
 }
 
-void check_offload(const FullyShardOptions& o, const std::string& param, const c10::Device& device, int rank) {
+void check_offload(const FullyShardOptions& o, const std::string& param, const c10::Device& device,
+                   const ErrorContext& where) {
   if (!o.offload_policy()) return;
   if (device.is_cpu() && offload_on_cpu_for_tests()) return;
-  FSDP_CHECK_IN(ErrorContext().api("fsdp::fully_shard").rank(rank), device.is_cuda(),
+  FSDP_CHECK_IN(where, device.is_cuda(),
                 "FullyShardOptions::offload_policy keeps a CUDA model's shards, gradients and optimizer state in "
                 "host memory, but this model's parameters are on ",
                 device, " ('", param,

@@ -23,6 +23,43 @@ ShardedUnit& as_unit(const std::shared_ptr<torch::nn::Module>& module) {
 }
 
 namespace detail {
+namespace {
+
+// Whether `text` holds `token` with no digit on either side ("[4]" in "[4, 8]" is not "[4]"; "8x2"
+// in "18x2" is not "8x2").
+bool names_token(const std::string& text, const std::string& token) {
+  const auto digit = [](char c) { return c >= '0' && c <= '9'; };
+  for (size_t at = text.find(token); at != std::string::npos; at = text.find(token, at + 1)) {
+    const bool before = at > 0 && digit(text[at - 1]);
+    const bool after = at + token.size() < text.size() && digit(text[at + token.size()]);
+    if (!before && !after) return true;
+  }
+  return false;
+}
+
+// "parameter 'ln.weight' as this rank's shard [4] (its full shape is [8])" when LibTorch's message
+// names the shape of one of the unit's shards that differs from the full one, as ATen prints a
+// shape ("[4]", "[2, 8]") or a matrix operand ("2x8", or "8x2" transposed, as linear's weight is):
+// the trace an Impl::forward called around its wrapper leaves. Empty otherwise, so that an error
+// in the root's own layers raised before the units ran gets no hint about them.
+std::string shard_shape_named(const Unit& unit, const std::string& message) {
+  for (const ParamSlot& s : unit.slots()) {
+    const c10::IntArrayRef shard = s.sharded.sizes();
+    if (shard == c10::IntArrayRef(s.shape)) continue;
+    std::vector<std::string> forms{c10::str(shard)};
+    if (shard.size() == 2) {
+      forms.push_back(c10::str(shard[0], "x", shard[1]));
+      forms.push_back(c10::str(shard[1], "x", shard[0]));
+    }
+    if (std::any_of(forms.begin(), forms.end(), [&](const auto& f) { return names_token(message, f); })) {
+      return c10::str("parameter '", s.name, "' as this rank's shard ", shard, " (its full shape is ",
+                      c10::IntArrayRef(s.shape), ")");
+    }
+  }
+  return {};
+}
+
+}  // namespace
 
 ForwardCasts unit_pre_forward(Unit& unit, int member) {
   unit.pre_forward(member);
@@ -81,8 +118,8 @@ void name_unit_in_error(const Unit& unit, const ForwardCasts& casts, c10::Error&
   if (state.named_error() == &e) return;  // an inner unit's (the same exception, passing through)
   state.named_error() = &e;
   std::ostringstream os;
-  os << detail::error_caller(ErrorContext().api("fsdp").rank(state.comm().rank()))
-     << ": raised in the forward of unit '" << unit.label() << "', whose parameters compute in " << unit.param_dtype();
+  os << detail::error_caller(state.comm().error_in("fsdp")) << ": raised in the forward of unit '" << unit.label()
+     << "', whose parameters compute in " << unit.param_dtype();
   if (const auto in = unit.input_cast()) {
     os << " and whose floating-point inputs are cast to " << *in;
   } else {
@@ -102,14 +139,14 @@ void name_unit_in_error(const Unit& unit, const ForwardCasts& casts, c10::Error&
           "(model(x).to(torch::kFloat))";
   }
   if (unit.is_root()) {
-    const std::vector<std::string> skipped = state.units_not_run_in_this_forward();
-    if (!skipped.empty()) {
-      os << ". Unit" << (skipped.size() > 1 ? "s '" : " '") << skipped.front() << "'"
-         << (skipped.size() > 1 ? " and " + std::to_string(skipped.size() - 1) + " more" : std::string())
-         << (skipped.size() > 1 ? " had" : " had")
-         << " not run through the fsdp::Sharded wrapper when this was raised: if the model's forward called "
-            "a unit's Impl::forward directly (block->BlockImpl::forward(x)), it ran on this rank's shards; call "
-            "the unit itself (block(x) or block->forward(x))";
+    for (const Unit* skipped : state.units_not_run_in_this_forward()) {
+      const std::string named = shard_shape_named(*skipped, e.msg());
+      if (named.empty()) continue;
+      os << ". Unit '" << skipped->label() << "' had not run through the fsdp::Sharded wrapper when this was "
+         << "raised, and the message names " << named
+         << ": if the model's forward called the unit's Impl::forward directly (block->BlockImpl::forward(x)), "
+            "it ran on this rank's shards; call the unit itself (block(x) or block->forward(x))";
+      break;
     }
   }
   e.add_context(os.str());

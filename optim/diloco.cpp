@@ -18,7 +18,8 @@ namespace {
 // The options in words (compared across ranks), after checking them: nothing is set up or sent
 // for options that are refused.
 std::string checked_settings(const DiLoCoOptions& o, const FSDPModule& model) {
-  const std::string where = "fsdp::optim::DiLoCo (" + fsdp::detail::model_group(model).where() + ")";
+  const std::string where =
+      fsdp::detail::error_caller(fsdp::detail::model_group(model).error_in("fsdp::optim::DiLoCo"));
   std::ostringstream os;
   os << "sync_every " << o.sync_every() << ", fragments " << o.fragments() << (o.overlap() ? ", overlapped" : "");
   if (o.outer_optimizer()) {
@@ -40,7 +41,8 @@ DiLoCo::DiLoCo(const FSDPModule& model, torch::optim::Optimizer& inner, const Di
       options_(options),
       sync_(std::make_unique<detail::ReplicaSync>(model, "fsdp::optim::DiLoCo", options.sync_every(),
                                                   options.fragments(), checked_settings(options, model))) {
-  const std::string where = "fsdp::optim::DiLoCo (" + fsdp::detail::model_group(model).where() + ")";
+  const std::string where =
+      fsdp::detail::error_caller(fsdp::detail::model_group(model).error_in("fsdp::optim::DiLoCo"));
   // The global shards: fp32 whatever the parameters' dtype (the outer step accumulates small
   // differences of the replicas' parameters), one flat copy per unit, padding included (it stays
   // 0), and each parameter's a view of it, as the parameters are of the flat shard.

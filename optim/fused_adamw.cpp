@@ -43,8 +43,8 @@ torch::optim::AdamWParamState& FusedAdamW::param_state(const ShardSpec& p, size_
   // Loaded (torch::load of the optimizer) or otherwise replaced: into the flat buffers.
   for (auto [mine, flat] : {std::pair{st.exp_avg(), exp_avg}, std::pair{st.exp_avg_sq(), exp_avg_sq}}) {
     if (aliases(mine, flat)) continue;
-    FSDP_CHECK_IN(ErrorContext().api("fsdp::optim::FusedAdamW").rank(model_.rank()), mine.sizes() == flat.sizes(),
-                  "the loaded state of parameter '", p.name, "' has shape ", mine.sizes(),
+    FSDP_CHECK_IN(ErrorContext().api("fsdp::optim::FusedAdamW").rank(model_.rank()).world_size(model_.world_size()),
+                  mine.sizes() == flat.sizes(), "the loaded state of parameter '", p.name, "' has shape ", mine.sizes(),
                   ", but this rank's rows of it are ", flat.sizes(),
                   ". Load the optimizer state this rank saved from the same wrapped model and world size.");
     flat.copy_(mine);

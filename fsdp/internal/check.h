@@ -39,7 +39,7 @@ FSDP_API std::string error_caller(const ErrorContext& context);
   }
 
 /// FSDP_CHECK_IN(context, cond, message parts...): the same, carrying `context` (an fsdp::ErrorContext);
-/// with context.api() set, the message is "<api> (rank r): <parts>" (error_caller).
+/// with context.api() set, the message is "<api> (rank r of N): <parts>" (error_caller).
 #define FSDP_CHECK_IN(context, cond, ...)                                                  \
   if (C10_UNLIKELY_OR_CONST(!(cond))) {                                                    \
     ::fsdp::detail::throw_error(FSDP_SOURCE_LOCATION, ::c10::str(__VA_ARGS__), (context)); \

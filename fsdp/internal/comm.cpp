@@ -240,6 +240,7 @@ void Comm::wait_on_event(Pending& p) const {
 ErrorContext Comm::error_context(const std::string& operation) const {
   return ErrorContext()
       .rank(global_rank_)
+      .world_size(group_.world_size)
       .mesh(group_.mesh)
       .operation(operation)
       .group(group_.name == "world" ? "world"

@@ -165,10 +165,11 @@ class FSDP_API Comm {
   /// collectives: the lengths, then the texts padded to the longest. Not counted in the statistics
   /// (it serves checks and checkpoints, not training); `what` names it in errors.
   std::vector<std::string> exchange_strings(const std::string& text, const std::string& what, int root = -1);
-  /// What an error raised here carries: this rank, `operation`, the group (fsdp/error.h).
+  /// What an error raised here carries: this rank (global) of the job's ranks, `operation`, the
+  /// group, the mesh (fsdp/error.h).
   ErrorContext error_context(const std::string& operation = "") const;
   /// The same for an error raised by the library call `api` (operation and api both `api`): its
-  /// message begins "<api> (rank r): " (fsdp/internal/check.h, error_caller).
+  /// message begins "<api> (rank r of N): " (fsdp/internal/check.h, error_caller).
   ErrorContext error_in(const std::string& api) const { return error_context(api).api(api); }
 
   /// The same group without the check before every collective: for the model check, which must

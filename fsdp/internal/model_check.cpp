@@ -123,7 +123,7 @@ void check_same_model_on_all_ranks(Comm& verified, const std::string& descriptio
         for (size_t q = 1; q < descriptions.size() && diff.empty(); ++q) {
           diff = first_difference(ref, lines_of(descriptions[q]), static_cast<int>(q));
         }
-        return "fsdp::fully_shard (" + comm.where() + "): the model differs between ranks: " + diff +
+        return error_caller(comm.error_in("fsdp::fully_shard")) + ": the model differs between ranks: " + diff +
                ". Every rank must build the same model (same code, same configuration) and wrap it with the same "
                "options before fully_shard.";
       });

@@ -2,6 +2,7 @@
 // CPU test seam of offload. Internal to the library: the public options.h holds the options only.
 #pragma once
 
+#include "fsdp/error.h"
 #include "fsdp/options.h"
 
 #include <c10/core/Device.h>
@@ -24,7 +25,8 @@ void check_options(const FullyShardOptions& options, const char* caller, const c
 /// the CUDA path (docs/design.md, "CPU offload"). Never for training.
 bool offload_on_cpu_for_tests();
 /// Refuses an offload policy for a model that has nothing to offload (its parameters, the first of
-/// which is `param` on `device`, are not on a CUDA device).
-void check_offload(const FullyShardOptions& options, const std::string& param, const c10::Device& device, int rank);
+/// which is `param` on `device`, are not on a CUDA device); `where` names the call and the rank.
+void check_offload(const FullyShardOptions& options, const std::string& param, const c10::Device& device,
+                   const ErrorContext& where);
 
 }  // namespace fsdp::detail

@@ -18,13 +18,12 @@ Comm& train_replicas_apart(const FSDPModule& model, const std::string& caller, u
                            const std::string& text) {
   RunState& state = Access::state(model);
   state.check_not_broken();
-  const ErrorContext context = state.comm().error_context(caller);
-  const std::string where = caller + " (" + state.comm().where() + ")";
+  const ErrorContext context = state.comm().error_in(caller);
   const char* remedy =
       " Wrap the model with hybrid sharding: FullyShardOptions().strategy(ShardingStrategy::kHybridShard)"
       ".shard_group_size(S) over a process group (each group of S consecutive ranks is a replica; S may be 1), "
       "or fully_shard over a DeviceMesh with dp_replicate and dp_shard both above one rank.";
-  FSDP_CHECK_IN(context, state.replicate_comm() != nullptr, where, ": the model is not hybrid-sharded, so it has no ",
+  FSDP_CHECK_IN(context, state.replicate_comm() != nullptr, "the model is not hybrid-sharded, so it has no ",
                 "replicas to train apart (",
                 state.options().strategy() == ShardingStrategy::kHybridShard
                     ? "its mesh has no dp_replicate and dp_shard dimensions both above one rank"
@@ -32,12 +31,12 @@ Comm& train_replicas_apart(const FSDPModule& model, const std::string& caller, u
                           std::to_string(state.comm().world_size()) + " data-parallel rank(s)",
                 ").", remedy);
   state.for_each_unit([&](const Unit& u) {
-    FSDP_CHECK_IN(context, u.strategy() == ShardingStrategy::kHybridShard, where, ": unit '", u.label(), "' is ",
+    FSDP_CHECK_IN(context, u.strategy() == ShardingStrategy::kHybridShard, "unit '", u.label(), "' is ",
                   to_string(u.strategy()), " (set_sharding_strategy), so its gradients would still be reduced ",
                   "over every replica at each step. Every unit must be hybrid-sharded; remove the unit's override.");
   });
-  FSDP_CHECK_IN(context, !model.step_in_progress(), where,
-                ": called between a forward and its backward; create it between steps.");
+  FSDP_CHECK_IN(context, !model.step_in_progress(),
+                "called between a forward and its backward; create it between steps.");
   state.check_no_unsynced_grads(caller.c_str());
   // The settings agreed over every data-parallel rank; when they differ, every rank names the first
   // rank whose settings are not rank 0's, with both (not only "the ranks took different paths").
@@ -45,6 +44,7 @@ Comm& train_replicas_apart(const FSDPModule& model, const std::string& caller, u
     const size_t body = d.find('\n');  // after "<caller> with <text>"
     return body == std::string::npos ? d : d.substr(body + 1);
   };
+  const std::string where = error_caller(context);
   auto explain = [&](const std::vector<std::string>& described) {
     for (size_t q = 1; q < described.size(); ++q) {
       if (settings_of(described[q]) == settings_of(described[0])) continue;

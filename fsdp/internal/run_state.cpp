@@ -164,12 +164,12 @@ void RunState::end_forward() {
   if (!c10::GradMode::is_enabled()) wait_host_copies();
 }
 
-std::vector<std::string> RunState::units_not_run_in_this_forward() const {
-  std::vector<std::string> out;
+std::vector<const Unit*> RunState::units_not_run_in_this_forward() const {
+  std::vector<const Unit*> out;
   for_each_unit([&](const Unit& u) {
     const bool ran =
         std::any_of(recording_.begin(), recording_.end(), [&](const auto& w) { return w.lock().get() == &u; });
-    if (!u.is_root() && !ran) out.push_back(u.label());
+    if (!u.is_root() && !ran) out.push_back(&u);
   });
   return out;
 }
@@ -207,8 +207,8 @@ std::pair<size_t, std::string> RunState::units_holding_unsynced_grads() const {
 void RunState::check_no_unsynced_grads(const char* caller) const {
   const auto [count, names] = units_holding_unsynced_grads();
   if (count == 0) return;
-  FSDP_CHECK_IN(comm_.error_context(caller), false, caller, " (", comm_.where(), "): ", count,
-                " unit(s) hold gradients accumulated with gradient sync off (", names,
+  FSDP_CHECK_IN(comm_.error_in(caller), false, count, " unit(s) hold gradients accumulated with gradient sync off (",
+                names,
                 ") that were never reduced into the sharded gradients, so the optimizer cannot see them: those "
                 "micro-batches would train nothing. Turn sync back on before the backward of the last micro-batch "
                 "of each step: model.set_requires_gradient_sync(true); to drop them on purpose, call "
@@ -223,8 +223,9 @@ void RunState::mark_broken(const std::string& why, const std::string& remedy) {
 
 void RunState::check_not_broken() const {
   FSDP_CHECK_IN(
-      comm_.error_context(broken_remedy_.empty() ? "a step after a failed collective" : "a use after a failure"),
-      broken_.empty(), "fsdp (", comm_.where(), "): ",
+      comm_.error_context(broken_remedy_.empty() ? "a step after a failed collective" : "a use after a failure")
+          .api("fsdp"),
+      broken_.empty(),
       broken_remedy_.empty()
           ? "an earlier collective of this model failed, so the ranks no longer agree on which collective "
             "comes next. Exit and restart the job from its last checkpoint (docs/usage.md, 'When a "
@@ -272,8 +273,8 @@ void RunState::begin_forward() {
   check_not_broken();
   if (replicas_apart_ && outer_.expired() && !warned_no_outer_) {
     warned_no_outer_ = true;
-    TORCH_WARN("fsdp (", comm_.where(),
-               "): the model's replicas train apart, but the fsdp::optim::LocalSGD or DiLoCo that averaged them is "
+    TORCH_WARN(error_caller(comm_.error_in("fsdp")),
+               ": the model's replicas train apart, but the fsdp::optim::LocalSGD or DiLoCo that averaged them is "
                "gone: from now on nothing brings them together, and they drift apart for good. Make a new one "
                "(it starts every replica from the first replica's weights).");
   }
@@ -283,7 +284,7 @@ void RunState::begin_forward() {
       Call::kForward, Fingerprint().add(forwards_).add(grad ? 1 : 0),
       "forward #" + std::to_string(forwards_) + " of the wrapped model (" + (grad ? "gradients on" : "no grad") + ")",
       watch_.vote([this] { return parameters(); }, holds_unsynced_grads()));
-  watch_.act(votes, comm_.where(), [this] {
+  watch_.act(votes, comm_.error_in("fsdp"), [this] {
     const auto [count, names] = units_holding_unsynced_grads();
     return std::to_string(count) + " unit(s) (" + names + ")";
   });

@@ -152,8 +152,8 @@ class RunState : public std::enable_shared_from_this<RunState> {
   /// Called at the end of each root forward: the units' order of this forward is what prefetch
   /// follows next time (and in this step's backward, reversed).
   void end_forward();
-  /// The units (not the root) whose forward has not run in the root forward under way, by label.
-  std::vector<std::string> units_not_run_in_this_forward() const;
+  /// The units (not the root) whose forward has not run in the root forward under way.
+  std::vector<const Unit*> units_not_run_in_this_forward() const;
 
   /// The model's agreement at a boundary of the step (see docs/design.md, "Ranks on the same
   /// path"; detail::agree in fsdp/internal/core_access.h): every rank must be at the same call (`call`, with `args`

@@ -80,7 +80,7 @@ int64_t StepWatch::vote(const Tensors& params, bool holds_unsynced_grads) {
   return v;
 }
 
-void StepWatch::act(const std::vector<int64_t>& votes, const std::string& where,
+void StepWatch::act(const std::vector<int64_t>& votes, const ErrorContext& where,
                     const std::function<std::string()>& pending) {
   int64_t all = 0;
   std::string rescaled_on;
@@ -90,7 +90,7 @@ void StepWatch::act(const std::vector<int64_t>& votes, const std::string& where,
   }
   if ((all & kRescaled) != 0 && !warned_) {
     warned_ = true;
-    TORCH_WARN("fsdp (", where, "): after the last backward, the sharded gradients were rescaled in place by the ",
+    TORCH_WARN(error_caller(where), ": after the last backward, the sharded gradients were rescaled in place by the ",
                "program, not by fsdp::optim::clip_grad_norm (seen on group rank(s) ", rescaled_on,
                "). If this was torch::nn::utils::clip_grad_norm_(model->parameters(), max_norm): between steps the ",
                "parameters are this rank's shards, so it computed this rank's part of the norm only and each rank ",
@@ -99,12 +99,12 @@ void StepWatch::act(const std::vector<int64_t>& votes, const std::string& where,
                "(docs/usage.md, 'Clipping'). Warned once.");
   }
   if ((all & kSteppedUnsynced) == 0) return;
-  FSDP_CHECK(false, "fsdp (", where, "): the parameters were written (an optimizer step?) ",
-             "after a backward with gradient sync off, while ", pending(),
-             " hold gradients accumulated without sync and never reduced: the step did not see those micro-batches. "
-             "Turn sync back on before the backward of the last micro-batch of each step: "
-             "model.set_requires_gradient_sync(true); to drop them on purpose, call "
-             "model.discard_unsynced_gradients() (docs/usage.md, 'Gradient accumulation').");
+  FSDP_CHECK_IN(where, false, "the parameters were written (an optimizer step?) ",
+                "after a backward with gradient sync off, while ", pending(),
+                " hold gradients accumulated without sync and never reduced: the step did not see those micro-batches. "
+                "Turn sync back on before the backward of the last micro-batch of each step: "
+                "model.set_requires_gradient_sync(true); to drop them on purpose, call "
+                "model.discard_unsynced_gradients() (docs/usage.md, 'Gradient accumulation').");
 }
 
 }  // namespace fsdp::detail

@@ -14,6 +14,8 @@
 // rank acts alike at no extra collective. Internal to the library.
 #pragma once
 
+#include "fsdp/error.h"
+
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
@@ -43,8 +45,9 @@ class StepWatch {
   /// At the next forward, before its agreement: this rank's votes. Lets go of the watched gradient.
   int64_t vote(const Tensors& params, bool holds_unsynced_grads);
   /// After the agreement, with every rank's votes: warns once (kRescaled) or throws (kSteppedUnsynced),
-  /// naming `where` (this rank) and `pending()` (the units holding unsynced gradients).
-  void act(const std::vector<int64_t>& votes, const std::string& where, const std::function<std::string()>& pending);
+  /// prefixed by `where` (the call and this rank) and naming `pending()` (the units holding
+  /// unsynced gradients).
+  void act(const std::vector<int64_t>& votes, const ErrorContext& where, const std::function<std::string()>& pending);
 
   /// Steps watched for the first habit: its sample is compared at the next forward, which on a
   /// GPU waits for the device, so only the first steps are (a loop clips from its first step).

@@ -420,7 +420,7 @@ void Unit::check_conversion(const std::optional<at::Device>& device, const std::
                   *device, " without offload_policy instead.");
   }
   // The device was checked above when offloading: the shards' (host) device is not the model's.
-  detail::check_conversion(slots_, offload_ ? std::nullopt : device, dtype, run_->comm().rank(), label(), converting);
+  detail::check_conversion(slots_, offload_ ? std::nullopt : device, dtype, error_in("fsdp"), label(), converting);
 }
 
 }  // namespace fsdp::detail

@@ -127,7 +127,8 @@ void point_at_shards(std::vector<ParamSlot>& slots) {
   }
 }
 
-bool adopt_replaced(std::vector<ParamSlot>& slots, int64_t shard_rank, int rank, const std::string& unit) {
+bool adopt_replaced(std::vector<ParamSlot>& slots, int64_t shard_rank, const ErrorContext& context,
+                    const std::string& unit) {
   bool replaced = false;
   for (auto& s : slots) {
     const at::Tensor& p = s.param;
@@ -136,19 +137,19 @@ bool adopt_replaced(std::vector<ParamSlot>& slots, int64_t shard_rank, int rank,
                       p.storage_offset() == s.sharded.storage_offset() && p.sizes() == s.sharded.sizes() &&
                       p.dtype() == s.sharded.dtype();
     if (same) continue;
-    FSDP_CHECK_IN(ErrorContext().rank(rank).unit(unit).api("fsdp"),
-                  p.dtype() == s.sharded.dtype() && p.device() == s.sharded.device(), "parameter '", s.name,
+    FSDP_CHECK_IN(context, p.dtype() == s.sharded.dtype() && p.device() == s.sharded.device(), "parameter '", s.name,
                   "' of unit '", unit, "' was converted to ", p.dtype(), " on ", p.device(),
                   " after fsdp::fully_shard (it is sharded as ", s.sharded.dtype(), " on ", s.sharded.device(),
                   "). Convert the model (model->to(...)) before wrapping it; a wrapped model's dtype and device are "
                   "fixed. To go on with this one, convert it back: model->to(torch::Device(\"",
                   s.sharded.device(), "\"), torch::k", s.sharded.scalar_type(), ").");
-    FSDP_CHECK_IN(ErrorContext().rank(rank).unit(unit).api("fsdp"), p.sizes() == s.sharded.sizes(), "parameter '",
-                  s.name, "' of unit '", unit, "' has shape ", p.sizes(), ", but this rank's shard is ",
-                  s.sharded.sizes(), " (rows [", s.layout.begin(shard_rank), ", ", s.layout.end(shard_rank), ") of ",
-                  s.layout.rows, ", split over ", s.layout.shards, s.layout.shards == 1 ? " rank" : " ranks",
-                  "). Something replaced the parameter with a tensor of another shape, such as torch::load of a "
-                  "file saved at another world size or strategy, or of a full (unwrapped) model. Load what this rank "
+    FSDP_CHECK_IN(context, p.sizes() == s.sharded.sizes(), "parameter '", s.name, "' of unit '", unit, "' has shape ",
+                  p.sizes(), ", but this rank's shard is ", s.sharded.sizes(), " (rows [", s.layout.begin(shard_rank),
+                  ", ", s.layout.end(shard_rank), ") of ", s.layout.rows, ", split over ", s.layout.shards,
+                  s.layout.shards == 1 ? " rank" : " ranks",
+                  "), seen as the unit read its shards again (its forward, or full_state_dict). Something replaced "
+                  "the parameter with a tensor of another shape, such as torch::load of a file saved at another "
+                  "world size or strategy, or of a full (unwrapped) model. Load what this rank "
                   "saved from the same wrapped model, or gather full weights with model.full_state_dict().");
     {
       at::NoGradGuard no_grad;
@@ -166,7 +167,8 @@ bool is_on(const at::Device& actual, const at::Device& wanted) {
 }
 
 void check_conversion(const std::vector<ParamSlot>& slots, const std::optional<at::Device>& device,
-                      const std::optional<at::ScalarType>& dtype, int rank, const std::string& unit, bool converting) {
+                      const std::optional<at::ScalarType>& dtype, const ErrorContext& context, const std::string& unit,
+                      bool converting) {
   for (const auto& s : slots) {
     const bool same_device = !device || is_on(s.sharded.device(), *device);
     const bool same_dtype = !dtype || *dtype == s.sharded.scalar_type();
@@ -174,13 +176,13 @@ void check_conversion(const std::vector<ParamSlot>& slots, const std::optional<a
     std::ostringstream call;
     call << ".to(" << (device ? device->str() : std::string()) << (device && dtype ? ", " : "")
          << (dtype ? c10::toString(*dtype) : "") << ") on the wrapped model";
-    FSDP_CHECK_IN(ErrorContext().rank(rank).unit(unit).api("fsdp"), converting, call.str(), ": parameter '", s.name,
-                  "' of unit '", unit, "' is ", s.sharded.scalar_type(), " on ", s.sharded.device(),
+    FSDP_CHECK_IN(context, converting, call.str(), ": parameter '", s.name, "' of unit '", unit, "' is ",
+                  s.sharded.scalar_type(), " on ", s.sharded.device(),
                   ". A wrapped model's dtype and device are fixed; nothing was converted. To train in another dtype "
                   "or on another device, convert the model before wrapping it (model->to(...), then "
                   "fsdp::fully_shard), or see fsdp::MixedPrecisionPolicy.");
-    FSDP_CHECK_IN(ErrorContext().rank(rank).unit(unit).api("fsdp"), false, call.str(), " would convert parameter '",
-                  s.name, "' of unit '", unit, "' (", s.sharded.scalar_type(), " on ", s.sharded.device(),
+    FSDP_CHECK_IN(context, false, call.str(), " would convert parameter '", s.name, "' of unit '", unit, "' (",
+                  s.sharded.scalar_type(), " on ", s.sharded.device(),
                   ") after fsdp::fully_shard. A wrapped model's dtype and device are fixed: convert the model "
                   "before wrapping it (model->to(...), then fsdp::fully_shard). Parameters converted before this "
                   "unit was reached (the root's own, earlier modules) are converted already: convert them back, "

@@ -4,6 +4,7 @@
 // them. With CPU offload the flat shard is in host memory (unit_config.cpp: host_options).
 #pragma once
 
+#include "fsdp/error.h"
 #include "fsdp/shard_layout.h"
 
 #include <ATen/core/Tensor.h>
@@ -111,7 +112,8 @@ void point_at_shards(std::vector<ParamSlot>& slots);
 /// Between steps: each parameter whose storage was replaced (torch::load uses set_) has its values
 /// copied into its shard and is pointed back at it; another shape, dtype or device is refused,
 /// naming `rank`, the parameter and `unit`. Returns whether any was replaced.
-bool adopt_replaced(std::vector<ParamSlot>& slots, int64_t shard_rank, int rank, const std::string& unit);
+bool adopt_replaced(std::vector<ParamSlot>& slots, int64_t shard_rank, const ErrorContext& context,
+                    const std::string& unit);
 
 /// Whether a tensor on `actual` is on `wanted` (a device without index, such as torch::kCUDA,
 /// matches every device of its type).
@@ -119,7 +121,8 @@ bool is_on(const at::Device& actual, const at::Device& wanted);
 
 /// Refuses a conversion of the parameters to another dtype or device after wrapping.
 void check_conversion(const std::vector<ParamSlot>& slots, const std::optional<at::Device>& device,
-                      const std::optional<at::ScalarType>& dtype, int rank, const std::string& unit, bool converting);
+                      const std::optional<at::ScalarType>& dtype, const ErrorContext& context, const std::string& unit,
+                      bool converting);
 
 /// The sharded gradients as one flat buffer in the flat shard's layout, when every parameter with
 /// elements has its gradient there at its offset; undefined otherwise.

@@ -160,7 +160,7 @@ void Unit::use_shard_views() {
 
 void Unit::adopt_replaced_shards() {
   if (state_ == UnitState::kUnsharded) return;  // the parameters are the full views
-  if (adopt_replaced(slots_, shard_rank_, run_->comm().rank(), label())) mark_shards_written();
+  if (adopt_replaced(slots_, shard_rank_, error_in("fsdp"), label())) mark_shards_written();
 }
 
 void Unit::gather_full(std::vector<at::Tensor>& out, const at::Device& device) {

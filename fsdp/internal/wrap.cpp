@@ -84,7 +84,8 @@ void shard_on_construction(const std::shared_ptr<RunState>& state, torch::nn::Mo
                   "(share_unit_with), or make them one fsdp::Sharded module.");
   }
   if (!unique.empty())
-    check_offload(state->options(), unique.front().first, unique.front().second.device(), state->comm().rank());
+    check_offload(state->options(), unique.front().first, unique.front().second.device(),
+                  state->comm().error_in("fsdp::fully_shard"));
   const ShardingStrategy strategy = state->options().strategy();
   // The collectives below (broadcast, hybrid groups) pair up only if every rank builds the same
   // unit now: check that first, by the unit's own description.
@@ -222,7 +223,7 @@ std::shared_ptr<RunState> open_state(torch::nn::Module& root, const c10::intrusi
   if (mesh != nullptr) state->init_mesh(*mesh);
   record_tensor_splits(*state, root);
   for (const auto& kv : root.named_parameters()) {  // the first says where the model is
-    check_offload(state->options(), kv.key(), kv.value().device(), state->comm().rank());
+    check_offload(state->options(), kv.key(), kv.value().device(), state->comm().error_in("fsdp::fully_shard"));
     break;
   }
   return state;

@@ -16,7 +16,7 @@ using fsdp::detail::Fingerprint;
 ReplicaSync::ReplicaSync(const FSDPModule& model, std::string caller, int64_t sync_every, int64_t fragments,
                          const std::string& settings)
     : model_(model), caller_(std::move(caller)), sync_every_(sync_every) {
-  const std::string where = caller_ + " (" + fsdp::detail::model_group(model).where() + ")";
+  const std::string where = fsdp::detail::error_caller(fsdp::detail::model_group(model).error_in(caller_));
   // One outer optimizer per model: a second would average on its own schedule, and a checkpoint
   // would keep only one of their states.
   if (auto other = fsdp::detail::outer_state(model)) {

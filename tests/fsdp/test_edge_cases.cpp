@@ -134,6 +134,16 @@ struct CallsImplForwardImpl : torch::nn::Module {
   torch::nn::Linear head;
 };
 
+// The root's own layer first, then a unit called as it should be.
+struct RootLayerFirstImpl : torch::nn::Module {
+  RootLayerFirstImpl()
+      : pre(register_module("pre", torch::nn::Linear(5, 8))),
+        ln(register_module("ln", fsdp::Sharded<torch::nn::LayerNormImpl>(torch::nn::LayerNormOptions({8})))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return ln(pre(x)); }
+  torch::nn::Linear pre;
+  fsdp::Sharded<torch::nn::LayerNormImpl> ln;
+};
+
 // Calling the model's own forward (model->forward, around the handle) is refused with a hint as
 // soon as it reaches a unit; a block's own forward (around its wrapper) between steps finds its
 // shards: an error from the first operation that needs the full shape, never a read of freed memory.
@@ -181,6 +191,16 @@ TEST(EdgeCases, BlockCalledAroundItsWrapper) {
     EXPECT_NE(msg.find("normalized_shape"), std::string::npos) << "LibTorch's own error first\n" << msg;
     EXPECT_NE(msg.find("Unit 'ln' had not run through the fsdp::Sharded wrapper"), std::string::npos) << msg;
     EXPECT_NE(msg.find("call the unit itself (block(x) or block->forward(x))"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("names parameter 'ln.weight' as this rank's shard [4] (its full shape is [8])"),
+              std::string::npos)
+        << msg;
+    // A wrong input to the root's own layer, before its unit ran: LibTorch's error and the unit
+    // named, with no hint about a unit called around its wrapper (none was).
+    auto first = fsdp::fully_shard(std::make_shared<RootLayerFirstImpl>(), r.pg, test_options());
+    msg = error_of([&] { first(torch::randn({3, 7})); });
+    EXPECT_NE(msg.find("cannot be multiplied"), std::string::npos) << "LibTorch's own error first\n" << msg;
+    EXPECT_NE(msg.find("raised in the forward of unit"), std::string::npos) << msg;
+    EXPECT_EQ(msg.find("had not run through"), std::string::npos) << msg;
   });
 }
 

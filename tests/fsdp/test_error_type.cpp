@@ -99,8 +99,9 @@ TEST(ErrorType, MessagesBeginWithTheCallerTheirContextNames) {
         [&] { fsdp::optim::ShardedGradScaler(model, fsdp::optim::GradScalerOptions().init_scale(-1.0)); });
     ASSERT_TRUE(e.has_value());
     const std::string text = e->what_without_backtrace();
-    EXPECT_EQ(text.rfind("fsdp::optim::ShardedGradScaler (rank " + std::to_string(r.rank) + "): init_scale is -1", 0),
-              0u)
+    EXPECT_EQ(
+        text.rfind("fsdp::optim::ShardedGradScaler (rank " + std::to_string(r.rank) + " of 2): init_scale is -1", 0),
+        0u)
         << text;
     EXPECT_EQ(e->api(), "fsdp::optim::ShardedGradScaler");
     EXPECT_EQ(e->rank(), r.rank);

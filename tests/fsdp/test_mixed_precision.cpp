@@ -315,9 +315,10 @@ TEST(MixedPrecision, Refusals) {
       auto mixed = fsdp::fully_shard(net, r.pg, test_options().mixed_precision(bf16));
       const torch::Tensor x = gpt_batch(kCfg, 2).first;
       const std::string msg = error_of([&] { mixed(x); });
-      EXPECT_NE(msg.find("fsdp (rank 0): raised in the forward of unit 'h.1', whose parameters compute in Float (its "
-                         "inputs are not cast)"),
-                std::string::npos)
+      EXPECT_NE(
+          msg.find("fsdp (rank 0 of 1): raised in the forward of unit 'h.1', whose parameters compute in Float (its "
+                   "inputs are not cast)"),
+          std::string::npos)
           << msg;
       EXPECT_NE(msg.find("give that unit MixedPrecisionPolicy::output_dtype"), std::string::npos) << msg;
       EXPECT_EQ(msg.find("unit 'h.0'"), std::string::npos) << "named once, by the innermost unit: " << msg;
@@ -328,7 +329,7 @@ TEST(MixedPrecision, Refusals) {
       auto mlp = fsdp::fully_shard(net, r.pg, test_options().mixed_precision(bf16));
       const torch::Tensor in = torch::randn({4, 7});
       expect_error([&] { mlp(in); },
-                   "fsdp (rank 0): raised in the forward of unit '<root>', whose parameters compute in BFloat16");
+                   "fsdp (rank 0 of 1): raised in the forward of unit '<root>', whose parameters compute in BFloat16");
     }
     // reduce_dtype alone works with every strategy (here replicated, alone: the cast is all).
     auto replicated = fsdp::fully_shard(gpt::make_gpt<true>(kCfg), r.pg,

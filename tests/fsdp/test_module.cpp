@@ -178,7 +178,7 @@ TEST(ModuleSemantics, AccumulationNeverSyncedIsReported) {
              {"fsdp::optim::clip_grad_norm", [&] { fsdp::optim::clip_grad_norm(model, 1.0); }},
              {"fsdp::optim::FusedAdamW::step", [&] { fused.step(); }}}) {
       auto msg = error_of(call);
-      EXPECT_EQ(msg.rfind(what + " (global rank " + std::to_string(r.rank) + " of 2): 3 unit(s) hold gradients", 0), 0u)
+      EXPECT_EQ(msg.rfind(what + " (rank " + std::to_string(r.rank) + " of 2): 3 unit(s) hold gradients", 0), 0u)
           << msg;
       EXPECT_NE(msg.find("model.set_requires_gradient_sync(true)"), std::string::npos) << msg;
     }
@@ -235,7 +235,7 @@ TEST(ModuleSemantics, LibTorchsClipGradNormIsWarnedOnce) {
         if (c.clip == Clip::kNone) opt.zero_grad(/*set_to_none=*/false);
       }
       const std::string& text = capture.text();
-      const std::string warning = "fsdp (global rank " + std::to_string(r.rank) +
+      const std::string warning = "fsdp (rank " + std::to_string(r.rank) +
                                   " of 2): after the last backward, the sharded gradients were rescaled in place";
       if (!c.warns) {
         EXPECT_EQ(text, "");
@@ -273,7 +273,7 @@ TEST(ModuleSemantics, AStepWhileUnsyncedGradientsWaitIsReportedAtTheNextForward)
       model.set_requires_gradient_sync(false);  // ... and never on again
       step(1);
       const std::string msg = error_of([&] { step(2); });
-      EXPECT_EQ(msg.rfind("fsdp (global rank " + std::to_string(r.rank) + " of 2): the parameters were written", 0), 0u)
+      EXPECT_EQ(msg.rfind("fsdp (rank " + std::to_string(r.rank) + " of 2): the parameters were written", 0), 0u)
           << msg;
       EXPECT_NE(msg.find("while 3 unit(s) ('<root>', 'h.0', 'h.1') hold gradients accumulated without sync"),
                 std::string::npos)
