@@ -59,18 +59,15 @@ DistributedSampler::DistributedSampler(int64_t dataset_size, int rank, int ranks
   const int64_t g = options_.global_batch();
   FSDP_CHECK(ranks >= 1 && rank >= 0 && rank < ranks, "fsdp::data::DistributedSampler: rank ", rank, " of ", ranks,
              " data-parallel ranks; the rank must be in [0, ranks).");
-  FSDP_CHECK_IN(ErrorContext().api("fsdp::data::DistributedSampler").rank(rank).world_size(ranks), dataset_size > 0,
-                "a dataset of ", dataset_size,
+  const ErrorContext in = ErrorContext().api("fsdp::data::DistributedSampler").rank(rank).world_size(ranks);
+  FSDP_CHECK_IN(in, dataset_size > 0, "a dataset of ", dataset_size,
                 " samples: pass the dataset's size (dataset.size().value()), at least 1.");
-  FSDP_CHECK_IN(ErrorContext().api("fsdp::data::DistributedSampler").rank(rank).world_size(ranks), g >= 1,
-                "global batch ", g, "; it must be >= 1.");
+  FSDP_CHECK_IN(in, g >= 1, "global batch ", g, "; it must be >= 1.");
   FSDP_CHECK_IN(
-      ErrorContext().api("fsdp::data::DistributedSampler").rank(rank).world_size(ranks), g % ranks == 0,
-      "the global batch of ", g, " samples cannot be split over ", ranks, " data-parallel ranks into equal shares (", g,
-      " % ", ranks, " = ", g % ranks, "); ", divisible_sizes(g, ranks),
+      in, g % ranks == 0, "the global batch of ", g, " samples cannot be split over ", ranks,
+      " data-parallel ranks into equal shares (", g, " % ", ranks, " = ", g % ranks, "); ", divisible_sizes(g, ranks),
       ". Pass a global batch the ranks divide (fsdp::data::plan_batch keeps it constant across rank counts).");
-  FSDP_CHECK_IN(ErrorContext().api("fsdp::data::DistributedSampler").rank(rank).world_size(ranks),
-                g <= dataset_size || (options_.last_batch() == LastBatch::kUneven && dataset_size > 0),
+  FSDP_CHECK_IN(in, g <= dataset_size || (options_.last_batch() == LastBatch::kUneven && dataset_size > 0),
                 "the global batch of ", g, " samples is larger than the dataset (", dataset_size,
                 " samples), so an epoch has no whole global batch; lower the global batch, or keep the last uneven one "
                 "(LastBatch::kUneven).");

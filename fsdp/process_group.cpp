@@ -160,15 +160,14 @@ c10::intrusive_ptr<c10d::ProcessGroup> new_subgroup(const c10::intrusive_ptr<c10
                                                     const std::vector<int>& ranks, const std::string& name) {
   FSDP_CHECK(pg, "fsdp::new_subgroup: the parent process group is null");
   const int me = pg->getRank();
+  const ErrorContext in = ErrorContext().api("fsdp::new_subgroup").rank(me).world_size(pg->getSize());
   const auto it = std::find(ranks.begin(), ranks.end(), me);
-  FSDP_CHECK_IN(ErrorContext().api("fsdp::new_subgroup").rank(me).world_size(pg->getSize()), it != ranks.end(),
-                "this rank is not among the ranks of subgroup '", name, "'");
+  FSDP_CHECK_IN(in, it != ranks.end(), "this rank is not among the ranks of subgroup '", name, "'");
   // The members' global ranks (through the parent's when it is a subgroup too), for messages.
   const auto parent_info = detail::subgroup_info(pg.get());
   std::vector<int> global;
   for (const int r : ranks) {
-    FSDP_CHECK_IN(ErrorContext().api("fsdp::new_subgroup").rank(me).world_size(pg->getSize()),
-                  r >= 0 && r < pg->getSize(), "rank ", r, " of subgroup '", name,
+    FSDP_CHECK_IN(in, r >= 0 && r < pg->getSize(), "rank ", r, " of subgroup '", name,
                   "' is not a rank of the parent group of ", pg->getSize());
     global.push_back(parent_info ? parent_info->global_ranks.at(static_cast<size_t>(r)) : r);
   }
@@ -179,11 +178,9 @@ c10::intrusive_ptr<c10d::ProcessGroup> new_subgroup(const c10::intrusive_ptr<c10
     return fake;
   }
   auto store = pg->getStore();
-  FSDP_CHECK_IN(ErrorContext().api("fsdp::new_subgroup").rank(me).world_size(pg->getSize()), store,
-                "the parent process group has no store; create it with fsdp::init_process_group()");
+  FSDP_CHECK_IN(in, store, "the parent process group has no store; create it with fsdp::init_process_group()");
   auto parent = c10::dynamic_intrusive_pointer_cast<c10d::ProcessGroupGloo>(pg->getBackend(c10::DeviceType::CPU));
-  FSDP_CHECK_IN(ErrorContext().api("fsdp::new_subgroup").rank(me).world_size(pg->getSize()), parent,
-                "the parent process group has no Gloo backend for CPU");
+  FSDP_CHECK_IN(in, parent, "the parent process group has no Gloo backend for CPU");
   const int rank = static_cast<int>(it - ranks.begin());
   const int size = static_cast<int>(ranks.size());
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>("fsdp_subgroup/" + name, store);

@@ -20,22 +20,26 @@
 #include <vector>
 
 namespace fsdp::optim {
+namespace {
+
+// What an error of the scaler's call `api` names: the call, and the model's rank of its ranks.
+ErrorContext in_call(const FSDPModule& model, const char* api) {
+  return ErrorContext().api(api).rank(model.rank()).world_size(model.world_size());
+}
+
+}  // namespace
 
 ShardedGradScaler::ShardedGradScaler(FSDPModule model, const GradScalerOptions& options)
     : model_(std::move(model)), options_(options) {
-  FSDP_CHECK_IN(
-      ErrorContext().api("fsdp::optim::ShardedGradScaler").rank(model_.rank()).world_size(model_.world_size()),
-      options.init_scale() > 0 && std::isfinite(options.init_scale()), "init_scale is ", options.init_scale(),
-      "; it must be positive and finite.");
-  FSDP_CHECK_IN(
-      ErrorContext().api("fsdp::optim::ShardedGradScaler").rank(model_.rank()).world_size(model_.world_size()),
-      options.growth_factor() > 1.0 && options.backoff_factor() > 0 && options.backoff_factor() < 1.0, "growth_factor ",
-      options.growth_factor(), " and backoff_factor ", options.backoff_factor(),
-      " must satisfy growth_factor > 1 and 0 < backoff_factor < 1 (defaults 2 and 0.5).");
-  FSDP_CHECK_IN(
-      ErrorContext().api("fsdp::optim::ShardedGradScaler").rank(model_.rank()).world_size(model_.world_size()),
-      options.growth_interval() > 0, "growth_interval is ", options.growth_interval(),
-      "; it must be positive (default 2000).");
+  FSDP_CHECK_IN(in_call(model_, "fsdp::optim::ShardedGradScaler"),
+                options.init_scale() > 0 && std::isfinite(options.init_scale()), "init_scale is ", options.init_scale(),
+                "; it must be positive and finite.");
+  FSDP_CHECK_IN(in_call(model_, "fsdp::optim::ShardedGradScaler"),
+                options.growth_factor() > 1.0 && options.backoff_factor() > 0 && options.backoff_factor() < 1.0,
+                "growth_factor ", options.growth_factor(), " and backoff_factor ", options.backoff_factor(),
+                " must satisfy growth_factor > 1 and 0 < backoff_factor < 1 (defaults 2 and 0.5).");
+  FSDP_CHECK_IN(in_call(model_, "fsdp::optim::ShardedGradScaler"), options.growth_interval() > 0, "growth_interval is ",
+                options.growth_interval(), "; it must be positive (default 2000).");
   scale_ = at::full({1}, options.init_scale(), at::kFloat);
   growth_tracker_ = at::zeros({1}, at::kInt);
 }
@@ -51,18 +55,10 @@ at::Tensor ShardedGradScaler::scale(const at::Tensor& loss) const {
 
 void ShardedGradScaler::unscale_(torch::optim::Optimizer& optimizer) {
   if (!options_.enabled()) return;
-  FSDP_CHECK_IN(ErrorContext()
-                    .api("fsdp::optim::ShardedGradScaler::unscale_")
-                    .rank(model_.rank())
-                    .world_size(model_.world_size()),
-                !stepped_,
+  FSDP_CHECK_IN(in_call(model_, "fsdp::optim::ShardedGradScaler::unscale_"), !stepped_,
                 "called after step(), which unscales; call unscale_() before step() (for clipping), or not at all, "
                 "and update() after step().");
-  FSDP_CHECK_IN(ErrorContext()
-                    .api("fsdp::optim::ShardedGradScaler::unscale_")
-                    .rank(model_.rank())
-                    .world_size(model_.world_size()),
-                !unscaled_,
+  FSDP_CHECK_IN(in_call(model_, "fsdp::optim::ShardedGradScaler::unscale_"), !unscaled_,
                 "called twice since the last update(); unscale once per step (step() unscales when you did not).");
   fsdp::detail::check_gradients_reduced(model_, "ShardedGradScaler::unscale_");
   // PyTorch's own kernel, per device and dtype: multiplies by 1/scale (in fp32) and flags
@@ -99,19 +95,15 @@ bool ShardedGradScaler::step(torch::optim::Optimizer& optimizer) {
     optimizer.step();
     return true;
   }
-  FSDP_CHECK_IN(
-      ErrorContext().api("fsdp::optim::ShardedGradScaler::step").rank(model_.rank()).world_size(model_.world_size()),
-      !stepped_,
-      "step() was called already since the last update() (PyTorch refuses it too); call update() after "
-      "each step().");
+  FSDP_CHECK_IN(in_call(model_, "fsdp::optim::ShardedGradScaler::step"), !stepped_,
+                "step() was called already since the last update() (PyTorch refuses it too); call update() after "
+                "each step().");
   if (!unscaled_) unscale_(optimizer);
   if (!any_grads_) unscaled_ = false;  // nothing was unscaled: the next backward's step may unscale
-  FSDP_CHECK_IN(
-      ErrorContext().api("fsdp::optim::ShardedGradScaler::step").rank(model_.rank()).world_size(model_.world_size()),
-      any_grads_,
-      "no parameter of the optimizer has a gradient on any rank, so no inf/NaN check was made (PyTorch: "
-      "\"No inf checks were recorded for this optimizer\"). Run scaler.scale(loss).backward() before "
-      "scaler.step(optimizer), and zero_grad() after the step, not between.");
+  FSDP_CHECK_IN(in_call(model_, "fsdp::optim::ShardedGradScaler::step"), any_grads_,
+                "no parameter of the optimizer has a gradient on any rank, so no inf/NaN check was made (PyTorch: "
+                "\"No inf checks were recorded for this optimizer\"). Run scaler.scale(loss).backward() before "
+                "scaler.step(optimizer), and zero_grad() after the step, not between.");
   stepped_ = true;
   if (found_inf_) return false;
   optimizer.step();
@@ -120,16 +112,13 @@ bool ShardedGradScaler::step(torch::optim::Optimizer& optimizer) {
 
 void ShardedGradScaler::update() {
   if (!options_.enabled()) return;
-  FSDP_CHECK_IN(
-      ErrorContext().api("fsdp::optim::ShardedGradScaler::update").rank(model_.rank()).world_size(model_.world_size()),
-      unscaled_, "no step() or unscale_() since the last update(); call update() once per step, after step().");
+  FSDP_CHECK_IN(in_call(model_, "fsdp::optim::ShardedGradScaler::update"), unscaled_,
+                "no step() or unscale_() since the last update(); call update() once per step, after step().");
   if (!any_grads_) unscaled_ = false;  // nothing was checked: the next backward's step starts over
-  FSDP_CHECK_IN(
-      ErrorContext().api("fsdp::optim::ShardedGradScaler::update").rank(model_.rank()).world_size(model_.world_size()),
-      any_grads_,
-      "no inf/NaN check was made since the last update() (no rank had a gradient at unscale_()), so "
-      "the scale cannot be updated (PyTorch: \"No inf checks were recorded prior to update\"). Run "
-      "scaler.scale(loss).backward() before unscale_() and step().");
+  FSDP_CHECK_IN(in_call(model_, "fsdp::optim::ShardedGradScaler::update"), any_grads_,
+                "no inf/NaN check was made since the last update() (no rank had a gradient at unscale_()), so "
+                "the scale cannot be updated (PyTorch: \"No inf checks were recorded prior to update\"). Run "
+                "scaler.scale(loss).backward() before unscale_() and step().");
   at::Tensor found = at::full({1}, found_inf_ ? 1.0 : 0.0, at::kFloat);
   at::_amp_update_scale_(scale_, growth_tracker_, found, options_.growth_factor(), options_.backoff_factor(),
                          options_.growth_interval());
@@ -163,10 +152,7 @@ std::map<std::string, std::string> ShardedGradScaler::state_dict() const {
 
 void ShardedGradScaler::load_state_dict(const std::map<std::string, std::string>& state) {
   const auto where = [&] {
-    return fsdp::detail::error_caller(ErrorContext()
-                                          .api("fsdp::optim::ShardedGradScaler::load_state_dict")
-                                          .rank(model_.rank())
-                                          .world_size(model_.world_size()));
+    return fsdp::detail::error_caller(in_call(model_, "fsdp::optim::ShardedGradScaler::load_state_dict"));
   };
   FSDP_CHECK(options_.enabled(), where(),
              ": the scaler is disabled (GradScalerOptions::enabled false); load into an enabled one.");
