@@ -307,10 +307,8 @@ LoadResult load_checkpoint(const std::string& path, FSDPModule& model, torch::op
   const auto t0 = std::chrono::steady_clock::now();
   // Every rank of the model's checkpoint group (a tensor-parallel model's: the mesh's world).
   const detail::Group group = detail::Group::of(model);
-  const int rank = group.rank(), W = group.size();
-  const std::string where =
-      fsdp::detail::error_caller(ErrorContext().api("fsdp::checkpoint::load").rank(rank).world_size(W)) + " of '" +
-      path + "'";
+  const int rank = group.rank();
+  const ErrorContext caller = ErrorContext().api("fsdp::checkpoint::load").path(path);
   // The same on every rank (the agreements compare it): a sampler restored on some ranks only is
   // refused with the first agreement.
   const std::string call = "fsdp::checkpoint::load of '" + path + "'" +
@@ -319,7 +317,7 @@ LoadResult load_checkpoint(const std::string& path, FSDPModule& model, torch::op
   // leaves the model untouched on all: nothing is written before the last agreement.
   auto phase = [&](const char* what, const std::function<void()>& fn,
                    const char* consequence = "the model was left as it was") {
-    detail::agree(group, call, where, what, consequence, fn);
+    detail::agree(group, call, caller, what, consequence, fn);
   };
 
   Manifest m;

@@ -31,9 +31,12 @@ namespace detail {
 std::string error_caller(const ErrorContext& context) {
   std::string text = context.api();
   if (context.rank() < 0) return text;
-  if (!context.mesh().empty()) return c10::str(text, " (global rank ", context.rank(), " at ", context.mesh(), ")");
-  text += c10::str(" (rank ", context.rank());
-  if (context.world_size() > 0) text += c10::str(" of ", context.world_size());
+  if (!context.mesh().empty()) {
+    text += c10::str(" (global rank ", context.rank(), " at ", context.mesh());
+  } else {
+    text += c10::str(" (rank ", context.rank());
+    if (context.world_size() > 0) text += c10::str(" of ", context.world_size());
+  }
   if (!context.path().empty()) text += ", '" + context.path() + "'";
   return text + ")";
 }

@@ -47,8 +47,8 @@ struct ErrorContext {
   /// This rank's place on a device mesh, "(dp_shard 1, tp 0) of mesh (dp_shard 2, tp 2)", where
   /// it trains on one ("": no mesh).
   TORCH_ARG(std::string, mesh);
-  /// The file or directory it concerns, where the caller's name says it: a save's "(rank 1 of 4,
-  /// 'ckpts/step-000100')" ("": none named).
+  /// The file or directory it concerns, where the caller's name says it: a save's or a load's
+  /// "(rank 1 of 4, 'ckpts/step-000100')" ("": none named).
   TORCH_ARG(std::string, path);
 };
 

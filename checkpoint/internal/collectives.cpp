@@ -110,7 +110,7 @@ std::vector<std::string> Group::exchange(const std::string& text, const std::str
   return out;
 }
 
-void agree(const Group& group, const std::string& call, const std::string& where, const std::string& phase,
+void agree(const Group& group, const std::string& call, const ErrorContext& caller, const std::string& phase,
            const std::string& consequence, const std::function<void()>& fn) {
   std::string error;
   try {
@@ -119,11 +119,11 @@ void agree(const Group& group, const std::string& call, const std::string& where
     error = without_caller(std::current_exception());
   }
   const std::vector<int> failed = group.agree(call + ": " + phase, !error.empty());
-  ErrorContext context = group.error_context(call + ": " + phase);
-  FSDP_CHECK_IN(context, error.empty(), where, ": ", phase, " failed on this rank: ", error);
+  ErrorContext context = group.error_in(call + ": " + phase, caller);
+  FSDP_CHECK_IN(context, error.empty(), phase, " failed on this rank: ", error);
   if (failed.empty()) return;
   // The ranks whose errors say why, so that the log to read is known at once in a large job.
-  FSDP_CHECK_IN(context.peer(failed.front()), false, where, ": ", phase,
+  FSDP_CHECK_IN(context.peer(failed.front()), false, phase,
                 " failed on another rank: ", failed.size() == 1 ? "rank " : "ranks ", fsdp::detail::list_ranks(failed),
                 " (its error says why); ", consequence, ".");
 }

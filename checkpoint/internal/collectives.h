@@ -48,6 +48,11 @@ class Group {
   std::vector<int> agree(const std::string& what, bool failed) const;
   /// What an error of this group carries: this process's global rank, the group, `operation`.
   ErrorContext error_context(const std::string& operation) const { return comm_->error_context(operation); }
+  /// The same for an error of the call `caller` names (its api and path): the message begins
+  /// "<api> (rank r of N, '<path>'): " and the error's api() is the call's.
+  ErrorContext error_in(const std::string& operation, const ErrorContext& caller) const {
+    return error_context(operation).api(caller.api()).path(caller.path());
+  }
   /// Every rank's `text`, on rank 0 in rank order (empty elsewhere): each rank sends its own only.
   std::vector<std::string> gather_to_rank0(const std::string& text, const std::string& what) const;
   /// Every rank's `text` on every rank, in rank order.
@@ -63,9 +68,9 @@ class Group {
 /// Runs `fn` here, then agrees with every rank of `group` that it succeeded, so that a failure on
 /// one rank is every rank's error and no rank goes on alone (or waits for it in vain): this rank's
 /// error gives its own reason, the others' name the phase and say `consequence` ("nothing was
-/// committed"). `phase` and `call` must be equal on every rank (the agreement checks it); `where`
-/// names this rank.
-void agree(const Group& group, const std::string& call, const std::string& where, const std::string& phase,
+/// committed"). `phase` and `call` must be equal on every rank (the agreement checks it); the
+/// errors are `caller`'s (Group::error_in).
+void agree(const Group& group, const std::string& call, const ErrorContext& caller, const std::string& phase,
            const std::string& consequence, const std::function<void()>& fn);
 
 }  // namespace fsdp::checkpoint::detail

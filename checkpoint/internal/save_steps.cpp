@@ -65,16 +65,16 @@ json optimizer_record(const std::vector<ShardSpec>& specs, const torch::optim::O
 // Every rank compares every tensor-parallel group's fingerprints of what its ranks hold alike
 // (parameters no SplitModule splits), so that all fail together: one of them writes such a
 // parameter's rows for all, which is only right when their values are the same.
-void check_held_alike(const Group& group, const std::string& call, const std::string& where,
+void check_held_alike(const Group& group, const std::string& call, const ErrorContext& caller,
                       const std::vector<std::vector<int>>& tp_ranks, const std::vector<std::string>& alike) {
   const auto& global = group.global_ranks();
   for (size_t r = 0; r < alike.size(); ++r) {
     for (const int peer : tp_ranks[r]) {
       const auto q = static_cast<size_t>(std::find(global.begin(), global.end(), peer) - global.begin());
       if (q >= alike.size() || alike[q] == alike[r]) continue;
-      FSDP_CHECK_IN(group.error_context(call + ": comparing what the tensor-parallel ranks hold alike"), false, where,
-                    ": parameter '", fsdp::util::first_difference(alike[r], alike[q]),
-                    "' differs between global ranks ", global[r], " and ", peer,
+      FSDP_CHECK_IN(group.error_in(call + ": comparing what the tensor-parallel ranks hold alike", caller), false,
+                    "parameter '", fsdp::util::first_difference(alike[r], alike[q]), "' differs between global ranks ",
+                    global[r], " and ", peer,
                     " of one tensor-parallel group, though no fsdp::SplitModule declares it split: the checkpoint "
                     "would write its rows from one rank's values for all. Keep it alike on the tensor-parallel ranks "
                     "(its gradient summed over them, as fsdp::tp's layers do for what they hold whole), or declare it "
@@ -286,9 +286,10 @@ struct SaveRun {
   const Group& group;
   const std::string& who;
   const int rank = group.rank(), W = group.size();
-  // This rank's name for the save in errors.
-  const std::string where =
-      fsdp::detail::error_caller(ErrorContext().api(who).rank(rank).world_size(W).path(p.root + "/" + p.name));
+  // The save's call and directory, with which its errors begin (Group::error_in); `where` is the
+  // same as text, this rank's name for the save in the collectives' descriptions.
+  const ErrorContext caller = ErrorContext().api(who).path(p.root + "/" + p.name);
+  const std::string where = fsdp::detail::error_caller(group.error_in("", caller));
   const std::string call = who + " of '" + p.root + "/" + p.name + "'";  // the same on every rank
   const std::string staging = staging_path(p.root, p.name);
   // This process's claim on the staging directory, released however the save ends.
@@ -305,7 +306,7 @@ struct SaveRun {
   // rank's error, and nothing is committed.
   void phase(const char* what, const std::function<void()>& fn,
              const char* consequence = "nothing was committed") const {
-    detail::agree(group, call, where, what, consequence, fn);
+    detail::agree(group, call, caller, what, consequence, fn);
   }
 
   // Rank 0 claims the staging directory; `first` runs before, so that a rank that cannot prepare
@@ -334,13 +335,13 @@ struct SaveRun {
     const RankFacts facts = split_facts(gathered, W);
     for (int r = 0; r < W; ++r) {
       FSDP_CHECK_IN(
-          group.error_context(call + ": comparing the ranks' data sampler states"), facts.states[r] == facts.states[0],
-          where, ": the data sampler's state differs between ranks: rank 0 saves ", facts.states[0], ", rank ", r,
-          " has ", facts.states[r],
+          group.error_in(call + ": comparing the ranks' data sampler states", caller),
+          facts.states[r] == facts.states[0], "the data sampler's state differs between ranks: rank 0 saves ",
+          facts.states[0], ", rank ", r, " has ", facts.states[r],
           ". Pass SaveOptions::sampler_state on every rank, each sampler having taken the same global batches; "
           "nothing was committed.");
     }
-    check_held_alike(group, call, where, facts.tp_ranks, facts.alike);
+    check_held_alike(group, call, caller, facts.tp_ranks, facts.alike);
     return data;
   }
 
@@ -411,8 +412,9 @@ struct SaveRun {
           "whether it was committed, rank 0's error says (fsdp::checkpoint::latest_checkpoint names the latest)");
     } catch (...) {
       if (!committed) throw;
-      FSDP_CHECK(false, where, ": the checkpoint was committed ('", p.root, "/", p.name,
-                 "' is the latest), but what came after it failed: ", error_text(std::current_exception()));
+      FSDP_CHECK_IN(group.error_in(call + ": after the commit", caller), false, "the checkpoint was committed ('",
+                    p.root, "/", p.name,
+                    "' is the latest), but what came after it failed: ", error_text(std::current_exception()));
     }
   }
 };

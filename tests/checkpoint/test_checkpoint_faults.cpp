@@ -125,10 +125,20 @@ void check_faults(Rank& r) {
     barrier();
     auto model = wrap(full, r, 1234);
     const auto before = model.full_state_dict();
-    const std::string msg = error_of([&] { checkpoint::load(dir, model); });
+    ErrorContext where;  // what the error carries beside its text
+    const std::string msg = error_of([&] {
+      try {
+        checkpoint::load(dir, model);
+      } catch (const fsdp::Error& e) {
+        where = e.where();
+        throw;
+      }
+    });
+    EXPECT_EQ(where.api(), "fsdp::checkpoint::load") << msg;
+    EXPECT_EQ(where.path(), dir) << msg;
     std::cout << f.name << ": " << msg << std::endl;  // shown with FSDP_TEST_SHOW_OUTPUT=1
     const bool finds = std::find(f.found_by.begin(), f.found_by.end(), r.rank) != f.found_by.end();
-    EXPECT_NE(msg.find("fsdp::checkpoint::load (rank " + std::to_string(r.rank) + " of 2) of '" + dir + "': "),
+    EXPECT_NE(msg.find("fsdp::checkpoint::load (rank " + std::to_string(r.rank) + " of 2, '" + dir + "'): "),
               std::string::npos)
         << msg;
     // The call is named once: the inner check's own "fsdp::checkpoint: " is not repeated.
