@@ -154,10 +154,11 @@ class FSDP_API Comm {
   /// number each rank adds, not compared (a phase failed here, a busy saver); every rank's comes
   /// back, in group-rank order. One all-gather of four numbers per rank; nothing when alone. Its
   /// wait is every collective's (bounded by the timeout). `explain`, when the ranks are all at
-  /// `call` and only their payloads differ, gets every rank's description and says how they
-  /// differ instead of the list (the model check names the first differing parameter).
+  /// `call` and only their payloads differ, gets every rank's description and throws the error
+  /// that says how they differ, as its caller's, instead of the list (the model check names the
+  /// first differing parameter); if it returns, the list follows.
   using Details = std::function<std::string()>;
-  using Explain = std::function<std::string(const std::vector<std::string>& descriptions)>;
+  using Explain = std::function<void(const std::vector<std::string>& descriptions)>;
   std::vector<int64_t> agree(Call call, uint64_t payload, const std::string& what, const Details& details = {},
                              int64_t vote = 0, const Explain& explain = {});
   /// The one exchange of strings: every rank's `text`, in group-rank order, on every rank, or with

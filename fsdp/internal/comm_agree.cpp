@@ -78,9 +78,7 @@ std::vector<int64_t> Comm::agree(Call call, uint64_t payload, const std::string&
   // description, for an error that says what each did. The details are put into words only now:
   // the agreements that hold, every step, cost no text.
   const std::vector<std::string> descriptions = exchange_strings(details ? what + details() : what, check);
-  if (same_call && explain) {
-    FSDP_CHECK_IN(error_context(what), false, explain(descriptions));
-  }
+  if (same_call && explain) explain(descriptions);  // throws its own error (returning leaves ours)
   std::map<std::string, std::vector<int>> by_call;
   std::vector<std::string> order;
   for (int64_t q = 0; q < W; ++q) {

@@ -123,9 +123,10 @@ void check_same_model_on_all_ranks(Comm& verified, const std::string& descriptio
         for (size_t q = 1; q < descriptions.size() && diff.empty(); ++q) {
           diff = first_difference(ref, lines_of(descriptions[q]), static_cast<int>(q));
         }
-        return error_caller(comm.error_in("fsdp::fully_shard")) + ": the model differs between ranks: " + diff +
-               ". Every rank must build the same model (same code, same configuration) and wrap it with the same "
-               "options before fully_shard.";
+        FSDP_CHECK_IN(comm.error_context("the model check of fsdp::fully_shard").api("fsdp::fully_shard"), false,
+                      "the model differs between ranks: ", diff,
+                      ". Every rank must build the same model (same code, same configuration) and wrap it with the "
+                      "same options before fully_shard.");
       });
 }
 

@@ -44,17 +44,16 @@ Comm& train_replicas_apart(const FSDPModule& model, const std::string& caller, u
     const size_t body = d.find('\n');  // after "<caller> with <text>"
     return body == std::string::npos ? d : d.substr(body + 1);
   };
-  const std::string where = error_caller(context);
   auto explain = [&](const std::vector<std::string>& described) {
     for (size_t q = 1; q < described.size(); ++q) {
-      if (settings_of(described[q]) == settings_of(described[0])) continue;
-      return where + ": the settings differ between the data-parallel ranks: rank 0 has " + settings_of(described[0]) +
-             ", rank " + std::to_string(q) + " has " + settings_of(described[q]) +
-             ". Every rank must build it with the same options.";
+      FSDP_CHECK_IN(context, settings_of(described[q]) == settings_of(described[0]),
+                    "the settings differ between the data-parallel ranks: rank 0 has ", settings_of(described[0]),
+                    ", rank ", q, " has ", settings_of(described[q]),
+                    ". Every rank must build it with the same options.");
     }
-    return where +
-           ": the settings differ between the data-parallel ranks. Every rank must build it with the same "
-           "options.";
+    FSDP_CHECK_IN(context, false,
+                  "the settings differ between the data-parallel ranks. Every rank must build it with the same "
+                  "options.");
   };
   state.breaks_on_failure([&] {
     state.comm().agree(

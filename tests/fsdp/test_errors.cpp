@@ -24,10 +24,17 @@ struct DifferentMLPImpl : torch::nn::Module {
 TEST(Errors, ModelWithOtherShapeOnOneRank) {
   run_ranks(3, [](Rank& r) {
     const auto start = Clock::now();
+    std::string api;  // the error's api(), beside its text
     auto msg = error_of([&] {
-      auto m = std::make_shared<DifferentMLPImpl>(r.rank == 1 ? 14 : 13);
-      fsdp::fully_shard(m, r.pg, test_options());
+      try {
+        auto m = std::make_shared<DifferentMLPImpl>(r.rank == 1 ? 14 : 13);
+        fsdp::fully_shard(m, r.pg, test_options());
+      } catch (const fsdp::Error& e) {
+        api = e.api();
+        throw;
+      }
     });
+    EXPECT_EQ(api, "fsdp::fully_shard") << msg;
     EXPECT_NE(msg.find("differs between ranks"), std::string::npos) << msg;
     EXPECT_NE(msg.find("'fc1.weight'"), std::string::npos) << msg;
     EXPECT_NE(
