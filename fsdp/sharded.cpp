@@ -8,8 +8,10 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <optional>
 #include <sstream>
 #include <string>
+#include <vector>
 
 namespace fsdp {
 
@@ -37,26 +39,36 @@ bool names_token(const std::string& text, const std::string& token) {
   return false;
 }
 
-// "parameter 'ln.weight' as this rank's shard [4] (its full shape is [8])" when LibTorch's message
-// names the shape of one of the unit's shards that differs from the full one, as ATen prints a
-// shape ("[4]", "[2, 8]") or a matrix operand ("2x8", or "8x2" transposed, as linear's weight is):
-// the trace an Impl::forward called around its wrapper leaves. Empty otherwise, so that an error
-// in the root's own layers raised before the units ran gets no hint about them.
+// "[4], the shape of this rank's shard of 'ln.weight' (full [8]), 'ln.bias' (full [8])" when
+// LibTorch's message names the shape of one of the unit's shards that differs from the full one,
+// as ATen prints a shape ("[4]", "[2, 8]") or a matrix operand ("2x8", or "8x2" transposed, as
+// linear's weight is): the trace an Impl::forward called around its wrapper leaves. Every
+// parameter whose shard has that shape is named, the message cannot tell which one it was. Empty
+// otherwise, so that an error in the root's own layers raised before the units ran gets no hint
+// about them.
 std::string shard_shape_named(const Unit& unit, const std::string& message) {
-  for (const ParamSlot& s : unit.slots()) {
-    const c10::IntArrayRef shard = s.sharded.sizes();
-    if (shard == c10::IntArrayRef(s.shape)) continue;
+  const auto named = [&](c10::IntArrayRef shard) {
     std::vector<std::string> forms{c10::str(shard)};
     if (shard.size() == 2) {
       forms.push_back(c10::str(shard[0], "x", shard[1]));
       forms.push_back(c10::str(shard[1], "x", shard[0]));
     }
-    if (std::any_of(forms.begin(), forms.end(), [&](const auto& f) { return names_token(message, f); })) {
-      return c10::str("parameter '", s.name, "' as this rank's shard ", shard, " (its full shape is ",
-                      c10::IntArrayRef(s.shape), ")");
-    }
+    return std::any_of(forms.begin(), forms.end(), [&](const auto& f) { return names_token(message, f); });
+  };
+  std::optional<std::vector<int64_t>> shape;  // the first shard shape the message names
+  std::vector<std::string> names;
+  for (const ParamSlot& s : unit.slots()) {
+    const c10::IntArrayRef shard = s.sharded.sizes();
+    if (shard == c10::IntArrayRef(s.shape) || (shape ? shard != c10::IntArrayRef(*shape) : !named(shard))) continue;
+    if (!shape) shape = shard.vec();
+    names.push_back(c10::str("'", s.name, "' (full ", c10::IntArrayRef(s.shape), ")"));
   }
-  return {};
+  if (!shape) return {};
+  constexpr size_t kListed = 3;
+  std::string text = c10::str(c10::IntArrayRef(*shape), ", the shape of this rank's shard of ");
+  for (size_t i = 0; i < std::min(names.size(), kListed); ++i) text += (i > 0 ? ", " : "") + names[i];
+  if (names.size() > kListed) text += c10::str(" and ", names.size() - kListed, " more");
+  return text;
 }
 
 }  // namespace
@@ -118,18 +130,22 @@ void name_unit_in_error(const Unit& unit, const ForwardCasts& casts, c10::Error&
   if (state.named_error() == &e) return;  // an inner unit's (the same exception, passing through)
   state.named_error() = &e;
   std::ostringstream os;
-  os << detail::error_caller(state.comm().error_in("fsdp")) << ": raised in the forward of unit '" << unit.label()
-     << "', whose parameters compute in " << unit.param_dtype();
-  if (const auto in = unit.input_cast()) {
-    os << " and whose floating-point inputs are cast to " << *in;
-  } else {
-    os << " (its inputs are not cast)";
-  }
   // Seen as the forward ran, not read from ATen's text: an input of another dtype, or (the root's
   // own layers) a unit's output of another dtype than the root computes in.
   const uint64_t compute_bit = uint64_t{1} << static_cast<int>(unit.param_dtype());
   const bool other_dtype =
       casts.other_input.has_value() || (unit.is_root() && (state.unit_output_dtypes() & ~compute_bit) != 0);
+  os << detail::error_caller(state.comm().error_in("fsdp")) << ": raised in the forward of unit '" << unit.label()
+     << "'";
+  // The dtypes where they may be the cause: other dtypes met, or inputs cast.
+  if (other_dtype || unit.input_cast()) {
+    os << ", whose parameters compute in " << unit.param_dtype();
+    if (const auto in = unit.input_cast()) {
+      os << " and whose floating-point inputs are cast to " << *in;
+    } else {
+      os << " (its inputs are not cast)";
+    }
+  }
   if (other_dtype) {
     os << ". If the operands' dtypes differ, an input may come from a unit that computes in another dtype: give "
           "that unit MixedPrecisionPolicy::output_dtype, or this one the same param_dtype (its inputs are then "

@@ -191,7 +191,7 @@ TEST(EdgeCases, BlockCalledAroundItsWrapper) {
     EXPECT_NE(msg.find("normalized_shape"), std::string::npos) << "LibTorch's own error first\n" << msg;
     EXPECT_NE(msg.find("Unit 'ln' had not run through the fsdp::Sharded wrapper"), std::string::npos) << msg;
     EXPECT_NE(msg.find("call the unit itself (block(x) or block->forward(x))"), std::string::npos) << msg;
-    EXPECT_NE(msg.find("names parameter 'ln.weight' as this rank's shard [4] (its full shape is [8])"),
+    EXPECT_NE(msg.find("names [4], the shape of this rank's shard of 'ln.weight' (full [8]), 'ln.bias' (full [8])"),
               std::string::npos)
         << msg;
     // A wrong input to the root's own layer, before its unit ran: LibTorch's error and the unit
@@ -201,6 +201,7 @@ TEST(EdgeCases, BlockCalledAroundItsWrapper) {
     EXPECT_NE(msg.find("cannot be multiplied"), std::string::npos) << "LibTorch's own error first\n" << msg;
     EXPECT_NE(msg.find("raised in the forward of unit"), std::string::npos) << msg;
     EXPECT_EQ(msg.find("had not run through"), std::string::npos) << msg;
+    EXPECT_EQ(msg.find("compute in"), std::string::npos) << "no dtype met but the unit's own: " << msg;
   });
 }
 
