@@ -7,6 +7,7 @@
 #include "fsdp/internal/flight_recorder.h"
 #include "fsdp/internal/foreign_errors.h"
 #include "fsdp/internal/monitor.h"
+#include "fsdp/internal/nccl_device.h"
 
 #include <ATen/core/ivalue.h>
 #include <ATen/ops/empty.h>
@@ -139,8 +140,10 @@ c10::intrusive_ptr<c10d::Backend> Comm::backend(const at::Tensor& t) const {
   try {
     return pg_->getBackend(t.device().type());
   } catch (const std::exception& e) {
+    const std::string& why = nccl_absent_reason();
     FSDP_CHECK(false, "fsdp: ", where(), " has no communication backend for ", t.device(),
-               " tensors (Gloo serves CPU, NCCL serves CUDA when a GPU is present): ", error_text(e));
+               " tensors (Gloo serves CPU, NCCL serves CUDA when a GPU is present): ", error_text(e),
+               t.is_cuda() && !why.empty() ? ". This rank has no NCCL backend: " + why : std::string());
   }
 }
 

@@ -16,7 +16,8 @@
 namespace fsdp::detail {
 
 /// Adds an NCCL backend for CUDA tensors to `pg` if CUDA and a GPU are present; binds this process
-/// to GPU `env.local_rank`. Returns whether it did.
+/// to GPU `env.local_rank`. A local rank without a GPU of its own gets none, and the reason is kept
+/// for its first CUDA collective (fsdp/internal/nccl_device.h). Returns whether it did.
 bool maybe_add_nccl_backend(c10d::ProcessGroup& pg, const c10::intrusive_ptr<c10d::Store>& store, const LaunchEnv& env,
                             std::chrono::milliseconds timeout);
 

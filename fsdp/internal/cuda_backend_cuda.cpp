@@ -1,5 +1,6 @@
 // Built only when LibTorch has CUDA (see fsdp/CMakeLists.txt). Runs only where a GPU exists.
 #include "fsdp/internal/cuda_backend.h"
+#include "fsdp/internal/nccl_device.h"
 
 #include <ATen/Context.h>
 
@@ -21,6 +22,11 @@ namespace fsdp::detail {
 bool maybe_add_nccl_backend(c10d::ProcessGroup& pg, const c10::intrusive_ptr<c10d::Store>& store, const LaunchEnv& env,
                             std::chrono::milliseconds timeout) {
   if (c10::cuda::device_count() == 0) return false;
+  const std::string refusal = nccl_device_refusal(env, c10::cuda::device_count());
+  if (!refusal.empty()) {  // the first CUDA collective says it (Comm::backend), not NCCL
+    nccl_absent_reason() = refusal;
+    return false;
+  }
   const int device = env.local_rank % c10::cuda::device_count();
   c10::cuda::set_device(static_cast<c10::DeviceIndex>(device));
   // On a timeout the watchdog aborts the communicators and marks the collective failed, without

@@ -3,6 +3,7 @@
 // comes from the option, else FSDP_TIMEOUT, else 10 minutes. Unreachable peers are closed
 // loopback ports, a port held by a silent listener of the test's own, or a network namespace the
 // test creates (as root).
+#include "fsdp/internal/nccl_device.h"
 #include "programs/launch.h"
 #include "tests/models.h"
 
@@ -215,6 +216,30 @@ TEST(FileStore, RemovedAfterANormalRun) {
       },
       opts);
   if (!in_rank_process()) EXPECT_NE(::access(path.c_str(), F_OK), 0) << path << " was left behind";
+}
+
+// NCCL cannot run two ranks on one GPU: a local rank past the host's devices gets no NCCL backend
+// and a reason naming the count and the remedy, before NCCL's own "Duplicate GPU detected". From
+// fake device counts, so that it is checked without a GPU.
+TEST(NcclDevice, ALocalRankWithoutAGpuOfItsOwnIsRefused) {
+  LaunchEnv env;
+  env.launcher = "torchrun";
+  env.rank = 3;
+  env.world_size = 4;
+  env.local_rank = 1;
+  const std::string why = detail::nccl_device_refusal(env, 1);
+  EXPECT_NE(why.find("local rank 1 (global rank 3 of 4) has no GPU of its own: this host shows 1 CUDA device(s)"),
+            std::string::npos)
+      << why;
+  EXPECT_NE(why.find("Duplicate GPU detected"), std::string::npos) << why;
+  EXPECT_NE(why.find("start at most 1 rank(s) per host (torchrun --nproc-per-node 1)"), std::string::npos) << why;
+  env.local_rank = 2;
+  EXPECT_NE(detail::nccl_device_refusal(env, 2).find("local rank 2 "), std::string::npos);
+  // A device of its own, no device at all, or ranks given in InitOptions (no local rank known).
+  EXPECT_EQ(detail::nccl_device_refusal(env, 3), "");
+  EXPECT_EQ(detail::nccl_device_refusal(env, 0), "");
+  env.launcher = "explicit";
+  EXPECT_EQ(detail::nccl_device_refusal(env, 1), "");
 }
 
 }  // namespace
