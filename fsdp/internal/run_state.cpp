@@ -5,7 +5,6 @@
 #include "fsdp/internal/model_check.h"
 #include "fsdp/internal/unit.h"
 #include "fsdp/process_group.h"
-#include "fsdp/sharded.h"
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>

@@ -4,6 +4,7 @@
 // reach a wrapped model through fsdp/internal/core_access.h).
 #pragma once
 
+#include "fsdp/export.h"
 #include "fsdp/internal/buffer_pool.h"
 #include "fsdp/internal/comm.h"
 #include "fsdp/internal/step_watch.h"
@@ -30,9 +31,12 @@ class Unit;
 struct MeshState;
 struct OuterState;  // fsdp/internal/core_access.h
 }  // namespace fsdp::detail
+// Public (fsdp/sharded.h), so never declared hidden first: declared here as a public header would.
+FSDP_PUBLIC_BEGIN
 namespace fsdp {
-class FSDP_API ShardedUnit;  // public (fsdp/sharded.h): never declared hidden first
-}
+class ShardedUnit;
+}  // namespace fsdp
+FSDP_PUBLIC_END
 namespace fsdp::detail {
 
 class RunState : public std::enable_shared_from_this<RunState> {

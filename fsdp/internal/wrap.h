@@ -3,6 +3,7 @@
 // creates and shards each unit. Used by fsdp::fully_shard and fsdp::ShardingScope.
 #pragma once
 
+#include "fsdp/export.h"
 #include "fsdp/options.h"
 
 #include <torch/nn/module.h>
@@ -14,9 +15,12 @@
 #include <utility>
 #include <vector>
 
+// Public (fsdp/sharded.h), so never declared hidden first: declared here as a public header would.
+FSDP_PUBLIC_BEGIN
 namespace fsdp {
-class FSDP_API ShardedUnit;  // public (fsdp/sharded.h): never declared hidden first
+class ShardedUnit;
 }  // namespace fsdp
+FSDP_PUBLIC_END
 
 namespace fsdp::detail {
 
