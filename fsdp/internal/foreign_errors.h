@@ -13,7 +13,7 @@ namespace fsdp::detail {
 
 enum class ForeignError {
   kOther,
-  kTimeout,             ///< a Gloo work's wait(timeout) ran out ("Operation timed out!")
+  kTimeout,             ///< a Gloo work's wait(timeout) ran out ("Operation timed out!"), or its transport's
   kCollectiveMismatch,  ///< Gloo's transport saw a message of another size than the collective expected
 };
 

@@ -130,6 +130,11 @@ TEST(ErrorType, ForeignErrorsAreRecognizedByTheRealText) {
     EXPECT_EQ(detail::recognize_foreign_error("[enforce fail at pair.cc:456] op.preamble.length <= op.nbytes. 32 vs 4. "
                                               "Is there a distributed collective mismatch in your code?"),
               detail::ForeignError::kCollectiveMismatch);
+    // Gloo's transport, when its own timeout ends a send first (seen in
+    // FlightRecorder.StoppedPeerIsNamedBehindAtItsLastCollective on a loaded machine).
+    EXPECT_EQ(detail::recognize_foreign_error("[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:129] "
+                                              "Timed out waiting 3000ms for send operation to complete"),
+              detail::ForeignError::kTimeout);
     EXPECT_EQ(detail::recognize_foreign_error("Connection reset by peer"), detail::ForeignError::kOther);
   });
 }
