@@ -211,7 +211,7 @@ std::vector<ShardSpec> FSDPModule::shard_specs() const {
   std::vector<ShardSpec> out;
   size_t unit = 0;
   state.for_each_unit([&](const detail::Unit& g) {
-    FSDP_CHECK_IN(g.error_context("fsdp::shard_specs").api("fsdp::shard_specs"), !g.is_unsharded(), "unit '", g.label(),
+    FSDP_CHECK_IN(g.error_in("fsdp::shard_specs"), !g.is_unsharded(), "unit '", g.label(),
                   "' is unsharded (inside its forward or backward); ask for the shard contract between steps. (A "
                   "backward that threw leaves its units so until the next forward of the model, which clears what it "
                   "left: run one, or restart from the last checkpoint.)");

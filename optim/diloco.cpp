@@ -18,18 +18,17 @@ namespace {
 // The options in words (compared across ranks), after checking them: nothing is set up or sent
 // for options that are refused.
 std::string checked_settings(const DiLoCoOptions& o, const FSDPModule& model) {
-  const std::string where =
-      fsdp::detail::error_caller(fsdp::detail::model_group(model).error_in("fsdp::optim::DiLoCo"));
+  const ErrorContext in = fsdp::detail::model_group(model).error_in("fsdp::optim::DiLoCo");
   std::ostringstream os;
   os << "sync_every " << o.sync_every() << ", fragments " << o.fragments() << (o.overlap() ? ", overlapped" : "");
   if (o.outer_optimizer()) {
     os << ", an outer optimizer of the program's";
     return os.str();
   }
-  FSDP_CHECK(o.outer_lr() > 0 && std::isfinite(o.outer_lr()), where, ": outer_lr is ", o.outer_lr(),
-             "; it must be positive and finite (the paper's is 0.7).");
-  FSDP_CHECK(o.outer_momentum() >= 0 && o.outer_momentum() < 1, where, ": outer_momentum is ", o.outer_momentum(),
-             "; it must be in [0, 1) (the paper's is 0.9; 0 means plain SGD).");
+  FSDP_CHECK_IN(in, o.outer_lr() > 0 && std::isfinite(o.outer_lr()), "outer_lr is ", o.outer_lr(),
+                "; it must be positive and finite (the paper's is 0.7).");
+  FSDP_CHECK_IN(in, o.outer_momentum() >= 0 && o.outer_momentum() < 1, "outer_momentum is ", o.outer_momentum(),
+                "; it must be in [0, 1) (the paper's is 0.9; 0 means plain SGD).");
   os << ", outer SGD lr " << o.outer_lr() << " momentum " << o.outer_momentum();
   return os.str();
 }
@@ -41,8 +40,6 @@ DiLoCo::DiLoCo(const FSDPModule& model, torch::optim::Optimizer& inner, const Di
       options_(options),
       sync_(std::make_unique<detail::ReplicaSync>(model, "fsdp::optim::DiLoCo", options.sync_every(),
                                                   options.fragments(), checked_settings(options, model))) {
-  const std::string where =
-      fsdp::detail::error_caller(fsdp::detail::model_group(model).error_in("fsdp::optim::DiLoCo"));
   // The global shards: fp32 whatever the parameters' dtype (the outer step accumulates small
   // differences of the replicas' parameters), one flat copy per unit, padding included (it stays
   // 0), and each parameter's a view of it, as the parameters are of the flat shard.
@@ -56,7 +53,8 @@ DiLoCo::DiLoCo(const FSDPModule& model, torch::optim::Optimizer& inner, const Di
   }
   if (options.outer_optimizer()) {
     outer_ = options.outer_optimizer()(global_);
-    FSDP_CHECK(outer_ != nullptr, where, ": DiLoCoOptions::outer_optimizer returned no optimizer.");
+    FSDP_CHECK_IN(fsdp::detail::model_group(model).error_in("fsdp::optim::DiLoCo"), outer_ != nullptr,
+                  "DiLoCoOptions::outer_optimizer returned no optimizer.");
   } else {
     auto sgd = torch::optim::SGDOptions(options.outer_lr());
     if (options.outer_momentum() > 0) sgd.momentum(options.outer_momentum()).nesterov(true);

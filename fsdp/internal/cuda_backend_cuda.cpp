@@ -22,11 +22,9 @@ namespace fsdp::detail {
 bool maybe_add_nccl_backend(c10d::ProcessGroup& pg, const c10::intrusive_ptr<c10d::Store>& store, const LaunchEnv& env,
                             std::chrono::milliseconds timeout) {
   if (c10::cuda::device_count() == 0) return false;
-  const std::string refusal = nccl_device_refusal(env, c10::cuda::device_count());
-  if (!refusal.empty()) {  // the first CUDA collective says it (Comm::backend), not NCCL
-    nccl_absent_reason() = refusal;
-    return false;
-  }
+  // Set every time, so that a later process group of this process does not keep an old reason.
+  nccl_absent_reason() = nccl_device_refusal(env, c10::cuda::device_count());
+  if (!nccl_absent_reason().empty()) return false;  // the first CUDA collective says it (Comm::backend)
   const int device = env.local_rank % c10::cuda::device_count();
   c10::cuda::set_device(static_cast<c10::DeviceIndex>(device));
   // On a timeout the watchdog aborts the communicators and marks the collective failed, without

@@ -19,7 +19,8 @@ namespace fsdp::detail {
 FSDP_TESTING_API std::string nccl_device_refusal(const LaunchEnv& env, int device_count);
 
 /// The reason this process was given no NCCL backend at start-up ("" when it has one, or none was
-/// wanted), for the error of its first CUDA collective. Set by fsdp::init_process_group.
+/// wanted), for the error of its first CUDA collective. Set by maybe_add_nccl_backend
+/// (fsdp/internal/cuda_backend.h) each time fsdp::init_process_group or new_subgroup adds one.
 FSDP_TESTING_API std::string& nccl_absent_reason();
 
 }  // namespace fsdp::detail

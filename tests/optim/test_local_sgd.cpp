@@ -253,6 +253,7 @@ void refusals(const Rank& r) {
   EXPECT_NE(too_many.find("the model has 3 unit(s) holding parameters"), std::string::npos) << too_many;
   const std::string lr = error_of([&] { optim::DiLoCo(model, opt2, optim::DiLoCoOptions(4).outer_lr(0)); });
   EXPECT_NE(lr.find("outer_lr is 0"), std::string::npos) << lr;
+  EXPECT_EQ(lr.rfind("fsdp::optim::DiLoCo (rank " + std::to_string(r.rank) + " of 4): outer_lr is 0", 0), 0u) << lr;
   {
     // One outer optimizer per model: a second would keep its own schedule and state.
     optim::LocalSGD first(model, opt2, optim::LocalSGDOptions(4));
