@@ -169,4 +169,12 @@ std::shared_ptr<GPTImpl<kSharded>> make_gpt(const Config& c) {
   return std::make_shared<GPTImpl<kSharded>>(c);
 }
 
+/// The same, moved to `device` (built on the CPU from the current seed, so the same weights on any device).
+template <bool kSharded>
+std::shared_ptr<GPTImpl<kSharded>> make_gpt_on(const Config& c, const torch::Device& device) {
+  auto net = make_gpt<kSharded>(c);
+  net->to(device);
+  return net;
+}
+
 }  // namespace gpt

@@ -14,6 +14,7 @@
 // timed out, a peer died), printed as "train_gpt (rank R): <message>".
 #include "examples/checkpoints.h"
 #include "examples/corpus.h"
+#include "examples/device_flag.h"
 #include "examples/gpt.h"
 #include "examples/outer_step.h"
 #include "examples/run_flags.h"
@@ -58,6 +59,7 @@ struct Args : examples::RunFlags {
   bool no_sync = false;    // communicate only in the last micro-batch
   double clip = 0;         // max global gradient norm (0: no clipping)
   bool fused = false;      // fsdp::optim::FusedAdamW instead of torch::optim::AdamW
+  std::string device = "cpu";
   examples::CheckpointFlags ckpt;
   examples::OuterFlags outer;  // --local-sgd / --diloco
 };
@@ -122,6 +124,7 @@ Args parse(int argc, char** argv) {
       .number("--clip", a.clip, 0, true, std::numeric_limits<double>::max(), "max global gradient norm", "MAX_NORM")
       .toggle("--fused", a.fused, "fsdp::optim::FusedAdamW")
       .toggle("--json", a.json, "one JSON row per step on rank 0, then a summary");
+  examples::add_device_flag(flags, a.device);
   a.ckpt.add_to(flags);
   a.outer.add_to(flags);
   flags.notes(kNotes).parse(argc, argv);
@@ -133,6 +136,11 @@ Args parse(int argc, char** argv) {
         "any number of ranks)");
   }
   if (a.fused && a.optimizer != "adamw") usage_error("--fused is an AdamW; it cannot be used with --optimizer sgd");
+  if (a.build_sharded && a.device == "cuda") {
+    usage_error(
+        "--build-sharded builds the shards on the CPU, and a wrapped model cannot move; drop it with --device cuda");
+  }
+  examples::check_device_flag(a.device);
   a.ckpt.check();
   a.outer.check(a.strategy == "hybrid");
   return a;
@@ -164,6 +172,7 @@ int run(const Args& args) {
   const double t_group = wall_seconds();
   const int rank = pg->getRank(), world = pg->getSize();
   g_program.set_rank(rank);
+  const torch::Device device = examples::training_device(args.device);
   // Each step's global batch: this rank's share of it, in K micro-batches of `micro` rows.
   if (args.batch_size % world != 0) {
     usage_error("--batch-size " + std::to_string(args.batch_size) + " cannot be split over the " +
@@ -203,7 +212,7 @@ int run(const Args& args) {
     fsdp::ShardingScope scope(pg, options);
     return fsdp::fully_shard(gpt::make_gpt<true>(args.model), scope);
   }()
-                                  : fsdp::fully_shard(gpt::make_gpt<true>(args.model), pg, options);
+                                  : fsdp::fully_shard(gpt::make_gpt_on<true>(args.model, device), pg, options);
   const int64_t n_params = model.num_parameters();  // Ψ: elements of the full model
 
   std::unique_ptr<torch::optim::Optimizer> opt;
@@ -303,7 +312,7 @@ int run(const Args& args) {
   double total_ms = 0;
   for (int64_t step = first_step; step < args.steps; ++step) {
     opt->zero_grad();
-    fsdp::memory::reset_peak();
+    fsdp::memory::reset_peak(device);
     model.track_state_peak(true);
     const auto t0 = std::chrono::steady_clock::now();
     const int64_t replica_bytes_before = model.comm_stats().replica_bytes;
@@ -312,13 +321,14 @@ int run(const Args& args) {
     // end, the next epoch's first global batch).
     auto share = sampler.next_share();
     if (!share) share = sampler.next_share();
-    auto loss = torch::zeros({}, torch::kDouble);  // this rank's mean over its rows of the step
+    auto loss = torch::zeros({}, torch::dtype(torch::kDouble).device(device));  // this rank's mean over its rows
     for (int64_t m = 0; m < K; ++m) {
       const std::vector<int64_t> rows(share->indices.begin() + m * micro, share->indices.begin() + (m + 1) * micro);
-      auto [x, y] = corpus::batch(data, rows, T);
+      const auto xy = corpus::batch(data, rows, T);
       model.set_requires_gradient_sync(!args.no_sync || m == K - 1);
-      auto logits = model(x);
-      auto l = torch::nn::functional::cross_entropy(logits.flatten(0, 1), y.flatten()) / static_cast<double>(K);
+      auto logits = model(xy.first.to(device));
+      auto l = torch::nn::functional::cross_entropy(logits.flatten(0, 1), xy.second.to(device).flatten()) /
+               static_cast<double>(K);
       scaler.scale(l).backward();
       loss += l.detach().to(torch::kDouble);
     }
@@ -340,12 +350,13 @@ int run(const Args& args) {
         outer.diloco() == nullptr
             ? 0
             : fsdp::optim::state_bytes(outer.diloco()->global_shards(), &outer.diloco()->outer_optimizer()).total();
-    const int64_t state = at_step.total() + outer_state, peak = fsdp::memory::stats().peak_bytes;
+    const int64_t state = at_step.total() + outer_state, peak = fsdp::memory::stats(device).peak_bytes;
     // The peak split: model state at its own peak, the library's buffers, the rest (activations
     // and temporaries; a lower bound, as the state may be below its peak at the peak's moment).
     const int64_t state_peak = std::max(model.state_peak_bytes() + at_step.optimizer, state);
     const int64_t buffers = model.buffer_cache_stats().cached_bytes;
     model.track_state_peak(false);
+    examples::synchronize(device);
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     if (step > first_step) total_ms += ms;
 
@@ -453,7 +464,8 @@ int run(const Args& args) {
         .add("save_held_s", checkpoints.held_seconds(), "%.4f")
         .print();
   } else if (rank == 0) {
-    std::printf("per-rank memory (last step): counting CPU allocator peak, model state at the optimizer step\n");
+    std::printf("per-rank memory (last step): %s allocator peak, model state at the optimizer step\n",
+                device.is_cuda() ? "CUDA caching" : "counting CPU");
     for (int r = 0; r < world; ++r) {
       std::printf("  rank %d: peak %s, state %s\n", r, mib(per_rank[r][0].item<int64_t>()).c_str(),
                   mib(per_rank[r][1].item<int64_t>()).c_str());

@@ -81,6 +81,15 @@ int parse_dump_signal(const std::string& value, const std::string& what) {
   return 0;
 }
 
+bool gloo_cuda_from_env() {
+  const char* v = getenv_or_null("FSDP_TEST_GLOO_CUDA");
+  if (v == nullptr) return false;
+  const std::string s = v;
+  FSDP_CHECK(s == "0" || s == "1", "fsdp: FSDP_TEST_GLOO_CUDA='", s,
+             "' must be 1 (the testing mode: every local rank on cuda:0 over Gloo) or 0 (off).");
+  return s == "1";
+}
+
 int dump_signal_from_env() {
   const char* v = getenv_or_null("FSDP_DUMP_ON_SIGNAL");
   return v == nullptr ? 0 : parse_dump_signal(v, "FSDP_DUMP_ON_SIGNAL");

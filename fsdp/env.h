@@ -18,6 +18,13 @@
 //   FSDP_FLIGHT_RECORDER_DIR     the directory of those files; unset: /tmp/fsdp-trace.
 //   FSDP_DUMP_ON_SIGNAL          USR1, USR2 (SIG prefix allowed), a real-time signal's number, or 0:
 //                                receiving it writes the flight recorder's file; the process goes on.
+//   FSDP_RACE_DELAY              a seed (a whole number; unset or 0: off): seeded delays on both sides
+//                                of every collective, so that a missing wait shows as different
+//                                numbers; results stay bit-identical (docs/usage.md, "Races made
+//                                visible"). Each rank prints "race delays applied: N" at exit.
+//   FSDP_TEST_GLOO_CUDA          1: a testing mode, never for training: every local rank on cuda:0,
+//                                Gloo serving CUDA tensors instead of NCCL (docs/usage.md, "Several
+//                                ranks on one GPU"). Unset or 0: off.
 #pragma once
 
 #include "fsdp/export.h"

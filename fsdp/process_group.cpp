@@ -10,6 +10,7 @@
 #include "fsdp/internal/flight_recorder.h"
 #include "fsdp/internal/launcher.h"
 #include "fsdp/internal/monitor.h"
+#include "fsdp/internal/nccl_device.h"
 #include "fsdp/internal/rendezvous.h"
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -130,6 +131,13 @@ c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const InitOptions& opt
   LaunchEnv env =
       options.rank() >= 0 ? make_launch_env(options.rank(), options.world_size(), !file_store) : read_launch_env();
   detail::set_trace_identity(env.rank, env.world_size);
+  // FSDP_TEST_GLOO_CUDA=1 (docs/usage.md, "Several ranks on one GPU"): refused at once without a GPU.
+  const bool gloo_cuda = detail::gloo_cuda_from_env();
+  FSDP_CHECK(!gloo_cuda || detail::cuda_device_count() > 0, "fsdp::init_process_group (rank ", env.rank, " of ",
+             env.world_size,
+             "): FSDP_TEST_GLOO_CUDA=1 asks for the testing mode of several ranks on one GPU over Gloo, but this "
+             "machine shows no CUDA device (or this LibTorch has no CUDA); unset FSDP_TEST_GLOO_CUDA to train on the "
+             "CPU.");
   detail::arm_parent_death_signal(env);
   detail::Rendezvous r = detail::rendezvous(env, options, timeout);
   detail::explain_gloo_aborts(env.rank);
@@ -138,7 +146,13 @@ c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const InitOptions& opt
   auto pg = c10::make_intrusive<c10d::ProcessGroup>(r.scoped, env.rank, env.world_size);
   pg->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, r.gloo);
   pg->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
-  if (options.nccl()) {
+  if (gloo_cuda) {
+    // The testing mode: every local rank on cuda:0, the one Gloo backend serving CUDA tensors too
+    // (its collectives stage them through pinned host memory; Comm completes them through wait()).
+    detail::set_cuda_device(0);
+    pg->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::GLOO, r.gloo);
+    detail::nccl_absent_reason().clear();
+  } else if (options.nccl()) {
     detail::maybe_add_nccl_backend(*pg, r.scoped, env, timeout);
   }
   if (env.world_size > 1) {
@@ -154,6 +168,16 @@ c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const InitOptions& opt
   }
   current_env() = env;
   return pg;
+}
+
+c10::Device cuda_device() {
+  const LaunchEnv& env = current_env();
+  const ErrorContext in = ErrorContext().api("fsdp::cuda_device").rank(env.rank).world_size(env.world_size);
+  FSDP_CHECK_IN(in, detail::cuda_device_count() > 0,
+                "this machine shows no CUDA device (or this LibTorch has no CUDA): train on the CPU.");
+  const std::string& why = detail::nccl_absent_reason();
+  FSDP_CHECK_IN(in, why.empty(), why);
+  return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(detail::current_cuda_device()));
 }
 
 c10::intrusive_ptr<c10d::ProcessGroup> new_subgroup(const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
@@ -200,7 +224,9 @@ c10::intrusive_ptr<c10d::ProcessGroup> new_subgroup(const c10::intrusive_ptr<c10
   sub->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
   bool parent_has_cuda = false;
   for (const auto& d : pg->getDeviceTypes()) parent_has_cuda = parent_has_cuda || d.is_cuda();
-  if (parent_has_cuda) {
+  if (parent_has_cuda && pg->getBackend(c10::DeviceType::CUDA)->getBackendName() == "gloo") {
+    sub->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::GLOO, gloo);  // the testing mode
+  } else if (parent_has_cuda) {
     LaunchEnv env = current_env();
     env.rank = rank;
     env.world_size = size;

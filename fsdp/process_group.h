@@ -85,6 +85,12 @@ c10::intrusive_ptr<c10d::ProcessGroup> new_subgroup(const c10::intrusive_ptr<c10
 /// The LaunchEnv the last init_process_group() used (single process before any call).
 const LaunchEnv& launch_env();
 
+/// The GPU this process trains on, as init_process_group() bound it: cuda:LOCAL_RANK with NCCL,
+/// cuda:0 in the Gloo testing mode (FSDP_TEST_GLOO_CUDA=1, docs/usage.md). Build the model there
+/// (`model->to(fsdp::cuda_device())`) before wrapping it. Throws fsdp::Error saying why where this
+/// process has none: no CUDA device, or a local rank past the host's GPUs.
+c10::Device cuda_device();
+
 /// Reduces `tensor` in place over all ranks of `pg` (like torch.distributed.all_reduce), waiting at
 /// most the timeout init_process_group was given. For metrics in training loops (losses, bytes).
 void all_reduce(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, at::Tensor& tensor,

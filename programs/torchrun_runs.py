@@ -58,16 +58,19 @@ def command(train_gpt, torchrun, ranks, args):
     return [torchrun, "--standalone", "--no-python", "--nproc-per-node", str(ranks), train_gpt] + list(args)
 
 
-def run(cmd, timeout=None):
+def run(cmd, timeout=None, extra_env=None, stderr_out=None):
     """Runs train_gpt with --json (one intra-op thread per rank, as torchrun sets); returns the
-    per-step rows and the summary row. Exits with the output on failure."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    per-step rows and the summary row. Exits with the output on failure. `extra_env`: more
+    variables for the run; `stderr_out`: a list that gets the run's stderr appended."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(extra_env or {}))
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired as e:
         sys.exit(f"FAILED: {' '.join(cmd)} did not finish in {timeout} s\n{e.stdout}\n{e.stderr}")
     if p.returncode != 0:
         sys.exit(f"FAILED: {' '.join(cmd)} exited {p.returncode}\n{p.stdout}\n{p.stderr}")
+    if stderr_out is not None:
+        stderr_out.append(p.stderr)
     rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
     steps = [r for r in rows if "step" in r]
     summary = next((r for r in rows if r.get("summary")), None)

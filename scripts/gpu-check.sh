@@ -3,12 +3,13 @@
 # every GPU measurement the project needs and writes one JSON summary; without a device it runs the
 # same programs on the CPU at small sizes and marks the GPU parts skipped, so that CI keeps it working.
 #
-#   scripts/gpu-check.sh [--build DIR] [--out DIR] [--quick] [--rounds N]
+#   scripts/gpu-check.sh [--build DIR] [--out DIR] [--quick] [--rounds N] [--only PART,PART,...]
 #
 # Uses the binaries of an existing build (default build/, from scripts/build.sh; built against the
 # same torch 2.11.0 wheel as the GPU machine's python3), so the GPU machine needs no compiler, no
-# GoogleTest, no fmt: carry build/tests/fsdp_tests, build/benchmarks/{overhead,fsdp}_bench and the
-# five libraries' .so files (stripped, in the same layout under a folder passed as --build: 8 MB).
+# GoogleTest, no fmt: carry build/tests/fsdp_tests, build/benchmarks/{overhead,fsdp}_bench, for the
+# examples_gpu part build/examples/train_gpt and build/examples/llama/train_llama, and the five
+# libraries' .so files (stripped, in the same layout under a folder passed as --build: 8 MB).
 # The torch libraries come from the python3 given by $PYTHON (default: the project's virtualenv
 # when it exists, else python3). Writes OUT/gpu-check.json (default OUT: $OUT or /tmp/gpu-check)
 # and each part's raw output beside it. Exit status 0 when every part that ran passed.
@@ -24,6 +25,13 @@
 #   5 offload         the same GPT in bf16 with CPUOffloadPolicy and FusedAdamW on the CPU: step time
 #                     against plain LibTorch on the GPU, device bytes between steps, step peak
 #   6 cpu_tests       the CPU parity tests of mixed precision and of offload's CPU seam (run everywhere)
+#   7 gloo_cuda       several ranks on cuda:0 over Gloo (FSDP_TEST_GLOO_CUDA=1): GlooCuda.* at 2 and 4 ranks,
+#                     every strategy, prefetch 0/1/2, bf16, activation checkpointing, accumulation, offload,
+#                     against plain LibTorch on the GPU, each with the race switch (FSDP_RACE_DELAY) on and off
+#   8 examples_gpu    train_gpt (2 ranks; every strategy at 4) and train_llama at (dp_shard 2, tp 2) on the GPU
+#                     over Gloo against one rank on the GPU, race switch on and off (needs the two examples)
+#   9 races_cpu       RaceDelay.*: the race switch's CPU tests (run everywhere)
+# --only PARTS runs those parts alone (their names above, comma-separated).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -31,13 +39,15 @@ BUILD=build
 OUT=${OUT:-/tmp/gpu-check}
 QUICK=0
 ROUNDS_ARG=""
+ONLY=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --build) BUILD=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
     --quick) QUICK=1; shift ;;
     --rounds) ROUNDS_ARG=$2; shift 2 ;;
-    *) echo "gpu-check: unknown argument '$1' (--build DIR, --out DIR, --quick, --rounds N)" >&2; exit 2 ;;
+    --only) ONLY=$2; shift 2 ;;
+    *) echo "gpu-check: unknown argument '$1' (--build DIR, --out DIR, --quick, --rounds N, --only PARTS)" >&2; exit 2 ;;
   esac
 done
 for bin in "$BUILD/tests/fsdp_tests" "$BUILD/benchmarks/overhead_bench" "$BUILD/benchmarks/fsdp_bench"; do
@@ -61,11 +71,14 @@ GPU=$("$PYTHON" -c 'import torch; print(int(torch.cuda.is_available()))')
 GPU_NAME=$("$PYTHON" -c 'import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none")')
 echo "gpu-check: torch from $TORCH_LIB, GPU: $GPU_NAME, output in $OUT" >&2
 
-# One part: its command under a time limit, its output kept, its status recorded.
+# One part: its command under a time limit, its output kept, its status recorded (with --only,
+# only the parts named).
 declare -A STATUS
+wanted() { [ -z "$ONLY" ] || [[ ",$ONLY," == *",$1,"* ]]; }
 part() {
   local name=$1 limit=$2
   shift 2
+  wanted "$name" || return 0
   echo "gpu-check: [$name] $*" >&2
   local start=$SECONDS
   if timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.out" 2>&1; then
@@ -77,6 +90,7 @@ part() {
   fi
 }
 skip() {
+  wanted "$1" || return 0
   STATUS[$1]="skipped 0"
   echo "$2" > "$OUT/$1.out"
 }
@@ -114,6 +128,22 @@ else
   skip offload "no CUDA device: offload needs one (its CPU seam runs in cpu_tests)"
 fi
 part cpu_tests 300 "$BUILD/tests/fsdp_tests" --gtest_filter='*MixedPrecision*:*Offload*'
+if [ "$GPU" = 1 ]; then
+  part gloo_cuda 240 "$BUILD/tests/fsdp_tests" --gtest_filter='GlooCuda.*'
+  TORCHRUN=$(dirname "$PYTHON")/torchrun
+  [ -x "$TORCHRUN" ] || TORCHRUN=$(command -v torchrun || echo torchrun)
+  if [ -x "$BUILD/examples/train_gpt" ] && [ -x "$BUILD/examples/llama/train_llama" ]; then
+    part examples_gpu 240 "$PYTHON" tests/examples/check_race_and_device.py --device cuda --python "$PYTHON" \
+      --train-gpt "$BUILD/examples/train_gpt" --train-llama "$BUILD/examples/llama/train_llama" \
+      --torchrun "$TORCHRUN"
+  else
+    skip examples_gpu "the examples were not carried ($BUILD/examples/train_gpt, $BUILD/examples/llama/train_llama)"
+  fi
+else
+  skip gloo_cuda "no CUDA device: GlooCuda.* skip themselves"
+  skip examples_gpu "no CUDA device: the examples' refusals of --device cuda run in CI (TrainGPT.RaceDelaysAndTheDeviceFlag)"
+fi
+part races_cpu 120 "$BUILD/tests/fsdp_tests" --gtest_filter='RaceDelay.*'
 
 # The summary: every part's status, and the figures the issue asks for.
 export OUT GPU GPU_NAME

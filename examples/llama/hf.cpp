@@ -165,7 +165,7 @@ void load_weights(const std::string& dir, torch::nn::Module& model) {
 }
 
 void write_logits(const std::string& file, const at::Tensor& logits) {
-  fsdp::checkpoint::write_safetensors(file, {{"logits", logits.to(at::kFloat).contiguous()}});
+  fsdp::checkpoint::write_safetensors(file, {{"logits", logits.to(at::kFloat).cpu().contiguous()}});
 }
 
 void export_model(const std::string& out, const fsdp::FSDPModule& model, const fsdp::DeviceMesh& mesh,

@@ -14,6 +14,7 @@
 // else, printed as "train_llama (rank R): <message>".
 #include "examples/checkpoints.h"
 #include "examples/corpus.h"
+#include "examples/device_flag.h"
 #include "examples/llama/hf.h"
 #include "examples/llama/llama.h"
 #include "examples/run_flags.h"
@@ -60,6 +61,7 @@ struct Args : examples::RunFlags {
   std::vector<int64_t> prompt;  // token ids for --logits-out
   std::string logits_out;       // safetensors file of the prompt's logits, before any step
   std::string export_hf;        // a directory to write in Hugging Face's layout after training
+  std::string device = "cpu";
   examples::CheckpointFlags ckpt;
 };
 
@@ -119,6 +121,7 @@ Args parse(int argc, char** argv) {
               })
       .text("--logits-out", a.logits_out, "rank 0 writes the prompt's logits here", "FILE.safetensors")
       .text("--export-hf", a.export_hf, "after training, the model in Hugging Face's layout", "OUT");
+  examples::add_device_flag(flags, a.device);
   a.ckpt.add_to(flags);
   flags.notes(kNotes).parse(argc, argv);
   examples::check_run_flags(a);
@@ -126,6 +129,7 @@ Args parse(int argc, char** argv) {
   if (a.build_sharded) usage_error("--build-sharded is not supported by train_llama (a ShardingScope over a mesh)");
   if (!a.wrap.empty()) usage_error("--wrap is train_gpt's; train_llama's units are its decoder layers");
   if (a.prompt.empty() != a.logits_out.empty()) usage_error("--prompt and --logits-out go together");
+  examples::check_device_flag(a.device);
   // Where the results go, checked before any work (a fine-tune must not end in a path error).
   auto writable_dir = [](const std::string& d) { return ::access(d.empty() ? "." : d.c_str(), W_OK | X_OK) == 0; };
   if (!a.logits_out.empty()) {
@@ -191,6 +195,7 @@ int run(const Args& args) {
   auto world = fsdp::init_process_group(init);
   const int rank = world->getRank(), W = world->getSize();
   g_program.set_rank(rank);
+  const torch::Device device = examples::training_device(args.device);
   if (W % args.tp != 0) {
     usage_error("--tp " + std::to_string(args.tp) + " does not divide the " + std::to_string(W) +
                 " ranks: the data-parallel size is the world size over --tp");
@@ -222,6 +227,7 @@ int run(const Args& args) {
   torch::manual_seed(args.seed);
   llama::LlamaForCausalLM net(cfg, blocks, vocab);
   if (!args.from_hf.empty()) llama::hf::load_weights(args.from_hf, *net);  // this rank's parts only
+  net->to(device);
   auto model = fsdp::fully_shard(net, mesh, options);
   // Ψ: the full model's parameters (every tensor-parallel part once), of which those tensor
   // parallelism splits (the rest, the norms, every tp rank holds whole).
@@ -275,7 +281,7 @@ int run(const Args& args) {
   }
   if (!args.prompt.empty()) {
     torch::NoGradGuard no_grad;
-    auto ids = torch::tensor(args.prompt, torch::kLong).unsqueeze(0);
+    auto ids = torch::tensor(args.prompt, torch::kLong).unsqueeze(0).to(device);
     auto logits = fsdp::tp::gather_from_region(model(ids), vocab);  // [1, P, V] on every tp rank
     if (rank == 0) llama::hf::write_logits(args.logits_out, logits.squeeze(0));
   }
@@ -285,12 +291,13 @@ int run(const Args& args) {
     blocks.reset_comm_stats();
     vocab.reset_comm_stats();
     model.reset_comm_stats();
-    fsdp::memory::reset_peak();
+    fsdp::memory::reset_peak(device);
     const auto t0 = std::chrono::steady_clock::now();
     auto share = sampler.next_share();
     if (!share) share = sampler.next_share();
-    auto [x, y] = corpus::batch(data, share->indices, T);
-    auto loss = fsdp::tp::vocab_parallel_cross_entropy(model(x), y, vocab);  // no full logits on any rank
+    const auto xy = corpus::batch(data, share->indices, T);
+    auto loss = fsdp::tp::vocab_parallel_cross_entropy(model(xy.first.to(device)), xy.second.to(device),
+                                                       vocab);  // no full logits on any rank
     scaler.scale(loss).backward();
     scaler.unscale_(*opt);
     const double grad_norm = scaler.found_inf() ? std::nan("")
@@ -298,13 +305,14 @@ int run(const Args& args) {
                                                 : fsdp::optim::grad_norm(model, 2.0, true);
     scaler.step(*opt);
     scaler.update();
+    examples::synchronize(device);
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     const fsdp::CommStats tps = blocks.comm_stats();
     // Model state at the optimizer step (parameter shards, gradients, AdamW) and the allocator's
     // peak, each the largest over the ranks; what the step sent (fsdp: the data-parallel
     // all-gathers and reduce-scatters; tp: the blocks', then the embedding's, head's and loss's).
     auto mem = torch::tensor(
-        {fsdp::optim::state_bytes(model.parameters(), opt.get()).total(), fsdp::memory::stats().peak_bytes},
+        {fsdp::optim::state_bytes(model.parameters(), opt.get()).total(), fsdp::memory::stats(device).peak_bytes},
         torch::kLong);
     fsdp::all_reduce(world, mem, c10d::ReduceOp::MAX);
     if (step > first_step) total_ms += ms;

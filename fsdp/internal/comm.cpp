@@ -8,6 +8,7 @@
 #include "fsdp/internal/foreign_errors.h"
 #include "fsdp/internal/monitor.h"
 #include "fsdp/internal/nccl_device.h"
+#include "fsdp/internal/race_delay.h"
 
 #include <ATen/core/ivalue.h>
 #include <ATen/ops/empty.h>
@@ -36,9 +37,10 @@ struct Done {
   bool done = false;
 };
 
-// Waits for `work` at most `timeout` (false: it did not complete), rethrowing its error. Gloo's
-// works may ignore the timeout given to wait() (its reduce-scatter did), so on CPU the wait is
-// ours: on the work's future, which the backend completes with its result or its error.
+}  // namespace
+
+// Gloo's works may ignore the timeout given to wait() (its reduce-scatter did), so on CPU the wait
+// is ours: on the work's future, which the backend completes with its result or its error.
 bool wait_bounded(c10d::Work& work, milliseconds timeout, bool cpu) {
   if (cpu && !work.isCompleted()) {
     c10::intrusive_ptr<c10::ivalue::Future> future;
@@ -63,8 +65,6 @@ bool wait_bounded(c10d::Work& work, milliseconds timeout, bool cpu) {
   }
   return work.wait(timeout);
 }
-
-}  // namespace
 
 std::string list_ranks(const std::vector<int>& ranks) {
   std::ostringstream os;
@@ -122,6 +122,7 @@ Comm::Comm(c10::intrusive_ptr<c10d::ProcessGroup> pg, milliseconds timeout, std:
   if (group_.world_size == 0) group_.world_size = world_size_;
   global_rank_ = group_.global_ranks[rank_];
   init_flight_recorder();
+  race_delay_seed();  // FSDP_RACE_DELAY read (and a bad value refused) when a model is wrapped
   set_trace_identity(global_rank_, group_.world_size);
   trace_group_ = trace_group(group_.name, group_.global_ranks, group_.background);
 }
@@ -155,17 +156,38 @@ void Comm::wait(Pending& pending) const {
     wait_on_event(p);
     return;
   }
+  if (p.gloo_cuda) {
+    wait_gloo_cuda(p);
+    return;
+  }
   if (!p.cpu) {
     wait_on_stream(p);
     return;
   }
+  wait_on_cpu(p);
+}
+
+void Comm::wait_gloo_cuda(Pending& p) const {
+  // Gloo copies a CUDA collective's result back on its own streams from its worker thread, and
+  // only its Work::wait() makes the current stream wait for that copy; its _reduce_scatter_base
+  // is a clone, an all-reduce and a copy of this rank's chunk done inside wait(), on the current
+  // stream. So the collective completes here, with the stream it was issued on current, and the
+  // event after it is what the compute stream waits for, as with NCCL's side streams.
+  if (!p.side || !shared_->streams) {
+    wait_on_cpu(p);
+    return;
+  }
+  complete_on_side_stream(*shared_->streams, p.device, *p.side, [&] { wait_on_cpu(p); })->block_current();
+}
+
+void Comm::wait_on_cpu(Pending& p) const {
   Activity activity(p.what);  // what this rank's heartbeat tells its peers meanwhile
   const auto start = clock::now();
   const char* const kTimeout = "it did not complete within the timeout (a peer did not take part in time)";
   std::string cause;
   bool timed_out = false;
   try {
-    if (!wait_bounded(*p.work, timeout_, p.cpu)) {
+    if (!wait_bounded(*p.work, timeout_, p.cpu || p.gloo_cuda)) {
       cause = kTimeout;
       timed_out = true;
     } else if (p.cpu) {
@@ -287,14 +309,26 @@ void Comm::fail(const Pending& p, const std::string& cause, milliseconds waited,
 Pending Comm::launch(const char* op, const std::string& what, const at::Tensor& t, const Start& start,
                      std::optional<SideStream> side) const {
   Pending p{nullptr, what, t.is_cpu(), backend(t)};
+  if (race_delay_seed() != 0) race_delay_issue(p, t);
+  p.gloo_cuda = t.is_cuda() && p.backend->getBackendName() == "gloo";
+  p.device = t.device();
   p.trace =
       trace_issue(trace_group_, op, what, t.numel(), static_cast<int64_t>(t.nbytes()), t.scalar_type(), t.device());
   try {
-    if (side && t.is_cuda() && shared_->side_streams && shared_->streams) {
+    if (p.gloo_cuda && side && shared_->side_streams && shared_->streams) {
+      p.side = side;
+      issue_on_side_stream(*shared_->streams, t.device(), *side, [&] {
+        if (race_delay_seed() != 0) sleep_current_stream(t.device(), next_race_delay(RaceSide::kComm, global_rank_));
+        p.work = start(*p.backend, /*async_op=*/true);
+      });
+    } else if (side && t.is_cuda() && shared_->side_streams && shared_->streams) {
       // FSDP2's way: asyncOp false runs the collective on the stream current at the call, here
       // the side stream, and returns no work; the event after it is what the consumer waits for.
-      p.event =
-          on_side_stream(*shared_->streams, t.device(), *side, [&] { p.work = start(*p.backend, /*async_op=*/false); });
+      p.event = on_side_stream(*shared_->streams, t.device(), *side, [&] {
+        // The race switch's delay of the communication side: on the side stream, before the collective.
+        if (race_delay_seed() != 0) sleep_current_stream(t.device(), next_race_delay(RaceSide::kComm, global_rank_));
+        p.work = start(*p.backend, /*async_op=*/false);
+      });
     } else {
       p.work = start(*p.backend, /*async_op=*/true);
     }
@@ -302,6 +336,19 @@ Pending Comm::launch(const char* op, const std::string& what, const at::Tensor& 
     fail(p, error_text(e), milliseconds(0));
   }
   return p;
+}
+
+void Comm::race_delay_issue(Pending& p, const at::Tensor& t) const {
+  if (!t.is_cpu() || is_fake_backend(*p.backend)) return;
+  // Before the issue (the ranks arrive at different times), never between issue and wait.
+  std::this_thread::sleep_for(next_race_delay(RaceSide::kIssue, global_rank_));
+  auto& wrapped = shared_->race_backends;
+  auto it = std::find_if(wrapped.begin(), wrapped.end(), [&](const auto& w) { return w.first == p.backend.get(); });
+  if (it == wrapped.end()) {
+    wrapped.emplace_back(p.backend.get(), make_race_delay_backend(p.backend, timeout_, global_rank_));
+    it = std::prev(wrapped.end());
+  }
+  p.backend = it->second;
 }
 
 std::unique_ptr<StreamEvent> Comm::on_side(const at::Device& device, SideStream side,

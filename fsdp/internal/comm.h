@@ -71,6 +71,11 @@ struct Pending {
   /// stream waits for. The backend returns no work then.
   std::shared_ptr<StreamEvent> event;
   int64_t trace = -1;  ///< its flight-recorder entry (fsdp/internal/flight_recorder.h), -1: none
+  /// Gloo on CUDA tensors (the testing mode of several ranks on one GPU): complete only through
+  /// the work's wait(), run with the side stream `side` current when it was issued on one.
+  bool gloo_cuda = false;
+  std::optional<SideStream> side;
+  c10::Device device{c10::kCPU};
   bool in_flight() const { return work || event; }
 };
 
@@ -88,6 +93,9 @@ struct CommShared {
   /// Testing: all-gathers, reduce-scatters and all-reduces over a one-rank group are launched on
   /// the backend too (normally a copy), so that a single device exercises its streams and waits.
   bool launch_alone = false;
+  /// FSDP_RACE_DELAY (fsdp/internal/race_delay.h): each CPU backend's wrapper, made at its first
+  /// collective, keyed by the backend it wraps (kept alive by the process group).
+  std::vector<std::pair<const c10d::Backend*, c10::intrusive_ptr<c10d::Backend>>> race_backends;
 };
 
 class FSDP_API Comm {
@@ -207,6 +215,14 @@ class FSDP_API Comm {
   /// An all-gather of `in` into `out` on the CPU backend (agreements, exchanges): not counted in
   /// the statistics; recorded in the flight recorder as `op`.
   void gather_small(at::Tensor& out, at::Tensor& in, const char* op, const std::string& what) const;
+  /// The race switch at an issue: on CPU the seeded delay before it, and `p`'s backend replaced
+  /// by its race-delay wrapper.
+  void race_delay_issue(Pending& p, const at::Tensor& t) const;
+  /// wait() of a collective the CPU waits for (Gloo's), at most the timeout.
+  void wait_on_cpu(Pending& p) const;
+  /// wait() of Gloo's CUDA collective: wait_on_cpu with its side stream current, then the current
+  /// stream waits for the event recorded after it.
+  void wait_gloo_cuda(Pending& p) const;
   /// wait() of a CUDA collective: the stream waits, the CPU checks for known failures.
   void wait_on_stream(Pending& p) const;
   /// wait() of a collective on a side stream: the current stream waits for its event; the
@@ -223,6 +239,10 @@ class FSDP_API Comm {
   bool verify_;
   std::shared_ptr<TraceGroup> trace_group_;  // this group's count in the flight recorder
 };
+
+/// Waits for `work` at most `timeout` (false: it did not complete), rethrowing its error; on CPU
+/// (`cpu`) through the work's future, which Gloo completes even where its wait() ignores a timeout.
+bool wait_bounded(c10d::Work& work, std::chrono::milliseconds timeout, bool cpu);
 
 /// Whether `backend` is the fake backend of fsdp::make_fake_process_group (a simulated rank).
 FSDP_API bool is_fake_backend(const c10d::Backend& backend);

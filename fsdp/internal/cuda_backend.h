@@ -9,6 +9,7 @@
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -20,6 +21,12 @@ namespace fsdp::detail {
 /// for its first CUDA collective (fsdp/internal/nccl_device.h). Returns whether it did.
 bool maybe_add_nccl_backend(c10d::ProcessGroup& pg, const c10::intrusive_ptr<c10d::Store>& store, const LaunchEnv& env,
                             std::chrono::milliseconds timeout);
+
+/// The CUDA devices this process sees (0 without CUDA), its current one (-1 without CUDA), and
+/// binding it to one (nothing without CUDA): fsdp::cuda_device, the Gloo testing mode.
+int cuda_device_count();
+int current_cuda_device();
+void set_cuda_device(int index);
 
 /// FSDP2's communication streams: all-gathers on one, gradient reductions on another, so that a
 /// prefetched all-gather never queues behind a reduce-scatter on the backend's single stream.
@@ -50,6 +57,17 @@ class StreamEvent {
 std::unique_ptr<StreamEvent> on_side_stream(SideStreams& streams, const c10::Device& device, SideStream which,
                                             const std::function<void()>& issue);
 
+/// Gloo's CUDA collectives (the testing mode of several ranks on one GPU, docs/usage.md): `issue`
+/// runs with side stream `which` current, after what the current stream has queued (as
+/// on_side_stream), but no end is recorded: Gloo writes the result later, from its worker thread.
+/// complete_on_side_stream then runs `complete` (the work's wait(), which orders that write, and
+/// for a reduce-scatter performs its copy, on the stream current then) with the side stream
+/// current, and returns the event after it. CUDA builds only.
+void issue_on_side_stream(SideStreams& streams, const c10::Device& device, SideStream which,
+                          const std::function<void()>& issue);
+std::unique_ptr<StreamEvent> complete_on_side_stream(SideStreams& streams, const c10::Device& device, SideStream which,
+                                                     const std::function<void()>& complete);
+
 /// A point in the current stream of a CUDA device that the CPU can wait for (CPU offload): recorded
 /// after an asynchronous copy between pinned host memory and the device, so that the CPU reads a
 /// host buffer the copy writes, or writes one the copy reads, only once the copy has passed.
@@ -61,6 +79,10 @@ class HostSync {
 };
 /// Records one on `device`'s current stream; null for a CPU device (copies there are synchronous).
 std::unique_ptr<HostSync> record_host_sync(const c10::Device& device);
+
+/// Queues a kernel that spins about `duration` on `device`'s current stream (the race switch's
+/// delays, fsdp/internal/race_delay.h). Nothing for a CPU device or a zero duration.
+void sleep_current_stream(const c10::Device& device, std::chrono::microseconds duration);
 
 struct CudaMemory {
   int64_t current = 0;

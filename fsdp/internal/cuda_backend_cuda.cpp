@@ -3,6 +3,7 @@
 #include "fsdp/internal/nccl_device.h"
 
 #include <ATen/Context.h>
+#include <ATen/cuda/Sleep.h>
 
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAEvent.h>
@@ -119,6 +120,44 @@ std::unique_ptr<StreamEvent> on_side_stream(SideStreams& streams, const c10::Dev
   return done;
 }
 
+void issue_on_side_stream(SideStreams& streams, const c10::Device& device, SideStream which,
+                          const std::function<void()>& issue) {
+  const c10::DeviceIndex index = device.index();
+  const c10::cuda::CUDAStream side = streams.get(index, which);
+  c10::cuda::CUDAEvent inputs_ready;
+  inputs_ready.record(c10::cuda::getCurrentCUDAStream(index));
+  inputs_ready.block(side);
+  const c10::cuda::CUDAStreamGuard on_side(side);
+  issue();  // Gloo records its own event on the side stream, after which it reads the inputs
+}
+
+std::unique_ptr<StreamEvent> complete_on_side_stream(SideStreams& streams, const c10::Device& device, SideStream which,
+                                                     const std::function<void()>& complete) {
+  const c10::DeviceIndex index = device.index();
+  const c10::cuda::CUDAStream side = streams.get(index, which);
+  auto done = std::make_unique<CudaStreamEvent>(index);
+  try {
+    const c10::cuda::CUDAStreamGuard on_side(side);
+    complete();
+  } catch (...) {
+    done->record(side);
+    done->block_current();
+    throw;
+  }
+  done->record(side);
+  return done;
+}
+
+int cuda_device_count() {
+  return static_cast<int>(c10::cuda::device_count());
+}
+int current_cuda_device() {
+  return c10::cuda::device_count() > 0 ? static_cast<int>(c10::cuda::current_device()) : -1;
+}
+void set_cuda_device(int index) {
+  c10::cuda::set_device(static_cast<c10::DeviceIndex>(index));
+}
+
 namespace {
 class CudaHostSync final : public HostSync {
  public:
@@ -133,6 +172,15 @@ class CudaHostSync final : public HostSync {
 std::unique_ptr<HostSync> record_host_sync(const c10::Device& device) {
   if (!device.is_cuda()) return nullptr;
   return std::make_unique<CudaHostSync>(c10::cuda::getCurrentCUDAStream(device.index()));
+}
+
+void sleep_current_stream(const c10::Device& device, std::chrono::microseconds duration) {
+  if (!device.is_cuda() || duration.count() <= 0) return;
+  // at::cuda::sleep spins a number of clock cycles on the current stream; about 1.5 cycles per
+  // nanosecond on the GPUs this project runs on (the H100's and H200's boost clocks are 1.98 GHz,
+  // their base clocks lower): the delays are random anyway, only their order of magnitude matters.
+  const c10::cuda::CUDAGuard guard(device);
+  at::cuda::sleep(duration.count() * 1500);
 }
 
 // The caching allocator's statistics exist only once CUDA is initialised (its first allocation, or

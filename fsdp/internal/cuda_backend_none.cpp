@@ -26,6 +26,22 @@ std::unique_ptr<StreamEvent> on_side_stream(SideStreams&, const c10::Device& dev
   FSDP_CHECK(false, "fsdp: a collective on ", device, " tensors, but this build of LibTorch has no CUDA");
 }
 
+int cuda_device_count() {
+  return 0;
+}
+int current_cuda_device() {
+  return -1;
+}
+void set_cuda_device(int) {}
+void issue_on_side_stream(SideStreams&, const c10::Device& device, SideStream, const std::function<void()>&) {
+  FSDP_CHECK(false, "fsdp: a collective on ", device, " tensors, but this build of LibTorch has no CUDA");
+}
+std::unique_ptr<StreamEvent> complete_on_side_stream(SideStreams&, const c10::Device& device, SideStream,
+                                                     const std::function<void()>&) {
+  FSDP_CHECK(false, "fsdp: a collective on ", device, " tensors, but this build of LibTorch has no CUDA");
+}
+void sleep_current_stream(const c10::Device&, std::chrono::microseconds) {}
+
 std::unique_ptr<HostSync> record_host_sync(const c10::Device& device) {
   FSDP_CHECK(device.is_cpu(), "fsdp: a copy on ", device, ", but this build of LibTorch has no CUDA");
   return nullptr;

@@ -23,6 +23,9 @@ FSDP_TESTING_API size_t flight_recorder_size_from_env();
 /// Parses a ring size ("0" to "1000000") from variable `what`.
 FSDP_TESTING_API size_t parse_flight_recorder_size(const std::string& value, const std::string& what);
 
+/// $FSDP_TEST_GLOO_CUDA: the testing mode of several ranks on one GPU over Gloo.
+FSDP_TESTING_API bool gloo_cuda_from_env();
+
 /// $FSDP_DUMP_ON_SIGNAL: the signal whose receipt writes the flight recorder's file (0: none).
 int dump_signal_from_env();
 /// Parses "USR1", "SIGUSR1", "USR2", "SIGUSR2", a real-time signal's number, or "0" (none).

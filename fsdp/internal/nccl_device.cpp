@@ -14,7 +14,9 @@ std::string nccl_device_refusal(const LaunchEnv& env, int device_count) {
                   "(it refuses with \"Duplicate GPU detected\"), so this rank was given no NCCL backend. To train on "
                   "GPUs, start at most ",
                   device_count, " rank(s) per host (torchrun --nproc-per-node ", device_count,
-                  "); CPU tensors need no GPU (Gloo serves them on every rank).");
+                  "); CPU tensors need no GPU (Gloo serves them on every rank). To test several ranks on one GPU, "
+                  "FSDP_TEST_GLOO_CUDA=1 runs them all on cuda:0 over Gloo, a testing mode (docs/usage.md, "
+                  "'Several ranks on one GPU').");
 }
 
 std::string& nccl_absent_reason() {

@@ -11,6 +11,7 @@
 // it in gather() (wait_shard_in). Its way back, and the CPU's waits, are in unit_reduce.cpp.
 #include "fsdp/internal/check.h"
 #include "fsdp/internal/gather.h"
+#include "fsdp/internal/race_delay.h"
 #include "fsdp/internal/run_state.h"
 #include "fsdp/internal/unit.h"
 
@@ -107,9 +108,19 @@ void Unit::gather() {
     wait_shard_in();
     return;
   }
-  wait_gather();
-  wait_shard_in();  // offload: before the all-gather on the same side stream, so passed already
-  run_->pool().give_back(gather_in_);
+  auto complete = [&] {
+    wait_gather();
+    wait_shard_in();  // offload: before the all-gather on the same side stream, so passed already
+    run_->pool().give_back(gather_in_);
+    // The race switch's delay of the compute side (a GPU's compute stream; nothing on CPU, where
+    // compute is the caller's thread and a delay there would only hide races).
+    if (race_delay_seed() != 0) {
+      sleep_current_stream(gathered_.device(), next_race_delay(RaceSide::kCompute, shard_comm_->global_rank()));
+    }
+  };
+  // Tests only: the output read before the wait, the missing wait that the race switch must show.
+  const bool early = reads_gathers_before_wait();
+  if (!early) complete();
   if (kind_ == BufferKind::kShards) {
     unsharded_memory_ = run_->pool().take(S_ * shard_numel(), buffers_.unsharded.options());
     lend_memory(buffers_.unsharded, unsharded_memory_);
@@ -117,6 +128,7 @@ void Unit::gather() {
   // One copy-out fills every parameter, and the output goes back to the pool right after, before
   // any further prefetch is issued.
   copy_out(gathered_, buffers_.unsharded, slots_, S_, shard_numel());
+  if (early) complete();
   run_->pool().give_back(gathered_);
 }
 

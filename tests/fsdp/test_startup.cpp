@@ -233,6 +233,8 @@ TEST(NcclDevice, ALocalRankWithoutAGpuOfItsOwnIsRefused) {
       << why;
   EXPECT_NE(why.find("Duplicate GPU detected"), std::string::npos) << why;
   EXPECT_NE(why.find("start at most 1 rank(s) per host (torchrun --nproc-per-node 1)"), std::string::npos) << why;
+  EXPECT_NE(why.find("FSDP_TEST_GLOO_CUDA=1 runs them all on cuda:0 over Gloo, a testing mode"), std::string::npos)
+      << why;
   env.local_rank = 2;
   EXPECT_NE(detail::nccl_device_refusal(env, 2).find("local rank 2 "), std::string::npos);
   // A device of its own, no device at all, or ranks given in InitOptions (no local rank known).

@@ -7,6 +7,7 @@
 // checkpointing and FusedAdamW too, built in a ShardingScope over the mesh, and with CPU offload
 // (its CPU seam) at (2, 2).
 #include "fsdp/fsdp.h"
+#include "fsdp/internal/race_delay.h"
 #include "tests/harness.h"
 #include "tests/models.h"
 #include "tests/tp/tp_models.h"
@@ -175,6 +176,44 @@ TEST(TensorParallelFSDP, TrainsAsOneProcessOnEveryMesh) {
         }
       },
       offload_seam);
+}
+
+// The race switch (fsdp/internal/race_delay.h) over FSDP 2 x TP 2: the tensor-parallel conjugates'
+// collectives and FSDP's, delayed at random, give the same losses, norms and weights bit for bit,
+// with prefetch 2 and with activation checkpointing (the blocks' collectives run again in backward).
+TEST(TensorParallelFSDP, RaceDelaysChangeNothingOnAMesh) {
+  run_ranks(4, [](Rank& r) {
+    const DeviceMesh mesh(r.pg, {{kShardDim, 2}, {kTensorDim, 2}});
+    auto train = [&](uint64_t seed, const FullyShardOptions& options) {
+      detail::set_race_delay_for_testing(seed);
+      tp::Group blocks(mesh), vocab(mesh);
+      torch::manual_seed(3);
+      auto model = fully_shard(TPNet(blocks, vocab), mesh, options);
+      torch::optim::AdamW opt(model.parameters(), torch::optim::AdamWOptions(1e-2));
+      std::vector<double> out;
+      for (int s = 0; s < kSteps; ++s) {
+        const auto [loss, norm] = tp_step(model, opt, mesh, s);
+        out.push_back(loss);
+        out.push_back(norm);
+      }
+      std::vector<at::Tensor> weights;
+      for (const auto& p : model.parameters()) weights.push_back(p.detach().clone());
+      detail::set_race_delay_for_testing(0);
+      return std::make_pair(out, weights);
+    };
+    for (const auto& options :
+         {FullyShardOptions().prefetch(2), FullyShardOptions().activation_checkpointing_every(1)}) {
+      const int64_t before = detail::race_delays_applied();
+      const auto off = train(0, options);
+      const auto on = train(11, options);
+      EXPECT_GT(detail::race_delays_applied(), before);
+      EXPECT_EQ(on.first, off.first) << "losses and norms with race delays differ from those without";
+      ASSERT_EQ(on.second.size(), off.second.size());
+      for (size_t i = 0; i < on.second.size(); ++i) {
+        EXPECT_TRUE(torch::equal(on.second[i], off.second[i])) << "weight " << i << " differs with race delays";
+      }
+    }
+  });
 }
 
 TEST(TensorParallelFSDP, HybridWithTensorParallelTrainsAsOneProcess) {

@@ -1,0 +1,307 @@
+// The race switch (fsdp/internal/race_delay.h): the seed, the seeded delays and their count, and
+// the CPU backend that runs each collective late on a thread of its own.
+//
+// Why a wrapper and not a sleep: Gloo runs a CPU collective on its worker thread and writes the
+// caller's output as it finishes, usually within microseconds over loopback; a caller that reads
+// too early mostly reads the right bytes by luck. The wrapper moves the two moments a missing
+// wait depends on, when the inputs are read and when the output is written, to after seeded
+// delays on its own thread, so that reading before wait() reads stale bytes nearly every time.
+// A sleep on the caller's thread would do the opposite: give the collective time to finish.
+#include "fsdp/internal/race_delay.h"
+
+#include "fsdp/internal/check.h"
+#include "fsdp/internal/comm.h"
+#include "fsdp/internal/env.h"
+
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/core/ivalue.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/Exception.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <utility>
+
+namespace fsdp::detail {
+namespace {
+
+// Never destroyed: the exit handler and a backend's worker may read them during exit.
+struct RaceState {
+  std::once_flag env_read;
+  std::atomic<uint64_t> seed{0};
+  std::atomic<bool> ever_on{false};
+  std::atomic<int64_t> applied{0};
+  std::atomic<uint64_t> draws[3] = {};
+  std::atomic<int> rank{-1};
+  std::atomic<bool> read_before_wait{false};
+};
+RaceState& state() {
+  static auto* s = new RaceState();
+  return *s;
+}
+
+void print_at_exit() {
+  RaceState& s = state();
+  std::fprintf(stderr, "fsdp: race delays applied: %lld (FSDP_RACE_DELAY, global rank %d)\n",
+               static_cast<long long>(s.applied.load()), s.rank.load());
+}
+
+void note_on(uint64_t seed) {
+  if (seed == 0 || state().ever_on.exchange(true)) return;
+  std::atexit(print_at_exit);
+}
+
+uint64_t splitmix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+void sleep_for(std::chrono::microseconds d) {
+  if (d.count() > 0) std::this_thread::sleep_for(d);
+}
+
+// A collective of the wrapper: complete once the worker has written the caller's output.
+class RaceWork final : public c10d::Work {
+ public:
+  RaceWork() : future_(c10::make_intrusive<c10::ivalue::Future>(c10::NoneType::get())) {}
+  void finish_with(const std::exception_ptr& error) {
+    if (error) {
+      future_->setError(error);
+    } else {
+      future_->markCompleted(c10::IValue());
+    }
+  }
+  bool isCompleted() override { return future_->completed(); }
+  bool isSuccess() const override { return future_->completed() && !future_->hasError(); }
+  std::exception_ptr exception() const override {
+    return future_->completed() && future_->hasError() ? future_->exception_ptr() : nullptr;
+  }
+  bool wait(std::chrono::milliseconds timeout) override {
+    if (!future_->completed()) {
+      if (timeout == ::kNoTimeout) {
+        future_->wait();
+      } else {
+        auto done = std::make_shared<std::pair<std::mutex, std::condition_variable>>();
+        auto flag = std::make_shared<bool>(false);
+        future_->addCallback([done, flag](c10::ivalue::Future&) {
+          std::lock_guard<std::mutex> l(done->first);
+          *flag = true;
+          done->second.notify_all();
+        });
+        std::unique_lock<std::mutex> l(done->first);
+        if (!done->second.wait_for(l, timeout, [&] { return *flag; })) return false;
+      }
+    }
+    if (future_->hasError()) std::rethrow_exception(future_->exception_ptr());
+    return true;
+  }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+
+ private:
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+class RaceDelayBackend final : public c10d::Backend {
+ public:
+  RaceDelayBackend(c10::intrusive_ptr<c10d::Backend> inner, std::chrono::milliseconds timeout, int rank)
+      : Backend(inner->getRank(), inner->getSize()), inner_(std::move(inner)), timeout_(timeout), rank_(rank) {
+    worker_ = std::thread([this] { loop(); });
+  }
+  ~RaceDelayBackend() override {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    worker_.join();  // its jobs' waits are bounded by the timeout
+  }
+  RaceDelayBackend(const RaceDelayBackend&) = delete;
+  RaceDelayBackend& operator=(const RaceDelayBackend&) = delete;
+
+  const std::string getBackendName() const override { return "race-delay over " + inner_->getBackendName(); }
+  c10::intrusive_ptr<Options> getBackendOptions() override { return inner_->getBackendOptions(); }
+  c10d::ErrorType getError() override { return inner_->getError(); }
+
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& out, at::Tensor& in,
+                                                 const c10d::AllgatherOptions& options) override {
+    auto opts = options;
+    opts.asyncOp = true;  // waited for on the worker
+    return enqueue([this, out, in, opts]() mutable {
+      at::Tensor staged = at::empty_like(out);
+      at::Tensor taken = in.clone();
+      finish(inner_->_allgather_base(staged, taken, opts));
+      return std::vector<std::pair<at::Tensor, at::Tensor>>{{out, staged}};
+    });
+  }
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& out, at::Tensor& in,
+                                                      const c10d::ReduceScatterOptions& options) override {
+    auto opts = options;
+    opts.asyncOp = true;
+    return enqueue([this, out, in, opts]() mutable {
+      at::Tensor staged = at::empty_like(out);
+      at::Tensor taken = in.clone();
+      finish(inner_->_reduce_scatter_base(staged, taken, opts));
+      return std::vector<std::pair<at::Tensor, at::Tensor>>{{out, staged}};
+    });
+  }
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& options) override {
+    auto opts = options;
+    opts.asyncOp = true;
+    return enqueue([this, tensors, opts]() mutable {
+      std::vector<at::Tensor> staged = taken(tensors);
+      finish(inner_->allreduce(staged, opts));
+      return pairs(tensors, staged);
+    });
+  }
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& options) override {
+    auto opts = options;
+    opts.asyncOp = true;
+    return enqueue([this, tensors, opts]() mutable {
+      std::vector<at::Tensor> staged = taken(tensors);
+      finish(inner_->broadcast(staged, opts));
+      return pairs(tensors, staged);
+    });
+  }
+
+ private:
+  // A job runs the collective on staging tensors and returns (caller's tensor, result) pairs.
+  using Copies = std::vector<std::pair<at::Tensor, at::Tensor>>;
+  struct Job {
+    std::function<Copies()> run;
+    c10::intrusive_ptr<RaceWork> work;
+  };
+
+  static std::vector<at::Tensor> taken(const std::vector<at::Tensor>& ts) {
+    std::vector<at::Tensor> out;
+    out.reserve(ts.size());
+    for (const auto& t : ts) out.push_back(t.clone());
+    return out;
+  }
+  static Copies pairs(const std::vector<at::Tensor>& to, const std::vector<at::Tensor>& from) {
+    Copies c;
+    for (size_t i = 0; i < to.size(); ++i) c.emplace_back(to[i], from[i]);
+    return c;
+  }
+
+  c10::intrusive_ptr<c10d::Work> enqueue(std::function<Copies()> run) {
+    auto work = c10::make_intrusive<RaceWork>();
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      jobs_.push_back(Job{std::move(run), work});
+    }
+    cv_.notify_all();
+    return work;
+  }
+
+  // The inner collective's end, bounded like every wait of the library.
+  void finish(const c10::intrusive_ptr<c10d::Work>& work) const {
+    if (!wait_bounded(*work, timeout_, /*cpu=*/true)) TORCH_CHECK(false, "Operation timed out!");
+  }
+
+  void loop() {
+    for (;;) {
+      Job job;
+      {
+        std::unique_lock<std::mutex> l(mu_);
+        cv_.wait(l, [&] { return stop_ || !jobs_.empty(); });
+        if (jobs_.empty()) return;
+        job = std::move(jobs_.front());
+        jobs_.pop_front();
+      }
+      std::exception_ptr error;
+      try {
+        // Raw memory, as Gloo writes it: no autograd, no version counter.
+        at::AutoDispatchBelowADInplaceOrView below_autograd;
+        sleep_for(next_race_delay(RaceSide::kComm, rank_));  // then the inputs are read
+        Copies copies = job.run();
+        sleep_for(next_race_delay(RaceSide::kComm, rank_));  // then the output is written
+        for (auto& [to, from] : copies) to.copy_(from);
+      } catch (...) {
+        error = std::current_exception();
+      }
+      job.work->finish_with(error);
+      job = Job{};  // the caller's wait sees the work let go (Comm::wait), with its tensors
+    }
+  }
+
+  c10::intrusive_ptr<c10d::Backend> inner_;
+  std::chrono::milliseconds timeout_;
+  int rank_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Job> jobs_;
+  bool stop_ = false;
+  std::thread worker_;
+};
+
+}  // namespace
+
+uint64_t parse_race_delay(const std::string& value, const std::string& what) {
+  const bool digits =
+      !value.empty() && value.size() <= 18 && value.find_first_not_of("0123456789") == std::string::npos;
+  FSDP_CHECK(digits, "fsdp: ", what, "='", value,
+             "' is not a race-delay seed: give a whole number (the seed of the delays, e.g. ", what,
+             "=7), or 0 (off). See docs/usage.md, 'Races made visible'.");
+  return std::stoull(value);
+}
+
+uint64_t race_delay_seed() {
+  RaceState& s = state();
+  std::call_once(s.env_read, [&] {
+    const char* v = getenv_or_null("FSDP_RACE_DELAY");
+    const uint64_t seed = v == nullptr ? 0 : parse_race_delay(v, "FSDP_RACE_DELAY");
+    s.seed = seed;
+    note_on(seed);
+  });
+  return s.seed.load(std::memory_order_relaxed);
+}
+
+uint64_t set_race_delay_for_testing(uint64_t seed) {
+  RaceState& s = state();
+  std::call_once(s.env_read, [] {});  // the variable is no longer read
+  note_on(seed);
+  return s.seed.exchange(seed);
+}
+
+int64_t race_delays_applied() {
+  return state().applied.load();
+}
+
+std::chrono::microseconds next_race_delay(RaceSide side, int rank) {
+  RaceState& s = state();
+  const uint64_t seed = race_delay_seed();
+  if (seed == 0) return std::chrono::microseconds(0);
+  const auto k = static_cast<size_t>(side);
+  const uint64_t n = s.draws[k].fetch_add(1);
+  const uint64_t x = splitmix64(seed ^ splitmix64((static_cast<uint64_t>(rank) << 8 | k) ^ (n << 20)));
+  s.rank = rank;
+  ++s.applied;
+  // Up to 1 ms before an issue; 0.1 to 2 ms on the communication and compute sides, never zero
+  // there, so that a read before the wait never passes by a draw of nothing.
+  if (side == RaceSide::kIssue) return std::chrono::microseconds(static_cast<int64_t>(x % 1001));
+  return std::chrono::microseconds(100 + static_cast<int64_t>(x % 1901));
+}
+
+c10::intrusive_ptr<c10d::Backend> make_race_delay_backend(c10::intrusive_ptr<c10d::Backend> inner,
+                                                          std::chrono::milliseconds timeout, int rank) {
+  return c10::make_intrusive<RaceDelayBackend>(std::move(inner), timeout, rank);
+}
+
+void read_gathers_before_wait_for_testing(bool on) {
+  state().read_before_wait = on;
+}
+bool reads_gathers_before_wait() {
+  return state().read_before_wait.load(std::memory_order_relaxed);
+}
+
+}  // namespace fsdp::detail
