@@ -48,6 +48,13 @@ LaunchEnv& current_env() {
   return env;
 }
 
+// Whether the last init_process_group gave this process a CUDA backend (NCCL, or Gloo in the
+// testing mode): fsdp::cuda_device's answer then is the device it bound.
+bool& cuda_backend_added() {
+  static bool added = false;
+  return added;
+}
+
 void read_master(LaunchEnv& env) {
   if (env.world_size == 1) return;
   const char* addr = getenv_or_null("MASTER_ADDR");
@@ -152,8 +159,9 @@ c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const InitOptions& opt
     detail::set_cuda_device(0);
     pg->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::GLOO, r.gloo);
     detail::nccl_absent_reason().clear();
-  } else if (options.nccl()) {
-    detail::maybe_add_nccl_backend(*pg, r.scoped, env, timeout);
+    cuda_backend_added() = true;
+  } else {
+    cuda_backend_added() = options.nccl() && detail::maybe_add_nccl_backend(*pg, r.scoped, env, timeout);
   }
   if (env.world_size > 1) {
     // The heartbeat gets a connection of its own: it must not wait behind (or hold up) this one.
@@ -177,6 +185,9 @@ c10::Device cuda_device() {
                 "this machine shows no CUDA device (or this LibTorch has no CUDA): train on the CPU.");
   const std::string& why = detail::nccl_absent_reason();
   FSDP_CHECK_IN(in, why.empty(), why);
+  FSDP_CHECK_IN(in, cuda_backend_added(),
+                "fsdp::init_process_group gave this process no CUDA backend (it was not called yet, or with "
+                "InitOptions::nccl(false)): call it first, with NCCL on, to train on a GPU.");
   return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(detail::current_cuda_device()));
 }
 

@@ -29,7 +29,9 @@
 #                     every strategy, prefetch 0/1/2, bf16, activation checkpointing, accumulation, offload,
 #                     against plain LibTorch on the GPU, each with the race switch (FSDP_RACE_DELAY) on and off
 #   8 examples_gpu    train_gpt (2 ranks; every strategy at 4) and train_llama at (dp_shard 2, tp 2) on the GPU
-#                     over Gloo against one rank on the GPU, race switch on and off (needs the two examples)
+#                     over Gloo against one rank on the GPU, LocalSGD H = 4 against the CPU, a save at 2 ranks
+#                     on the GPU resumed at 1 on the GPU and 3 on the CPU; race switch on and off (needs the
+#                     two examples)
 #   9 races_cpu       RaceDelay.*: the race switch's CPU tests (run everywhere)
 # --only PARTS runs those parts alone (their names above, comma-separated).
 set -euo pipefail
@@ -129,11 +131,11 @@ else
 fi
 part cpu_tests 300 "$BUILD/tests/fsdp_tests" --gtest_filter='*MixedPrecision*:*Offload*'
 if [ "$GPU" = 1 ]; then
-  part gloo_cuda 240 "$BUILD/tests/fsdp_tests" --gtest_filter='GlooCuda.*'
+  part gloo_cuda 180 "$BUILD/tests/fsdp_tests" --gtest_filter='GlooCuda.*'
   TORCHRUN=$(dirname "$PYTHON")/torchrun
   [ -x "$TORCHRUN" ] || TORCHRUN=$(command -v torchrun || echo torchrun)
   if [ -x "$BUILD/examples/train_gpt" ] && [ -x "$BUILD/examples/llama/train_llama" ]; then
-    part examples_gpu 240 "$PYTHON" tests/examples/check_race_and_device.py --device cuda --python "$PYTHON" \
+    part examples_gpu 300 "$PYTHON" tests/examples/check_race_and_device.py --device cuda --python "$PYTHON" \
       --train-gpt "$BUILD/examples/train_gpt" --train-llama "$BUILD/examples/llama/train_llama" \
       --torchrun "$TORCHRUN"
   else

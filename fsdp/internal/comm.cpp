@@ -330,6 +330,11 @@ Pending Comm::launch(const char* op, const std::string& what, const at::Tensor& 
         p.work = start(*p.backend, /*async_op=*/false);
       });
     } else {
+      // On a GPU without side streams, the race switch's delay of the communication side is on the
+      // current stream, before the collective (NCCL's stream and Gloo wait for it).
+      if (t.is_cuda() && race_delay_seed() != 0) {
+        sleep_current_stream(t.device(), next_race_delay(RaceSide::kComm, global_rank_));
+      }
       p.work = start(*p.backend, /*async_op=*/true);
     }
   } catch (const std::exception& e) {
@@ -345,7 +350,14 @@ void Comm::race_delay_issue(Pending& p, const at::Tensor& t) const {
   auto& wrapped = shared_->race_backends;
   auto it = std::find_if(wrapped.begin(), wrapped.end(), [&](const auto& w) { return w.first == p.backend.get(); });
   if (it == wrapped.end()) {
-    wrapped.emplace_back(p.backend.get(), make_race_delay_backend(p.backend, timeout_, global_rank_));
+    // In the Gloo testing mode one Gloo backend serves CUDA tensors too, issued to it directly: a
+    // wrapper's thread would reorder its CPU collectives against those. It stays unwrapped; its
+    // delays are the issue's and the GPU's sleep kernels.
+    bool serves_cuda = false;
+    for (const auto& d : pg_->getDeviceTypes()) {
+      serves_cuda = serves_cuda || (d.is_cuda() && pg_->getBackend(c10::DeviceType::CUDA).get() == p.backend.get());
+    }
+    wrapped.emplace_back(p.backend.get(), serves_cuda ? p.backend : race_delay_backend(p.backend, global_rank_));
     it = std::prev(wrapped.end());
   }
   p.backend = it->second;

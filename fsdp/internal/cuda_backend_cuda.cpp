@@ -1,6 +1,7 @@
 // Built only when LibTorch has CUDA (see fsdp/CMakeLists.txt). Runs only where a GPU exists.
 #include "fsdp/internal/cuda_backend.h"
 #include "fsdp/internal/nccl_device.h"
+#include "fsdp/internal/race_delay.h"
 
 #include <ATen/Context.h>
 #include <ATen/cuda/Sleep.h>
@@ -127,8 +128,25 @@ void issue_on_side_stream(SideStreams& streams, const c10::Device& device, SideS
   c10::cuda::CUDAEvent inputs_ready;
   inputs_ready.record(c10::cuda::getCurrentCUDAStream(index));
   inputs_ready.block(side);
-  const c10::cuda::CUDAStreamGuard on_side(side);
-  issue();  // Gloo records its own event on the side stream, after which it reads the inputs
+  try {
+    const c10::cuda::CUDAStreamGuard on_side(side);
+    issue();  // Gloo records its own event on the side stream, after which it reads the inputs
+  } catch (...) {
+    // What the backend may have queued before it threw: waited for before the buffers go back.
+    CudaStreamEvent done(index);
+    done.record(side);
+    done.block_current();
+    throw;
+  }
+}
+
+void on_pool_stream_for_testing(const c10::Device& device, const std::function<void()>& fn) {
+  if (!device.is_cuda()) {
+    fn();
+    return;
+  }
+  const c10::cuda::CUDAStreamGuard on_pool(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device.index()));
+  fn();
 }
 
 std::unique_ptr<StreamEvent> complete_on_side_stream(SideStreams& streams, const c10::Device& device, SideStream which,

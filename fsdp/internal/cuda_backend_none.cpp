@@ -1,6 +1,7 @@
 // Built when LibTorch has no CUDA: there is no NCCL backend and no CUDA memory to report.
 #include "fsdp/internal/check.h"
 #include "fsdp/internal/cuda_backend.h"
+#include "fsdp/internal/race_delay.h"
 
 #include <c10/util/Exception.h>
 
@@ -39,6 +40,10 @@ void issue_on_side_stream(SideStreams&, const c10::Device& device, SideStream, c
 std::unique_ptr<StreamEvent> complete_on_side_stream(SideStreams&, const c10::Device& device, SideStream,
                                                      const std::function<void()>&) {
   FSDP_CHECK(false, "fsdp: a collective on ", device, " tensors, but this build of LibTorch has no CUDA");
+}
+void on_pool_stream_for_testing(const c10::Device& device, const std::function<void()>& fn) {
+  FSDP_CHECK(device.is_cpu(), "fsdp: a stream of ", device, ", but this build of LibTorch has no CUDA");
+  fn();
 }
 void sleep_current_stream(const c10::Device&, std::chrono::microseconds) {}
 

@@ -18,6 +18,7 @@
 #include <ATen/ops/empty_like.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdio>
@@ -27,9 +28,12 @@
 #include <mutex>
 #include <thread>
 #include <utility>
+#include <vector>
 
 namespace fsdp::detail {
 namespace {
+
+class RaceDelayBackend;
 
 // Never destroyed: the exit handler and a backend's worker may read them during exit.
 struct RaceState {
@@ -40,6 +44,9 @@ struct RaceState {
   std::atomic<uint64_t> draws[3] = {};
   std::atomic<int> rank{-1};
   std::atomic<bool> read_before_wait{false};
+  // The live wrappers, by the backend each wraps (race_delay_backend).
+  std::mutex registry_mu;
+  std::vector<std::pair<const c10d::Backend*, c10::weak_intrusive_ptr<RaceDelayBackend>>> registry;
 };
 RaceState& state() {
   static auto* s = new RaceState();
@@ -66,6 +73,21 @@ uint64_t splitmix64(uint64_t x) {
 
 void sleep_for(std::chrono::microseconds d) {
   if (d.count() > 0) std::this_thread::sleep_for(d);
+}
+
+// Delay number `n` of `side` on `rank`, counted as applied: up to 1 ms before an issue; 0.1 to
+// 2 ms on the communication and compute sides, never zero there, so that a read before the wait
+// never passes by a draw of nothing.
+std::chrono::microseconds race_delay_draw(RaceSide side, int rank, uint64_t n) {
+  RaceState& s = state();
+  const uint64_t seed = s.seed.load(std::memory_order_relaxed);
+  if (seed == 0) return std::chrono::microseconds(0);
+  const auto k = static_cast<uint64_t>(side);
+  const uint64_t x = splitmix64(seed ^ splitmix64((static_cast<uint64_t>(rank) << 8 | k) ^ (n << 20)));
+  s.rank = rank;
+  ++s.applied;
+  if (side == RaceSide::kIssue) return std::chrono::microseconds(static_cast<int64_t>(x % 1001));
+  return std::chrono::microseconds(100 + static_cast<int64_t>(x % 1901));
 }
 
 // A collective of the wrapper: complete once the worker has written the caller's output.
@@ -109,56 +131,140 @@ class RaceWork final : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
+// A collective of the wrapper: run by the worker on staging tensors of `inner`; returns the
+// (caller's tensor, result) pairs the worker copies once the collective is done.
+using Copies = std::vector<std::pair<at::Tensor, at::Tensor>>;
+struct Job {
+  std::function<Copies(c10d::Backend& inner)> run;
+  c10::intrusive_ptr<RaceWork> work;
+};
+
+// What the worker thread owns: the queue and the backend it issues into. Shared with the wrapper,
+// so that a wrapper destroyed while a job still waits for its peers need not wait for it.
+struct Queue {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<Job> jobs;
+  bool stop = false;
+  bool busy = false;  // a job is running
+  c10::intrusive_ptr<c10d::Backend> inner;
+  int rank = 0;
+  uint64_t draws = 0;  // this worker's delays so far, drawn in issue order: one sequence per seed
+};
+
+void work_loop(const std::shared_ptr<Queue>& q) {
+  for (;;) {
+    Job job;
+    {
+      std::unique_lock<std::mutex> l(q->mu);
+      q->cv.wait(l, [&] { return q->stop || !q->jobs.empty(); });
+      if (q->jobs.empty()) return;
+      job = std::move(q->jobs.front());
+      q->jobs.pop_front();
+      q->busy = true;
+    }
+    std::exception_ptr error;
+    try {
+      // Raw memory, as Gloo writes it: no autograd, no version counter.
+      at::AutoDispatchBelowADInplaceOrView below_autograd;
+      sleep_for(race_delay_draw(RaceSide::kComm, q->rank, q->draws++));  // then the inputs are read
+      Copies copies = job.run(*q->inner);
+      sleep_for(race_delay_draw(RaceSide::kComm, q->rank, q->draws++));  // then the output is written
+      for (auto& [to, from] : copies) to.copy_(from);
+    } catch (...) {
+      error = std::current_exception();
+    }
+    job.work->finish_with(error);
+    job = Job{};  // the caller's wait sees the work let go (Comm::wait), with its tensors
+    std::lock_guard<std::mutex> l(q->mu);
+    q->busy = false;
+  }
+}
+
+// The inner collective's end, bounded by the collective's own timeout (Comm sets it on each).
+void finish(const c10::intrusive_ptr<c10d::Work>& work, std::chrono::milliseconds timeout) {
+  if (!wait_bounded(*work, timeout, /*cpu=*/true)) TORCH_CHECK(false, "Operation timed out!");
+}
+
+std::vector<at::Tensor> clones(const std::vector<at::Tensor>& ts) {
+  std::vector<at::Tensor> out;
+  out.reserve(ts.size());
+  for (const auto& t : ts) out.push_back(t.clone());
+  return out;
+}
+Copies pairs(const std::vector<at::Tensor>& to, const std::vector<at::Tensor>& from) {
+  Copies c;
+  for (size_t i = 0; i < to.size(); ++i) c.emplace_back(to[i], from[i]);
+  return c;
+}
+
 class RaceDelayBackend final : public c10d::Backend {
  public:
-  RaceDelayBackend(c10::intrusive_ptr<c10d::Backend> inner, std::chrono::milliseconds timeout, int rank)
-      : Backend(inner->getRank(), inner->getSize()), inner_(std::move(inner)), timeout_(timeout), rank_(rank) {
-    worker_ = std::thread([this] { loop(); });
+  RaceDelayBackend(c10::intrusive_ptr<c10d::Backend> inner, int rank)
+      : Backend(inner->getRank(), inner->getSize()), q_(std::make_shared<Queue>()) {
+    q_->inner = std::move(inner);
+    q_->rank = rank;
+    worker_ = std::thread([q = q_] { work_loop(q); });
   }
   ~RaceDelayBackend() override {
+    std::deque<Job> dropped;
+    bool idle = false;
     {
-      std::lock_guard<std::mutex> l(mu_);
-      stop_ = true;
+      std::lock_guard<std::mutex> l(q_->mu);
+      q_->stop = true;
+      dropped.swap(q_->jobs);
+      idle = !q_->busy;
     }
-    cv_.notify_all();
-    worker_.join();  // its jobs' waits are bounded by the timeout
+    q_->cv.notify_all();
+    for (auto& job : dropped) {
+      job.work->finish_with(std::make_exception_ptr(
+          std::runtime_error("fsdp: the race-delay backend was destroyed before this collective ran")));
+    }
+    // Idle, the worker is about to return; a job still running (its peers gone) is left to end on
+    // its own, bounded by its timeout, holding what it needs.
+    if (idle) {
+      worker_.join();
+    } else {
+      worker_.detach();
+    }
   }
   RaceDelayBackend(const RaceDelayBackend&) = delete;
   RaceDelayBackend& operator=(const RaceDelayBackend&) = delete;
 
-  const std::string getBackendName() const override { return "race-delay over " + inner_->getBackendName(); }
-  c10::intrusive_ptr<Options> getBackendOptions() override { return inner_->getBackendOptions(); }
-  c10d::ErrorType getError() override { return inner_->getError(); }
+  const c10d::Backend* inner() const { return q_->inner.get(); }
+  const std::string getBackendName() const override { return "race-delay over " + q_->inner->getBackendName(); }
+  c10::intrusive_ptr<Options> getBackendOptions() override { return q_->inner->getBackendOptions(); }
+  c10d::ErrorType getError() override { return q_->inner->getError(); }
 
   c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& out, at::Tensor& in,
                                                  const c10d::AllgatherOptions& options) override {
     auto opts = options;
     opts.asyncOp = true;  // waited for on the worker
-    return enqueue([this, out, in, opts]() mutable {
+    return enqueue([out, in, opts](c10d::Backend& inner) mutable {
       at::Tensor staged = at::empty_like(out);
       at::Tensor taken = in.clone();
-      finish(inner_->_allgather_base(staged, taken, opts));
-      return std::vector<std::pair<at::Tensor, at::Tensor>>{{out, staged}};
+      finish(inner._allgather_base(staged, taken, opts), opts.timeout);
+      return Copies{{out, staged}};
     });
   }
   c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& out, at::Tensor& in,
                                                       const c10d::ReduceScatterOptions& options) override {
     auto opts = options;
     opts.asyncOp = true;
-    return enqueue([this, out, in, opts]() mutable {
+    return enqueue([out, in, opts](c10d::Backend& inner) mutable {
       at::Tensor staged = at::empty_like(out);
       at::Tensor taken = in.clone();
-      finish(inner_->_reduce_scatter_base(staged, taken, opts));
-      return std::vector<std::pair<at::Tensor, at::Tensor>>{{out, staged}};
+      finish(inner._reduce_scatter_base(staged, taken, opts), opts.timeout);
+      return Copies{{out, staged}};
     });
   }
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& options) override {
     auto opts = options;
     opts.asyncOp = true;
-    return enqueue([this, tensors, opts]() mutable {
-      std::vector<at::Tensor> staged = taken(tensors);
-      finish(inner_->allreduce(staged, opts));
+    return enqueue([tensors, opts](c10d::Backend& inner) mutable {
+      std::vector<at::Tensor> staged = clones(tensors);
+      finish(inner.allreduce(staged, opts), opts.timeout);
       return pairs(tensors, staged);
     });
   }
@@ -166,81 +272,25 @@ class RaceDelayBackend final : public c10d::Backend {
                                            const c10d::BroadcastOptions& options) override {
     auto opts = options;
     opts.asyncOp = true;
-    return enqueue([this, tensors, opts]() mutable {
-      std::vector<at::Tensor> staged = taken(tensors);
-      finish(inner_->broadcast(staged, opts));
+    return enqueue([tensors, opts](c10d::Backend& inner) mutable {
+      std::vector<at::Tensor> staged = clones(tensors);
+      finish(inner.broadcast(staged, opts), opts.timeout);
       return pairs(tensors, staged);
     });
   }
 
  private:
-  // A job runs the collective on staging tensors and returns (caller's tensor, result) pairs.
-  using Copies = std::vector<std::pair<at::Tensor, at::Tensor>>;
-  struct Job {
-    std::function<Copies()> run;
-    c10::intrusive_ptr<RaceWork> work;
-  };
-
-  static std::vector<at::Tensor> taken(const std::vector<at::Tensor>& ts) {
-    std::vector<at::Tensor> out;
-    out.reserve(ts.size());
-    for (const auto& t : ts) out.push_back(t.clone());
-    return out;
-  }
-  static Copies pairs(const std::vector<at::Tensor>& to, const std::vector<at::Tensor>& from) {
-    Copies c;
-    for (size_t i = 0; i < to.size(); ++i) c.emplace_back(to[i], from[i]);
-    return c;
-  }
-
-  c10::intrusive_ptr<c10d::Work> enqueue(std::function<Copies()> run) {
+  c10::intrusive_ptr<c10d::Work> enqueue(std::function<Copies(c10d::Backend&)> run) {
     auto work = c10::make_intrusive<RaceWork>();
     {
-      std::lock_guard<std::mutex> l(mu_);
-      jobs_.push_back(Job{std::move(run), work});
+      std::lock_guard<std::mutex> l(q_->mu);
+      q_->jobs.push_back(Job{std::move(run), work});
     }
-    cv_.notify_all();
+    q_->cv.notify_all();
     return work;
   }
 
-  // The inner collective's end, bounded like every wait of the library.
-  void finish(const c10::intrusive_ptr<c10d::Work>& work) const {
-    if (!wait_bounded(*work, timeout_, /*cpu=*/true)) TORCH_CHECK(false, "Operation timed out!");
-  }
-
-  void loop() {
-    for (;;) {
-      Job job;
-      {
-        std::unique_lock<std::mutex> l(mu_);
-        cv_.wait(l, [&] { return stop_ || !jobs_.empty(); });
-        if (jobs_.empty()) return;
-        job = std::move(jobs_.front());
-        jobs_.pop_front();
-      }
-      std::exception_ptr error;
-      try {
-        // Raw memory, as Gloo writes it: no autograd, no version counter.
-        at::AutoDispatchBelowADInplaceOrView below_autograd;
-        sleep_for(next_race_delay(RaceSide::kComm, rank_));  // then the inputs are read
-        Copies copies = job.run();
-        sleep_for(next_race_delay(RaceSide::kComm, rank_));  // then the output is written
-        for (auto& [to, from] : copies) to.copy_(from);
-      } catch (...) {
-        error = std::current_exception();
-      }
-      job.work->finish_with(error);
-      job = Job{};  // the caller's wait sees the work let go (Comm::wait), with its tensors
-    }
-  }
-
-  c10::intrusive_ptr<c10d::Backend> inner_;
-  std::chrono::milliseconds timeout_;
-  int rank_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Job> jobs_;
-  bool stop_ = false;
+  std::shared_ptr<Queue> q_;
   std::thread worker_;
 };
 
@@ -278,23 +328,25 @@ int64_t race_delays_applied() {
 }
 
 std::chrono::microseconds next_race_delay(RaceSide side, int rank) {
-  RaceState& s = state();
-  const uint64_t seed = race_delay_seed();
-  if (seed == 0) return std::chrono::microseconds(0);
-  const auto k = static_cast<size_t>(side);
-  const uint64_t n = s.draws[k].fetch_add(1);
-  const uint64_t x = splitmix64(seed ^ splitmix64((static_cast<uint64_t>(rank) << 8 | k) ^ (n << 20)));
-  s.rank = rank;
-  ++s.applied;
-  // Up to 1 ms before an issue; 0.1 to 2 ms on the communication and compute sides, never zero
-  // there, so that a read before the wait never passes by a draw of nothing.
-  if (side == RaceSide::kIssue) return std::chrono::microseconds(static_cast<int64_t>(x % 1001));
-  return std::chrono::microseconds(100 + static_cast<int64_t>(x % 1901));
+  if (race_delay_seed() == 0) return std::chrono::microseconds(0);
+  return race_delay_draw(side, rank, state().draws[static_cast<size_t>(side)].fetch_add(1));
 }
 
-c10::intrusive_ptr<c10d::Backend> make_race_delay_backend(c10::intrusive_ptr<c10d::Backend> inner,
-                                                          std::chrono::milliseconds timeout, int rank) {
-  return c10::make_intrusive<RaceDelayBackend>(std::move(inner), timeout, rank);
+c10::intrusive_ptr<c10d::Backend> race_delay_backend(const c10::intrusive_ptr<c10d::Backend>& inner, int rank) {
+  // One wrapper, and so one worker thread, per backend in the process: two workers issuing into one
+  // Gloo backend would pair its collectives in an order that thread timing decides.
+  RaceState& s = state();
+  std::lock_guard<std::mutex> l(s.registry_mu);
+  auto& reg = s.registry;
+  reg.erase(std::remove_if(reg.begin(), reg.end(), [](const auto& e) { return e.second.expired(); }), reg.end());
+  for (auto& [key, weak] : reg) {
+    if (key == inner.get()) {
+      if (auto live = weak.lock()) return live;
+    }
+  }
+  auto made = c10::make_intrusive<RaceDelayBackend>(inner, rank);
+  reg.emplace_back(inner.get(), c10::weak_intrusive_ptr<RaceDelayBackend>(made));
+  return made;
 }
 
 void read_gathers_before_wait_for_testing(bool on) {

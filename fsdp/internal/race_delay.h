@@ -13,6 +13,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <string>
 
 namespace fsdp::detail {
@@ -20,7 +21,7 @@ namespace fsdp::detail {
 /// The seed in force: $FSDP_RACE_DELAY (read once; a value that is not a whole number is an error
 /// naming the variable), or the last set_race_delay_for_testing. 0: off.
 uint64_t race_delay_seed();
-/// Parses a seed: a whole number from 0 (off) to 2^63 - 1; `what` names the variable.
+/// Parses a seed: a whole number of at most 18 digits, 0 for off; `what` names the variable.
 FSDP_TESTING_API uint64_t parse_race_delay(const std::string& value, const std::string& what);
 /// Tests: the seed from now on, as if $FSDP_RACE_DELAY were it (0: off). Returns the one before.
 FSDP_TESTING_API uint64_t set_race_delay_for_testing(uint64_t seed);
@@ -37,14 +38,20 @@ enum class RaceSide { kIssue = 0, kComm = 1, kCompute = 2 };
 /// kIssue 0 to 1 ms, kComm and kCompute 0.1 to 2 ms. Zero when the switch is off.
 std::chrono::microseconds next_race_delay(RaceSide side, int rank);
 
-/// The CPU backend of the race switch: each collective runs on the wrapper's own worker thread
-/// (in issue order, so the ranks still pair them up): after a delay it snapshots the inputs, runs
-/// `inner`'s collective on staging buffers, waits for it (at most `timeout`), and after a second
-/// delay copies the result into the caller's output; only then is the returned work complete. A
-/// caller that reads the output or writes the input before its wait() therefore sees different
-/// numbers. The all-gather, reduce-scatter, all-reduce and broadcast the library issues.
-c10::intrusive_ptr<c10d::Backend> make_race_delay_backend(c10::intrusive_ptr<c10d::Backend> inner,
-                                                          std::chrono::milliseconds timeout, int rank);
+/// The CPU backend of the race switch over `inner` (one per backend in the process, made at the
+/// first call and shared while alive): each collective runs on the wrapper's own worker thread (in
+/// issue order, so the ranks still pair them up): after a delay it snapshots the inputs, runs
+/// `inner`'s collective on staging buffers, waits for it (at most the collective's timeout), and
+/// after a second delay copies the result into the caller's output; only then is the returned work
+/// complete. A caller that reads the output or writes the input before its wait() therefore sees
+/// different numbers. The all-gather, reduce-scatter, all-reduce and broadcast the library issues.
+c10::intrusive_ptr<c10d::Backend> race_delay_backend(const c10::intrusive_ptr<c10d::Backend>& inner, int rank);
+
+/// Tests: runs `fn` with a new stream of CUDA `device` current (from the pool), so that the GPU
+/// race tests compute off the default stream, which Gloo's worker thread makes wait for each CUDA
+/// collective it completes (a wait the library did not ask for, that could hide a missing one).
+/// On a CPU device, runs `fn`.
+FSDP_TESTING_API void on_pool_stream_for_testing(const c10::Device& device, const std::function<void()>& fn);
 
 /// Tests only: a unit copies out its all-gather's output before waiting for the all-gather, the
 /// missing wait the race switch must reveal (Unit::gather). Off unless a test turns it on.

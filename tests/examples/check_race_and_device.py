@@ -12,13 +12,16 @@
 With --device cuda (scripts/gpu-check.sh, on a GPU): the ranks run on cuda:0 over Gloo
 (FSDP_TEST_GLOO_CUDA=1), and besides 1 (on the GPU) every strategy of train_gpt at 4 ranks and
 train_llama at (dp_shard 2, tp 2) give the losses of one rank on the GPU (1e-5 relative), with the
-race switch on and off.
+race switch on and off; LocalSGD H = 4 over hybrid's two replicas gives the same losses with the
+switch on and off, and the CPU run's (1e-4); a sharded save at 2 ranks on the GPU, resumed at 1 rank
+on the GPU and at 3 ranks on the CPU, continues with the uninterrupted run's losses (1e-5).
 """
 import argparse
 import os
 import re
 import subprocess
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "programs"))
 from torchrun_runs import command, run  # noqa: E402
@@ -37,7 +40,7 @@ def rows_of(rows):
     return [(r["step"], r["loss"], r["grad_norm"]) for r in rows]
 
 
-def race_parity(a, ranks, extra, prog=None, one_rank=False):
+def race_parity(a, ranks, extra, prog=None, one_rank=False, cpu_rtol=None):
     """The race switch on and off at `ranks` ranks (on the GPU with --device cuda); with `one_rank`,
     both against one rank's losses too (1e-5 relative)."""
     prog = prog or a.train_gpt
@@ -54,6 +57,11 @@ def race_parity(a, ranks, extra, prog=None, one_rank=False):
         worst = max(abs(m["loss"] - o["loss"]) / abs(o["loss"]) for m, o in zip(off, one))
         expect(f"{os.path.basename(prog)} at {ranks} ranks {' '.join(extra)} on {a.device}: one rank's losses (1e-5)",
                len(one) == len(off) and worst <= 1e-5, f"worst relative difference {worst:.2e}")
+    if cpu_rtol is not None:  # the same ranks on the CPU
+        cpu, _ = run(command(prog, a.torchrun, ranks, [x for x in args if x not in ("--device", "cuda")]), 240)
+        worst = max(abs(g["loss"] - c["loss"]) / abs(c["loss"]) for g, c in zip(off, cpu))
+        expect(f"{os.path.basename(prog)} at {ranks} ranks {' '.join(extra)}: the GPU's losses are the CPU's "
+               f"({cpu_rtol:g})", len(cpu) == len(off) and worst <= cpu_rtol, f"worst relative difference {worst:.2e}")
     counts = [int(n) for n in re.findall(r"race delays applied: (\d+)", err[0])]
     label = f"{ranks} ranks {' '.join(extra)}".strip()
     expect(f"race delays at {label}: losses and gradient norms bit-identical to the run without them",
@@ -61,6 +69,27 @@ def race_parity(a, ranks, extra, prog=None, one_rank=False):
     expect(f"race delays at {label}: every rank says 'race delays applied: N' with N > 0",
            len(counts) == ranks and min(counts) > 0, err[0][-2000:])
     print(f"      {label}: {len(on)} steps, delays applied per rank {counts}, last loss {on[-1]['loss']}")
+
+
+def resume_across(a):
+    """A sharded save at 2 ranks on the GPU (after step 3), resumed at 1 rank on the GPU and at 3
+    ranks on the CPU: steps 3 to 5 give the uninterrupted 2-rank run's losses."""
+    small = [x if x != "8" else "12" for x in SMALL]  # --batch-size 12: 2, 1 and 3 ranks
+    base = ["--seed", "1", "--json"] + small
+    gpu, env = (["--device", "cuda"], {"FSDP_TEST_GLOO_CUDA": "1"}) if a.device == "cuda" else ([], {})
+    whole, _ = run(command(a.train_gpt, a.torchrun, 2, base + gpu + ["--steps", "6"]), 240, env)
+    with tempfile.TemporaryDirectory() as d:
+        save = ["--save-dir", d, "--save-every", "3"]
+        run(command(a.train_gpt, a.torchrun, 2, base + gpu + save + ["--steps", "3"]), 240, env)
+        for ranks, where, extra, e in ((1, "1 rank on the GPU", gpu, env), (3, "3 ranks on the CPU", [], {})):
+            rows, _ = run(command(a.train_gpt, a.torchrun, ranks,
+                                  base + extra + ["--save-dir", d, "--save-every", "100", "--resume", "--steps", "6"]),
+                          240, e)
+            want = [r for r in whole if r["step"] >= 3]
+            worst = max((abs(g["loss"] - w["loss"]) / abs(w["loss"]) for g, w in zip(rows, want)), default=1.0)
+            expect(f"a save at 2 ranks on the GPU resumed at {where}: steps 3-5 give the uninterrupted losses (1e-5)",
+                   [r["step"] for r in rows] == [3, 4, 5] and worst <= 1e-5,
+                   f"steps {[r['step'] for r in rows]}, worst relative difference {worst:.2e}")
 
 
 def plain(cmd, env_extra=None, timeout=120):
@@ -86,6 +115,8 @@ def main():
         for strategy in ("full", "grad-op", "optimizer", "replicate"):
             race_parity(a, 4, ["--strategy", strategy] + SMALL, one_rank=True)
         race_parity(a, 4, ["--tp", "2", "--n-layer", "2"], prog=a.train_llama, one_rank=True)
+        race_parity(a, 4, ["--strategy", "hybrid", "--local-sgd", "4"] + SMALL, cpu_rtol=1e-4)
+        resume_across(a)
         if failures:
             sys.exit(f"FAILED: {len(failures)} check(s): {', '.join(failures)}")
         return

@@ -42,7 +42,7 @@ struct Trace {
   std::vector<double> global;                     // the loss of each step's global batch
 };
 
-Trace train(Rank& r, const Case& c, const torch::Device& dev = torch::kCPU) {
+Trace train_on(Rank& r, const Case& c, const torch::Device& dev) {
   const bool hybrid = c.strategy == ShardingStrategy::kHybridShard;
   auto options = test_options(c.strategy, hybrid ? r.world_size / 2 : 0)
                      .prefetch(c.prefetch)
@@ -75,6 +75,14 @@ Trace train(Rank& r, const Case& c, const torch::Device& dev = torch::kCPU) {
     opt.step();
   }
   for (const auto& p : model.parameters()) t.params.push_back(p.detach().cpu());
+  return t;
+}
+
+// On a GPU the compute runs on a stream of its own: Gloo's worker thread makes the default stream
+// wait for each CUDA collective it completes, which could hide a missing wait.
+Trace train(Rank& r, const Case& c, const torch::Device& dev = torch::kCPU) {
+  Trace t;
+  detail::on_pool_stream_for_testing(dev, [&] { t = train_on(r, c, dev); });
   return t;
 }
 
