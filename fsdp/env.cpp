@@ -86,7 +86,8 @@ bool gloo_cuda_from_env() {
   if (v == nullptr) return false;
   const std::string s = v;
   FSDP_CHECK(s == "0" || s == "1", "fsdp: FSDP_TEST_GLOO_CUDA='", s,
-             "' must be 1 (the testing mode: every local rank on cuda:0 over Gloo) or 0 (off).");
+             "' must be 1 (the testing mode: every local rank on cuda:0 over Gloo) or 0 (off); unset it to train "
+             "normally. See docs/usage.md, 'Several ranks on one GPU'.");
   return s == "1";
 }
 

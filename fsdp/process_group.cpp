@@ -11,6 +11,7 @@
 #include "fsdp/internal/launcher.h"
 #include "fsdp/internal/monitor.h"
 #include "fsdp/internal/nccl_device.h"
+#include "fsdp/internal/race_delay.h"
 #include "fsdp/internal/rendezvous.h"
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -139,12 +140,22 @@ c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const InitOptions& opt
       options.rank() >= 0 ? make_launch_env(options.rank(), options.world_size(), !file_store) : read_launch_env();
   detail::set_trace_identity(env.rank, env.world_size);
   // FSDP_TEST_GLOO_CUDA=1 (docs/usage.md, "Several ranks on one GPU"): refused at once without a GPU.
-  const bool gloo_cuda = detail::gloo_cuda_from_env();
-  FSDP_CHECK(!gloo_cuda || detail::cuda_device_count() > 0, "fsdp::init_process_group (rank ", env.rank, " of ",
-             env.world_size,
-             "): FSDP_TEST_GLOO_CUDA=1 asks for the testing mode of several ranks on one GPU over Gloo, but this "
-             "machine shows no CUDA device (or this LibTorch has no CUDA); unset FSDP_TEST_GLOO_CUDA to train on the "
-             "CPU.");
+  // The variables of the GPU testing mode and of the race switch, refused here with this rank's
+  // place before any rendezvous (the switch is read again by every model: it is read once).
+  const ErrorContext in = ErrorContext().api("fsdp::init_process_group").rank(env.rank).world_size(env.world_size);
+  bool gloo_cuda = false;
+  try {
+    gloo_cuda = detail::gloo_cuda_from_env();
+    detail::race_delay_seed();
+  } catch (const Error& e) {
+    std::string what = e.what_without_backtrace();
+    if (what.rfind("fsdp: ", 0) == 0) what = what.substr(6);
+    FSDP_CHECK_IN(in, false, what);
+  }
+  FSDP_CHECK_IN(in, !gloo_cuda || detail::cuda_device_count() > 0,
+                "FSDP_TEST_GLOO_CUDA=1 asks for the testing mode of several ranks on one GPU over Gloo, but this "
+                "machine shows no CUDA device (or this LibTorch has no CUDA); unset FSDP_TEST_GLOO_CUDA to train on "
+                "the CPU.");
   detail::arm_parent_death_signal(env);
   detail::Rendezvous r = detail::rendezvous(env, options, timeout);
   detail::explain_gloo_aborts(env.rank);

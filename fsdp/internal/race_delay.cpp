@@ -55,8 +55,15 @@ RaceState& state() {
 
 void print_at_exit() {
   RaceState& s = state();
-  std::fprintf(stderr, "fsdp: race delays applied: %lld (FSDP_RACE_DELAY, global rank %d)\n",
-               static_cast<long long>(s.applied.load()), s.rank.load());
+  const int rank = s.rank.load();
+  // A process that never delayed anything (alone, its collectives are copies) knows no rank.
+  if (rank < 0) {
+    std::fprintf(stderr, "fsdp: race delays applied: %lld (FSDP_RACE_DELAY)\n",
+                 static_cast<long long>(s.applied.load()));
+  } else {
+    std::fprintf(stderr, "fsdp: race delays applied: %lld (FSDP_RACE_DELAY, global rank %d)\n",
+                 static_cast<long long>(s.applied.load()), rank);
+  }
 }
 
 void note_on(uint64_t seed) {
@@ -300,8 +307,8 @@ uint64_t parse_race_delay(const std::string& value, const std::string& what) {
   const bool digits =
       !value.empty() && value.size() <= 18 && value.find_first_not_of("0123456789") == std::string::npos;
   FSDP_CHECK(digits, "fsdp: ", what, "='", value,
-             "' is not a race-delay seed: give a whole number (the seed of the delays, e.g. ", what,
-             "=7), or 0 (off). See docs/usage.md, 'Races made visible'.");
+             "' is not a race-delay seed: give a whole number of at most 18 digits (the seed of the delays, e.g. ",
+             what, "=7), or 0 (off). See docs/usage.md, 'Races made visible'.");
   return std::stoull(value);
 }
 

@@ -263,6 +263,32 @@ TEST(GlooCuda, RefusedWithoutAGpu) {
       o);
 }
 
+// A bad seed in the environment: refused by fsdp::init_process_group, before any rendezvous, as its
+// own error (the call and this rank's place in the message and in the error's fields).
+TEST(RaceDelay, ABadSeedIsRefusedAtStartUp) {
+  RunOptions o;
+  o.env["FSDP_RACE_DELAY"] = "seven";
+  o.init_process_group = false;
+  run_ranks(
+      1,
+      [](Rank&) {
+        try {
+          init_process_group(InitOptions().rank(0).world_size(1));
+          ADD_FAILURE() << "FSDP_RACE_DELAY=seven was accepted";
+        } catch (const Error& e) {
+          const std::string m = e.what_without_backtrace();
+          EXPECT_EQ(m.rfind("fsdp::init_process_group (rank 0 of 1): FSDP_RACE_DELAY='seven' is not a race-delay "
+                            "seed: give a whole number of at most 18 digits",
+                            0),
+                    0u)
+              << m;
+          EXPECT_EQ(e.api(), "fsdp::init_process_group");
+          EXPECT_EQ(e.rank(), 0);
+        }
+      },
+      o);
+}
+
 TEST(RaceDelay, ASeedThatIsNotAWholeNumberIsRefused) {
   EXPECT_EQ(detail::parse_race_delay("0", "FSDP_RACE_DELAY"), 0u);
   EXPECT_EQ(detail::parse_race_delay("7", "FSDP_RACE_DELAY"), 7u);
