@@ -8,8 +8,9 @@
 # Uses the binaries of an existing build (default build/, from scripts/build.sh; built against the
 # same torch 2.11.0 wheel as the GPU machine's python3), so the GPU machine needs no compiler, no
 # GoogleTest, no fmt: carry build/tests/fsdp_tests, build/benchmarks/{overhead,fsdp}_bench, for the
-# examples_gpu part build/examples/train_gpt and build/examples/llama/train_llama, and the five
-# libraries' .so files (stripped, in the same layout under a folder passed as --build: 8 MB).
+# examples_gpu part build/examples/train_gpt and build/examples/train_llama, and the five
+# libraries' .so files, stripped, in the same layout under a folder passed as --build: 9 MB,
+# which scripts/gpu-carry.sh makes (build-gpu/).
 # The torch libraries come from the python3 given by $PYTHON (default: the project's virtualenv
 # when it exists, else python3). Writes OUT/gpu-check.json (default OUT: $OUT or /tmp/gpu-check)
 # and each part's raw output beside it. Exit status 0 when every part that ran passed.
@@ -134,12 +135,12 @@ if [ "$GPU" = 1 ]; then
   part gloo_cuda 180 "$BUILD/tests/fsdp_tests" --gtest_filter='GlooCuda.*'
   TORCHRUN=$(dirname "$PYTHON")/torchrun
   [ -x "$TORCHRUN" ] || TORCHRUN=$(command -v torchrun || echo torchrun)
-  if [ -x "$BUILD/examples/train_gpt" ] && [ -x "$BUILD/examples/llama/train_llama" ]; then
+  if [ -x "$BUILD/examples/train_gpt" ] && [ -x "$BUILD/examples/train_llama" ]; then
     part examples_gpu 300 "$PYTHON" tests/examples/check_race_and_device.py --device cuda --python "$PYTHON" \
-      --train-gpt "$BUILD/examples/train_gpt" --train-llama "$BUILD/examples/llama/train_llama" \
+      --train-gpt "$BUILD/examples/train_gpt" --train-llama "$BUILD/examples/train_llama" \
       --torchrun "$TORCHRUN"
   else
-    skip examples_gpu "the examples were not carried ($BUILD/examples/train_gpt, $BUILD/examples/llama/train_llama)"
+    skip examples_gpu "the examples were not carried ($BUILD/examples/train_gpt, $BUILD/examples/train_llama)"
   fi
 else
   skip gloo_cuda "no CUDA device: GlooCuda.* skip themselves"
