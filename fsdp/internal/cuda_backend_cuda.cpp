@@ -4,6 +4,7 @@
 #include "fsdp/internal/race_delay.h"
 
 #include <ATen/Context.h>
+#include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/Sleep.h>
 
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -14,6 +15,10 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 
+#include <unistd.h>
+
+#include <array>
+#include <cstdio>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -23,11 +28,20 @@ namespace fsdp::detail {
 
 bool maybe_add_nccl_backend(c10d::ProcessGroup& pg, const c10::intrusive_ptr<c10d::Store>& store, const LaunchEnv& env,
                             std::chrono::milliseconds timeout) {
-  if (c10::cuda::device_count() == 0) return false;
+  const int count = c10::cuda::device_count();
+  if (count == 0) return false;
+  const int device = nccl_device_index(env, count);
+  // The GPU taken by its identity on this host, through the group's store: a second rank of the
+  // group on the same GPU learns it here, from one atomic add, instead of from NCCL.
+  std::array<char, 64> bus{};
+  const cudaDeviceProp* props = at::cuda::getDeviceProperties(static_cast<c10::DeviceIndex>(device));
+  std::snprintf(bus.data(), bus.size(), "%04x:%02x:%02x.0", props->pciDomainID, props->pciBusID, props->pciDeviceID);
+  std::array<char, 256> host{};
+  if (::gethostname(host.data(), host.size() - 1) != 0) std::snprintf(host.data(), host.size(), "localhost");
+  const int64_t holders = store->add(std::string("fsdp/gpu/") + host.data() + "/" + bus.data(), 1);
   // Set every time, so that a later process group of this process does not keep an old reason.
-  nccl_absent_reason() = nccl_device_refusal(env, c10::cuda::device_count());
+  nccl_absent_reason() = nccl_shared_gpu_refusal(env, host.data(), bus.data(), device, count, holders);
   if (!nccl_absent_reason().empty()) return false;  // the first CUDA collective says it (Comm::backend)
-  const int device = env.local_rank % c10::cuda::device_count();
   c10::cuda::set_device(static_cast<c10::DeviceIndex>(device));
   // On a timeout the watchdog aborts the communicators and marks the collective failed, without
   // ending the process from its thread (2: CleanUpOnly; PyTorch's default tears the process

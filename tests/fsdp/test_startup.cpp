@@ -218,30 +218,32 @@ TEST(FileStore, RemovedAfterANormalRun) {
   if (!in_rank_process()) EXPECT_NE(::access(path.c_str(), F_OK), 0) << path << " was left behind";
 }
 
-// NCCL cannot run two ranks on one GPU: a local rank past the host's devices gets no NCCL backend
-// and a reason naming the count and the remedy, before NCCL's own "Duplicate GPU detected". From
-// fake device counts, so that it is checked without a GPU.
-TEST(NcclDevice, ALocalRankWithoutAGpuOfItsOwnIsRefused) {
+// NCCL cannot run two ranks on one GPU: a rank whose GPU (by its PCI id on its host) another rank
+// of the group took first gets no NCCL backend, and a reason naming the GPU, the count and the
+// remedies, before NCCL's own "Duplicate GPU detected". From fake counts, without a GPU.
+TEST(NcclDevice, TwoRanksOnOneGpuAreRefused) {
   LaunchEnv env;
   env.launcher = "torchrun";
   env.rank = 3;
   env.world_size = 4;
   env.local_rank = 1;
-  const std::string why = detail::nccl_device_refusal(env, 1);
-  EXPECT_NE(why.find("local rank 1 (global rank 3 of 4) has no GPU of its own: this host shows 1 CUDA device(s)"),
+  // The device a local rank binds to: its own with one device per rank (Slurm's
+  // --gpus-per-task=1), local_rank % count otherwise.
+  EXPECT_EQ(detail::nccl_device_index(env, 1), 0);
+  EXPECT_EQ(detail::nccl_device_index(env, 2), 1);
+  EXPECT_EQ(detail::nccl_device_index(env, 8), 1);
+  const std::string why = detail::nccl_shared_gpu_refusal(env, "node7", "0000:1b:00.0", 0, 1, 2);
+  EXPECT_NE(why.find("global rank 3 of 4 (local rank 1) would share its GPU, cuda:0 (PCI 0000:1b:00.0) of host "
+                     "'node7', with 1 other rank(s) of this group"),
             std::string::npos)
       << why;
   EXPECT_NE(why.find("Duplicate GPU detected"), std::string::npos) << why;
-  EXPECT_NE(why.find("start at most 1 rank(s) per host (torchrun --nproc-per-node 1)"), std::string::npos) << why;
+  EXPECT_NE(why.find("This process sees 1 CUDA device(s)"), std::string::npos) << why;
+  EXPECT_NE(why.find("torchrun --nproc-per-node 1"), std::string::npos) << why;
   EXPECT_NE(why.find("FSDP_TEST_GLOO_CUDA=1 runs them all on cuda:0 over Gloo, a testing mode"), std::string::npos)
       << why;
-  env.local_rank = 2;
-  EXPECT_NE(detail::nccl_device_refusal(env, 2).find("local rank 2 "), std::string::npos);
-  // A device of its own, no device at all, or ranks given in InitOptions (no local rank known).
-  EXPECT_EQ(detail::nccl_device_refusal(env, 3), "");
-  EXPECT_EQ(detail::nccl_device_refusal(env, 0), "");
-  env.launcher = "explicit";
-  EXPECT_EQ(detail::nccl_device_refusal(env, 1), "");
+  // The first rank on a GPU keeps it.
+  EXPECT_EQ(detail::nccl_shared_gpu_refusal(env, "node7", "0000:1b:00.0", 0, 1, 1), "");
 }
 
 }  // namespace
