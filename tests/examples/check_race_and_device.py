@@ -112,6 +112,13 @@ def main():
     race_parity(a, 2, [])
     race_parity(a, 4, ["--strategy", "hybrid"] + SMALL)
     if a.device == "cuda":  # several ranks on one GPU over Gloo, against one rank on the GPU
+        # One rank over NCCL (the default, no testing mode) and one in the testing mode: the same
+        # run (alone, every collective is a copy), so the same numbers.
+        base = ["--steps", "4", "--seed", "1", "--json", "--device", "cuda"] + SMALL
+        nccl, _ = run(command(a.train_gpt, a.torchrun, 1, base), 240)
+        gloo, _ = run(command(a.train_gpt, a.torchrun, 1, base), 240, {"FSDP_TEST_GLOO_CUDA": "1"})
+        expect("train_gpt --device cuda alone: over NCCL as in the testing mode", rows_of(nccl) == rows_of(gloo),
+               f"nccl: {rows_of(nccl)}\ngloo: {rows_of(gloo)}")
         for strategy in ("full", "grad-op", "optimizer", "replicate"):
             race_parity(a, 4, ["--strategy", strategy] + SMALL, one_rank=True)
         race_parity(a, 4, ["--tp", "2", "--n-layer", "2"], prog=a.train_llama, one_rank=True)
