@@ -58,6 +58,7 @@ TEST(Cuda, ParityAndMemoryAtWorldSizeOne) {
   if (!have_cuda()) GTEST_SKIP() << "no CUDA device";
   run_on_gpu([&](Rank& r) {
     const torch::Device dev(torch::kCUDA, 0);
+    EXPECT_EQ(fsdp::cuda_device(), dev);  // the GPU the process group bound (NCCL, local rank 0)
     for (bool bf16 : {false, true}) {
       warm_up(dev);
       torch::manual_seed(0);
