@@ -111,47 +111,51 @@ bool nccl_blocking_wait() {
   return c10d::getCvarBool(c10d::TORCH_NCCL_BLOCKING_WAIT, false);
 }
 
-std::unique_ptr<StreamEvent> on_side_stream(SideStreams& streams, const c10::Device& device, SideStream which,
-                                            const std::function<void()>& issue) {
-  const c10::DeviceIndex index = device.index();
-  const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(index);
-  const c10::cuda::CUDAStream side = streams.get(index, which);
-  // The collective starts after what the current stream queued so far: its inputs' producers.
+namespace {
+
+// `side` starts after what `index`'s current stream queued so far: a collective's inputs' producers.
+void after_current(const c10::cuda::CUDAStream& side, c10::DeviceIndex index) {
   c10::cuda::CUDAEvent inputs_ready;
-  inputs_ready.record(current);
+  inputs_ready.record(c10::cuda::getCurrentCUDAStream(index));
   inputs_ready.block(side);
-  auto done = std::make_unique<CudaStreamEvent>(index);
+}
+
+// Runs `fn` with `side` current and, with `record_end`, returns the event recorded after it (else
+// null). If `fn` throws, the backend may have queued work on `side` before: the current stream
+// waits for whatever `side` holds before the buffers can be given back, then the error goes on.
+std::unique_ptr<StreamEvent> run_with_current(const c10::cuda::CUDAStream& side, c10::DeviceIndex index,
+                                              const std::function<void()>& fn, bool record_end) {
   try {
     const c10::cuda::CUDAStreamGuard on_side(side);
-    issue();
+    fn();
   } catch (...) {
-    // The backend may have queued the collective before it threw: the current stream waits for
-    // whatever the side stream holds before the buffers can be given back.
-    done->record(side);
-    done->block_current();
+    CudaStreamEvent queued(index);
+    queued.record(side);
+    queued.block_current();
     throw;
   }
+  if (!record_end) return nullptr;
+  auto done = std::make_unique<CudaStreamEvent>(index);
   done->record(side);
   return done;
 }
 
+}  // namespace
+
+std::unique_ptr<StreamEvent> on_side_stream(SideStreams& streams, const c10::Device& device, SideStream which,
+                                            const std::function<void()>& issue) {
+  const c10::cuda::CUDAStream side = streams.get(device.index(), which);
+  after_current(side, device.index());
+  return run_with_current(side, device.index(), issue, /*record_end=*/true);
+}
+
 void issue_on_side_stream(SideStreams& streams, const c10::Device& device, SideStream which,
                           const std::function<void()>& issue) {
-  const c10::DeviceIndex index = device.index();
-  const c10::cuda::CUDAStream side = streams.get(index, which);
-  c10::cuda::CUDAEvent inputs_ready;
-  inputs_ready.record(c10::cuda::getCurrentCUDAStream(index));
-  inputs_ready.block(side);
-  try {
-    const c10::cuda::CUDAStreamGuard on_side(side);
-    issue();  // Gloo records its own event on the side stream, after which it reads the inputs
-  } catch (...) {
-    // What the backend may have queued before it threw: waited for before the buffers go back.
-    CudaStreamEvent done(index);
-    done.record(side);
-    done.block_current();
-    throw;
-  }
+  const c10::cuda::CUDAStream side = streams.get(device.index(), which);
+  after_current(side, device.index());
+  // No end: Gloo records its own event on the side stream, after which it reads the inputs, and
+  // writes the result later, from its worker thread (complete_on_side_stream orders it).
+  run_with_current(side, device.index(), issue, /*record_end=*/false);
 }
 
 void on_pool_stream_for_testing(const c10::Device& device, const std::function<void()>& fn) {
@@ -165,19 +169,7 @@ void on_pool_stream_for_testing(const c10::Device& device, const std::function<v
 
 std::unique_ptr<StreamEvent> complete_on_side_stream(SideStreams& streams, const c10::Device& device, SideStream which,
                                                      const std::function<void()>& complete) {
-  const c10::DeviceIndex index = device.index();
-  const c10::cuda::CUDAStream side = streams.get(index, which);
-  auto done = std::make_unique<CudaStreamEvent>(index);
-  try {
-    const c10::cuda::CUDAStreamGuard on_side(side);
-    complete();
-  } catch (...) {
-    done->record(side);
-    done->block_current();
-    throw;
-  }
-  done->record(side);
-  return done;
+  return run_with_current(streams.get(device.index(), which), device.index(), complete, /*record_end=*/true);
 }
 
 int cuda_device_count() {

@@ -238,55 +238,59 @@ class RaceDelayBackend final : public c10d::Backend {
   RaceDelayBackend(const RaceDelayBackend&) = delete;
   RaceDelayBackend& operator=(const RaceDelayBackend&) = delete;
 
-  const c10d::Backend* inner() const { return q_->inner.get(); }
   const std::string getBackendName() const override { return "race-delay over " + q_->inner->getBackendName(); }
   c10::intrusive_ptr<Options> getBackendOptions() override { return q_->inner->getBackendOptions(); }
   c10d::ErrorType getError() override { return q_->inner->getError(); }
 
   c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& out, at::Tensor& in,
                                                  const c10d::AllgatherOptions& options) override {
-    auto opts = options;
-    opts.asyncOp = true;  // waited for on the worker
-    return enqueue([out, in, opts](c10d::Backend& inner) mutable {
-      at::Tensor staged = at::empty_like(out);
-      at::Tensor taken = in.clone();
-      finish(inner._allgather_base(staged, taken, opts), opts.timeout);
-      return Copies{{out, staged}};
+    return staged(out, in, options, [](c10d::Backend& b, at::Tensor& o, at::Tensor& i, const auto& opts) {
+      return b._allgather_base(o, i, opts);
     });
   }
   c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& out, at::Tensor& in,
                                                       const c10d::ReduceScatterOptions& options) override {
-    auto opts = options;
-    opts.asyncOp = true;
-    return enqueue([out, in, opts](c10d::Backend& inner) mutable {
-      at::Tensor staged = at::empty_like(out);
-      at::Tensor taken = in.clone();
-      finish(inner._reduce_scatter_base(staged, taken, opts), opts.timeout);
-      return Copies{{out, staged}};
+    return staged(out, in, options, [](c10d::Backend& b, at::Tensor& o, at::Tensor& i, const auto& opts) {
+      return b._reduce_scatter_base(o, i, opts);
     });
   }
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& options) override {
-    auto opts = options;
-    opts.asyncOp = true;
-    return enqueue([tensors, opts](c10d::Backend& inner) mutable {
-      std::vector<at::Tensor> staged = clones(tensors);
-      finish(inner.allreduce(staged, opts), opts.timeout);
-      return pairs(tensors, staged);
+    return in_place(tensors, options, [](c10d::Backend& b, std::vector<at::Tensor>& ts, const auto& opts) {
+      return b.allreduce(ts, opts);
     });
   }
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& options) override {
-    auto opts = options;
-    opts.asyncOp = true;
-    return enqueue([tensors, opts](c10d::Backend& inner) mutable {
-      std::vector<at::Tensor> staged = clones(tensors);
-      finish(inner.broadcast(staged, opts), opts.timeout);
-      return pairs(tensors, staged);
+    return in_place(tensors, options, [](c10d::Backend& b, std::vector<at::Tensor>& ts, const auto& opts) {
+      return b.broadcast(ts, opts);
     });
   }
 
  private:
+  // An all-gather or reduce-scatter: `call` runs on a snapshot of `in` into a staging output,
+  // copied into `out` by the worker. Waited for on the worker (asyncOp), within opts.timeout.
+  template <typename Options, typename Call>
+  c10::intrusive_ptr<c10d::Work> staged(const at::Tensor& out, const at::Tensor& in, Options opts, Call call) {
+    opts.asyncOp = true;
+    return enqueue([out, in, opts, call](c10d::Backend& inner) {
+      at::Tensor result = at::empty_like(out);
+      at::Tensor taken = in.clone();
+      finish(call(inner, result, taken, opts), opts.timeout);
+      return Copies{{out, result}};
+    });
+  }
+  // An all-reduce or broadcast, in place: `call` runs on snapshots of `tensors`, copied back.
+  template <typename Options, typename Call>
+  c10::intrusive_ptr<c10d::Work> in_place(const std::vector<at::Tensor>& tensors, Options opts, Call call) {
+    opts.asyncOp = true;
+    return enqueue([tensors, opts, call](c10d::Backend& inner) {
+      std::vector<at::Tensor> taken = clones(tensors);
+      finish(call(inner, taken, opts), opts.timeout);
+      return pairs(tensors, taken);
+    });
+  }
+
   c10::intrusive_ptr<c10d::Work> enqueue(std::function<Copies(c10d::Backend&)> run) {
     auto work = c10::make_intrusive<RaceWork>();
     {

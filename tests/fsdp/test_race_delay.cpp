@@ -148,6 +148,24 @@ void check_cases(Rank& r, const std::vector<Case>& cases, const torch::Device& d
 }
 
 constexpr auto kFull = ShardingStrategy::kFullShard;
+
+// A wait removed on purpose: every unit copies out its gather before waiting for it. With the
+// switch on, the copy reads the buffer before the collective wrote it, for every seed in `seeds`.
+void expect_early_reads_seen(Rank& r, const std::vector<uint64_t>& seeds, const torch::Device& dev = torch::kCPU) {
+  ASSERT_EQ(detail::set_race_delay_for_testing(0), 0u);
+  const Trace right = train(r, {kFull, 2}, dev);
+  detail::read_gathers_before_wait_for_testing(true);
+  for (uint64_t seed : seeds) {
+    detail::set_race_delay_for_testing(seed);
+    const Trace early = train(r, {kFull, 2}, dev);
+    EXPECT_FALSE(first_difference(early, right).empty())
+        << "rank " << r.rank << " on " << dev << ": a unit that reads its gather before waiting for it trained the "
+        << "same numbers with FSDP_RACE_DELAY=" << seed;
+  }
+  detail::read_gathers_before_wait_for_testing(false);
+  detail::set_race_delay_for_testing(0);
+}
+
 constexpr auto kGradOp = ShardingStrategy::kShardGradOp;
 constexpr auto kZero1 = ShardingStrategy::kShardOptimizerState;
 constexpr auto kDDP = ShardingStrategy::kNoShard;
@@ -165,20 +183,7 @@ TEST(RaceDelay, ChangesNothingAtTwoRanks) {
                     {kGradOp, 1, true, 1},
                     {kFull, 1, false, 0, 2}});
 
-    // A wait removed on purpose: every unit copies out its gather before waiting for it. With the
-    // switch on, the copy reads the buffer before the worker wrote it, for every seed tried.
-    ASSERT_EQ(detail::set_race_delay_for_testing(0), 0u);
-    const Trace right = train(r, {kFull, 2});
-    detail::read_gathers_before_wait_for_testing(true);
-    for (uint64_t seed : {1, 2, 3}) {
-      detail::set_race_delay_for_testing(seed);
-      const Trace early = train(r, {kFull, 2});
-      EXPECT_FALSE(first_difference(early, right).empty())
-          << "rank " << r.rank << ": a unit that reads its gather before waiting for it trained the same numbers "
-          << "with FSDP_RACE_DELAY=" << seed;
-    }
-    detail::read_gathers_before_wait_for_testing(false);
-    detail::set_race_delay_for_testing(0);
+    expect_early_reads_seen(r, {1, 2, 3});
   });
 }
 
@@ -219,15 +224,7 @@ TEST(GlooCuda, TwoRanksOnOneGpu) {
                      {kFull, 1, false, 0, 2},
                      {kFull, 1, false, 0, 1, true}},
                     dev, train_plain(dev));
-        // The wait removed on purpose shows on the GPU too.
-        const Trace right = train(r, {kFull, 2}, dev);
-        detail::read_gathers_before_wait_for_testing(true);
-        detail::set_race_delay_for_testing(5);
-        const Trace early = train(r, {kFull, 2}, dev);
-        detail::read_gathers_before_wait_for_testing(false);
-        detail::set_race_delay_for_testing(0);
-        EXPECT_FALSE(first_difference(early, right).empty())
-            << "a read before the gather's wait went unseen on the GPU";
+        expect_early_reads_seen(r, {5}, dev);  // the wait removed on purpose shows on the GPU too
       },
       on_one_gpu());
 }
