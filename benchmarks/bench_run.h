@@ -22,6 +22,9 @@ struct RunOptions : examples::RunFlags {
   /// The kDiLoCo row (bench_model.h): fsdp::optim::DiLoCo at H = 1 over hybrid's replicas, its
   /// outer state counted in the state bytes (the worker's --diloco).
   bool diloco = false;
+  /// Where the rank trains: "cpu", or "cuda" (--simulate's rank on this machine's GPU: each unit
+  /// moves there as it is built, FullyShardOptions::device; memory from the CUDA allocator).
+  std::string device = "cpu";
 };
 
 /// What one rank measured, by name: written as one "name value" line each, so that the driver
@@ -32,8 +35,13 @@ using Report = std::map<std::string, double>;
 /// allocator must be enabled before the call. Keys: params, peak_bytes (allocator, max over the
 /// measured steps), peak_rss_bytes (VmHWM), base_rss_bytes (RSS before the model was built),
 /// construction_peak_bytes, state_bytes_at_step, state_bytes_peak, step_ms (mean), comm_elements
-/// (per step), comm_expected (the same from the units' padded shapes), loss, collective_timeout_s
-/// (the timeout the model's collectives have).
+/// (per step), comm_expected (the same from the units' padded shapes), comm_send_bytes and
+/// comm_recv_bytes (per step, from the same shapes and dtypes, as ring algorithms move them: each
+/// all-gather or reduce-scatter of P bytes over S ranks sends and receives (S-1)/S x P, an
+/// all-reduce twice that), loss, collective_timeout_s (the timeout the model's collectives have).
+/// On CUDA the bytes are the caching allocator's, with cublas_workspace_bytes (held by cuBLAS
+/// from the first matrix product on, part of peak_bytes) apart, host_construction_peak_bytes the
+/// counting CPU allocator's, and step_ms waits for the GPU.
 Report run_rank(const RunOptions& opts, const c10::intrusive_ptr<c10d::ProcessGroup>& pg);
 
 void write_report(const Report& report, const std::string& path);

@@ -136,10 +136,6 @@ Args parse(int argc, char** argv) {
         "any number of ranks)");
   }
   if (a.fused && a.optimizer != "adamw") usage_error("--fused is an AdamW; it cannot be used with --optimizer sgd");
-  if (a.build_sharded && a.device == "cuda") {
-    usage_error(
-        "--build-sharded builds the shards on the CPU, and a wrapped model cannot move; drop it with --device cuda");
-  }
   examples::check_device_flag(a.device);
   a.ckpt.check();
   a.outer.check(a.strategy == "hybrid");
@@ -207,9 +203,10 @@ int run(const Args& args) {
   if (timeout) options.timeout(*timeout);
   torch::manual_seed(args.seed);
   // With --build-sharded each block is sharded as soon as it is constructed, so the whole model
-  // never exists on one rank; the weights are the same either way (same seed, same draws).
+  // never exists on one rank; the weights are the same either way (same seed, same draws). The
+  // blocks are drawn on the CPU and each moves to the device as it is built (options.device).
   auto model = args.build_sharded ? [&] {
-    fsdp::ShardingScope scope(pg, options);
+    fsdp::ShardingScope scope(pg, fsdp::FullyShardOptions(options).device(device));
     return fsdp::fully_shard(gpt::make_gpt<true>(args.model), scope);
   }()
                                   : fsdp::fully_shard(gpt::make_gpt_on<true>(args.model, device), pg, options);

@@ -59,8 +59,9 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_fake_process_group(int rank, int wor
   FSDP_CHECK(world_size >= 1 && rank >= 0 && rank < world_size, "fsdp::make_fake_process_group: rank ", rank,
              " is not in [0, ", world_size, ")");
   auto pg = c10::make_intrusive<c10d::ProcessGroup>(c10::make_intrusive<c10d::HashStore>(), rank, world_size);
-  pg->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::CUSTOM,
-                 c10::make_intrusive<FakeBackend>(rank, world_size));
+  auto backend = c10::make_intrusive<FakeBackend>(rank, world_size);
+  pg->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::CUSTOM, backend);
+  pg->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::CUSTOM, backend);
   pg->setDefaultBackend(c10d::ProcessGroup::BackendType::CUSTOM);
   return pg;
 }

@@ -14,7 +14,8 @@ FSDP_PUBLIC_BEGIN
 
 namespace fsdp {
 
-/// Rank `rank` of `world_size` over the fake backend, for CPU tensors.
+/// Rank `rank` of `world_size` over the fake backend, for CPU and CUDA tensors (a CUDA model's
+/// copies run on the streams the library issues them on, as NCCL's would).
 c10::intrusive_ptr<c10d::ProcessGroup> make_fake_process_group(int rank, int world_size);
 
 }  // namespace fsdp

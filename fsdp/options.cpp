@@ -1,6 +1,7 @@
 #include "fsdp/internal/options_check.h"
 
 #include "fsdp/internal/check.h"
+#include "fsdp/internal/cuda_backend.h"
 #include "fsdp/internal/env.h"
 #include "fsdp/internal/subgroups.h"
 
@@ -29,6 +30,16 @@ void check_options(const FullyShardOptions& o, const char* caller, const c10d::P
                 "; it checkpoints every k-th unit, so it is 0 (none) or more (1: every unit).");
   FSDP_CHECK_IN(context, o.timeout().count() > 0, "FullyShardOptions::timeout is ", o.timeout().count(),
                 " ms; it bounds every wait for a collective, so it must be positive (the default is 10 minutes).");
+  if (const auto& d = o.device()) {
+    FSDP_CHECK_IN(context, d->is_cpu() || d->is_cuda(), "FullyShardOptions::device is ", *d,
+                  "; the library trains on the CPU or on a CUDA device. Pass torch::kCPU or fsdp::cuda_device().");
+    const int gpus = d->is_cuda() ? cuda_device_count() : 0;
+    FSDP_CHECK_IN(context, d->is_cpu() || (gpus > 0 && d->index() < gpus), "FullyShardOptions::device is ", *d,
+                  ", but this process sees ", gpus, " CUDA device", gpus == 1 ? "" : "s",
+                  gpus == 0 ? " (no GPU, or LibTorch built without CUDA)" : "",
+                  ". Pass fsdp::cuda_device() (this rank's GPU), or leave the option unset to keep the model where "
+                  "it was built.");
+  }
 }
 bool offload_on_cpu_for_tests() {
   const char* v = getenv_or_null("FSDP_TEST_OFFLOAD_ON_CPU");

@@ -74,6 +74,14 @@ struct FullyShardOptions {
   /// Keep the shards, gradients and optimizer state in host memory (see CPUOffloadPolicy). Unset:
   /// everything stays on the model's device.
   TORCH_ARG(std::optional<CPUOffloadPolicy>, offload_policy) = std::nullopt;
+  /// Where the model's parameters and buffers live once wrapped (PyTorch FSDP1's device_id):
+  /// fsdp::fully_shard moves them there before sharding, and inside a ShardingScope each unit moves
+  /// as soon as it is built, so that a model built on the CPU never holds more than one unit in
+  /// host memory on its way to the GPU:
+  ///   fsdp::FullyShardOptions().device(fsdp::cuda_device())
+  /// Unset: they stay where the model put them. A CPU model, or a CUDA one, only (a CUDA device
+  /// this process cannot see is refused before anything moves).
+  TORCH_ARG(std::optional<c10::Device>, device) = std::nullopt;
   /// CUDA (NCCL): all-gathers on one side stream and gradient reductions on another, as FSDP2, so
   /// that a prefetched all-gather does not queue behind a reduce-scatter; the compute stream waits
   /// for each on a CUDA event, the CPU never does. False: every collective on NCCL's own stream

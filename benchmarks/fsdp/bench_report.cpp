@@ -95,22 +95,27 @@ void print_fsdp2_ratios(const std::vector<Row>& rows) {
 
 void print_simulated(const std::vector<Row>& rows) {
   bool header = false;
+  auto measured_gib = [](const Row& r, double bytes) { return r.measured && bytes >= 0 ? gib(bytes) : "-"; };
   for (const auto& r : rows) {
     if (r.impl != "simulated") continue;
     if (!header) {
       std::printf(
           "\nsimulated: rank 0 of N over a process group that communicates nothing (full sharding, "
-          "construction-time sharding), GiB per rank\n");
-      std::printf("%-5s %14s %5s | %10s %10s %6s | %10s %10s %6s | %10s %10s | %s\n", "model", "Ψ", "N", "state@step",
-                  "16Ψ/N", "ratio", "statepeak", "formula", "ratio", "alloc peak", "build peak", "");
+          "construction-time sharding), GiB per rank; on cuda the allocator's peaks include cuBLAS's workspace, "
+          "shown apart; sent (= received) per step by ring collectives, from shapes\n");
+      std::printf("%-5s %-4s %14s %5s | %10s %10s %6s | %10s %10s %6s | %10s %10s %7s | %9s %9s | %s\n", "model", "dev",
+                  "Ψ", "N", "state@step", "16Ψ/N", "ratio", "statepeak", "formula", "ratio", "alloc peak", "build peak",
+                  "cuBLAS", "step ms", "sent", "");
       header = true;
     }
-    std::printf("%-5s %14lld %5d | %10s %10s %6s | %10s %10s %6s | %10s %10s | %s\n", r.model.c_str(),
-                static_cast<long long>(r.params), r.world_size, r.measured ? gib(r.state_bytes_at_step).c_str() : "-",
-                gib(r.formula_at_step).c_str(), ratio(r.state_bytes_at_step, r.formula_at_step).c_str(),
-                r.measured ? gib(r.state_bytes_peak).c_str() : "-", gib(r.formula_peak).c_str(),
-                ratio(r.state_bytes_peak, r.formula_peak).c_str(), r.measured ? gib(r.peak_bytes).c_str() : "-",
-                r.measured ? gib(r.construction_peak_bytes).c_str() : "-", r.note.c_str());
+    std::printf("%-5s %-4s %14lld %5d | %10s %10s %6s | %10s %10s %6s | %10s %10s %7s | %9s %9s | %s\n",
+                r.model.c_str(), r.device.c_str(), static_cast<long long>(r.params), r.world_size,
+                measured_gib(r, r.state_bytes_at_step).c_str(), gib(r.formula_at_step).c_str(),
+                ratio(r.state_bytes_at_step, r.formula_at_step).c_str(), measured_gib(r, r.state_bytes_peak).c_str(),
+                gib(r.formula_peak).c_str(), ratio(r.state_bytes_peak, r.formula_peak).c_str(),
+                measured_gib(r, r.peak_bytes).c_str(), measured_gib(r, r.construction_peak_bytes).c_str(),
+                measured_gib(r, r.cublas_workspace_bytes).c_str(), r.measured && r.device == "cuda" ? num(r.step_ms, "%.1f").c_str() : "-",
+                measured_gib(r, r.comm_send_bytes).c_str(), r.note.c_str());
   }
 }
 
@@ -159,7 +164,11 @@ std::string to_json(const std::vector<Row>& rows) {
       << ", \"precision\": " << str(r.precision) << ",\n  \"step_ms\": " << val(r.step_ms)
       << ", \"comm_elements\": " << val(r.comm_elements) << ", \"comm_formula\": " << val(r.comm_formula)
       << ", \"comm_expected\": " << val(r.comm_expected) << ", \"loss\": " << val(r.loss)
-      << ", \"collective_timeout_s\": " << val(r.collective_timeout_s) << "}" << (i + 1 < rows.size() ? ",\n" : "\n");
+      << ", \"collective_timeout_s\": " << val(r.collective_timeout_s) << ",\n  \"device\": " << str(r.device)
+      << ", \"cublas_workspace_bytes\": " << val(r.cublas_workspace_bytes)
+      << ", \"host_construction_peak_bytes\": " << val(r.host_construction_peak_bytes)
+      << ", \"comm_send_bytes\": " << val(r.comm_send_bytes) << ", \"comm_recv_bytes\": " << val(r.comm_recv_bytes)
+      << "}" << (i + 1 < rows.size() ? ",\n" : "\n");
   }
   o << "]\n";
   return o.str();

@@ -34,6 +34,14 @@ struct Row {
   /// The step's peak minus the model state's peak and the library's buffers: a lower bound of the
   /// activations and temporaries at the peak (the state may be below its own peak then).
   double other_bytes_peak = -1;
+  /// Where the rank ran: "cpu", or "cuda" (fsdp_bench --simulate --device cuda): then the bytes
+  /// above are the CUDA caching allocator's, cuBLAS's workspaces among them (cublas_workspace_bytes,
+  /// held from the first matrix product on), and host_construction_peak_bytes is the host's peak
+  /// while the model was built and moved to the GPU unit by unit.
+  std::string device = "cpu";
+  double cublas_workspace_bytes = -1, host_construction_peak_bytes = -1;
+  /// Per step, from the units' shapes and dtypes, as ring algorithms move them (bench_run.h).
+  double comm_send_bytes = -1, comm_recv_bytes = -1;
 };
 
 void print_table(const std::vector<Row>& rows);

@@ -10,12 +10,13 @@
 // model, batch, optimizer and backend, its memory counted by this library's allocator loaded into
 // Python. Simulated runs train one step on rank 0 of N over fsdp::make_fake_process_group.
 #include "benchmarks/bench_launch.h"
-#include "benchmarks/fsdp/bench_report.h"
 #include "benchmarks/bench_run.h"
+#include "benchmarks/fsdp/bench_report.h"
 #include "benchmarks/fsdp/fsdp_bench_flags.h"
 #include "fsdp/fsdp.h"
 #include "programs/program.h"
 
+#include <c10/core/CachingDeviceAllocator.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -110,6 +111,10 @@ bench::Row aggregate(const std::string& impl, const std::string& strategy, const
   r.loss = reports.front().count("loss") ? reports.front().at("loss") : 0;
   r.collective_timeout_s = largest("collective_timeout_s");
   r.other_bytes_peak = largest("other_bytes_peak");
+  r.cublas_workspace_bytes = largest("cublas_workspace_bytes");
+  r.host_construction_peak_bytes = largest("host_construction_peak_bytes");
+  r.comm_send_bytes = largest("comm_send_bytes");
+  r.comm_recv_bytes = largest("comm_recv_bytes");
   r.activation_checkpointing = static_cast<int>(std::max(0.0, largest("activation_checkpointing")));
   const double param_bytes = precision == "fp32" ? 4 : 2;
   r.formula_at_step = bench::formula_at_step(strategy, m, N, S);
@@ -152,6 +157,7 @@ std::vector<bench::Row> simulate(const Args& a) {
       r.impl = "simulated";
       r.strategy = "full";
       r.model = name;
+      r.device = a.device;
       r.world_size = N;
       r.shard_group_size = N;
       r.params = m.psi;
@@ -159,7 +165,9 @@ std::vector<bench::Row> simulate(const Args& a) {
       r.formula_peak = bench::formula_peak("full", m, N, N);
       r.comm_formula = bench::comm_formula("full", m, N, N);
       const double need = bench::rank_need_bytes("full", m, c, N, N, 1, /*build_sharded=*/true);
-      if (available > 0 && need > 0.85 * static_cast<double>(available)) {
+      // On the GPU the worker weighs the need against the device's free memory itself (the
+      // driver leaves CUDA alone); the host then holds one unit at a time on its way there.
+      if (a.device == "cpu" && available > 0 && need > 0.85 * static_cast<double>(available)) {
         r.measured = false;
         char note[160];
         std::snprintf(note, sizeof(note), "formula only: needs ~%.1f GiB, this machine has %.1f GiB available",
@@ -185,7 +193,9 @@ std::vector<bench::Row> simulate(const Args& a) {
                 "--sim-world-sizes",
                 std::to_string(N),
                 "--sim-models",
-                name};
+                name,
+                "--device",
+                a.device};
       for (auto& x : timeout_args(a)) l.argv.push_back(x);
       for (auto& x : wrap_args(a)) l.argv.push_back(x);
       l.threads_per_rank = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
@@ -193,9 +203,20 @@ std::vector<bench::Row> simulate(const Args& a) {
       char progress[32];
       std::snprintf(progress, sizeof(progress), "[%2d/%d]", k, total);
       try {
-        bench::Row got = aggregate("simulated", "full", "fp32", N, N, m, bench::launch(l, progress));
+        const std::vector<bench::Report> reports = bench::launch(l, progress);
+        if (const auto& rep = reports.front(); rep.count("device_free_bytes") && !rep.count("loss")) {
+          r.measured = false;  // the worker found it would not fit the GPU
+          char note[160];
+          std::snprintf(note, sizeof(note), "formula only: needs ~%.1f GiB, the GPU has %.1f GiB free",
+                        rep.at("need_bytes") / (1 << 30), rep.at("device_free_bytes") / (1 << 30));
+          r.note = note;
+          rows.push_back(r);
+          continue;
+        }
+        bench::Row got = aggregate("simulated", "full", "fp32", N, N, m, reports);
         got.model = name;
-        got.note = "measured on rank 0 of " + std::to_string(N);
+        got.device = a.device;
+        got.note = "measured on rank 0 of " + std::to_string(N) + (a.device == "cuda" ? " on the GPU" : "");
         rows.push_back(got);
       } catch (const c10::Error& e) {  // e.g. out of memory after all: the formula, and why
         const std::string why = e.what_without_backtrace();
@@ -353,9 +374,21 @@ int run_worker(const Args& a) {
     o.strategy = "full";
     const int N = a.sim_world_sizes.at(0);
     o.batch_size = N;  // one row on this rank
-    o.steps = 1;
     o.build_sharded = true;
     o.timeout_s = a.run.timeout_s;
+    o.device = a.device;
+    // On the CPU one step measures memory; on the GPU the first of three warms up (cuBLAS, the
+    // allocator's first blocks), so that the step time is the rank's compute.
+    o.steps = a.device == "cuda" ? 3 : 1;
+    if (a.device == "cuda") {
+      const double need =
+          bench::rank_need_bytes("full", bench::gpt_shape(o.model), o.model, N, N, 1, /*build_sharded=*/true);
+      const auto free = static_cast<double>(c10::getDeviceAllocator(c10::kCUDA)->getMemoryInfo(0).first);
+      if (need > 0.9 * free) {  // formula only, said so by the driver
+        bench::write_report({{"need_bytes", need}, {"device_free_bytes", free}}, a.report);
+        return 0;
+      }
+    }
     rep = bench::run_rank(o, fsdp::make_fake_process_group(0, N));
   } else {
     bench::RunOptions o = a.run;

@@ -2,6 +2,7 @@
 // with train_gpt, every value checked before any run starts; a bad one exits 2 naming the flag.
 #include "benchmarks/fsdp/fsdp_bench_flags.h"
 
+#include "examples/device_flag.h"
 #include "examples/run_flags.h"
 #include "examples/strategy_flags.h"
 #include "programs/flags.h"
@@ -16,14 +17,17 @@ using fsdp::programs::usage_error;
 const char* const kAbout =
     "  Every strategy at every world size (ranks on this machine, Gloo over loopback), then PyTorch's FSDP2\n"
     "  (fully_shard, the same model) at the same world sizes.\n"
-    "  fsdp_bench --simulate [--sim-models 7b,70b] [--sim-world-sizes 8,64,1024]: large GPTs, one rank.\n";
+    "  fsdp_bench --simulate [--sim-models 7b,70b] [--sim-world-sizes 8,64,1024] [--device cpu|cuda]: large\n"
+    "  GPTs, one rank.\n";
 
 const char* const kNotes =
     "  --world-sizes: default 1,2,4, and 8 with 8 cores or more where memory allows. --batch-size is global\n"
     "  (rows of --block-size tokens); the first of --steps warms up. --json prints the rows as JSON instead of\n"
     "  the table.\n"
     "  --simulate: rank 0 of N over a process group that communicates nothing; per-rank memory of large\n"
-    "  GPTs where it fits this machine, the formulas alone where it does not.\n"
+    "  GPTs where it fits this machine, the formulas alone where it does not. --device cuda: that rank on\n"
+    "  this machine's GPU (each unit moved there as it is built), the CUDA allocator's bytes with cuBLAS's\n"
+    "  workspace apart, its step time over two steps after a warm-up.\n"
     "  --run-timeout: wall-clock limit of each run (default 900 s, 3600 s with --simulate), then its ranks\n"
     "  are stopped. --timeout: every rank's collective timeout, fractions allowed (default: the library's,\n"
     "  $FSDP_TIMEOUT or 600 s; PyTorch's for FSDP2).\n"
@@ -60,6 +64,7 @@ Args parse(int argc, char** argv) {
       .toggle("--simulate", a.simulate, "one simulated rank of large GPTs")
       .names("--sim-models", a.sim_models, "--simulate's models (7b, 70b)")
       .integers("--sim-world-sizes", a.sim_world_sizes, 1, 1 << 20, "--simulate's world sizes")
+      .choice("--device", a.device, {"cpu", "cuda"}, "where --simulate's rank trains (cuda: this machine's GPU)")
       .text("--worker", a.worker, "this process is one rank of a run: rank or sim")
       .hidden()
       .text("--report", a.report, "a worker's report file")
@@ -86,6 +91,13 @@ Args parse(int argc, char** argv) {
                   " (hybrid's groups must tile the ranks)");
     }
   }
+  examples::check_device_flag(a.device);  // exit 2 naming CUDA where there is none
+  if (a.device == "cuda" && !a.simulate && a.worker != "sim") {
+    usage_error(
+        "--device cuda is for --simulate's rank; fsdp_bench's multi-rank runs are processes over Gloo on the CPU. "
+        "Add --simulate, or leave --device out.");
+  }
+  a.run.device = a.device;
   if (a.run_timeout_s == 0) a.run_timeout_s = a.simulate ? 3600 : 900;
   examples::check_run_flags(a.run);
   a.run.model.wrap = examples::wrap_of(a.run, gpt::Wrap::kBlocks);  // --simulate: torchtitan's (fsdp_bench.cpp)

@@ -30,8 +30,9 @@ struct Args {
   bool simulate = false;
   std::vector<std::string> sim_models = {"7b", "70b"};
   std::vector<int> sim_world_sizes = {8, 64, 1024};
-  std::string worker;  // "" | "rank" | "sim": this process is one rank of a run
-  std::string report;  // worker: where to write the report
+  std::string device = "cpu";  // --simulate's rank: cpu, or cuda (run.device, bench_run.h)
+  std::string worker;          // "" | "rank" | "sim": this process is one rank of a run
+  std::string report;          // worker: where to write the report
 };
 
 /// The flags of argv, all checked; --help prints the usage on stdout and exits 0, a bad flag or

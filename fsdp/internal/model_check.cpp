@@ -80,6 +80,8 @@ std::string describe_options(const FullyShardOptions& o) {
      << "option shard_group_size " << o.shard_group_size() << '\n'
      << "option sync_module_states " << (o.sync_module_states() ? "true" : "false") << '\n'
      << "option verify_collectives " << (o.verify_collectives() ? "true" : "false") << '\n';
+  // The device's type only: every rank has its own GPU (cuda:0 on one, cuda:1 on another).
+  if (o.device()) os << "option device " << c10::DeviceTypeName(o.device()->type(), true) << '\n';
   // Mixed precision is in each parameter's line, with its unit's strategy (wrap.cpp), so that a
   // rank with a policy and one without differ on the same line, which the error then names.
   return os.str();

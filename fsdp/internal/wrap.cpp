@@ -41,6 +41,28 @@ std::string built_label(const torch::nn::Module& module, int index) {
 
 }  // namespace
 
+void move_to_device(torch::nn::Module& m, const std::optional<at::Device>& device) {
+  if (!device) return;
+  at::NoGradGuard no_grad;
+  // In place, as LibTorch's Module::to: each tensor keeps its identity (the model, a tie, the
+  // optimizer built later all hold the same parameter), only its data moves.
+  auto move = [&](const at::Tensor& t) {
+    if (!t.defined()) return;
+    at::Tensor moved = t.data().to(*device);
+    if (moved.device() != t.device()) const_cast<at::Tensor&>(t).set_data(moved);
+  };
+  for (const auto& kv : m.named_parameters(/*recurse=*/false)) {
+    move(kv.value());
+    move(kv.value().grad());
+  }
+  for (const auto& kv : m.named_buffers(/*recurse=*/false)) move(kv.value());
+  for (const auto& kv : m.named_children()) {
+    const auto* unit = dynamic_cast<const ShardedUnit*>(kv.value().get());
+    if (unit != nullptr && unit->is_sharded()) continue;  // built in a scope: moved then
+    move_to_device(*kv.value(), device);
+  }
+}
+
 ShardedUnit* group_lead(ShardedUnit* u) {
   for (int hops = 0; u->shares_unit_of() != nullptr && hops < 4096; ++hops) u = u->shares_unit_of();
   return u;
@@ -64,6 +86,7 @@ std::string module_type(const torch::nn::Module& module) {
 }
 
 void shard_on_construction(const std::shared_ptr<RunState>& state, torch::nn::Module& module, ShardedUnit& unit) {
+  move_to_device(module, state->options().device());  // FullyShardOptions::device: before it is sharded
   std::vector<std::pair<std::string, at::Tensor>> params;
   unit_parameters(module, "", params);
   // Tied inside the unit: sharded once.
@@ -363,6 +386,9 @@ std::shared_ptr<Unit> shard_model(const std::shared_ptr<torch::nn::Module>& root
                                   const FullyShardOptions& given_options, const std::shared_ptr<RunState>& scope_state,
                                   const MeshState* mesh) {
   check_arguments(root, pg, given_options, scope_state);
+  // FullyShardOptions::device: what is not sharded yet (all of it, or the root's own parameters
+  // and buffers after a ShardingScope) moves before anything is described, checked or sharded.
+  move_to_device(*root, (scope_state ? scope_state->options() : given_options).device());
   const std::shared_ptr<RunState> state = open_state(*root, pg, given_options, scope_state, mesh);
   const FullyShardOptions& options = state->options();
   FoundUnits units = find_units(*root, *state, scope_state != nullptr);

@@ -10,6 +10,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -80,5 +81,10 @@ struct FoundUnits {
 FoundUnits find_units(torch::nn::Module& root, RunState& state, bool in_scope);
 
 void shard_on_construction(const std::shared_ptr<RunState>& state, torch::nn::Module& module, ShardedUnit& unit);
+
+/// FullyShardOptions::device: the parameters (with any gradients) and buffers of `m` and its
+/// submodules moved there in place, except those of units a ShardingScope sharded already (moved
+/// as they were built). Nothing when `device` is unset.
+void move_to_device(torch::nn::Module& m, const std::optional<at::Device>& device);
 
 }  // namespace fsdp::detail

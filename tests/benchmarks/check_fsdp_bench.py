@@ -46,6 +46,9 @@ def check_simulated(rows, peak_ratio=None, max_peak_gib=None):
             fail(f"simulated {r['model']} N={r['world_size']}: {r['note']}, state {r['state_bytes_at_step']}")
         if not r["construction_peak_bytes"] < 4 * r["params"]:
             fail("the simulated rank held the whole model while it was built")
+        if r.get("device") == "cuda" and not r["host_construction_peak_bytes"] < 4 * r["params"]:
+            fail("the host held the whole model on its way to the GPU")
+        check_ring_bytes(r)
         peak = r["state_bytes_peak"] / r["formula_peak"]
         print(f"simulated {r['model']} N={r['world_size']}: state peak {r['state_bytes_peak'] / 2**30:.3f} GiB, "
               f"/ ({r['formula_peak_text']}) = {peak:.4f}")
@@ -54,6 +57,19 @@ def check_simulated(rows, peak_ratio=None, max_peak_gib=None):
         if max_peak_gib is not None and r["state_bytes_peak"] > max_peak_gib * 2**30:
             fail(f"simulated {r['model']} N={r['world_size']}: state peak above {max_peak_gib} GiB")
     print("OK")
+
+
+def check_ring_bytes(r):
+    """fp32 without hybrid's second level: every collective is over all N ranks in 4-byte elements,
+    so a ring sends (N-1)/N of 4 x the elements counted from the shapes (all-reduces counted twice
+    there, and sending twice)."""
+    if r.get("precision", "fp32") != "fp32" or r["strategy"] in ("hybrid", "diloco") or r["impl"] == "pytorch-fsdp2":
+        return
+    n = r["world_size"]
+    want = 4 * (n - 1) / n * r["comm_expected"]
+    if abs(r["comm_send_bytes"] - want) > 1e-9 * max(want, 1) or r["comm_recv_bytes"] != r["comm_send_bytes"]:
+        fail(f"{r['impl']} {r['strategy']} N={n}: {r['comm_send_bytes']} bytes sent and {r['comm_recv_bytes']} "
+             f"received per step, the shapes give {want:.0f}")
 
 
 def check_collective_timeout(rows, seconds):
@@ -85,6 +101,7 @@ def check(rows, strict, require_fsdp2, peak_ratio=None, max_peak_gib=None):
         if not full["peak_bytes"] < rep["peak_bytes"]:
             fail("full sharding's peak is not below replicated's")
     for (s, w), r in sorted(ours.items()):
+        check_ring_bytes(r)
         if r["comm_elements"] != r["comm_expected"]:
             fail(f"{s} N={w}: {r['comm_elements']} elements sent, the units' shapes give {r['comm_expected']}")
         want = r["comm_formula"]

@@ -5,12 +5,28 @@
 // computes, and training going on as without the interruption. Then the generators' states.
 #include "tests/checkpoint_helpers.h"
 
+#include "checkpoint/async_save.h"
+
 #include <c10/util/accumulate.h>
+#include <torch/cuda.h>
 
 #include <iostream>
 
 namespace fsdp::testing {
 namespace {
+
+// Every tensor of two checkpoints (each rank's generators apart: as many as ranks saved) equal.
+void expect_same_checkpoints(const std::string& a_dir, const std::string& b_dir) {
+  auto a = read_all(a_dir), b = read_all(b_dir);
+  for (auto* all : {&a, &b}) {
+    for (auto it = all->begin(); it != all->end();) it = it->first.rfind("rng/", 0) == 0 ? all->erase(it) : ++it;
+  }
+  ASSERT_EQ(a.size(), b.size()) << a_dir << " and " << b_dir;
+  for (const auto& [key, t] : a) {
+    ASSERT_EQ(b.count(key), 1u) << b_dir << " lacks " << key;
+    EXPECT_TRUE(t.equal(b.at(key))) << a_dir << " and " << b_dir << ": " << key;
+  }
+}
 
 // At N ranks: each case trained one step with its optimizer (so that no weight or moment is its
 // initial value), saved, its full weights written beside it by rank 0 as the reference, and then
@@ -101,16 +117,7 @@ void load_all(Rank& r) {
           const std::string again = name + "-at" + std::to_string(M);
           checkpoint::save(root, model, *opt, checkpoint::SaveOptions().name(again).step(1));
           if (r.rank == 0) {
-            auto a = read_all(root + "/" + name), b = read_all(root + "/" + again);
-            for (auto* all : {&a, &b}) {  // each rank's generators: as many as ranks saved
-              for (auto it = all->begin(); it != all->end();)
-                it = it->first.rfind("rng/", 0) == 0 ? all->erase(it) : ++it;
-            }
-            ASSERT_EQ(a.size(), b.size());
-            for (const auto& [key, t] : a) {
-              ASSERT_EQ(b.count(key), 1u) << key;
-              EXPECT_TRUE(t.equal(b.at(key))) << what << ": " << key;
-            }
+            expect_same_checkpoints(root + "/" + name, root + "/" + again);
             const auto ma = checkpoint::read_manifest(root + "/" + name),
                        mb = checkpoint::read_manifest(root + "/" + again);
             EXPECT_EQ(ma.optimizer.steps, mb.optimizer.steps);
@@ -146,6 +153,76 @@ TEST(CheckpointLoad, ReshardMatrixEveryStrategyBitExact) {
   root.options.timeout = std::chrono::seconds(300);
   for (int N = 1; N <= 4; ++N) run_ranks(N, save_all, root.options);
   for (int M = 1; M <= 4; ++M) run_ranks(M, load_all, root.options);
+}
+
+// On the GPU, in the testing mode of several ranks on one GPU (FSDP_TEST_GLOO_CUDA=1; skipped
+// without a GPU): a sharded GPU model (moved there by FullyShardOptions::device) saved at 2 ranks,
+// synchronously and in the background (the same tensors), loads bit for bit at 1 rank on the GPU
+// and at 3 ranks on the CPU, and saved again there equals the original, optimizer state included.
+FullyShardedModule<BufferedMLPImpl> wrap_on(Rank& r, uint64_t seed, const torch::Device& device) {
+  const Case full = saved_cases(r.world_size).front();  // full sharding
+  return fsdp::fully_shard(build(full, r, seed), r.pg, test_options(full.strategy, full.group).device(device));
+}
+
+torch::Device gpu_or_cpu() {
+  const char* mode = std::getenv("FSDP_TEST_GLOO_CUDA");
+  return mode != nullptr && std::string(mode) == "1" ? fsdp::cuda_device() : torch::Device(torch::kCPU);
+}
+
+torch::OrderedDict<std::string, at::Tensor> on_cpu(const torch::OrderedDict<std::string, at::Tensor>& dict) {
+  torch::OrderedDict<std::string, at::Tensor> out;
+  for (const auto& kv : dict) out.insert(kv.key(), kv.value().cpu());
+  return out;
+}
+
+void save_on_gpu(Rank& r) {
+  const torch::Device dev = gpu_or_cpu();
+  ASSERT_TRUE(dev.is_cuda());
+  auto model = wrap_on(r, 7, dev);
+  auto opt = make_opt(Opt::kAdamW, model);
+  torch::manual_seed(100);
+  const auto x = torch::randn({kGlobalBatch, 7}).to(dev);
+  model(local_rows(x, r.rank, r.world_size)).square().mean().backward();
+  opt->step();
+  const auto full = on_cpu(model.full_state_dict(/*rank0_only=*/true));
+  checkpoint::save(root_dir(), model, *opt, checkpoint::SaveOptions().name("gpu-sync").step(1));
+  checkpoint::AsyncSaver saver(model);
+  saver.save(root_dir(), *opt, checkpoint::SaveOptions().name("gpu-async").step(1));
+  saver.wait();
+  if (r.rank != 0) return;
+  torch::serialize::OutputArchive out;
+  for (const auto& kv : full) out.write(kv.key(), kv.value());
+  out.save_to(root_dir() + "/gpu.ref");
+  expect_same_checkpoints(root_dir() + "/gpu-sync", root_dir() + "/gpu-async");
+}
+
+void load_elsewhere(Rank& r) {
+  const torch::Device dev = gpu_or_cpu();
+  const auto want = read_reference(root_dir() + "/gpu.ref");
+  for (const char* name : {"gpu-sync", "gpu-async"}) {
+    const std::string what =
+        std::string(name) + " loaded at " + std::to_string(r.world_size) + " ranks on " + dev.str();
+    auto model = wrap_on(r, 1234, dev);  // other weights before the load
+    auto opt = make_opt(Opt::kAdamW, model);
+    const auto res = checkpoint::load(root_dir() + "/" + name, model, *opt);
+    EXPECT_EQ(res.saved_world_size, 2) << what;
+    for (const auto& p : model.parameters()) EXPECT_EQ(p.device(), dev) << what;
+    expect_bit_exact(on_cpu(model.full_state_dict()), want, what);
+    const std::string again = std::string(name) + "-at" + std::to_string(r.world_size);
+    checkpoint::save(root_dir(), model, *opt, checkpoint::SaveOptions().name(again).step(1));
+    if (r.rank == 0) expect_same_checkpoints(root_dir() + "/" + name, root_dir() + "/" + again);
+  }
+}
+
+TEST(GlooCuda, ASaveAtTwoRanksOnTheGpuLoadsBitExactAtOneOnTheGpuAndAtThreeOnTheCpu) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  CheckpointRoot root;
+  root.options.timeout = std::chrono::seconds(240);
+  RunOptions on_gpu = root.options;
+  on_gpu.env["FSDP_TEST_GLOO_CUDA"] = "1";
+  run_ranks(2, save_on_gpu, on_gpu);
+  run_ranks(1, load_elsewhere, on_gpu);
+  run_ranks(3, load_elsewhere, root.options);
 }
 
 // Generator states: saved at 2 ranks, loaded at 3. Ranks 0 and 1 draw what they drew after the

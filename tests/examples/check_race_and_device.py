@@ -7,12 +7,14 @@
    the same at 4 ranks with hybrid sharding (replicas and groups at once).
 2. FSDP_RACE_DELAY that is not a whole number: exit 1 naming the variable, nothing trained.
 3. On a machine without CUDA: `--device cuda` on train_gpt and train_llama exits 2 naming CUDA, and
-   FSDP_TEST_GLOO_CUDA=1 (the testing mode of several ranks on one GPU) is refused naming it.
+   FSDP_TEST_GLOO_CUDA=1 (the testing mode of several ranks on one GPU) is refused naming it; so is
+   `fsdp_bench --simulate --device cuda` (exit 2 naming CUDA), whose --help lists --device.
 
 With --device cuda (scripts/gpu-check.sh, on a GPU): the ranks run on cuda:0 over Gloo
 (FSDP_TEST_GLOO_CUDA=1), and besides 1 (on the GPU) every strategy of train_gpt at 4 ranks and
 train_llama at (dp_shard 2, tp 2) give the losses of one rank on the GPU (1e-5 relative), with the
-race switch on and off; LocalSGD H = 4 over hybrid's two replicas gives the same losses with the
+race switch on and off, and so does train_gpt --build-sharded at 2 ranks (each block moved to the
+GPU as it is built); LocalSGD H = 4 over hybrid's two replicas gives the same losses with the
 switch on and off, and the CPU run's (1e-4); a sharded save at 2 ranks on the GPU, resumed at 1 rank
 on the GPU and at 3 ranks on the CPU, continues with the uninterrupted run's losses (1e-5).
 """
@@ -105,6 +107,7 @@ def main():
     ap.add_argument("--train-gpt", required=True)
     ap.add_argument("--train-llama", required=True)
     ap.add_argument("--torchrun", required=True)
+    ap.add_argument("--fsdp-bench", required=True)
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     a = ap.parse_args()
@@ -122,6 +125,7 @@ def main():
         for strategy in ("full", "grad-op", "optimizer", "replicate"):
             race_parity(a, 4, ["--strategy", strategy] + SMALL, one_rank=True)
         race_parity(a, 4, ["--tp", "2", "--n-layer", "2"], prog=a.train_llama, one_rank=True)
+        race_parity(a, 2, ["--build-sharded"] + SMALL, one_rank=True)
         race_parity(a, 4, ["--strategy", "hybrid", "--local-sgd", "4"] + SMALL, cpu_rtol=1e-4)
         resume_across(a)
         if failures:
@@ -148,9 +152,17 @@ def main():
         expect("FSDP_TEST_GLOO_CUDA=1 without CUDA: exit 1 naming the mode, nothing trained",
                rc == 1 and "FSDP_TEST_GLOO_CUDA=1 asks for the testing mode of several ranks on one GPU" in err
                and "step" not in out, f"exit {rc}; stdout:\n{out[-1000:]}\nstderr:\n{err[-2000:]}")
-    rc, out, err = plain([a.train_gpt, "--device", "cuda", "--build-sharded", "--steps", "1"])
-    expect("train_gpt --device cuda --build-sharded: exit 2 naming --build-sharded",
-           rc == 2 and "--build-sharded" in err, f"exit {rc}; stderr:\n{err[-2000:]}")
+        for flags in (["--simulate", "--device", "cuda"], ["--device", "cuda"]):
+            rc, out, err = plain([a.fsdp_bench] + flags)
+            expect(f"fsdp_bench {' '.join(flags)} without CUDA: exit 2 naming CUDA, nothing run",
+                   rc == 2 and "--device cuda, but this machine has no CUDA device" in err and not out.strip(),
+                   f"exit {rc}; stdout:\n{out[-1000:]}\nstderr:\n{err[-2000:]}")
+    rc, out, err = plain([a.fsdp_bench, "--help"])
+    expect("fsdp_bench --help lists --device", rc == 0 and re.search(r"^\s*--device", out, re.M) is not None,
+           f"exit {rc}; stdout:\n{out[-3000:]}")
+    rc, out, err = plain([a.fsdp_bench, "--device", "gpu"])
+    expect("fsdp_bench --device gpu: exit 2 naming --device", rc == 2 and "--device" in err,
+           f"exit {rc}; stderr:\n{err[-2000:]}")
     rc, out, err = plain([a.train_gpt, "--device", "tpu", "--steps", "1"])
     expect("train_gpt --device tpu: exit 2 naming --device", rc == 2 and "--device" in err,
            f"exit {rc}; stderr:\n{err[-2000:]}")

@@ -271,6 +271,56 @@ TEST(Cuda, CollectivesOnSideStreams) {
   });
 }
 
+// FullyShardOptions::device: a model built on the CPU ends up on the GPU, every parameter and
+// buffer, whether fully_shard moves it whole or a ShardingScope moves each unit as it is built,
+// and trains as plain LibTorch on the GPU from the same seed (1e-5); so does rank 0 of 8 over the
+// fake process group (its collectives copies on the side streams), one step.
+TEST(Cuda, DeviceOptionMovesTheModelBeforeSharding) {
+  if (!have_cuda()) GTEST_SKIP() << "no CUDA device";
+  run_on_gpu([&](Rank& r) {
+    const torch::Device dev(torch::kCUDA, 0);
+    auto on_gpu = [&](FSDPModule& model, const std::string& how) {
+      for (const auto& kv : model.named_parameters()) EXPECT_EQ(kv.value().device(), dev) << how << ": " << kv.key();
+      for (const auto& kv : model.named_buffers()) EXPECT_EQ(kv.value().device(), dev) << how << ": " << kv.key();
+    };
+    for (bool scoped : {true, false}) {
+      const std::string how = scoped ? "in a ShardingScope" : "by fully_shard";
+      torch::manual_seed(0);
+      auto plain = gpt::make_gpt<false>(kCfg);
+      plain->to(dev);
+      torch::manual_seed(0);
+      const auto options = test_options().device(dev);
+      auto model = scoped ? [&] {
+        ShardingScope scope(r.pg, options);
+        return fsdp::fully_shard(gpt::make_gpt<true>(kCfg), scope);
+      }()
+                          : fsdp::fully_shard(gpt::make_gpt<true>(kCfg), r.pg, options);
+      on_gpu(model, how);
+      torch::optim::AdamW ref_opt(plain->parameters(), torch::optim::AdamWOptions(1e-2));
+      torch::optim::AdamW opt(model.parameters(), torch::optim::AdamWOptions(1e-2));
+      for (int step = 0; step < 3; ++step) {
+        auto [x, y] = gpt_batch(kCfg, 6000 + step);
+        ref_opt.zero_grad();
+        auto ref_loss = gpt_loss(plain->forward(x.to(dev)), y.to(dev));
+        ref_loss.backward();
+        ref_opt.step();
+        opt.zero_grad();
+        auto loss = gpt_loss(model(x.to(dev)), y.to(dev));
+        loss.backward();
+        opt.step();
+        EXPECT_TRUE(close(loss.detach().cpu(), ref_loss.detach().cpu(), 1e-5)) << how << ", step " << step;
+      }
+      on_gpu(model, how + ", after training");
+    }
+    ShardingScope scope(make_fake_process_group(0, 8), test_options().device(dev));
+    auto fake = fsdp::fully_shard(gpt::make_gpt<true>(kCfg), scope);
+    on_gpu(fake, "rank 0 of 8");
+    auto [x, y] = gpt_batch(kCfg, 7000);
+    gpt_loss(fake(x.to(dev)), y.to(dev)).backward();
+    for (const auto& p : fake.parameters()) EXPECT_TRUE(p.grad().defined() && p.grad().is_cuda());
+  });
+}
+
 // The one-rank launch the test above relies on, over Gloo: the backend runs the collective and
 // returns its work; without launch_alone the Comm copies and returns none.
 TEST(Comm, LaunchAloneRunsTheBackendOverOneRank) {

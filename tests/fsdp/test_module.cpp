@@ -383,6 +383,18 @@ TEST(ModuleSemantics, BadOptionValuesAreRefused) {
               std::string::npos);
     EXPECT_NE(wrap(test_options().strategy(static_cast<ShardingStrategy>(7))).find("not a ShardingStrategy"),
               std::string::npos);
+    // FullyShardOptions::device: refused before anything moves; the model stays where it was.
+    msg = wrap(test_options().device(torch::Device(torch::kMeta)));
+    EXPECT_EQ(msg.rfind("fsdp::fully_shard" + of +
+                            "FullyShardOptions::device is meta; the library trains on the CPU "
+                            "or on a CUDA device",
+                        0),
+              0u)
+        << msg;
+    msg = error_of([&] { fsdp::ShardingScope scope(r.pg, test_options().device(torch::Device(torch::kCUDA, 99))); });
+    EXPECT_EQ(msg.rfind("fsdp::ShardingScope" + of + "FullyShardOptions::device is cuda:99, but this process sees ", 0),
+              0u)
+        << msg;
     auto net = std::make_shared<UnevenMLPImpl<true>>();
     EXPECT_NE(error_of([&] {
                 net->fc1->set_sharding_strategy(static_cast<ShardingStrategy>(9));
