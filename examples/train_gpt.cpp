@@ -69,7 +69,8 @@ const char* const kAbout =
 const char* const kNotes =
     "  --strategy: full sharding (ZeRO-3), SHARD_GRAD_OP (ZeRO-2), optimizer state only (ZeRO-1),\n"
     "  replicated (DDP), or hybrid: full sharding inside groups of S consecutive ranks (default N/2).\n"
-    "  --build-sharded: shard each block while the model is built (a model larger than one rank).\n"
+    "  --build-sharded: shard each block while the model is built (a model larger than one rank); with\n"
+    "  --device cuda each block moves to the GPU as it is built.\n"
     "  --activation-checkpointing [K]: blocks K, 2K, ... (default every one) recompute their forward in backward.\n"
     "  --wrap: units are the token embedding, each block, the final norm with the head (torchtitan, default),\n"
     "  or the blocks alone (the root keeping the rest).\n"

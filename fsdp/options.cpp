@@ -37,8 +37,10 @@ void check_options(const FullyShardOptions& o, const char* caller, const c10d::P
     FSDP_CHECK_IN(context, d->is_cpu() || (gpus > 0 && d->index() < gpus), "FullyShardOptions::device is ", *d,
                   ", but this process sees ", gpus, " CUDA device", gpus == 1 ? "" : "s",
                   gpus == 0 ? " (no GPU, or LibTorch built without CUDA)" : "",
-                  ". Pass fsdp::cuda_device() (this rank's GPU), or leave the option unset to keep the model where "
-                  "it was built.");
+                  gpus == 0
+                      ? ". On a machine without a GPU leave the option unset (or pass torch::kCPU)."
+                      : ". Pass fsdp::cuda_device() (this rank's GPU), or leave the option unset to keep the model "
+                        "where it was built.");
   }
 }
 bool offload_on_cpu_for_tests() {
@@ -55,7 +57,8 @@ void check_offload(const FullyShardOptions& o, const std::string& param, const c
                 "host memory, but this model's parameters are on ",
                 device, " ('", param,
                 "'): there is nothing to offload, they are in host memory already. Remove offload_policy, or build "
-                "the model on a CUDA device (model->to(torch::kCUDA)) before fsdp::fully_shard.");
+                "the model on a CUDA device before fsdp::fully_shard (model->to(fsdp::cuda_device()), or "
+                "FullyShardOptions::device, which a ShardingScope applies to each unit as it is built).");
 }
 
 }  // namespace detail

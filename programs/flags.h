@@ -64,14 +64,16 @@ class Flags {
   const std::string& program() const { return program_; }
 
   // The table. Each flag's --help line shows its metavar, its help and its default (the value its
-  // destination holds when it is added). A flag added again under the same name replaces the
-  // earlier one in place (a program's own take on a shared flag).
+  // destination holds when it is added; none for a whole number outside the flag's range, such as
+  // 0 for "unset, the program decides", which the help or the notes then explain). A flag added again under the same
+  // name replaces the earlier one in place (a program's own take on a shared flag).
 
   /// A whole number in [lo, hi] (int, int64_t, ...).
   template <class Int>
   Flags& integer(const std::string& name, Int& out, int64_t lo, int64_t hi, const std::string& help,
                  const std::string& metavar = "N") {
-    return add(name, metavar, help, std::to_string(out),
+    const bool in_range = static_cast<int64_t>(out) >= lo && static_cast<int64_t>(out) <= hi;
+    return add(name, metavar, help, in_range ? std::to_string(out) : "",
                [&out, name, lo, hi](const std::string& v) { out = static_cast<Int>(parse_int(name, v, lo, hi)); });
   }
   /// A flag whose value may be left out: `--activation-checkpointing` alone is `implicit`.

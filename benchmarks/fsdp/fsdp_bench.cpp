@@ -135,7 +135,7 @@ gpt::Config sim_model(const std::string& name) {
   } else if (name == "tiny") {  // for tests: blocks outweigh the root, as in the large presets
     c.vocab_size = 256, c.n_layer = 4, c.n_head = 2, c.n_embd = 64;
   } else {
-    usage_error("unknown --sim-models entry '" + name + "' (7b, 70b)");
+    usage_error("unknown --sim-models entry '" + name + "' (7b, 70b, or tiny: a test's size)");
   }
   return c;
 }

@@ -62,7 +62,7 @@ Args parse(int argc, char** argv) {
       .text("--python", a.python, "the Python that runs FSDP2", "PYTHON")
       .integer("--run-timeout", a.run_timeout_s, 1, int64_t{30} * 86400, "wall clock of each run", "SECONDS")
       .toggle("--simulate", a.simulate, "one simulated rank of large GPTs")
-      .names("--sim-models", a.sim_models, "--simulate's models (7b, 70b)")
+      .names("--sim-models", a.sim_models, "--simulate's models (7b, 70b; tiny: a test's size)")
       .integers("--sim-world-sizes", a.sim_world_sizes, 1, 1 << 20, "--simulate's world sizes")
       .choice("--device", a.device, {"cpu", "cuda"}, "where --simulate's rank trains (cuda: this machine's GPU)")
       .text("--worker", a.worker, "this process is one rank of a run: rank or sim")
@@ -91,12 +91,12 @@ Args parse(int argc, char** argv) {
                   " (hybrid's groups must tile the ranks)");
     }
   }
-  examples::check_device_flag(a.device);  // exit 2 naming CUDA where there is none
   if (a.device == "cuda" && !a.simulate && a.worker != "sim") {
     usage_error(
         "--device cuda is for --simulate's rank; fsdp_bench's multi-rank runs are processes over Gloo on the CPU. "
         "Add --simulate, or leave --device out.");
   }
+  examples::check_device_flag(a.device);  // exit 2 naming CUDA where there is none
   a.run.device = a.device;
   if (a.run_timeout_s == 0) a.run_timeout_s = a.simulate ? 3600 : 900;
   examples::check_run_flags(a.run);

@@ -80,8 +80,9 @@ std::string describe_options(const FullyShardOptions& o) {
      << "option shard_group_size " << o.shard_group_size() << '\n'
      << "option sync_module_states " << (o.sync_module_states() ? "true" : "false") << '\n'
      << "option verify_collectives " << (o.verify_collectives() ? "true" : "false") << '\n';
-  // The device's type only: every rank has its own GPU (cuda:0 on one, cuda:1 on another).
-  if (o.device()) os << "option device " << c10::DeviceTypeName(o.device()->type(), true) << '\n';
+  // The device's type only: every rank has its own GPU (cuda:0 on one, cuda:1 on another). A line
+  // whether set or not, so that ranks that differ read "option 'device' is cpu on rank 0 but unset".
+  os << "option device " << (o.device() ? c10::DeviceTypeName(o.device()->type(), true) : std::string("unset")) << '\n';
   // Mixed precision is in each parameter's line, with its unit's strategy (wrap.cpp), so that a
   // rank with a policy and one without differ on the same line, which the error then names.
   return os.str();
@@ -106,7 +107,8 @@ std::string describe_buffers(torch::nn::Module& root) {
   return os.str();
 }
 
-void check_same_model_on_all_ranks(Comm& verified, const std::string& description) {
+void check_same_model_on_all_ranks(Comm& verified, const std::string& description, const char* api,
+                                   const std::string& unit) {
   Comm comm = verified.unverified();
   // One agreement on the description's fingerprint; only when they differ are the descriptions
   // exchanged, and every rank reaches the same verdict from the same bytes, so none is left waiting.
@@ -125,10 +127,13 @@ void check_same_model_on_all_ranks(Comm& verified, const std::string& descriptio
         for (size_t q = 1; q < descriptions.size() && diff.empty(); ++q) {
           diff = first_difference(ref, lines_of(descriptions[q]), static_cast<int>(q));
         }
-        FSDP_CHECK_IN(comm.error_context("the model check of fsdp::fully_shard").api("fsdp::fully_shard"), false,
-                      "the model differs between ranks: ", diff,
-                      ". Every rank must build the same model (same code, same configuration) and wrap it with the "
-                      "same options before fully_shard.");
+        const bool in_scope = std::string(api) == "fsdp::ShardingScope";
+        ErrorContext context = comm.error_context("the model check of fsdp::fully_shard").api(api);
+        if (!unit.empty()) context.unit(unit);
+        FSDP_CHECK_IN(context, false, "the model differs between ranks", unit.empty() ? "" : " in " + unit, ": ", diff,
+                      ". Every rank must build the same model (same code, same configuration) ",
+                      in_scope ? "inside a ShardingScope opened with the same options on every rank."
+                               : "and wrap it with the same options before fully_shard.");
       });
 }
 

@@ -21,8 +21,11 @@ std::string describe_buffers(torch::nn::Module& root);
 
 /// Throws on every rank alike, naming the first line of `description` that differs between rank 0
 /// and another rank. `description` holds one "<kind> <name> <details>" line each (kind: param,
-/// buffer, option): every rank gathers every description and reaches the same verdict.
-void check_same_model_on_all_ranks(Comm& comm, const std::string& description);
+/// buffer, option): every rank gathers every description and reaches the same verdict. `api` is
+/// the call the error names; `unit`, when not empty, the unit being checked (a ShardingScope's
+/// unit as it is built, whose parameters' names are its own).
+void check_same_model_on_all_ranks(Comm& comm, const std::string& description, const char* api = "fsdp::fully_shard",
+                                   const std::string& unit = "");
 
 /// Broadcasts rank 0's buffers of `root` to every rank (FullyShardOptions::sync_module_states).
 void broadcast_buffers(Comm& comm, torch::nn::Module& root);

@@ -378,7 +378,11 @@ PeerDiagnosis bounded_look(const std::vector<int>& global_ranks, int self, bool 
     PeerDiagnosis found;
     try {
       found = diagnose_unbounded(global_ranks, self, look_once);
+    } catch (const std::exception& e) {  // said, never an empty diagnosis that looks like "nothing known"
+      const std::string why = error_text(e);
+      found.text = "The peer check failed (" + why.substr(0, why.find('\n')) + "): " + kStoreGone;
     } catch (...) {
+      found.text = std::string("The peer check failed: ") + kStoreGone;
     }
     std::lock_guard<std::mutex> l(d->mu);
     d->found = std::move(found);

@@ -108,7 +108,7 @@ void shard_on_construction(const std::shared_ptr<RunState>& state, torch::nn::Mo
   }
   if (!unique.empty())
     check_offload(state->options(), unique.front().first, unique.front().second.device(),
-                  state->comm().error_in("fsdp::fully_shard"));
+                  state->comm().error_in("fsdp::ShardingScope").unit(label));
   const ShardingStrategy strategy = state->options().strategy();
   // The collectives below (broadcast, hybrid groups) pair up only if every rank builds the same
   // unit now: check that first, by the unit's own description.
@@ -121,7 +121,7 @@ void shard_on_construction(const std::shared_ptr<RunState>& state, torch::nn::Mo
          << c10::DeviceTypeName(p.device().type(), true) << ")" << (mixed ? " " + to_string(mp) : "") << "\n";
   }
   desc << describe_offload(state->options());
-  check_same_model_on_all_ranks(state->comm(), desc.str());
+  check_same_model_on_all_ranks(state->comm(), desc.str(), "fsdp::ShardingScope", label);
   if (traits(strategy).shard_over == ShardOver::kGroup) state->init_hybrid(state->options().shard_group_size());
   auto group = std::make_shared<Unit>("", std::move(unique), state, /*is_root=*/false, strategy,
                                       state->options().mixed_precision());
@@ -156,7 +156,7 @@ void merge_built_units(ShardedUnit& first, ShardedUnit& other) {
                   ": a unit's parameters share one flat buffer. Give them one dtype and device, or keep two units.");
   }
   // The gathers below pair up only if every rank merges the same units now.
-  check_same_model_on_all_ranks(state.comm(), what + "\n");
+  check_same_model_on_all_ranks(state.comm(), what + "\n", "fsdp::ShardedUnit::share_unit_with");
   // Each unit's modules, by member index (a unit merged before lists them all).
   auto modules_of = [&](const std::shared_ptr<Unit>& unit, ShardedUnit& module) {
     std::vector<std::shared_ptr<torch::nn::Module>> out;

@@ -152,14 +152,17 @@ def main():
         expect("FSDP_TEST_GLOO_CUDA=1 without CUDA: exit 1 naming the mode, nothing trained",
                rc == 1 and "FSDP_TEST_GLOO_CUDA=1 asks for the testing mode of several ranks on one GPU" in err
                and "step" not in out, f"exit {rc}; stdout:\n{out[-1000:]}\nstderr:\n{err[-2000:]}")
-        for flags in (["--simulate", "--device", "cuda"], ["--device", "cuda"]):
-            rc, out, err = plain([a.fsdp_bench] + flags)
-            expect(f"fsdp_bench {' '.join(flags)} without CUDA: exit 2 naming CUDA, nothing run",
-                   rc == 2 and "--device cuda, but this machine has no CUDA device" in err and not out.strip(),
-                   f"exit {rc}; stdout:\n{out[-1000:]}\nstderr:\n{err[-2000:]}")
+        rc, out, err = plain([a.fsdp_bench, "--simulate", "--device", "cuda"])
+        expect("fsdp_bench --simulate --device cuda without CUDA: exit 2 naming CUDA, nothing run",
+               rc == 2 and "--device cuda, but this machine has no CUDA device" in err and not out.strip(),
+               f"exit {rc}; stdout:\n{out[-1000:]}\nstderr:\n{err[-2000:]}")
     rc, out, err = plain([a.fsdp_bench, "--help"])
     expect("fsdp_bench --help lists --device", rc == 0 and re.search(r"^\s*--device", out, re.M) is not None,
            f"exit {rc}; stdout:\n{out[-3000:]}")
+    rc, out, err = plain([a.fsdp_bench, "--device", "cuda"])
+    expect("fsdp_bench --device cuda without --simulate: exit 2 naming --simulate, on any machine",
+           rc == 2 and "--device cuda is for --simulate's rank" in err and not out.strip(),
+           f"exit {rc}; stdout:\n{out[-1000:]}\nstderr:\n{err[-2000:]}")
     rc, out, err = plain([a.fsdp_bench, "--device", "gpu"])
     expect("fsdp_bench --device gpu: exit 2 naming --device", rc == 2 and "--device" in err,
            f"exit {rc}; stderr:\n{err[-2000:]}")

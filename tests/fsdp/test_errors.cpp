@@ -118,6 +118,8 @@ TEST(Errors, OptionsDifferingBetweenRanks) {
          "option 'sync_module_states' is true on rank 0 but false on rank 1"},
         {test_options().verify_collectives(r.rank == 1),
          "option 'verify_collectives' is false on rank 0 but true on rank 1"},
+        {r.rank == 0 ? test_options().device(torch::kCPU) : test_options(),
+         "option 'device' is cpu on rank 0 but unset on rank 1"},
     };
     for (const auto& c : cases) {
       const auto start = Clock::now();
@@ -126,12 +128,23 @@ TEST(Errors, OptionsDifferingBetweenRanks) {
       EXPECT_NE(msg.find("(rank " + std::to_string(r.rank) + " of 2)"), std::string::npos) << msg;
       EXPECT_LT(Clock::now() - start, std::chrono::seconds(5));
     }
-    // The same through a ShardingScope: the unit built first is checked with the options.
+    // The same through a ShardingScope: the unit built first is checked with the options, and the
+    // error names the scope and the unit (fully_shard was never called).
+    std::string api;
     auto msg = error_of([&] {
-      fsdp::ShardingScope scope(r.pg, test_options().prefetch(r.rank));
-      DifferentMLPImpl built(13);
+      try {
+        fsdp::ShardingScope scope(r.pg, test_options().prefetch(r.rank));
+        DifferentMLPImpl built(13);
+      } catch (const fsdp::Error& e) {
+        api = e.api();
+        throw;
+      }
     });
-    EXPECT_NE(msg.find("option 'prefetch' is 0 on rank 0 but 1 on rank 1"), std::string::npos) << msg;
+    EXPECT_EQ(api, "fsdp::ShardingScope") << msg;
+    EXPECT_NE(msg.find("the model differs between ranks in "), std::string::npos) << msg;
+    EXPECT_NE(msg.find("LinearImpl #1 (built in a ShardingScope): option 'prefetch' is 0 on rank 0 but 1 on rank 1"),
+              std::string::npos)
+        << msg;
   });
 }
 
