@@ -21,6 +21,7 @@
 #include "examples/strategy_flags.h"
 #include "fsdp/fsdp.h"
 #include "programs/flags.h"
+#include "programs/flops.h"
 #include "programs/json_row.h"
 #include "programs/program.h"
 
@@ -59,6 +60,7 @@ struct Args : examples::RunFlags {
   bool no_sync = false;    // communicate only in the last micro-batch
   double clip = 0;         // max global gradient norm (0: no clipping)
   bool fused = false;      // fsdp::optim::FusedAdamW instead of torch::optim::AdamW
+  double peak_tflops = 0;  // each device's peak for the MFU; 0: by its name (programs/flops.h)
   std::string device = "cpu";
   examples::CheckpointFlags ckpt;
   examples::OuterFlags outer;  // --local-sgd / --diloco
@@ -124,7 +126,9 @@ Args parse(int argc, char** argv) {
       .toggle("--no-sync", a.no_sync, "reduce gradients only after the last micro-batch")
       .number("--clip", a.clip, 0, true, std::numeric_limits<double>::max(), "max global gradient norm", "MAX_NORM")
       .toggle("--fused", a.fused, "fsdp::optim::FusedAdamW")
-      .toggle("--json", a.json, "one JSON row per step on rank 0, then a summary");
+      .toggle("--json", a.json, "one JSON row per step on rank 0, then a summary")
+      .number("--peak-tflops", a.peak_tflops, 0, false, std::numeric_limits<double>::max(),
+              "each device's peak, for the MFU (default: by name)", "F");
   examples::add_device_flag(flags, a.device);
   a.ckpt.add_to(flags);
   a.outer.add_to(flags);
@@ -212,6 +216,11 @@ int run(const Args& args) {
   }()
                                   : fsdp::fully_shard(gpt::make_gpt_on<true>(args.model, device), pg, options);
   const int64_t n_params = model.num_parameters();  // Ψ: elements of the full model
+  // Model FLOPs (programs/flops.h): both embeddings are lookups; the untied head counts.
+  const gpt::Config& shape = args.model;
+  const fsdp::programs::TransformerShape flops_shape{n_params, (shape.vocab_size + shape.block_size) * shape.n_embd,
+                                                     shape.n_layer, shape.n_head, shape.n_embd / shape.n_head};
+  const double peak_tflops = fsdp::programs::resolve_peak_tflops(args.peak_tflops, device);
 
   std::unique_ptr<torch::optim::Optimizer> opt;
   if (args.fused) {
@@ -368,15 +377,18 @@ int run(const Args& args) {
     last_peak = peak;
     last_state = state;
     const double l = sums[0].item<double>() / metrics_world;  // the same on every rank (of the replica)
-    // One replica's bytes: every replica sends the same (its ranks hold the same shapes).
     // One replica's bytes (the sum is one replica's ranks, or every replica's), each replica sending
     // the same (its ranks hold the same shapes).
     const auto replica_comm_bytes = std::llround(sums[1].item<double>() / (args.outer.on() ? 1 : replicas));
     if (rank == 0) {
+      const auto speed = fsdp::programs::step_throughput(flops_shape, T, args.batch_size * T, ms, peak_tflops, world);
       if (args.json) {
         fsdp::programs::JsonRow()
             .add("step", step)
             .add("loss", l, "%.9g")
+            .add("flops_per_token", speed.flops_per_token, "%.17g")
+            .add("tokens_per_s", speed.tokens_per_s, "%.6g")
+            .add("mfu", speed.mfu, "%.6g")
             .add("peak_bytes", mem[0].item<int64_t>())
             .add("state_bytes", mem[1].item<int64_t>())
             .add("state_peak_bytes", mem[2].item<int64_t>())

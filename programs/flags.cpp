@@ -121,9 +121,11 @@ Flags& Flags::seed(const std::string& name, uint64_t& out, const std::string& he
 
 Flags& Flags::number(const std::string& name, double& out, double lo, bool lo_inclusive, double hi,
                      const std::string& help, const std::string& metavar) {
-  return add(name, metavar, help, number_text(out), [&out, name, lo, lo_inclusive, hi](const std::string& v) {
-    out = parse_double(name, v, lo, lo_inclusive, hi);
-  });
+  // No default shown for a value the flag refuses (0 for "unset": the program's own choice).
+  const bool in_range = (lo_inclusive ? out >= lo : out > lo) && out <= hi;
+  return add(
+      name, metavar, help, in_range ? number_text(out) : "",
+      [&out, name, lo, lo_inclusive, hi](const std::string& v) { out = parse_double(name, v, lo, lo_inclusive, hi); });
 }
 
 Flags& Flags::number(const std::string& name, std::optional<double>& out, double lo, bool lo_inclusive, double hi,

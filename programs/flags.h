@@ -64,7 +64,7 @@ class Flags {
   const std::string& program() const { return program_; }
 
   // The table. Each flag's --help line shows its metavar, its help and its default (the value its
-  // destination holds when it is added; none for a whole number outside the flag's range, such as
+  // destination holds when it is added; none for a number outside the flag's range, such as
   // 0 for "unset, the program decides", which the help or the notes then explain). A flag added again under the same
   // name replaces the earlier one in place (a program's own take on a shared flag).
 

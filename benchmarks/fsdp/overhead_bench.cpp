@@ -32,6 +32,7 @@
 #include "optim/fused_adamw.h"
 #include "optim/state_bytes.h"
 #include "programs/flags.h"
+#include "programs/flops.h"
 #include "programs/json_row.h"
 #include "programs/program.h"
 
@@ -90,7 +91,8 @@ int run(int argc, char** argv) {
       .choice("--device", device_name, {"cpu", "cuda"}, "where both models train")
       .choice("--mixed-precision", precision, {"bf16"}, "the wrapped model in bf16, plain LibTorch under autocast")
       .integer("--prefetch", prefetch, 0, 64, "units all-gathered ahead", "K")
-      .number("--peak-tflops", peak_tflops, 0, false, 1e9, "the device's dense peak, for the MFU", "F")
+      .number("--peak-tflops", peak_tflops, 0, false, 1e9, "the device's dense peak, for the MFU (default: by name)",
+              "F")
       .toggle("--offload", offload, "(cuda) the wrapped model's state in pinned host memory")
       .integer_or("--activation-checkpointing", checkpoint_every, int64_t{1}, 1, 1 << 20,
                   "every K-th block recomputes its forward in backward (default every one)");
@@ -200,14 +202,16 @@ int run(int argc, char** argv) {
     const auto wrapped_state =
         static_cast<long long>(fsdp::optim::state_bytes(wrapped.parameters(), &wrapped_opt).total());
     const long long params = static_cast<long long>(wrapped.num_parameters());
-    // Model FLOPs per step: 6 per parameter per token (forward and backward of the weights) plus
-    // attention's 12·L·T·C per token.
+    // Model FLOPs per step (programs/flops.h): 6 per multiplying parameter per token (the
+    // embeddings are lookups; the untied head counts) plus attention's 12·L·H·(C/H)·T per token.
     const double tokens = static_cast<double>(batch * cfg.block_size);
-    const double flops = tokens * (6.0 * static_cast<double>(params) +
-                                   12.0 * static_cast<double>(cfg.n_layer * cfg.block_size * cfg.n_embd));
+    const fsdp::programs::TransformerShape shape{params, (cfg.vocab_size + cfg.block_size) * cfg.n_embd, cfg.n_layer,
+                                                 cfg.n_head, cfg.n_embd / cfg.n_head};
+    const double flops = tokens * fsdp::programs::flops_per_token(shape, cfg.block_size);
     const double tflops_plain = flops / (mp * 1e-3) / 1e12, tflops_wrapped = flops / (mf * 1e-3) / 1e12;
-    const double mfu_plain = peak_tflops > 0 ? tflops_plain / peak_tflops : std::nan("");
-    const double mfu_wrapped = peak_tflops > 0 ? tflops_wrapped / peak_tflops : std::nan("");
+    const double peak = fsdp::programs::resolve_peak_tflops(peak_tflops, device);  // given, else by name
+    const double mfu_plain = fsdp::programs::mfu(flops / tokens, tokens / (mp * 1e-3), peak, 1);
+    const double mfu_wrapped = fsdp::programs::mfu(flops / tokens, tokens / (mf * 1e-3), peak, 1);
     // Where the difference is: the medians of forward, backward and optimizer step + zero_grad.
     double ph[2][3];
     for (int w = 0; w < 2; ++w) {

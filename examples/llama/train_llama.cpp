@@ -21,6 +21,7 @@
 #include "examples/strategy_flags.h"
 #include "fsdp/fsdp.h"
 #include "programs/flags.h"
+#include "programs/flops.h"
 #include "programs/json_row.h"
 #include "programs/program.h"
 
@@ -55,6 +56,7 @@ struct Args : examples::RunFlags {
   bool tied = false;
   bool sequence_parallel = false;
   bool json = false;
+  double peak_tflops = 0;  // 0: the device's by name (programs/flops.h), unknown on the CPU
   std::string data = FSDP_EXAMPLE_CORPUS;
   double max_data_mb = 64;
   std::string from_hf;          // a Hugging Face directory: the shape and the weights
@@ -110,6 +112,7 @@ Args parse(int argc, char** argv) {
       .number("--clip", a.clip, 0, true, kMax, "max global gradient norm", "MAX_NORM")
       .toggle("--fused", a.fused, "fsdp::optim::FusedAdamW")
       .toggle("--json", a.json, "one JSON row per step on rank 0, then a summary")
+      .number("--peak-tflops", a.peak_tflops, 0, false, kMax, "each device's peak, for the MFU (default: by name)", "F")
       .text("--data", a.data, "the corpus, each byte a token", "FILE")
       .number("--max-data-mb", a.max_data_mb, 0, false, 1 << 20, "the most of --data read", "MB")
       .text("--from-hf", a.from_hf, "a Hugging Face directory: the shape and the weights", "DIR")
@@ -238,6 +241,10 @@ int run(const Args& args) {
     n_params += n * (s.tp.split() ? s.tp.parts : 1);
     if (s.tp.split() || args.tp == 1) n_split += n * (s.tp.split() ? s.tp.parts : 1);
   }
+  // Model FLOPs (programs/flops.h): the token embedding is a lookup, the head (tied or not) counts.
+  const fsdp::programs::TransformerShape flops_shape{
+      n_params, cfg.tie_word_embeddings ? 0 : cfg.vocab_size * cfg.n_embd, cfg.n_layer, cfg.n_head, cfg.hd()};
+  const double peak_tflops = fsdp::programs::resolve_peak_tflops(args.peak_tflops, device);
   std::unique_ptr<torch::optim::Optimizer> opt;
   const auto adamw = torch::optim::AdamWOptions(args.lr).weight_decay(args.weight_decay);
   if (args.fused) {
@@ -320,12 +327,16 @@ int run(const Args& args) {
     fsdp::all_reduce(mesh.group(fsdp::kDataDim), mean);
     const double l = mean.item<double>() / dp;
     if (rank == 0) {
+      const auto speed = fsdp::programs::step_throughput(flops_shape, T, args.batch_size * T, ms, peak_tflops, W);
       if (args.json) {
         fsdp::programs::JsonRow()
             .add("step", step)
             .add("loss", l, "%.9g")
             .add("grad_norm", grad_norm, "%.9g")
             .add("step_ms", ms, "%.3f")
+            .add("flops_per_token", speed.flops_per_token, "%.17g")
+            .add("tokens_per_s", speed.tokens_per_s, "%.6g")
+            .add("mfu", speed.mfu, "%.6g")
             .add("world_size", W)
             .add("tp", args.tp)
             .add("dp", dp)
