@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "examples/device_flag.h"
+#include "examples/optimizer_flag.h"
 #include "fsdp/fsdp.h"
 #include "optim/diloco.h"
 
@@ -115,7 +116,8 @@ Report run_rank(const RunOptions& o, const c10::intrusive_ptr<c10d::ProcessGroup
   TORCH_CHECK(o.device == "cpu" || o.device == "cuda", "fsdp_bench (rank ", rank, "): device '", o.device,
               "' is neither cpu nor cuda");
   const torch::Device device = o.device == "cuda" ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);
-  if (device.is_cuda()) r["cublas_workspace_bytes"] = cublas_workspace_bytes(device);
+  const double workspace = cublas_workspace_bytes(device);  // 0 on the CPU
+  if (device.is_cuda()) r["cublas_workspace_bytes"] = workspace;
 
   auto options = fsdp::FullyShardOptions()
                      .strategy(gpt::strategy_flags().at(o.strategy))  // --diloco comes with hybrid
@@ -146,7 +148,8 @@ Report run_rank(const RunOptions& o, const c10::intrusive_ptr<c10d::ProcessGroup
   r["comm_send_bytes"] = comm.ring_bytes;
   r["comm_recv_bytes"] = comm.ring_bytes;  // a ring passes on as much as it takes in
 
-  torch::optim::AdamW opt(model.parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
+  const std::unique_ptr<torch::optim::Optimizer> opt_ptr = examples::make_optimizer(o.optimizer, model, 1e-3, 0.1);
+  torch::optim::Optimizer& opt = *opt_ptr;
   std::optional<fsdp::optim::DiLoCo> diloco;
   if (o.diloco) diloco.emplace(model, opt, fsdp::optim::DiLoCoOptions(1));
   // DiLoCo's outer state (global shards, outer momentum) is model state too.
@@ -214,7 +217,7 @@ Report run_rank(const RunOptions& o, const c10::intrusive_ptr<c10d::ProcessGroup
   r["cached_cap_bytes"] = static_cast<double>(model.buffer_cache_stats().cap_bytes);
   r["peak_rss_bytes"] = static_cast<double>(peak_rss_bytes());
   // What is neither model state, the library's buffers nor cuBLAS's: activations and temporaries.
-  r["other_bytes_peak"] = peak - state_peak - cached - (device.is_cuda() ? r["cublas_workspace_bytes"] : 0.0);
+  r["other_bytes_peak"] = peak - state_peak - cached - workspace;
   r["activation_checkpointing"] = static_cast<double>(o.model.checkpoint_every);
   return r;
 }

@@ -25,6 +25,8 @@ struct RunOptions : examples::RunFlags {
   /// Where the rank trains: "cpu", or "cuda" (--simulate's rank on this machine's GPU: each unit
   /// moves there as it is built, FullyShardOptions::device; memory from the CUDA allocator).
   std::string device = "cpu";
+  /// examples/optimizer_flag.h's: "adamw" (fsdp::optim::FusedAdamW) or "torch-adamw".
+  std::string optimizer = "adamw";
 };
 
 /// What one rank measured, by name: written as one "name value" line each, so that the driver

@@ -7,7 +7,9 @@
 #pragma once
 
 #include "fsdp/sharded.h"
+#include "programs/flops.h"
 
+#include <ATen/ops/scaled_dot_product_attention.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/any.h>
 #include <torch/nn/modules/container/modulelist.h>
@@ -40,6 +42,10 @@ struct Config {
   /// fsdp::activation_checkpoint itself, so both compute the same.
   int64_t checkpoint_every = 0;
   Wrap wrap = Wrap::kBlocks;  // GPT<true> only: GPT<false> has no units
+  /// Attention as the GPT computed it before at::scaled_dot_product_attention (the scores, a mask,
+  /// softmax, each a kernel of B x H x T x T): the reference Gpt.SdpaMatchesReferencePath compares
+  /// against, and --reference-path of the examples, for a step-time comparison.
+  bool reference_path = false;
 };
 
 /// A module built as Impl(args...), an fsdp::Sharded unit when `unit` (sharded as it is built inside
@@ -54,6 +60,7 @@ struct CausalSelfAttentionImpl : torch::nn::Module {
   explicit CausalSelfAttentionImpl(const Config& c)
       : n_head(c.n_head),
         dropout(c.dropout),
+        reference_path(c.reference_path),
         c_attn(register_module("c_attn",
                                torch::nn::Linear(torch::nn::LinearOptions(c.n_embd, 3 * c.n_embd).bias(c.bias)))),
         c_proj(
@@ -64,6 +71,12 @@ struct CausalSelfAttentionImpl : torch::nn::Module {
     auto qkv = c_attn(x).split(C, 2);
     auto heads = [&](const torch::Tensor& t) { return t.view({B, T, n_head, hs}).transpose(1, 2); };
     auto q = heads(qkv[0]), k = heads(qkv[1]), v = heads(qkv[2]);
+    if (!reference_path) {
+      // One fused kernel (flash or cuDNN on a GPU, the math path's fused CPU kernel here), causal
+      // without a mask tensor; dropout on the attention weights as the reference's.
+      auto y = at::scaled_dot_product_attention(q, k, v, {}, is_training() ? dropout : 0.0, /*is_causal=*/true);
+      return c_proj(y.transpose(1, 2).contiguous().view({B, T, C}));
+    }
     auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hs)));
     auto mask = torch::ones({T, T}, torch::TensorOptions(torch::kBool).device(x.device())).tril();
     att = att.masked_fill(mask.logical_not(), -std::numeric_limits<float>::infinity()).softmax(-1);
@@ -74,6 +87,7 @@ struct CausalSelfAttentionImpl : torch::nn::Module {
 
   int64_t n_head;
   double dropout;
+  bool reference_path;
   torch::nn::Linear c_attn, c_proj;
 };
 TORCH_MODULE(CausalSelfAttention);
@@ -167,6 +181,12 @@ struct GPTImpl : torch::nn::Module {
 template <bool kSharded>
 std::shared_ptr<GPTImpl<kSharded>> make_gpt(const Config& c) {
   return std::make_shared<GPTImpl<kSharded>>(c);
+}
+
+/// The GPT's shape as the FLOPs count takes it (programs/flops.h), for a model of `params`
+/// parameters: both embeddings are lookups, the untied head counts.
+inline fsdp::programs::TransformerShape flops_shape(const Config& c, int64_t params) {
+  return {params, (c.vocab_size + c.block_size) * c.n_embd, c.n_layer, c.n_head, c.n_embd / c.n_head};
 }
 
 /// The same, moved to `device` (built on the CPU from the current seed, so the same weights on any device).

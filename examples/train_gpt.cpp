@@ -16,6 +16,7 @@
 #include "examples/corpus.h"
 #include "examples/device_flag.h"
 #include "examples/gpt.h"
+#include "examples/optimizer_flag.h"
 #include "examples/outer_step.h"
 #include "examples/run_flags.h"
 #include "examples/strategy_flags.h"
@@ -23,11 +24,10 @@
 #include "programs/flags.h"
 #include "programs/flops.h"
 #include "programs/json_row.h"
+#include "programs/profile.h"
 #include "programs/program.h"
 
 #include <torch/nn/functional/loss.h>
-#include <torch/optim/adamw.h>
-#include <torch/optim/sgd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -51,7 +51,7 @@ namespace {
 struct Args : examples::RunFlags {
   double lr = 1e-3;
   double weight_decay = 0.1;
-  std::string optimizer = "adamw";
+  std::string optimizer = "adamw";  // examples/optimizer_flag.h
   std::string data = FSDP_EXAMPLE_CORPUS;
   double max_data_mb = 64;  // bound on the corpus read (each byte becomes an 8-byte token)
   bool json = false;
@@ -59,9 +59,9 @@ struct Args : examples::RunFlags {
   int64_t max_rows = 0;    // the most rows one rank runs at once (0: its whole share)
   bool no_sync = false;    // communicate only in the last micro-batch
   double clip = 0;         // max global gradient norm (0: no clipping)
-  bool fused = false;      // fsdp::optim::FusedAdamW instead of torch::optim::AdamW
   double peak_tflops = 0;  // each device's peak for the MFU; 0: by its name (programs/flops.h)
   std::string device = "cpu";
+  std::string profile;  // --profile DIR (programs/profile.h)
   examples::CheckpointFlags ckpt;
   examples::OuterFlags outer;  // --local-sgd / --diloco
 };
@@ -117,7 +117,6 @@ Args parse(int argc, char** argv) {
   examples::add_run_flags(flags, a);
   flags.number("--lr", a.lr, 0, false, std::numeric_limits<double>::max(), "learning rate", "LR")
       .number("--weight-decay", a.weight_decay, 0, true, std::numeric_limits<double>::max(), "weight decay", "WD")
-      .choice("--optimizer", a.optimizer, {"adamw", "sgd"}, "the optimizer")
       .text("--data", a.data, "the corpus, each byte a token", "FILE")
       .number("--max-data-mb", a.max_data_mb, 0, false, 1 << 20, "the most of --data read", "MB")
       .integer("--grad-accum", a.grad_accum, 1, std::numeric_limits<int64_t>::max(), "micro-batches per step", "M")
@@ -125,10 +124,13 @@ Args parse(int argc, char** argv) {
                "R")
       .toggle("--no-sync", a.no_sync, "reduce gradients only after the last micro-batch")
       .number("--clip", a.clip, 0, true, std::numeric_limits<double>::max(), "max global gradient norm", "MAX_NORM")
-      .toggle("--fused", a.fused, "fsdp::optim::FusedAdamW")
       .toggle("--json", a.json, "one JSON row per step on rank 0, then a summary")
       .number("--peak-tflops", a.peak_tflops, 0, false, std::numeric_limits<double>::max(),
-              "each device's peak, for the MFU (default: by name)", "F");
+              "each device's peak, for the MFU (default: by name)", "F")
+      .toggle("--reference-path", a.model.reference_path, "attention by hand, as before SDPA (for comparison)")
+      .text("--profile", a.profile, "a trace of a few steps in DIR/trace.json, and their table", "DIR",
+            /*non_empty=*/true);
+  examples::add_optimizer_flag(flags, a.optimizer, /*with_sgd=*/true);
   examples::add_device_flag(flags, a.device);
   a.ckpt.add_to(flags);
   a.outer.add_to(flags);
@@ -140,7 +142,6 @@ Args parse(int argc, char** argv) {
         "--grad-accum and --max-rows both set the micro-batches: pass one (--max-rows keeps the global batch on "
         "any number of ranks)");
   }
-  if (a.fused && a.optimizer != "adamw") usage_error("--fused is an AdamW; it cannot be used with --optimizer sgd");
   examples::check_device_flag(a.device);
   a.ckpt.check();
   a.outer.check(a.strategy == "hybrid");
@@ -169,6 +170,7 @@ int run(const Args& args) {
   }
   fsdp::InitOptions init;
   if (timeout) init.timeout(*timeout);
+  fsdp::programs::StepProfiler profiler(args.profile);  // before the group: a bad DIR fails alone
   auto pg = fsdp::init_process_group(init);
   const double t_group = wall_seconds();
   const int rank = pg->getRank(), world = pg->getSize();
@@ -216,23 +218,11 @@ int run(const Args& args) {
   }()
                                   : fsdp::fully_shard(gpt::make_gpt_on<true>(args.model, device), pg, options);
   const int64_t n_params = model.num_parameters();  // Ψ: elements of the full model
-  // Model FLOPs (programs/flops.h): both embeddings are lookups; the untied head counts.
-  const gpt::Config& shape = args.model;
-  const fsdp::programs::TransformerShape flops_shape{n_params, (shape.vocab_size + shape.block_size) * shape.n_embd,
-                                                     shape.n_layer, shape.n_head, shape.n_embd / shape.n_head};
+  const fsdp::programs::TransformerShape flops_shape = gpt::flops_shape(args.model, n_params);
   const double peak_tflops = fsdp::programs::resolve_peak_tflops(args.peak_tflops, device);
 
-  std::unique_ptr<torch::optim::Optimizer> opt;
-  if (args.fused) {
-    opt = std::make_unique<fsdp::optim::FusedAdamW>(
-        model, torch::optim::AdamWOptions(args.lr).weight_decay(args.weight_decay));
-  } else if (args.optimizer == "adamw") {
-    opt = std::make_unique<torch::optim::AdamW>(model.parameters(),
-                                                torch::optim::AdamWOptions(args.lr).weight_decay(args.weight_decay));
-  } else {
-    opt = std::make_unique<torch::optim::SGD>(
-        model.parameters(), torch::optim::SGDOptions(args.lr).momentum(0.9).weight_decay(args.weight_decay));
-  }
+  std::unique_ptr<torch::optim::Optimizer> opt =
+      examples::make_optimizer(args.optimizer, model, args.lr, args.weight_decay);
 
   // --local-sgd / --diloco: the step goes through the outer optimizer, and what is logged each step
   // is summed over this replica's ranks only (metrics_pg), so that no collective of a step spans
@@ -304,7 +294,7 @@ int run(const Args& args) {
               << (args.model.wrap == gpt::Wrap::kTorchtitan ? " blocks (units: wte, each block, ln_f+lm_head)"
                                                             : " blocks (units: each block)")
               << ", " << fsdp::data::to_string(plan) << " of " << T << " tokens (" << samples << " windows per epoch"
-              << (args.no_sync ? ", no sync" : "") << "), " << (args.fused ? "fused " : "") << args.optimizer << " lr "
+              << (args.no_sync ? ", no sync" : "") << "), " << examples::optimizer_label(args.optimizer) << " lr "
               << args.lr << (args.clip > 0 ? ", clip " + std::to_string(args.clip) : "") << ", prefetch "
               << args.prefetch << ", strategy " << fsdp::to_string(strategy)
               << (strategy == fsdp::ShardingStrategy::kHybridShard ? " (groups of " + std::to_string(group) + ")" : "")
@@ -318,6 +308,8 @@ int run(const Args& args) {
   int64_t last_peak = 0, last_state = 0;
   double total_ms = 0;
   for (int64_t step = first_step; step < args.steps; ++step) {
+    profiler.begin(fsdp::programs::profiled_step(step - first_step, args.steps - first_step),
+                   "step " + std::to_string(step), device);
     opt->zero_grad();
     fsdp::memory::reset_peak(device);
     model.track_state_peak(true);
@@ -333,10 +325,17 @@ int run(const Args& args) {
       const std::vector<int64_t> rows(share->indices.begin() + m * micro, share->indices.begin() + (m + 1) * micro);
       const auto xy = corpus::batch(data, rows, T);
       model.set_requires_gradient_sync(!args.no_sync || m == K - 1);
-      auto logits = model(xy.first.to(device));
-      auto l = torch::nn::functional::cross_entropy(logits.flatten(0, 1), xy.second.to(device).flatten()) /
-               static_cast<double>(K);
-      scaler.scale(l).backward();
+      torch::Tensor l;
+      {
+        fsdp::programs::Phase phase("fsdp.forward");
+        auto logits = model(xy.first.to(device));
+        l = torch::nn::functional::cross_entropy(logits.flatten(0, 1), xy.second.to(device).flatten()) /
+            static_cast<double>(K);
+      }
+      {
+        fsdp::programs::Phase phase("fsdp.backward");
+        scaler.scale(l).backward();
+      }
       loss += l.detach().to(torch::kDouble);
     }
     // fp16: the gradients unscaled; an overflow on any rank skips this step on all of them (the
@@ -347,8 +346,11 @@ int run(const Args& args) {
     const double grad_norm = scaler.found_inf() ? std::nan("")
                              : args.clip > 0    ? fsdp::optim::clip_grad_norm(model, args.clip, 2.0, true)
                                                 : fsdp::optim::grad_norm(model, 2.0, true);
-    outer.step([&] { scaler.step(*opt); });
-    scaler.update();
+    {
+      fsdp::programs::Phase phase("fsdp.optimizer");
+      outer.step([&] { scaler.step(*opt); });
+      scaler.update();
+    }
 
     // Model state at the optimizer step: sharded parameters, gradients, optimizer state.
     const auto at_step = fsdp::optim::state_bytes(model.parameters(), opt.get());
@@ -366,6 +368,8 @@ int run(const Args& args) {
     examples::synchronize(device);
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     if (step > first_step) total_ms += ms;
+    profiler.end(!fsdp::programs::profiled_step(step + 1 - first_step, args.steps - first_step), rank,
+                 args.json ? std::cerr : std::cout);
 
     // The loss and the bytes this step sent across replicas, summed over the ranks of the sum.
     auto sums = torch::tensor(

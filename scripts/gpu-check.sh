@@ -39,6 +39,11 @@
 #                     on the GPU resumed at 1 on the GPU and 3 on the CPU; race switch on and off (needs the
 #                     two examples)
 #   9 races_cpu       RaceDelay.*: the race switch's CPU tests (run everywhere)
+#  10 llama           a 1.0B Llama (width 2048, 16 layers, 16 heads over 8 key-value heads, sequence 2048,
+#                     vocabulary 256) in bf16: wrapped against plain LibTorch, and Hugging Face's
+#                     LlamaForCausalLM under FSDP2 eager and compiled, side by side
+#                     (benchmarks/fsdp/llama_side_by_side.py); on the CPU the small Llama, eager only
+#  11 llama_profile   overhead_bench --profile on the same Llama: the trace and the per-step table
 # --only PARTS runs those parts alone (their names above, comma-separated).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -156,6 +161,21 @@ else
   skip examples_gpu "no CUDA device: the examples' refusals of --device cuda run in CI (TrainGPT.RaceDelaysAndTheDeviceFlag)"
 fi
 part races_cpu 120 "$BUILD/tests/fsdp_tests" --gtest_filter='RaceDelay.*'
+if [ "$GPU" = 1 ]; then
+  # The batch that fills the device: two 1B models with their AdamW state are 32 GB; each row of
+  # 2048 tokens takes about 4 GB of activations in bf16.
+  GPU_GIB=$("$PYTHON" -c 'import torch; print(torch.cuda.get_device_properties(0).total_memory >> 30)')
+  LLAMA_BATCH=$([ "$GPU_GIB" -ge 120 ] && echo 16 || echo 8)
+  part llama 330 "$PYTHON" benchmarks/fsdp/llama_side_by_side.py --overhead-bench "$BUILD/benchmarks/overhead_bench" \
+    --size llama1b --device cuda --batch-size "$LLAMA_BATCH" --rounds 8 --out "$OUT/llama.json"
+  part llama_profile 90 "$BUILD/benchmarks/overhead_bench" --device cuda --sizes llama1b --rounds 5 --json \
+    --mixed-precision bf16 --batch-size "$LLAMA_BATCH" --profile "$OUT/llama_profile"
+else
+  part llama 240 "$PYTHON" benchmarks/fsdp/llama_side_by_side.py --overhead-bench "$BUILD/benchmarks/overhead_bench" \
+    --size llama-small --device cpu --batch-size 2 --rounds 3 --sides ours,eager --out "$OUT/llama.json"
+  part llama_profile 60 "$BUILD/benchmarks/overhead_bench" --device cpu --sizes llama-small --rounds 5 --json \
+    --profile "$OUT/llama_profile"
+fi
 
 # The summary: every part's status, and the figures the issue asks for.
 export OUT GPU GPU_NAME
@@ -234,6 +254,15 @@ if sim:
     summary["simulated_goal"] = {"goal": "7b at 64 ranks: state at the step within 1.01 of 16Ψ/N",
                                  "met": bool(at64 and at64[0]["state_at_step_over_formula"] is not None and
                                              abs(at64[0]["state_at_step_over_formula"] - 1) <= 0.01)}
+try:
+    llama = json.load(open(os.path.join(out, "llama.json")))
+    wrapped = next((r for r in llama["rows"] if r["side"] == "libtorch_fsdp_wrapped"), {})
+    summary["llama"] = dict(llama, goals="ours over FSDP2 eager at most 1.0, over compiled at most 1.15, over plain "
+                            "LibTorch at most 1.02; MFU at least 0.35", wrapped_mfu=wrapped.get("mfu"))
+    if not gpu:
+        summary["llama"]["note"] = "no GPU: the small Llama on the CPU, to keep the script working"
+except (OSError, ValueError):
+    pass
 try:
     text = open(os.path.join(out, "cuda_tests.out")).read()
     summary["cuda_lines"] = re.findall(r"^\[cuda\].*$", text, re.M)

@@ -3,6 +3,7 @@
 #include "fsdp/internal/check.h"
 #include "tp/conjugates.h"
 
+#include <ATen/autocast_mode.h>
 #include <ATen/ops/linear.h>
 #include <torch/nn/modules/linear.h>
 
@@ -13,6 +14,12 @@ namespace {
 // it: the layer keeps its part, so its values do not depend on the tensor-parallel size.
 torch::nn::Linear full_linear(int64_t in, int64_t out, bool bias) {
   return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias));
+}
+
+/// The input and the weight of one dtype, or autocast on for the input's device (it casts both,
+/// as for torch::nn::Linear).
+bool same_dtype_or_autocast(const at::Tensor& input, const at::Tensor& weight) {
+  return input.scalar_type() == weight.scalar_type() || at::autocast::is_autocast_enabled(input.device().type());
 }
 
 void check_split(const Group& g, const char* layer, const char* what, int64_t n, int64_t in, int64_t out) {
@@ -56,7 +63,7 @@ at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& input) {
              options.in_features(), ", out ", options.out_features(), ") on ", group.where(),
              ": its input's last dimension must be ", options.in_features(), ", but the input has shape ",
              input.sizes(), ".");
-  FSDP_CHECK(input.scalar_type() == weight.scalar_type(), "fsdp::tp::ColumnParallelLinear(in ", options.in_features(),
+  FSDP_CHECK(same_dtype_or_autocast(input, weight), "fsdp::tp::ColumnParallelLinear(in ", options.in_features(),
              ", out ", options.out_features(), ") on ", group.where(), ": the input is ", input.scalar_type(),
              " but the weight is ", weight.scalar_type(), "; convert one (module->to(dtype), or the input).");
   FSDP_CHECK(!options.sequence_parallel() || !options.conjugate_input() || input.dim() >= 3,
@@ -115,8 +122,8 @@ at::Tensor RowParallelLinearImpl::forward(const at::Tensor& input) {
              ", out ", options.out_features(), ") on ", group.where(), ": its input's last dimension must be ", in,
              options.input_is_parallel() ? " (this rank's columns: in / tensor-parallel size)" : "",
              ", but the input has shape ", input.sizes(), ".");
-  FSDP_CHECK(input.scalar_type() == weight.scalar_type(), "fsdp::tp::RowParallelLinear(in ", options.in_features(),
-             ", out ", options.out_features(), ") on ", group.where(), ": the input is ", input.scalar_type(),
+  FSDP_CHECK(same_dtype_or_autocast(input, weight), "fsdp::tp::RowParallelLinear(in ", options.in_features(), ", out ",
+             options.out_features(), ") on ", group.where(), ": the input is ", input.scalar_type(),
              " but the weight is ", weight.scalar_type(), "; convert one (module->to(dtype), or the input).");
   FSDP_CHECK(!options.sequence_parallel() || (input.dim() >= 3 && input.size(1) % group.size() == 0),
              "fsdp::tp::RowParallelLinear(in ", options.in_features(), ", out ", options.out_features(), ") on ",

@@ -14,7 +14,6 @@ optimizer step (the storages of this rank's parameter shards, gradients and Adam
 import argparse
 import ctypes
 import datetime
-import math
 import time
 
 import torch
@@ -35,10 +34,8 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, 2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(C // self.n_head))
-        mask = torch.ones(T, T, dtype=torch.bool).tril()
-        att = att.masked_fill(~mask, float("-inf")).softmax(-1)
-        return self.c_proj((att @ v).transpose(1, 2).contiguous().view(B, T, C))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # as examples/gpt.h
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
 class MLP(nn.Module):
@@ -113,6 +110,8 @@ def main():
                     help="units: the blocks (the root keeps the rest), or torchtitan's: the token embedding, "
                          "each block, and the final norm with the head")
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--optimizer", choices=["adamw", "torch-adamw"], default="adamw",
+                    help="adamw: torch.optim.AdamW(fused=True), as fsdp::optim::FusedAdamW; torch-adamw: its default")
     ap.add_argument("--reshard-after-forward", type=int, default=1)
     ap.add_argument("--counting-lib")
     ap.add_argument("--report", required=True)
@@ -163,7 +162,8 @@ def main():
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
         scaler = ShardedGradScaler()
     psi = sum(p.numel() for p in model.parameters())  # DTensors: full sizes
-    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.1,
+                            fused=True if a.optimizer == "adamw" else None)
 
     T, B = a.block_size, a.batch_size
     rows = B // world

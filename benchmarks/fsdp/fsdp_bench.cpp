@@ -54,7 +54,7 @@ std::vector<std::string> model_args(const Args& a) {
       "--n-layer",    std::to_string(m.n_layer),        "--n-head",     std::to_string(m.n_head),
       "--n-embd",     std::to_string(m.n_embd),         "--block-size", std::to_string(m.block_size),
       "--batch-size", std::to_string(a.run.batch_size), "--steps",      std::to_string(a.run.steps),
-      "--seed",       std::to_string(a.run.seed)};
+      "--seed",       std::to_string(a.run.seed),       "--optimizer",  a.run.optimizer};
   for (auto& x : wrap_args(a)) out.push_back(x);
   if (m.checkpoint_every > 0) {  // C++ and FSDP2 alike: every K-th block
     out.emplace_back("--activation-checkpointing");
@@ -140,6 +140,14 @@ gpt::Config sim_model(const std::string& name) {
   return c;
 }
 
+/// A formula-only row's note: "formula only: needs ~X GiB, <who> has Y GiB <what>".
+std::string does_not_fit(double need, double have, const char* who, const char* what) {
+  char note[160];
+  std::snprintf(note, sizeof(note), "formula only: needs ~%.1f GiB, %s has %.1f GiB %s", need / (1 << 30), who,
+                have / (1 << 30), what);
+  return note;
+}
+
 bool g_failed_runs = false;  // a simulated run that should have fitted failed: exit status 1
 
 std::vector<bench::Row> simulate(const Args& a) {
@@ -169,11 +177,8 @@ std::vector<bench::Row> simulate(const Args& a) {
       // driver leaves CUDA alone); the host then holds one unit at a time on its way there.
       if (a.device == "cpu" && available > 0 && need > 0.85 * static_cast<double>(available)) {
         r.measured = false;
-        char note[160];
-        std::snprintf(note, sizeof(note), "formula only: needs ~%.1f GiB, this machine has %.1f GiB available",
-                      need / (1 << 30), static_cast<double>(available) / (1 << 30));
-        r.note = note;
-        std::fprintf(stderr, "[%2d/%d] simulated %s N=%d: %s\n", k, total, name.c_str(), N, note);
+        r.note = does_not_fit(need, static_cast<double>(available), "this machine", "available");
+        std::fprintf(stderr, "[%2d/%d] simulated %s N=%d: %s\n", k, total, name.c_str(), N, r.note.c_str());
         rows.push_back(r);
         continue;
       }
@@ -206,10 +211,7 @@ std::vector<bench::Row> simulate(const Args& a) {
         const std::vector<bench::Report> reports = bench::launch(l, progress);
         if (const auto& rep = reports.front(); rep.count("device_free_bytes") && !rep.count("loss")) {
           r.measured = false;  // the worker found it would not fit the GPU
-          char note[160];
-          std::snprintf(note, sizeof(note), "formula only: needs ~%.1f GiB, the GPU has %.1f GiB free",
-                        rep.at("need_bytes") / (1 << 30), rep.at("device_free_bytes") / (1 << 30));
-          r.note = note;
+          r.note = does_not_fit(rep.at("need_bytes"), rep.at("device_free_bytes"), "the GPU", "free");
           rows.push_back(r);
           continue;
         }

@@ -3,6 +3,7 @@
 #include "benchmarks/fsdp/fsdp_bench_flags.h"
 
 #include "examples/device_flag.h"
+#include "examples/optimizer_flag.h"
 #include "examples/run_flags.h"
 #include "examples/strategy_flags.h"
 #include "programs/flags.h"
@@ -58,6 +59,7 @@ Args parse(int argc, char** argv) {
       .names("--strategies", a.strategies, "strategies: full, grad-op, optimizer, replicate, hybrid, diloco")
       .names("--precisions", a.precisions, "fp32, bf16, fp16 (or one, --mixed-precision)", &a.precisions_given);
   examples::add_run_flags(flags, a.run);
+  examples::add_optimizer_flag(flags, a.run.optimizer, /*with_sgd=*/false);
   flags.toggle("--no-fsdp2", a.fsdp2, "no PyTorch FSDP2 runs", false)
       .text("--python", a.python, "the Python that runs FSDP2", "PYTHON")
       .integer("--run-timeout", a.run_timeout_s, 1, int64_t{30} * 86400, "wall clock of each run", "SECONDS")

@@ -1,9 +1,20 @@
 // What the wrapper costs at world size 1: one training step of the example GPT, plain LibTorch
 // against the same model wrapped (full sharding over a one-rank group), at several sizes.
 //
-//   build/benchmarks/overhead_bench [--sizes small,1m,4m,350m] [--rounds 20] [--batch-size 4] [--json]
-//                                   [--device cpu|cuda] [--mixed-precision bf16] [--prefetch K]
-//                                   [--peak-tflops F] [--offload] [--activation-checkpointing [K]]
+//   build/benchmarks/overhead_bench [--sizes small,1m,4m,350m,llama-small,llama1b] [--rounds 20]
+//                                   [--batch-size 4] [--json] [--device cpu|cuda] [--mixed-precision bf16]
+//                                   [--prefetch K] [--peak-tflops F] [--offload] [--activation-checkpointing [K]]
+//                                   [--optimizer adamw|torch-adamw] [--profile DIR]
+//
+// The llama sizes are examples/llama/llama.h's Llama (SDPA with enable_gqa, at::rms_norm): llama1b
+// is about 1.0B parameters (width 2048, 16 layers, 16 heads over 8 key-value heads, MLP 8192,
+// sequence 2048, vocabulary 256), the GPU check's.
+//
+// --optimizer adamw (default): the wrapped side steps with fsdp::optim::FusedAdamW (one fused pass
+// per unit), plain LibTorch with the same ATen kernel over its parameter list
+// (benchmarks/fsdp/plain_fused_adamw.h); torch-adamw: both with torch::optim::AdamW.
+// --profile DIR: a trace of the first size's rounds 2-4 (plain and wrapped steps) and their table
+// (programs/profile.h).
 //
 // --mixed-precision bf16: the wrapped model gathers and computes in bf16 with fp32 master weights
 // (fsdp::MixedPrecisionPolicy); plain LibTorch runs the same fp32 model under autocast to bf16
@@ -17,7 +28,7 @@
 // between steps (the allocator's bytes after the rounds, less those held before it was built and
 // the plain side's AdamW moments from shapes), which without offload is its model state.
 //
-// Method: one process, both models built from the same seed, each with its own torch::optim::AdamW;
+// Method: one process, both models built from the same seed, each with its own optimizer;
 // after warm-up steps, the two step alternately (plain, wrapped, plain, ...) for --rounds rounds,
 // so machine noise reaches both alike; each step is timed alone (forward, backward, optimizer step,
 // zero_grad) and the medians are compared. Reported: the ratio wrapped / plain and the difference in
@@ -27,13 +38,16 @@
 // gradients were set to none by zero_grad), and the most bytes allocated during its step above
 // those allocated when the step began (activations, gradients, the library's buffers), from the
 // caching allocator on CUDA and the counting allocator on CPU: the largest over the measured rounds.
+#include "benchmarks/fsdp/plain_fused_adamw.h"
 #include "examples/gpt.h"
+#include "examples/llama/llama.h"
 #include "fsdp/fsdp.h"
 #include "optim/fused_adamw.h"
 #include "optim/state_bytes.h"
 #include "programs/flags.h"
 #include "programs/flops.h"
 #include "programs/json_row.h"
+#include "programs/profile.h"
 #include "programs/program.h"
 
 #include <ATen/autocast_mode.h>
@@ -48,6 +62,7 @@
 #include <iostream>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -60,20 +75,99 @@ double median(std::vector<double> v) {
 
 using fsdp::programs::usage_error;
 
+// Sizes of the example GPT (vocabulary 256, block 64): about 0.3M, 1.1M and 4.5M parameters.
+const std::map<std::string, gpt::Config> kGptSizes = {
+    {"small", gpt::Config{256, 64, 2, 4, 64, true}},
+    {"1m", gpt::Config{256, 64, 4, 4, 128, true}},
+    {"4m", gpt::Config{256, 64, 6, 4, 224, true}},
+    // GPT-2 medium's shape (355M parameters with a 50,304-token vocabulary, block 1024): the GPU check's.
+    {"350m", gpt::Config{50304, 1024, 24, 16, 1024, true}},
+};
+
+llama::Config llama_size(int64_t block, int64_t layers, int64_t heads, int64_t kv_heads, int64_t width, int64_t ffn) {
+  llama::Config c;
+  c.vocab_size = 256;
+  c.block_size = block;
+  c.n_layer = layers;
+  c.n_head = heads;
+  c.n_kv_head = kv_heads;
+  c.n_embd = width;
+  c.intermediate = ffn;
+  return c;
+}
+const std::map<std::string, llama::Config> kLlamaSizes = {
+    {"llama-small", llama_size(64, 2, 4, 2, 128, 512)},
+    {"llama1b", llama_size(2048, 16, 16, 8, 2048, 8192)},
+};
+
+/// One size's two models: plain LibTorch and the same model (same seed) wrapped, each with its
+/// forward (token ids -> logits), its parameters and its optimizer.
+struct Pair {
+  std::shared_ptr<torch::nn::Module> plain_module;
+  std::function<torch::Tensor(const torch::Tensor&)> plain_forward, wrapped_forward;
+  std::optional<fsdp::FSDPModule> wrapped;
+  fsdp::programs::TransformerShape flops;
+  int64_t vocab = 0, block = 0;
+};
+
+Pair make_pair_of(const std::string& size, int64_t checkpoint_every, const torch::Device& device,
+                  const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const fsdp::FullyShardOptions& options,
+                  int64_t* device_before_wrapped) {
+  auto sync = [&] {
+    if (device.is_cuda()) torch::cuda::synchronize();
+  };
+  Pair p;
+  if (kGptSizes.count(size) != 0) {
+    gpt::Config cfg = kGptSizes.at(size);
+    cfg.checkpoint_every = checkpoint_every;
+    torch::manual_seed(0);
+    auto plain = gpt::make_gpt<false>(cfg);
+    plain->to(device);
+    sync();
+    *device_before_wrapped = fsdp::memory::stats(device).current_bytes;
+    torch::manual_seed(0);
+    auto unwrapped = gpt::make_gpt<true>(cfg);
+    unwrapped->to(device);
+    auto w = fsdp::fully_shard(unwrapped, pg, options);
+    p.wrapped.emplace(w);
+    p.wrapped_forward = [w](const torch::Tensor& t) mutable { return w(t); };
+    p.plain_module = plain;
+    p.plain_forward = [plain](const torch::Tensor& t) { return plain->forward(t); };
+    p.flops = gpt::flops_shape(cfg, w.num_parameters());
+    p.vocab = cfg.vocab_size;
+    p.block = cfg.block_size;
+  } else {
+    llama::Config cfg = kLlamaSizes.at(size);
+    cfg.checkpoint_every = checkpoint_every;
+    // A one-rank mesh: the tensor-parallel layers are plain ones (fsdp::tp at size 1).
+    const fsdp::DeviceMesh mesh(pg, {{fsdp::kShardDim, 1}, {fsdp::kTensorDim, 1}});
+    fsdp::tp::Group blocks(mesh), vocab(mesh);
+    torch::manual_seed(0);
+    llama::LlamaForCausalLM plain(cfg, blocks, vocab);
+    plain->to(device);
+    sync();
+    *device_before_wrapped = fsdp::memory::stats(device).current_bytes;
+    torch::manual_seed(0);
+    llama::LlamaForCausalLM unwrapped(cfg, blocks, vocab);
+    unwrapped->to(device);
+    auto w = fsdp::fully_shard(unwrapped, mesh, options);
+    p.wrapped.emplace(w);
+    p.wrapped_forward = [w](const torch::Tensor& t) mutable { return w(t); };
+    p.plain_module = plain.ptr();
+    p.plain_forward = [plain](const torch::Tensor& t) mutable { return plain->forward(t); };
+    p.flops = {w.num_parameters(), cfg.vocab_size * cfg.n_embd, cfg.n_layer, cfg.n_head, cfg.hd()};
+    p.vocab = cfg.vocab_size;
+    p.block = cfg.block_size;
+  }
+  return p;
+}
+
 const char* const kAbout =
     "  One training step of the example GPT, plain LibTorch against the same model wrapped (full sharding\n"
     "  over a one-rank group), alternating, at each size; the medians compared.\n"
     "  Exit status: 0 done, 2 bad flags, 1 other errors.\n";
 
 int run(int argc, char** argv) {
-  // Sizes of the example GPT (vocabulary 256, block 64): about 0.3M, 1.1M and 4.5M parameters.
-  const std::map<std::string, gpt::Config> kSizes = {
-      {"small", gpt::Config{256, 64, 2, 4, 64, true}},
-      {"1m", gpt::Config{256, 64, 4, 4, 128, true}},
-      {"4m", gpt::Config{256, 64, 6, 4, 224, true}},
-      // GPT-2 medium's shape (355M parameters with a 50,304-token vocabulary, block 1024): the GPU check's.
-      {"350m", gpt::Config{50304, 1024, 24, 16, 1024, true}},
-  };
   std::vector<std::string> sizes = {"small", "1m", "4m"};
   int rounds = 20;
   int64_t batch = 4;
@@ -83,8 +177,9 @@ int run(int argc, char** argv) {
   double peak_tflops = 0;
   int64_t checkpoint_every = 0;  // --activation-checkpointing [K]: plain and wrapped alike
   bool offload = false;
+  std::string optimizer = "adamw", profile;
   fsdp::programs::Flags flags("overhead_bench", kAbout);
-  flags.names("--sizes", sizes, "GPT sizes: small, 1m, 4m, 350m")
+  flags.names("--sizes", sizes, "sizes: small, 1m, 4m, 350m (GPTs), llama-small, llama1b")
       .integer("--rounds", rounds, 3, 100000, "alternating rounds of plain and wrapped steps")
       .integer("--batch-size", batch, 1, 4096, "rows per step", "B")
       .toggle("--json", json, "the rows as a JSON array on stdout")
@@ -95,10 +190,18 @@ int run(int argc, char** argv) {
               "F")
       .toggle("--offload", offload, "(cuda) the wrapped model's state in pinned host memory")
       .integer_or("--activation-checkpointing", checkpoint_every, int64_t{1}, 1, 1 << 20,
-                  "every K-th block recomputes its forward in backward (default every one)");
+                  "every K-th block recomputes its forward in backward (default every one)")
+      .choice("--optimizer", optimizer, {"adamw", "torch-adamw"},
+              "adamw: fused (FusedAdamW, and the same kernel for plain); torch-adamw: torch::optim::AdamW")
+      .text("--profile", profile, "a trace of the first size's rounds 2-4 in DIR/trace.json, and their table", "DIR",
+            /*non_empty=*/true);
   flags.parse(argc, argv);
   for (const auto& size : sizes) {
-    if (kSizes.count(size) == 0) usage_error("unknown size '" + size + "'");
+    if (kGptSizes.count(size) == 0 && kLlamaSizes.count(size) == 0) usage_error("unknown size '" + size + "'");
+  }
+  fsdp::programs::StepProfiler profiler(profile);
+  if (profiler.on() && sizes.size() > 1) {
+    std::cerr << "overhead_bench: --profile profiles the first size, " << sizes[0] << ", alone\n";
   }
   if (device_name == "cuda" && !torch::cuda::is_available()) {
     throw fsdp::programs::UsageError(
@@ -115,31 +218,27 @@ int run(int argc, char** argv) {
   };
   auto pg = fsdp::init_process_group();
   if (json) std::printf("[\n");
+  auto options = fsdp::FullyShardOptions().prefetch(prefetch);
+  if (bf16) options.mixed_precision(fsdp::MixedPrecisionPolicy().param_dtype(torch::kBFloat16));
+  if (offload) options.offload_policy(fsdp::CPUOffloadPolicy());
   for (size_t n = 0; n < sizes.size(); ++n) {
-    gpt::Config cfg = kSizes.at(sizes[n]);
-    cfg.checkpoint_every = checkpoint_every;
-    torch::manual_seed(0);
-    auto plain = gpt::make_gpt<false>(cfg);
-    plain->to(device);
-    sync();
-    const int64_t device_before_wrapped = fsdp::memory::stats(device).current_bytes;
-    torch::manual_seed(0);
-    auto unwrapped = gpt::make_gpt<true>(cfg);
-    unwrapped->to(device);
-    auto options = fsdp::FullyShardOptions().prefetch(prefetch);
-    if (bf16) options.mixed_precision(fsdp::MixedPrecisionPolicy().param_dtype(torch::kBFloat16));
-    if (offload) options.offload_policy(fsdp::CPUOffloadPolicy());
-    auto wrapped = fsdp::fully_shard(unwrapped, pg, options);
-    torch::optim::AdamW plain_opt(plain->parameters(), torch::optim::AdamWOptions(1e-4));
+    int64_t device_before_wrapped = 0;
+    Pair pair = make_pair_of(sizes[n], checkpoint_every, device, pg, options, &device_before_wrapped);
+    fsdp::FSDPModule& wrapped = *pair.wrapped;
+    const auto plain_params = pair.plain_module->parameters();
+    const bool fused = optimizer == "adamw";
+    const auto adamw = torch::optim::AdamWOptions(1e-4);
+    std::unique_ptr<torch::optim::AdamW> plain_opt = fused
+                                                         ? std::make_unique<bench::PlainFusedAdamW>(plain_params, adamw)
+                                                         : std::make_unique<torch::optim::AdamW>(plain_params, adamw);
     // Offloaded, the step runs on the CPU: the vectorized, multi-threaded AdamW over each unit's
-    // flat shard (it behaves as torch::optim::AdamW).
-    std::unique_ptr<torch::optim::AdamW> wrapped_opt_ptr =
-        offload ? std::make_unique<fsdp::optim::FusedAdamW>(wrapped, torch::optim::AdamWOptions(1e-4))
-                : std::make_unique<torch::optim::AdamW>(wrapped->parameters(), torch::optim::AdamWOptions(1e-4));
-    torch::optim::AdamW& wrapped_opt = *wrapped_opt_ptr;
+    // flat shard (it behaves as torch::optim::AdamW), whatever --optimizer says.
+    std::unique_ptr<torch::optim::AdamW> wrapped_opt =
+        fused || offload ? std::make_unique<fsdp::optim::FusedAdamW>(wrapped, adamw)
+                         : std::make_unique<torch::optim::AdamW>(wrapped.parameters(), adamw);
     torch::manual_seed(1);
-    auto tok = torch::randint(cfg.vocab_size, {batch, cfg.block_size + 1}, torch::kLong).to(device);
-    auto x = tok.narrow(1, 0, cfg.block_size), y = tok.narrow(1, 1, cfg.block_size).flatten();
+    auto tok = torch::randint(pair.vocab, {batch, pair.block + 1}, torch::kLong).to(device);
+    auto x = tok.narrow(1, 0, pair.block), y = tok.narrow(1, 1, pair.block).flatten();
     using Clock = std::chrono::steady_clock;
     auto ms = [](Clock::time_point a, Clock::time_point b) {
       return std::chrono::duration<double, std::milli>(b - a).count();
@@ -148,13 +247,18 @@ int run(int argc, char** argv) {
     int64_t step_peak[2] = {0, 0};     // [plain, wrapped]
     // Plain LibTorch in bf16: autocast, fp32 weights and optimizer (the wrapped side's casts are
     // its policy's).
+    // The profile's steps: the plain and the wrapped step of measured rounds 2-4 (programs/profile.h).
+    int64_t round = -1;  // the warm-up's
     auto step = [&](auto&& forward, torch::optim::Optimizer& opt, int which) {
       sync();
+      const bool profiled = round >= 0 && fsdp::programs::profiled_step(round, rounds);
+      profiler.begin(profiled, sizes[n] + (which == 0 ? " plain " : " wrapped ") + std::to_string(round), device);
       const int64_t base = fsdp::memory::stats(device).current_bytes;
       fsdp::memory::reset_peak(device);
       const auto t0 = Clock::now();
       torch::Tensor loss;
       {
+        fsdp::programs::Phase phase("fsdp.forward");
         const bool autocast = bf16 && which == 0;
         at::autocast::set_autocast_enabled(device.type(), autocast);
         if (autocast) at::autocast::set_autocast_dtype(device.type(), torch::kBFloat16);
@@ -164,21 +268,30 @@ int run(int argc, char** argv) {
       }
       sync();
       const auto t1 = Clock::now();
-      loss.backward();
+      {
+        fsdp::programs::Phase phase("fsdp.backward");
+        loss.backward();
+      }
       sync();
       const auto t2 = Clock::now();
-      opt.step();
-      opt.zero_grad();
+      {
+        fsdp::programs::Phase phase("fsdp.optimizer");
+        opt.step();
+        opt.zero_grad();
+      }
       sync();
       const auto t3 = Clock::now();
+      // It stops after the wrapped step of the last profiled round.
+      profiler.end(profiled && which == 1 && !fsdp::programs::profiled_step(round + 1, rounds), 0,
+                   json ? std::cerr : std::cout);
       phases[which][0].push_back(ms(t0, t1));
       phases[which][1].push_back(ms(t1, t2));
       phases[which][2].push_back(ms(t2, t3));
       step_peak[which] = std::max(step_peak[which], fsdp::memory::stats(device).peak_bytes - base);
       return ms(t0, t3);
     };
-    auto plain_step = [&] { return step([&](const torch::Tensor& t) { return plain->forward(t); }, plain_opt, 0); };
-    auto wrapped_step = [&] { return step([&](const torch::Tensor& t) { return wrapped(t); }, wrapped_opt, 1); };
+    auto plain_step = [&] { return step(pair.plain_forward, *plain_opt, 0); };
+    auto wrapped_step = [&] { return step(pair.wrapped_forward, *wrapped_opt, 1); };
     for (int w = 0; w < 3; ++w) {
       plain_step();
       wrapped_step();
@@ -189,29 +302,30 @@ int run(int argc, char** argv) {
     step_peak[0] = step_peak[1] = 0;
     std::vector<double> p, f;
     for (int r = 0; r < rounds; ++r) {
+      round = r;
       p.push_back(plain_step());
       f.push_back(wrapped_step());
     }
     const double mp = median(p), mf = median(f);
-    const auto plain_bytes = fsdp::optim::state_bytes(plain->parameters(), &plain_opt);
+    const auto plain_bytes = fsdp::optim::state_bytes(plain_params, plain_opt.get());
     const auto plain_state = static_cast<long long>(plain_bytes.total());
     sync();
     // The plain side's parameters were on the device before; its moments came with its first step.
     const auto wrapped_device_bytes = static_cast<long long>(fsdp::memory::stats(device).current_bytes -
                                                              device_before_wrapped - plain_bytes.optimizer);
     const auto wrapped_state =
-        static_cast<long long>(fsdp::optim::state_bytes(wrapped.parameters(), &wrapped_opt).total());
+        static_cast<long long>(fsdp::optim::state_bytes(wrapped.parameters(), wrapped_opt.get()).total());
     const long long params = static_cast<long long>(wrapped.num_parameters());
-    // Model FLOPs per step (programs/flops.h): 6 per multiplying parameter per token (the
-    // embeddings are lookups; the untied head counts) plus attention's 12·L·H·(C/H)·T per token.
-    const double tokens = static_cast<double>(batch * cfg.block_size);
-    const fsdp::programs::TransformerShape shape{params, (cfg.vocab_size + cfg.block_size) * cfg.n_embd, cfg.n_layer,
-                                                 cfg.n_head, cfg.n_embd / cfg.n_head};
-    const double flops = tokens * fsdp::programs::flops_per_token(shape, cfg.block_size);
-    const double tflops_plain = flops / (mp * 1e-3) / 1e12, tflops_wrapped = flops / (mf * 1e-3) / 1e12;
-    const double peak = fsdp::programs::resolve_peak_tflops(peak_tflops, device);  // given, else by name
-    const double mfu_plain = fsdp::programs::mfu(flops / tokens, tokens / (mp * 1e-3), peak, 1);
-    const double mfu_wrapped = fsdp::programs::mfu(flops / tokens, tokens / (mf * 1e-3), peak, 1);
+    // Model FLOPs (programs/flops.h) at each side's median step, against the peak given or the
+    // device's by name.
+    const double peak = fsdp::programs::resolve_peak_tflops(peak_tflops, device);
+    const auto speed = [&](double ms) {
+      return fsdp::programs::step_throughput(pair.flops, pair.block, batch * pair.block, ms, peak, 1);
+    };
+    const auto plain_speed = speed(mp), wrapped_speed = speed(mf);
+    const double tflops_plain = plain_speed.flops_per_token * plain_speed.tokens_per_s / 1e12;
+    const double tflops_wrapped = wrapped_speed.flops_per_token * wrapped_speed.tokens_per_s / 1e12;
+    const double mfu_plain = plain_speed.mfu, mfu_wrapped = wrapped_speed.mfu;
     // Where the difference is: the medians of forward, backward and optimizer step + zero_grad.
     double ph[2][3];
     for (int w = 0; w < 2; ++w) {
@@ -228,6 +342,12 @@ int run(int argc, char** argv) {
           .add("device", device_name)
           .add("precision", precision)
           .add("prefetch", prefetch)
+          .add("optimizer", optimizer)
+          .add("seq_len", pair.block)
+          .add("batch_size", batch)
+          .add("flops_per_token", plain_speed.flops_per_token, "%.17g")
+          .add("plain_tokens_per_s", plain_speed.tokens_per_s, "%.6g")
+          .add("wrapped_tokens_per_s", wrapped_speed.tokens_per_s, "%.6g")
           .add("plain_ms", mp, "%.4f")
           .add("wrapped_ms", mf, "%.4f")
           .add("ratio", mf / mp, "%.4f")

@@ -20,14 +20,19 @@
 #include "tp/embedding.h"
 #include "tp/linear.h"
 
+#include <ATen/ops/rms_norm.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
 
 #include <cmath>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace llama {
@@ -49,6 +54,11 @@ struct Config {
   /// each rank holds block_size / tp positions; the regions' all-reduces become all-gathers and
   /// reduce-scatters.
   bool sequence_parallel = false;
+  /// The arithmetic as the model computed it before its fused kernels: RMSNorm in seven kernels as
+  /// transformers writes it, the rotary tables built on the CPU in every layer's forward and copied
+  /// over, the key-value heads repeated by copies for grouped-query attention. The reference
+  /// Llama.SdpaMatchesReferencePath compares against, and --reference-path of train_llama.
+  bool reference_path = false;
 
   int64_t kv_heads() const { return n_kv_head > 0 ? n_kv_head : n_head; }
   int64_t ffn() const { return intermediate > 0 ? intermediate : 4 * n_embd; }
@@ -89,31 +99,62 @@ inline std::string shape_error(const Config& c, int64_t tp) {
   return "";
 }
 
-/// Hugging Face's LlamaRMSNorm: in fp32, then the weight in the input's dtype. Under sequence
-/// parallelism (`sp` set) it sees this rank's positions only, so its weight's gradient is partial:
-/// copy_to_region on the weight sums it over the group in backward.
+/// Hugging Face's LlamaRMSNorm: in fp32, then the weight in the input's dtype; at::rms_norm, one
+/// fused kernel (computing in fp32 for a bf16 input as well), or with `reference` the seven
+/// kernels transformers writes. Under sequence parallelism (`sp` set) it sees this rank's
+/// positions only, so its weight's gradient is partial: copy_to_region on the weight sums it over
+/// the group in backward.
 struct RMSNormImpl : torch::nn::Module {
-  RMSNormImpl(int64_t dim, double eps, std::optional<fsdp::tp::Group> sp = std::nullopt)
-      : eps(eps), sp(std::move(sp)), weight(register_parameter("weight", torch::ones({dim}))) {}
+  RMSNormImpl(int64_t dim, double eps, std::optional<fsdp::tp::Group> sp = std::nullopt, bool reference = false)
+      : eps(eps), sp(std::move(sp)), reference(reference), weight(register_parameter("weight", torch::ones({dim}))) {}
   torch::Tensor forward(const torch::Tensor& x) {
+    const auto w = sp ? fsdp::tp::copy_to_region(weight, *sp) : weight;
+    if (!reference) return at::rms_norm(x, {weight.size(0)}, w.to(x.scalar_type()), eps);
     auto h = x.to(torch::kFloat);
     h = h * torch::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + eps);
-    return (sp ? fsdp::tp::copy_to_region(weight, *sp) : weight) * h.to(x.scalar_type());
+    return w * h.to(x.scalar_type());
   }
   double eps;
   std::optional<fsdp::tp::Group> sp;
+  bool reference;
   torch::Tensor weight;
 };
 TORCH_MODULE(RMSNorm);
 
 /// The rotary tables for positions [0, T): cos and sin of [T, head_dim], as transformers computes
-/// them (inverse frequencies theta^(-2i/d) in fp32, each used twice: "rotate half").
-inline std::pair<torch::Tensor, torch::Tensor> rotary(int64_t T, int64_t hd, double theta) {
-  auto inv_freq = 1.0 / torch::pow(theta, torch::arange(0, hd, 2, torch::kLong).to(torch::kFloat) / hd);
-  auto freqs = torch::outer(torch::arange(T, torch::kLong).to(torch::kFloat), inv_freq);
+/// them (inverse frequencies theta^(-2i/d) in fp32, each used twice: "rotate half"), on `device`.
+inline std::pair<torch::Tensor, torch::Tensor> rotary(int64_t T, int64_t hd, double theta,
+                                                      const torch::Device& device = torch::kCPU) {
+  const auto on = torch::TensorOptions(torch::kLong).device(device);
+  auto inv_freq = 1.0 / torch::pow(theta, torch::arange(0, hd, 2, on).to(torch::kFloat) / hd);
+  auto freqs = torch::outer(torch::arange(T, on).to(torch::kFloat), inv_freq);
   auto emb = torch::cat({freqs, freqs}, -1);
   return {emb.cos(), emb.sin()};
 }
+
+/// One model's rotary tables, computed on the device once per (length, device, dtype) and shared by
+/// its layers (a forward recomputed by activation checkpointing in backward reads them from the
+/// autograd thread: hence the lock). Not parameters or buffers: nothing to shard, save or load.
+class RotaryTables {
+ public:
+  RotaryTables(int64_t hd, double theta) : hd_(hd), theta_(theta) {}
+  std::pair<torch::Tensor, torch::Tensor> get(int64_t T, const torch::Device& device, torch::ScalarType dtype) {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    auto& slot = tables_[std::make_tuple(T, device.str(), dtype)];
+    if (!slot.first.defined()) {
+      torch::NoGradGuard no_grad;
+      auto [cos, sin] = rotary(T, hd_, theta_, device);
+      slot = {cos.to(dtype), sin.to(dtype)};  // in fp32, then the dtype of q and k
+    }
+    return slot;
+  }
+
+ private:
+  int64_t hd_;
+  double theta_;
+  std::mutex mutex_;
+  std::map<std::tuple<int64_t, std::string, torch::ScalarType>, std::pair<torch::Tensor, torch::Tensor>> tables_;
+};
 
 inline torch::Tensor rotate_half(const torch::Tensor& x) {
   const int64_t h = x.size(-1) / 2;
@@ -121,9 +162,11 @@ inline torch::Tensor rotate_half(const torch::Tensor& x) {
 }
 
 struct AttentionImpl : torch::nn::Module {
-  AttentionImpl(const Config& c, const fsdp::tp::Group& g)
+  AttentionImpl(const Config& c, const fsdp::tp::Group& g, std::shared_ptr<RotaryTables> rope)
       : group(g),
         sp(c.sequence_parallel),
+        reference(c.reference_path),
+        rope(std::move(rope)),
         heads(c.n_head / g.size()),
         kv_heads(c.kv_heads() / g.size()),
         hd(c.hd()),
@@ -153,24 +196,33 @@ struct AttentionImpl : torch::nn::Module {
     auto q = q_proj(in).view({B, T, heads, hd}).transpose(1, 2);
     auto k = k_proj(in).view({B, T, kv_heads, hd}).transpose(1, 2);
     auto v = v_proj(in).view({B, T, kv_heads, hd}).transpose(1, 2);
-    auto [cos, sin] = rotary(T, hd, theta);
-    cos = cos.to(q.device(), q.scalar_type());  // the tables in fp32, then on q's device and dtype
-    sin = sin.to(q.device(), q.scalar_type());
+    torch::Tensor cos, sin;
+    if (reference) {
+      std::tie(cos, sin) = rotary(T, hd, theta);
+      cos = cos.to(q.device(), q.scalar_type());  // the tables in fp32, then on q's device and dtype
+      sin = sin.to(q.device(), q.scalar_type());
+    } else {
+      std::tie(cos, sin) = rope->get(T, q.device(), q.scalar_type());
+    }
     q = q * cos + rotate_half(q) * sin;
     k = k * cos + rotate_half(k) * sin;
     // Grouped-query attention: each key-value head serves heads / kv_heads consecutive query heads
-    // (transformers' repeat_kv); this rank's heads use this rank's key-value heads.
+    // (transformers' repeat_kv); this rank's heads use this rank's key-value heads. SDPA's
+    // enable_gqa reads them in place (a backend without it repeats them itself); the reference
+    // repeats them by copies.
     const int64_t rep = heads / kv_heads;
-    if (rep > 1) {
+    if (rep > 1 && reference) {
       k = k.unsqueeze(2).expand({B, kv_heads, rep, T, hd}).reshape({B, heads, T, hd});
       v = v.unsqueeze(2).expand({B, kv_heads, rep, T, hd}).reshape({B, heads, T, hd});
     }
-    auto y = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
+    auto y = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true, /*scale=*/std::nullopt,
+                                              /*enable_gqa=*/rep > 1 && !reference);
     return o_proj(y.transpose(1, 2).reshape({B, T, heads * hd}));
   }
 
   fsdp::tp::Group group;
-  bool sp;
+  bool sp, reference;
+  std::shared_ptr<RotaryTables> rope;
   int64_t heads, kv_heads, hd;
   double theta;
   fsdp::tp::ColumnParallelLinear q_proj, k_proj, v_proj;
@@ -199,12 +251,14 @@ struct MLPImpl : torch::nn::Module {
 TORCH_MODULE(MLP);
 
 struct DecoderLayerImpl : torch::nn::Module {
-  DecoderLayerImpl(const Config& c, const fsdp::tp::Group& g)
-      : self_attn(register_module("self_attn", Attention(c, g))),
+  DecoderLayerImpl(const Config& c, const fsdp::tp::Group& g, std::shared_ptr<RotaryTables> rope)
+      : self_attn(register_module("self_attn", Attention(c, g, std::move(rope)))),
         mlp(register_module("mlp", MLP(c, g))),
-        input_layernorm(register_module("input_layernorm", RMSNorm(c.n_embd, c.rms_norm_eps, sp_group(c, g)))),
-        post_attention_layernorm(
-            register_module("post_attention_layernorm", RMSNorm(c.n_embd, c.rms_norm_eps, sp_group(c, g)))) {}
+        input_layernorm(register_module("input_layernorm", norm(c, g))),
+        post_attention_layernorm(register_module("post_attention_layernorm", norm(c, g))) {}
+  static RMSNorm norm(const Config& c, const fsdp::tp::Group& g) {
+    return RMSNorm(c.n_embd, c.rms_norm_eps, sp_group(c, g), c.reference_path);
+  }
   static std::optional<fsdp::tp::Group> sp_group(const Config& c, const fsdp::tp::Group& g) {
     return c.sequence_parallel ? std::optional<fsdp::tp::Group>(g) : std::nullopt;
   }
@@ -223,14 +277,15 @@ struct LlamaModelImpl : torch::nn::Module {
             "embed_tokens",
             fsdp::tp::VocabParallelEmbedding(vocab, fsdp::tp::VocabParallelEmbeddingOptions(c.vocab_size, c.n_embd)
                                                         .sequence_parallel(c.sequence_parallel)))),
-        layers(register_module("layers", torch::nn::ModuleList())) {
+        layers(register_module("layers", torch::nn::ModuleList())),
+        rope(std::make_shared<RotaryTables>(c.hd(), c.rope_theta)) {
     for (int64_t i = 0; i < c.n_layer; ++i) {
-      fsdp::Sharded<DecoderLayerImpl> layer(c, blocks);
+      fsdp::Sharded<DecoderLayerImpl> layer(c, blocks, rope);
       if (c.checkpoint_every > 0 && (i + 1) % c.checkpoint_every == 0) layer->set_activation_checkpointing(true);
       layers->push_back(layer);
       unit.push_back(layer);
     }
-    norm = register_module("norm", RMSNorm(c.n_embd, c.rms_norm_eps, DecoderLayerImpl::sp_group(c, vocab)));
+    norm = register_module("norm", DecoderLayerImpl::norm(c, vocab));
   }
   torch::Tensor forward(const torch::Tensor& ids) {
     auto h = embed_tokens(ids);
@@ -241,6 +296,7 @@ struct LlamaModelImpl : torch::nn::Module {
   torch::nn::ModuleList layers;
   std::vector<fsdp::Sharded<DecoderLayerImpl>> unit;  // the same modules as `layers`, typed
   RMSNorm norm{nullptr};
+  std::shared_ptr<RotaryTables> rope;  // the layers' one set of tables
 };
 TORCH_MODULE(LlamaModel);
 

@@ -17,15 +17,15 @@
 #include "examples/device_flag.h"
 #include "examples/llama/hf.h"
 #include "examples/llama/llama.h"
+#include "examples/optimizer_flag.h"
 #include "examples/run_flags.h"
 #include "examples/strategy_flags.h"
 #include "fsdp/fsdp.h"
 #include "programs/flags.h"
 #include "programs/flops.h"
 #include "programs/json_row.h"
+#include "programs/profile.h"
 #include "programs/program.h"
-
-#include <torch/optim/adamw.h>
 
 #include <unistd.h>
 #include <chrono>
@@ -52,7 +52,8 @@ struct Args : examples::RunFlags {
   double lr = 1e-3;
   double weight_decay = 0.1;
   double clip = 0;
-  bool fused = false;
+  std::string optimizer = "adamw";  // examples/optimizer_flag.h
+  std::string profile;              // --profile DIR (programs/profile.h)
   bool tied = false;
   bool sequence_parallel = false;
   bool json = false;
@@ -110,7 +111,6 @@ Args parse(int argc, char** argv) {
       .number("--lr", a.lr, 0, false, kMax, "learning rate", "LR")
       .number("--weight-decay", a.weight_decay, 0, true, kMax, "weight decay", "WD")
       .number("--clip", a.clip, 0, true, kMax, "max global gradient norm", "MAX_NORM")
-      .toggle("--fused", a.fused, "fsdp::optim::FusedAdamW")
       .toggle("--json", a.json, "one JSON row per step on rank 0, then a summary")
       .number("--peak-tflops", a.peak_tflops, 0, false, kMax, "each device's peak, for the MFU (default: by name)", "F")
       .text("--data", a.data, "the corpus, each byte a token", "FILE")
@@ -123,7 +123,12 @@ Args parse(int argc, char** argv) {
                 for (const auto id : fsdp::programs::parse_int_list("--prompt", list, 0)) a.prompt.push_back(id);
               })
       .text("--logits-out", a.logits_out, "rank 0 writes the prompt's logits here", "FILE.safetensors")
-      .text("--export-hf", a.export_hf, "after training, the model in Hugging Face's layout", "OUT");
+      .text("--export-hf", a.export_hf, "after training, the model in Hugging Face's layout", "OUT")
+      .toggle("--reference-path", a.model.reference_path,
+              "RMSNorm, rotary tables and GQA as before their fused kernels (for comparison)")
+      .text("--profile", a.profile, "a trace of a few steps in DIR/trace.json, and their table", "DIR",
+            /*non_empty=*/true);
+  examples::add_optimizer_flag(flags, a.optimizer, /*with_sgd=*/false);
   examples::add_device_flag(flags, a.device);
   a.ckpt.add_to(flags);
   flags.notes(kNotes).parse(argc, argv);
@@ -162,6 +167,7 @@ llama::Config config_of(const Args& a) {
   c.tie_word_embeddings = a.tied;
   c.checkpoint_every = a.model.checkpoint_every;
   c.sequence_parallel = a.sequence_parallel;
+  c.reference_path = a.model.reference_path;
   return c;
 }
 
@@ -171,6 +177,7 @@ int run(const Args& args) {
     cfg = llama::hf::read_config(args.from_hf, args.model.block_size);
     cfg.checkpoint_every = args.model.checkpoint_every;
     cfg.sequence_parallel = args.sequence_parallel;
+    cfg.reference_path = args.model.reference_path;
   }
   if (args.sequence_parallel && !args.prompt.empty() && static_cast<int64_t>(args.prompt.size()) % args.tp != 0) {
     usage_error("--sequence-parallel splits the --prompt's " + std::to_string(args.prompt.size()) +
@@ -195,6 +202,7 @@ int run(const Args& args) {
   if (args.timeout_s) timeout = std::chrono::milliseconds(std::max<int64_t>(1, std::llround(*args.timeout_s * 1000)));
   fsdp::InitOptions init;
   if (timeout) init.timeout(*timeout);
+  fsdp::programs::StepProfiler profiler(args.profile);  // before the group: a bad DIR fails alone
   auto world = fsdp::init_process_group(init);
   const int rank = world->getRank(), W = world->getSize();
   g_program.set_rank(rank);
@@ -245,13 +253,8 @@ int run(const Args& args) {
   const fsdp::programs::TransformerShape flops_shape{
       n_params, cfg.tie_word_embeddings ? 0 : cfg.vocab_size * cfg.n_embd, cfg.n_layer, cfg.n_head, cfg.hd()};
   const double peak_tflops = fsdp::programs::resolve_peak_tflops(args.peak_tflops, device);
-  std::unique_ptr<torch::optim::Optimizer> opt;
-  const auto adamw = torch::optim::AdamWOptions(args.lr).weight_decay(args.weight_decay);
-  if (args.fused) {
-    opt = std::make_unique<fsdp::optim::FusedAdamW>(model, adamw);
-  } else {
-    opt = std::make_unique<torch::optim::AdamW>(model.parameters(), adamw);
-  }
+  std::unique_ptr<torch::optim::Optimizer> opt =
+      examples::make_optimizer(args.optimizer, model, args.lr, args.weight_decay);
   fsdp::optim::ShardedGradScaler scaler(model,
                                         fsdp::optim::GradScalerOptions().enabled(args.mixed_precision == "fp16"));
   // --resume: the latest checkpoint's seed (the sampler's), then the model, AdamW, the generators
@@ -294,6 +297,8 @@ int run(const Args& args) {
   }
   double total_ms = 0;  // steps after the first
   for (int64_t step = first_step; step < args.steps; ++step) {
+    profiler.begin(fsdp::programs::profiled_step(step - first_step, args.steps - first_step),
+                   "step " + std::to_string(step), device);
     opt->zero_grad();
     blocks.reset_comm_stats();
     vocab.reset_comm_stats();
@@ -303,17 +308,29 @@ int run(const Args& args) {
     auto share = sampler.next_share();
     if (!share) share = sampler.next_share();
     const auto xy = corpus::batch(data, share->indices, T);
-    auto loss = fsdp::tp::vocab_parallel_cross_entropy(model(xy.first.to(device)), xy.second.to(device),
-                                                       vocab);  // no full logits on any rank
-    scaler.scale(loss).backward();
+    torch::Tensor loss;
+    {
+      fsdp::programs::Phase phase("fsdp.forward");
+      loss = fsdp::tp::vocab_parallel_cross_entropy(model(xy.first.to(device)), xy.second.to(device),
+                                                    vocab);  // no full logits on any rank
+    }
+    {
+      fsdp::programs::Phase phase("fsdp.backward");
+      scaler.scale(loss).backward();
+    }
     scaler.unscale_(*opt);
     const double grad_norm = scaler.found_inf() ? std::nan("")
                              : args.clip > 0    ? fsdp::optim::clip_grad_norm(model, args.clip, 2.0, true)
                                                 : fsdp::optim::grad_norm(model, 2.0, true);
-    scaler.step(*opt);
-    scaler.update();
+    {
+      fsdp::programs::Phase phase("fsdp.optimizer");
+      scaler.step(*opt);
+      scaler.update();
+    }
     examples::synchronize(device);
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    profiler.end(!fsdp::programs::profiled_step(step + 1 - first_step, args.steps - first_step), rank,
+                 args.json ? std::cerr : std::cout);
     const fsdp::CommStats tps = blocks.comm_stats();
     // Model state at the optimizer step (parameter shards, gradients, AdamW) and the allocator's
     // peak, each the largest over the ranks; what the step sent (fsdp: the data-parallel

@@ -76,6 +76,7 @@ struct Pending {
   bool gloo_cuda = false;
   std::optional<SideStream> side;
   c10::Device device{c10::kCPU};
+  const char* op = nullptr;  // "all-gather", ...: its wait's name in a profile ("fsdp.wait.all-gather")
   bool in_flight() const { return work || event; }
 };
 

@@ -76,8 +76,8 @@ def main():
         check(resumed, reference, 10, "3 ranks, resumed (--seed 99 on the command line, --max-rows 2)")
         other, _ = run(command(a.train_gpt, a.torchrun, 1,
                                ["--steps", "20", "--resume", "--save-dir", d, "--json", "--strategy", "replicate",
-                                "--fused", "--data", corpus, "--max-rows", "5"]), a.timeout)
-        check(other, reference, 10, "1 rank, replicate, FusedAdamW, --max-rows 5, resumed")
+                                "--optimizer", "torch-adamw", "--data", corpus, "--max-rows", "5"]), a.timeout)
+        check(other, reference, 10, "1 rank, replicate, torch::optim::AdamW (saved with FusedAdamW), --max-rows 5, resumed")
         out = os.path.join(d, "consolidated")
         c = subprocess.run([a.fsdp_ckpt, "consolidate", d, out], capture_output=True, text=True, timeout=a.timeout)
         if c.returncode != 0:

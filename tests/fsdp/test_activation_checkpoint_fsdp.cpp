@@ -289,18 +289,19 @@ TEST_P(ActivationCheckpointFSDP, EveryStrategyBitExactWithTheSameCollectives) {
 INSTANTIATE_TEST_SUITE_P(WorldSizes, ActivationCheckpointFSDP, ::testing::Values(1, 2, 3, 4));
 
 // The bytes one GPT block's backward keeps besides its input, from shapes (fp32, N = B x T rows):
-// ln_1's output and statistics, q/k/v (one [N, 3C] tensor), the attention weights after softmax
-// [B, H, T, T] and the causal mask (bool [T, T]), the attention's output [N, C], the residual sum
-// ln_2 reads, ln_2's output and statistics, the MLP's hidden layer before and after GELU [N, 4C].
+// ln_1's output and statistics, q/k/v (one [N, 3C] tensor), the attention's output [N, C] (SDPA's
+// flash kernel keeps it, the same storage c_proj reads) and its log-sum-exp [B, H, T] (no T x T
+// weights), the residual sum ln_2 reads, ln_2's output and statistics, the MLP's hidden layer
+// before and after GELU [N, 4C].
 int64_t block_activation_bytes(const gpt::Config& c, int64_t B) {
   const int64_t T = c.block_size, C = c.n_embd, N = B * T;
   const int64_t floats = N * C + 2 * N             // ln_1: output, mean and rstd
                          + 3 * N * C               // c_attn: q, k, v
-                         + B * c.n_head * T * T    // softmax output
+                         + B * c.n_head * T        // SDPA's log-sum-exp
                          + N * C                   // attention output, c_proj's input
                          + N * C + N * C + 2 * N   // residual sum (ln_2's input), ln_2's output and statistics
                          + 4 * N * C + 4 * N * C;  // c_fc's output (GELU's input), GELU's output
-  return floats * 4 + T * T;
+  return floats * 4;
 }
 
 // The peak of one training step, above what was allocated before it (a step ran before, so the
