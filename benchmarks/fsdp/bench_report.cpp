@@ -114,7 +114,8 @@ void print_simulated(const std::vector<Row>& rows) {
                 ratio(r.state_bytes_at_step, r.formula_at_step).c_str(), measured_gib(r, r.state_bytes_peak).c_str(),
                 gib(r.formula_peak).c_str(), ratio(r.state_bytes_peak, r.formula_peak).c_str(),
                 measured_gib(r, r.peak_bytes).c_str(), measured_gib(r, r.construction_peak_bytes).c_str(),
-                measured_gib(r, r.cublas_workspace_bytes).c_str(), r.measured && r.device == "cuda" ? num(r.step_ms, "%.1f").c_str() : "-",
+                measured_gib(r, r.cublas_workspace_bytes).c_str(),
+                r.measured && r.device == "cuda" ? num(r.step_ms, "%.1f").c_str() : "-",
                 measured_gib(r, r.comm_send_bytes).c_str(), r.note.c_str());
   }
 }
