@@ -112,10 +112,22 @@ def free_port():
 
 
 def run_json(cmd, timeout, what):
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    """The command's stdout, or exit naming it (ours: nothing to compare without it)."""
+    out, error = try_run(cmd, timeout, what)
+    if error:
+        sys.exit(error)
+    return out
+
+
+def try_run(cmd, timeout, what):
+    """(stdout, None), or (None, what failed) for a side that failed or ran out of time."""
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None, f"FAILED: {what} did not finish within {timeout} s\n$ {' '.join(cmd)}"
     if r.returncode != 0:
-        sys.exit(f"FAILED: {what} exited {r.returncode}\n$ {' '.join(cmd)}\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}")
-    return r.stdout
+        return None, f"FAILED: {what} exited {r.returncode}\n$ {' '.join(cmd)}\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
+    return r.stdout, None
 
 
 class HelpFormat(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -153,10 +165,15 @@ def main():
         for side, key in (("libtorch_plain", "plain"), ("libtorch_fsdp_wrapped", "wrapped")):
             rows.append({"side": side, "step_ms": ours[key + "_ms"],
                          "peak_bytes": ours[key + "_state_bytes"] + ours[key + "_step_peak_bytes"]})
+    failed = []  # a PyTorch side that fails (no transformers on a machine, say) leaves ours reported
     for side in (s for s in ("eager", "compiled") if s in sides):
-        out = run_json([sys.executable, os.path.abspath(__file__), "--worker", side, "--size", a.size, "--device",
-                        a.device, "--batch-size", str(a.batch_size), "--rounds", str(a.rounds), "--port",
-                        str(free_port())], a.timeout, "the PyTorch " + side + " side")
+        out, error = try_run([sys.executable, os.path.abspath(__file__), "--worker", side, "--size", a.size,
+                              "--device", a.device, "--batch-size", str(a.batch_size), "--rounds", str(a.rounds),
+                              "--port", str(free_port())], a.timeout, "the PyTorch " + side + " side")
+        if error:
+            print(error, file=sys.stderr, flush=True)
+            failed.append({"side": "pytorch_fsdp2_" + side, "error": error[-2000:]})
+            continue
         rows.append(json.loads(out.strip().splitlines()[-1]))
         if ours and rows[-1]["params"] != ours["params"]:
             sys.exit(f"FAILED: LlamaForCausalLM has {rows[-1]['params']} parameters, ours {ours['params']}: "
@@ -173,7 +190,7 @@ def main():
     by = {r["side"]: r for r in rows}
     summary = {"size": a.size, "shape": s, "batch_size": a.batch_size, "device": a.device,
                "device_name": device_name, "peak_tflops": peak or None, "flops_per_token": flops,
-               "rounds": a.rounds, "rows": rows}
+               "rounds": a.rounds, "rows": rows, "failed": failed}
     w = by.get("libtorch_fsdp_wrapped")
     for other in ("libtorch_plain", "pytorch_fsdp2_eager", "pytorch_fsdp2_compiled"):
         if w and other in by:
@@ -183,6 +200,8 @@ def main():
     if a.out:
         with open(a.out, "w") as f:
             f.write(text + "\n")
+    if failed:
+        sys.exit(f"FAILED: {', '.join(f['side'] for f in failed)}")
 
 
 if __name__ == "__main__":
