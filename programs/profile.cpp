@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <set>
 #include <utility>
 
@@ -68,6 +69,7 @@ double union_ns(std::vector<std::pair<uint64_t, uint64_t>> v, uint64_t lo, uint6
 
 std::vector<ProfiledStep> rows_of(const std::vector<prof::KinetoEvent>& events, const std::vector<std::string>& labels,
                                   bool cuda) {
+  const char* const kPhases[] = {"fsdp.forward", "fsdp.backward", "fsdp.optimizer"};
   std::vector<ProfiledStep> rows;
   for (const auto& label : labels) {
     const std::string name = kStepPrefix + label;
@@ -79,41 +81,65 @@ std::vector<ProfiledStep> rows_of(const std::vector<prof::KinetoEvent>& events, 
     ProfiledStep row;
     row.label = label;
     row.step_ms = static_cast<double>(hi - lo) / 1e6;
-    double cpu[3] = {0, 0, 0}, gpu[3] = {0, 0, 0};
-    bool gpu_phases = false;
-    std::vector<std::pair<uint64_t, uint64_t>> busy;
+    double cpu[3] = {0, 0, 0};
+    struct Span {
+      uint64_t start, end;
+      int phase;
+    };
+    std::vector<Span> phase_spans;                    // the program's phases, on the CPU
+    std::map<uint64_t, uint64_t> launched_at;         // a CUDA runtime call's correlation id -> its CPU time
+    std::vector<const prof::KinetoEvent*> on_device;  // kernels, copies, memsets
     for (const auto& e : events) {
       if (e.startNs() < lo || e.startNs() >= hi) continue;
       const std::string n = e.name();
       const double ms = static_cast<double>(e.durationNs()) / 1e6;
-      const bool on_gpu = e.deviceType() == c10::kCUDA;
-      const char* phases[] = {"fsdp.forward", "fsdp.backward", "fsdp.optimizer"};
-      bool phase = false;
+      if (e.deviceType() == c10::kCUDA) {
+        if (n.rfind("fsdp.", 0) != 0) on_device.push_back(&e);  // not a GPU copy of an annotation
+        continue;
+      }
       for (int k = 0; k < 3; ++k) {
-        if (n != phases[k]) continue;
-        (on_gpu ? gpu : cpu)[k] += ms;
-        gpu_phases = gpu_phases || on_gpu;
-        phase = true;
+        if (n != kPhases[k]) continue;
+        cpu[k] += ms;
+        phase_spans.push_back({e.startNs(), e.endNs(), k});
       }
-      if (phase) continue;
-      if (!on_gpu) {
-        if (n == "fsdp.wait.all-gather") row.wait_all_gather_ms += ms;
-        if (n == "fsdp.wait.reduce-scatter") row.wait_reduce_scatter_ms += ms;
-        if (n == "fsdp.wait.all-reduce") row.wait_all_reduce_ms += ms;
-        const bool other = n.rfind("fsdp.wait.", 0) == 0 && n != "fsdp.wait.all-gather" &&
-                           n != "fsdp.wait.reduce-scatter" && n != "fsdp.wait.all-reduce";
-        if (other) row.wait_other_ms += ms;  // agreements, broadcasts, gathers
-      } else if (n.rfind("fsdp.", 0) != 0) {
-        busy.emplace_back(e.startNs(), e.endNs());  // a kernel, a copy, a memset
-      }
+      if (n.rfind("cu", 0) == 0 && e.correlationId() != 0) launched_at[e.correlationId()] = e.startNs();
+      if (n == "fsdp.wait.all-gather") row.wait_all_gather_ms += ms;
+      if (n == "fsdp.wait.reduce-scatter") row.wait_reduce_scatter_ms += ms;
+      if (n == "fsdp.wait.all-reduce") row.wait_all_reduce_ms += ms;
+      const bool other = n.rfind("fsdp.wait.", 0) == 0 && n != "fsdp.wait.all-gather" &&
+                         n != "fsdp.wait.reduce-scatter" && n != "fsdp.wait.all-reduce";
+      if (other) row.wait_other_ms += ms;  // agreements, broadcasts, gathers
     }
-    const double* use = gpu_phases ? gpu : cpu;
-    row.forward_ms = use[0];
-    row.backward_ms = use[1];
-    row.optimizer_ms = use[2];
+    row.forward_ms = cpu[0];
+    row.backward_ms = cpu[1];
+    row.optimizer_ms = cpu[2];
     if (cuda) {
+      // On a GPU a phase is the device time of what it launched: each kernel tied to its launch
+      // (the CUDA runtime call with its correlation id) and the launch to the phase whose CPU span
+      // holds it, whichever thread launched it (backward's: the autograd engine's device thread,
+      // inside the main thread's backward span).
+      std::vector<std::pair<uint64_t, uint64_t>> busy, by_phase[3];
+      size_t tied = 0;
+      for (const auto* e : on_device) {
+        busy.emplace_back(e->startNs(), e->endNs());
+        auto at = launched_at.find(e->correlationId());
+        if (at == launched_at.end()) at = launched_at.find(e->linkedCorrelationId());
+        if (at == launched_at.end()) continue;
+        for (const auto& p : phase_spans) {
+          if (at->second < p.start || at->second >= p.end) continue;
+          by_phase[p.phase].emplace_back(e->startNs(), e->endNs());
+          ++tied;
+          break;
+        }
+      }
       row.gpu_busy_ms = union_ns(busy, lo, hi) / 1e6;
       row.gpu_idle_ms = row.step_ms - row.gpu_busy_ms;
+      if (tied > 0) {  // else (no launch found) the phases stay the CPU's spans
+        row.forward_ms = union_ns(by_phase[0], lo, hi) / 1e6;
+        row.backward_ms = union_ns(by_phase[1], lo, hi) / 1e6;
+        row.optimizer_ms = union_ns(by_phase[2], lo, hi) / 1e6;
+        row.phases_on_device = true;
+      }
     }
     rows.push_back(row);
   }
@@ -196,7 +222,8 @@ void StepProfiler::stop(int rank, std::ostream& out) {
         .add("wait_all_reduce_ms", r.wait_all_reduce_ms, "%.4f")
         .add("wait_other_ms", r.wait_other_ms, "%.4f")
         .add("gpu_busy_ms", r.gpu_busy_ms >= 0 ? r.gpu_busy_ms : std::nan(""), "%.4f")  // null on the CPU
-        .add("gpu_idle_ms", r.gpu_idle_ms >= 0 ? r.gpu_idle_ms : std::nan(""), "%.4f");
+        .add("gpu_idle_ms", r.gpu_idle_ms >= 0 ? r.gpu_idle_ms : std::nan(""), "%.4f")
+        .add("phases", r.phases_on_device ? "device time of their kernels" : "CPU spans");
     json << row.text() << "\n";
   }
   out << "profile: " << rows_.size() << " step(s) in " << trace << " (open it in https://ui.perfetto.dev or "

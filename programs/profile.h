@@ -4,17 +4,19 @@
 //   step       the step's span (its "fsdp.step" annotation): what the program times as a step
 //   forward, backward, optimizer
 //              the spans of the program's "fsdp.forward", "fsdp.backward" and "fsdp.optimizer"
-//              annotations in it, summed over micro-batches; on a GPU the span of the kernels
-//              launched inside them (Kineto's GPU annotation), else the CPU's
+//              annotations in it, summed over micro-batches; on a GPU the device time (the union)
+//              of the kernels, copies and memsets launched inside them, from any thread, each
+//              tied to its launch by Kineto's correlation id
 //   wait AG / RS / AR / other
 //              CPU time in the library's waits ("fsdp.wait.<op>", any thread) for all-gathers,
 //              reduce-scatters, all-reduces (FSDP's, tensor parallelism's, the gradient norm's) and
 //              the rest (the ranks' agreements at step boundaries, broadcasts); on a GPU a wait only
 //              queues the stream's wait, whose cost shows as GPU idle time instead
 //   GPU busy, GPU idle
-//              the union of the step's kernels, copies and memsets on the device, and the rest of
-//              the step's span (a host synchronisation, a launch-bound stretch, a stream waiting
-//              on a collective); "-" on the CPU
+//              the union of the step's kernels, copies and memsets on the device (NCCL's kernels
+//              among them, busy while they wait for peers), and the rest of the step's span (a host
+//              synchronisation, a launch-bound stretch, a stream waiting on an event); "-" on the
+//              CPU
 // The same rows go to DIR/steps.json, one JSON object per step.
 #pragma once
 
@@ -42,6 +44,8 @@ struct ProfiledStep {
   double step_ms = 0, forward_ms = 0, backward_ms = 0, optimizer_ms = 0;
   double wait_all_gather_ms = 0, wait_reduce_scatter_ms = 0, wait_all_reduce_ms = 0, wait_other_ms = 0;
   double gpu_busy_ms = -1, gpu_idle_ms = -1;
+  /// The phases are device time (their kernels tied to their launches), not CPU spans.
+  bool phases_on_device = false;
 };
 
 /// A span of the program in the trace ("fsdp.forward", ...), while the profiler is on: a

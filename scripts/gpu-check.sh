@@ -166,13 +166,13 @@ if [ "$GPU" = 1 ]; then
   # 2048 tokens takes about 4 GB of activations in bf16.
   GPU_GIB=$("$PYTHON" -c 'import torch; print(torch.cuda.get_device_properties(0).total_memory >> 30)')
   LLAMA_BATCH=$([ "$GPU_GIB" -ge 120 ] && echo 16 || echo 8)
-  part llama 330 "$PYTHON" benchmarks/fsdp/llama_side_by_side.py --overhead-bench "$BUILD/benchmarks/overhead_bench" \
-    --size llama1b --device cuda --batch-size "$LLAMA_BATCH" --rounds 8 --out "$OUT/llama.json"
+  part llama 480 "$PYTHON" benchmarks/fsdp/llama_side_by_side.py --overhead-bench "$BUILD/benchmarks/overhead_bench" \
+    --size llama1b --device cuda --batch-size "$LLAMA_BATCH" --rounds 8 --timeout 140 --out "$OUT/llama.json"
   part llama_profile 90 "$BUILD/benchmarks/overhead_bench" --device cuda --sizes llama1b --rounds 5 --json \
     --mixed-precision bf16 --batch-size "$LLAMA_BATCH" --profile "$OUT/llama_profile"
 else
   part llama 240 "$PYTHON" benchmarks/fsdp/llama_side_by_side.py --overhead-bench "$BUILD/benchmarks/overhead_bench" \
-    --size llama-small --device cpu --batch-size 2 --rounds 3 --sides ours,eager --out "$OUT/llama.json"
+    --size llama-small --device cpu --batch-size 2 --rounds 3 --sides ours,eager --timeout 100 --out "$OUT/llama.json"
   part llama_profile 60 "$BUILD/benchmarks/overhead_bench" --device cpu --sizes llama-small --rounds 5 --json \
     --profile "$OUT/llama_profile"
 fi

@@ -59,7 +59,8 @@ def pytorch_worker(a):
     config = transformers.LlamaConfig(
         vocab_size=256, hidden_size=s["width"], intermediate_size=s["ffn"], num_hidden_layers=s["layers"],
         num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"], max_position_embeddings=s["block"],
-        rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, attn_implementation="sdpa")
+        rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, attn_implementation="sdpa",
+        use_cache=False)  # training: no key-value cache (whose layer index would recompile each layer)
     torch.manual_seed(0)
     with torch.device(dev):
         model = transformers.LlamaForCausalLM(config)

@@ -100,8 +100,9 @@ inline std::string shape_error(const Config& c, int64_t tp) {
 }
 
 /// Hugging Face's LlamaRMSNorm: in fp32, then the weight in the input's dtype; at::rms_norm, one
-/// fused kernel (computing in fp32 for a bf16 input as well), or with `reference` the seven
-/// kernels transformers writes. Under sequence parallelism (`sp` set) it sees this rank's
+/// fused kernel (computing in fp32 for a bf16 input as well; the weight's product apart when the
+/// two dtypes differ, as under autocast), or with `reference` the seven kernels transformers
+/// writes. Under sequence parallelism (`sp` set) it sees this rank's
 /// positions only, so its weight's gradient is partial: copy_to_region on the weight sums it over
 /// the group in backward.
 struct RMSNormImpl : torch::nn::Module {
@@ -109,7 +110,9 @@ struct RMSNormImpl : torch::nn::Module {
       : eps(eps), sp(std::move(sp)), reference(reference), weight(register_parameter("weight", torch::ones({dim}))) {}
   torch::Tensor forward(const torch::Tensor& x) {
     const auto w = sp ? fsdp::tp::copy_to_region(weight, *sp) : weight;
-    if (!reference) return at::rms_norm(x, {weight.size(0)}, w.to(x.scalar_type()), eps);
+    if (!reference && w.scalar_type() == x.scalar_type()) return at::rms_norm(x, {weight.size(0)}, w, eps);
+    // Weight and input of two dtypes (autocast): transformers' product, in the promoted dtype.
+    if (!reference) return w * at::rms_norm(x, {weight.size(0)}, std::nullopt, eps);
     auto h = x.to(torch::kFloat);
     h = h * torch::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + eps);
     return w * h.to(x.scalar_type());
@@ -208,15 +211,18 @@ struct AttentionImpl : torch::nn::Module {
     k = k * cos + rotate_half(k) * sin;
     // Grouped-query attention: each key-value head serves heads / kv_heads consecutive query heads
     // (transformers' repeat_kv); this rank's heads use this rank's key-value heads. SDPA's
-    // enable_gqa reads them in place (a backend without it repeats them itself); the reference
-    // repeats them by copies.
+    // enable_gqa reads them in place where a fused kernel takes it: flash on a GPU in fp16 or
+    // bf16. Elsewhere (fp32, the CPU) the fused kernels refuse it and SDPA would fall back to its
+    // math path, B x H x T x T: the heads are repeated by copies first, as the reference does.
     const int64_t rep = heads / kv_heads;
-    if (rep > 1 && reference) {
+    const bool gqa_in_place = rep > 1 && !reference && q.is_cuda() &&
+                              (q.scalar_type() == torch::kBFloat16 || q.scalar_type() == torch::kHalf);
+    if (rep > 1 && !gqa_in_place) {
       k = k.unsqueeze(2).expand({B, kv_heads, rep, T, hd}).reshape({B, heads, T, hd});
       v = v.unsqueeze(2).expand({B, kv_heads, rep, T, hd}).reshape({B, heads, T, hd});
     }
     auto y = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true, /*scale=*/std::nullopt,
-                                              /*enable_gqa=*/rep > 1 && !reference);
+                                              /*enable_gqa=*/gqa_in_place);
     return o_proj(y.transpose(1, 2).reshape({B, T, heads * hd}));
   }
 

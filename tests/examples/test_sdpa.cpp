@@ -113,6 +113,21 @@ TEST(Llama, FusedRmsNormInBf16WithinItsPrecision) {
   EXPECT_TRUE(close(a.to(torch::kFloat), b.to(torch::kFloat), 1e-2));
 }
 
+// What the Llama's GPU path (bf16 flash with enable_gqa) relies on: SDPA's enable_gqa pairs each
+// key-value head with heads / kv_heads consecutive query heads, as the Llama's repeat by copies
+// does (run here through the math path, which takes enable_gqa on the CPU).
+TEST(Llama, GqaInPlacePairsHeadsAsTheRepeatedCopies) {
+  torch::manual_seed(4);
+  const int64_t B = 2, H = 6, KV = 2, T = 5, D = 8, rep = H / KV;
+  auto q = torch::randn({B, H, T, D}), k = torch::randn({B, KV, T, D}), v = torch::randn({B, KV, T, D});
+  auto repeated = [&](const torch::Tensor& t) {
+    return t.unsqueeze(2).expand({B, KV, rep, T, D}).reshape({B, H, T, D});
+  };
+  const auto in_place = at::scaled_dot_product_attention(q, k, v, {}, 0.0, true, std::nullopt, /*enable_gqa=*/true);
+  const auto copies = at::scaled_dot_product_attention(q, repeated(k), repeated(v), {}, 0.0, true);
+  EXPECT_TRUE(close(in_place, copies, 1e-6));
+}
+
 // The tables are computed once per (length, device, dtype): the same tensors again, and equal to
 // the reference's, built on the CPU then cast.
 TEST(Llama, RotaryTablesComputedOnce) {
