@@ -15,6 +15,7 @@
 #include <fstream>
 #include <map>
 #include <set>
+#include <string_view>
 #include <utility>
 
 namespace fsdp::programs {
@@ -26,6 +27,7 @@ using torch::profiler::impl::ProfilerConfig;
 using torch::profiler::impl::ProfilerState;
 
 constexpr const char* kStepPrefix = "fsdp.step ";
+constexpr std::string_view kWaitPrefix = "fsdp.wait.";  // Comm::wait's spans
 
 std::unique_ptr<at::RecordFunction> open_span(const std::string& name) {
   auto span = std::make_unique<at::RecordFunction>(at::RecordScope::USER_SCOPE);
@@ -103,12 +105,13 @@ std::vector<ProfiledStep> rows_of(const std::vector<prof::KinetoEvent>& events, 
         phase_spans.push_back({e.startNs(), e.endNs(), k});
       }
       if (n.rfind("cu", 0) == 0 && e.correlationId() != 0) launched_at[e.correlationId()] = e.startNs();
-      if (n == "fsdp.wait.all-gather") row.wait_all_gather_ms += ms;
-      if (n == "fsdp.wait.reduce-scatter") row.wait_reduce_scatter_ms += ms;
-      if (n == "fsdp.wait.all-reduce") row.wait_all_reduce_ms += ms;
-      const bool other = n.rfind("fsdp.wait.", 0) == 0 && n != "fsdp.wait.all-gather" &&
-                         n != "fsdp.wait.reduce-scatter" && n != "fsdp.wait.all-reduce";
-      if (other) row.wait_other_ms += ms;  // agreements, broadcasts, gathers
+      if (n.rfind(kWaitPrefix, 0) == 0) {
+        const std::string op = n.substr(kWaitPrefix.size());
+        (op == "all-gather"       ? row.wait_all_gather_ms
+         : op == "reduce-scatter" ? row.wait_reduce_scatter_ms
+         : op == "all-reduce"     ? row.wait_all_reduce_ms
+                                  : row.wait_other_ms) += ms;  // other: agreements, broadcasts, gathers
+      }
     }
     row.forward_ms = cpu[0];
     row.backward_ms = cpu[1];
@@ -159,14 +162,13 @@ Phase::~Phase() = default;
 StepProfiler::StepProfiler(const std::string& dir) : dir_(dir) {
   if (dir_.empty()) return;
   std::error_code ec;
-  std::filesystem::create_directories(dir_, ec);
-  if (std::filesystem::exists(dir_) && !std::filesystem::is_directory(dir_)) {
+  if (std::filesystem::exists(dir_, ec) && !std::filesystem::is_directory(dir_, ec)) {
     usage_error("--profile '" + dir_ + "': it exists and is not a directory; give a directory");
   }
-  if (ec || !std::filesystem::is_directory(dir_)) {
-    usage_error("--profile '" + dir_ + "': cannot create that directory (" +
-                (ec ? ec.message() : std::string("a file is in the way")) + "); give a writable directory");
-  }
+  std::filesystem::create_directories(dir_, ec);
+  if (ec)
+    usage_error("--profile '" + dir_ + "': cannot create that directory (" + ec.message() +
+                "); give a writable directory");
   const std::string probe = dir_ + "/.write-test-" + std::to_string(::getpid());
   if (!std::ofstream(probe)) usage_error("--profile '" + dir_ + "': cannot write there; give a writable directory");
   std::filesystem::remove(probe, ec);

@@ -65,6 +65,15 @@ inline FullyShardOptions test_options() {
   return FullyShardOptions().timeout(collective_timeout());
 }
 
+/// A launch with every rank on cuda:0 over Gloo (the testing mode FSDP_TEST_GLOO_CUDA=1), with
+/// room for the GPU's start-up: the GlooCuda.* tests'.
+inline RunOptions on_one_gpu() {
+  RunOptions o;
+  o.env["FSDP_TEST_GLOO_CUDA"] = "1";
+  o.timeout = std::chrono::seconds(240);
+  return o;
+}
+
 /// test_options() with `strategy` and, for kHybridShard, its group size S (0: not given).
 inline FullyShardOptions test_options(ShardingStrategy strategy, int group) {
   auto o = test_options().strategy(strategy);

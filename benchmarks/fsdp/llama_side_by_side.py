@@ -10,7 +10,8 @@ AdamW on every side.
 
 Reported per side: the median step (after warm-up), tokens per second, MFU with the FLOPs per token
 overhead_bench prints (programs/flops.h: 6 x the parameters less the token embedding, plus
-attention's 12 x layers x heads x head_dim x T) against --peak-tflops or the device's peak by name,
+attention's 12 x layers x heads x head_dim x T) against the peak overhead_bench takes (--peak-tflops,
+else the device's by name),
 and the peak memory of a step: the bytes allocated when it began (the model state between steps)
 plus the most it allocated above them (CUDA's allocator for PyTorch; for ours, which share one
 process, overhead_bench's model state from shapes plus its step peak above the start, from our
@@ -20,25 +21,19 @@ plain LibTorch's. Exits non-zero if a side fails. --sides picks sides.
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "programs"))
+from torchrun_runs import free_port  # noqa: E402  (one free-port finder for the programs' scripts)
 
 # Model shapes, as overhead_bench's kLlamaSizes (benchmarks/fsdp/overhead_bench.cpp).
 SIZES = {
     "llama-small": dict(block=64, layers=2, heads=4, kv_heads=2, width=128, ffn=512),
     "llama1b": dict(block=2048, layers=16, heads=16, kv_heads=8, width=2048, ffn=8192),
 }
-PEAKS = {"H100 PCIe": 756.0, "H100": 989.0, "H200": 989.0, "A100": 312.0}  # as programs/flops.cpp
-
-
-def peak_of(device_name):
-    for key in sorted(PEAKS, key=len, reverse=True):
-        if key in device_name:
-            return PEAKS[key]
-    return 0.0
 
 
 def pytorch_worker(a):
@@ -104,12 +99,6 @@ def pytorch_worker(a):
                       "transformers": transformers.__version__,
                       "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"}))
     dist.destroy_process_group()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_json(cmd, timeout, what):
@@ -183,7 +172,9 @@ def main():
     s = SIZES[a.size]
     tokens = a.batch_size * s["block"]
     device_name = next((r["device_name"] for r in rows if "device_name" in r), a.device)
-    peak = a.peak_tflops or peak_of(device_name)
+    # The peak and the FLOPs per token are overhead_bench's (programs/flops.h): --peak-tflops, else
+    # the device's by name.
+    peak = ours["peak_tflops"] if ours else (a.peak_tflops or None)
     flops = ours["flops_per_token"] if ours else None
     for r in rows:
         r["tokens_per_s"] = tokens / (r["step_ms"] / 1e3)

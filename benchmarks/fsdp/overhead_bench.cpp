@@ -6,7 +6,7 @@
 //                                   [--prefetch K] [--peak-tflops F] [--offload] [--activation-checkpointing [K]]
 //                                   [--optimizer adamw|torch-adamw] [--profile DIR]
 //
-// The llama sizes are examples/llama/llama.h's Llama (SDPA with enable_gqa, at::rms_norm): llama1b
+// The llama sizes are examples/llama/llama.h's Llama (SDPA, at::rms_norm): llama1b
 // is about 1.0B parameters (width 2048, 16 layers, 16 heads over 8 key-value heads, MLP 8192,
 // sequence 2048, vocabulary 256), the GPU check's.
 //
@@ -103,62 +103,60 @@ const std::map<std::string, llama::Config> kLlamaSizes = {
 /// One size's two models: plain LibTorch and the same model (same seed) wrapped, each with its
 /// forward (token ids -> logits), its parameters and its optimizer.
 struct Pair {
-  std::shared_ptr<torch::nn::Module> plain_module;
+  std::vector<torch::Tensor> plain_params;  // the plain model lives in plain_forward
   std::function<torch::Tensor(const torch::Tensor&)> plain_forward, wrapped_forward;
   std::optional<fsdp::FSDPModule> wrapped;
   fsdp::programs::TransformerShape flops;
   int64_t vocab = 0, block = 0;
 };
 
+/// Builds plain LibTorch's model (`make_plain()`) and the model `shard` wraps (`make_unit()`), each
+/// from seed 0 and moved to `device`. `device_before_wrapped`: the device's bytes in between (the
+/// plain side's parameters held).
+template <typename MakePlain, typename MakeUnit, typename Shard>
+Pair pair_of(MakePlain make_plain, MakeUnit make_unit, Shard shard, const torch::Device& device,
+             int64_t* device_before_wrapped) {
+  Pair p;
+  torch::manual_seed(0);
+  auto plain = make_plain();
+  plain->to(device);
+  if (device.is_cuda()) torch::cuda::synchronize();
+  *device_before_wrapped = fsdp::memory::stats(device).current_bytes;
+  torch::manual_seed(0);
+  auto unwrapped = make_unit();
+  unwrapped->to(device);
+  auto w = shard(unwrapped);
+  p.wrapped.emplace(w);
+  p.wrapped_forward = [w](const torch::Tensor& t) mutable { return w(t); };
+  p.plain_params = plain->parameters();
+  p.plain_forward = [plain](const torch::Tensor& t) mutable { return plain->forward(t); };
+  return p;
+}
+
 Pair make_pair_of(const std::string& size, int64_t checkpoint_every, const torch::Device& device,
                   const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const fsdp::FullyShardOptions& options,
                   int64_t* device_before_wrapped) {
-  auto sync = [&] {
-    if (device.is_cuda()) torch::cuda::synchronize();
-  };
-  Pair p;
   if (kGptSizes.count(size) != 0) {
     gpt::Config cfg = kGptSizes.at(size);
     cfg.checkpoint_every = checkpoint_every;
-    torch::manual_seed(0);
-    auto plain = gpt::make_gpt<false>(cfg);
-    plain->to(device);
-    sync();
-    *device_before_wrapped = fsdp::memory::stats(device).current_bytes;
-    torch::manual_seed(0);
-    auto unwrapped = gpt::make_gpt<true>(cfg);
-    unwrapped->to(device);
-    auto w = fsdp::fully_shard(unwrapped, pg, options);
-    p.wrapped.emplace(w);
-    p.wrapped_forward = [w](const torch::Tensor& t) mutable { return w(t); };
-    p.plain_module = plain;
-    p.plain_forward = [plain](const torch::Tensor& t) { return plain->forward(t); };
-    p.flops = gpt::flops_shape(cfg, w.num_parameters());
+    Pair p = pair_of([&] { return gpt::make_gpt<false>(cfg); }, [&] { return gpt::make_gpt<true>(cfg); },
+                     [&](const auto& m) { return fsdp::fully_shard(m, pg, options); }, device, device_before_wrapped);
+    p.flops = gpt::flops_shape(cfg, p.wrapped->num_parameters());
     p.vocab = cfg.vocab_size;
     p.block = cfg.block_size;
-  } else {
-    llama::Config cfg = kLlamaSizes.at(size);
-    cfg.checkpoint_every = checkpoint_every;
-    // A one-rank mesh: the tensor-parallel layers are plain ones (fsdp::tp at size 1).
-    const fsdp::DeviceMesh mesh(pg, {{fsdp::kShardDim, 1}, {fsdp::kTensorDim, 1}});
-    fsdp::tp::Group blocks(mesh), vocab(mesh);
-    torch::manual_seed(0);
-    llama::LlamaForCausalLM plain(cfg, blocks, vocab);
-    plain->to(device);
-    sync();
-    *device_before_wrapped = fsdp::memory::stats(device).current_bytes;
-    torch::manual_seed(0);
-    llama::LlamaForCausalLM unwrapped(cfg, blocks, vocab);
-    unwrapped->to(device);
-    auto w = fsdp::fully_shard(unwrapped, mesh, options);
-    p.wrapped.emplace(w);
-    p.wrapped_forward = [w](const torch::Tensor& t) mutable { return w(t); };
-    p.plain_module = plain.ptr();
-    p.plain_forward = [plain](const torch::Tensor& t) mutable { return plain->forward(t); };
-    p.flops = {w.num_parameters(), cfg.vocab_size * cfg.n_embd, cfg.n_layer, cfg.n_head, cfg.hd()};
-    p.vocab = cfg.vocab_size;
-    p.block = cfg.block_size;
+    return p;
   }
+  llama::Config cfg = kLlamaSizes.at(size);
+  cfg.checkpoint_every = checkpoint_every;
+  // A one-rank mesh: the tensor-parallel layers are plain ones (fsdp::tp at size 1).
+  const fsdp::DeviceMesh mesh(pg, {{fsdp::kShardDim, 1}, {fsdp::kTensorDim, 1}});
+  fsdp::tp::Group blocks(mesh), vocab(mesh);
+  auto make = [&] { return llama::LlamaForCausalLM(cfg, blocks, vocab); };  // its layers are units
+  Pair p = pair_of(
+      make, make, [&](const auto& m) { return fsdp::fully_shard(m, mesh, options); }, device, device_before_wrapped);
+  p.flops = llama::flops_shape(cfg, p.wrapped->num_parameters());
+  p.vocab = cfg.vocab_size;
+  p.block = cfg.block_size;
   return p;
 }
 
@@ -225,7 +223,7 @@ int run(int argc, char** argv) {
     int64_t device_before_wrapped = 0;
     Pair pair = make_pair_of(sizes[n], checkpoint_every, device, pg, options, &device_before_wrapped);
     fsdp::FSDPModule& wrapped = *pair.wrapped;
-    const auto plain_params = pair.plain_module->parameters();
+    const auto& plain_params = pair.plain_params;
     const bool fused = optimizer == "adamw";
     const auto adamw = torch::optim::AdamWOptions(1e-4);
     std::unique_ptr<torch::optim::AdamW> plain_opt = fused
@@ -245,10 +243,10 @@ int run(int argc, char** argv) {
     };
     std::vector<double> phases[2][3];  // [plain, wrapped][forward, backward, optimizer]
     int64_t step_peak[2] = {0, 0};     // [plain, wrapped]
-    // Plain LibTorch in bf16: autocast, fp32 weights and optimizer (the wrapped side's casts are
-    // its policy's).
     // The profile's steps: the plain and the wrapped step of measured rounds 2-4 (programs/profile.h).
     int64_t round = -1;  // the warm-up's
+    // Plain LibTorch in bf16: autocast, fp32 weights and optimizer (the wrapped side's casts are
+    // its policy's).
     auto step = [&](auto&& forward, torch::optim::Optimizer& opt, int which) {
       sync();
       const bool profiled = round >= 0 && fsdp::programs::profiled_step(round, rounds);
@@ -346,6 +344,7 @@ int run(int argc, char** argv) {
           .add("seq_len", pair.block)
           .add("batch_size", batch)
           .add("flops_per_token", plain_speed.flops_per_token, "%.17g")
+          .add("peak_tflops", peak > 0 ? peak : std::nan(""), "%.6g")  // null: none known
           .add("plain_tokens_per_s", plain_speed.tokens_per_s, "%.6g")
           .add("wrapped_tokens_per_s", wrapped_speed.tokens_per_s, "%.6g")
           .add("plain_ms", mp, "%.4f")

@@ -15,6 +15,7 @@
 #pragma once
 
 #include "fsdp/sharded.h"
+#include "programs/flops.h"
 #include "tp/conjugates.h"
 #include "tp/cross_entropy.h"
 #include "tp/embedding.h"
@@ -360,5 +361,12 @@ struct LlamaForCausalLMImpl : torch::nn::Module {
   fsdp::tp::ColumnParallelLinear lm_head{nullptr};
 };
 TORCH_MODULE(LlamaForCausalLM);
+
+/// The Llama's shape as the FLOPs count takes it (programs/flops.h), for a model of `params`
+/// parameters (every tensor-parallel part once): the token embedding is a lookup, the head (tied or
+/// not) counts.
+inline fsdp::programs::TransformerShape flops_shape(const Config& c, int64_t params) {
+  return {params, c.tie_word_embeddings ? 0 : c.vocab_size * c.n_embd, c.n_layer, c.n_head, c.hd()};
+}
 
 }  // namespace llama

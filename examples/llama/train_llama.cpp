@@ -249,9 +249,7 @@ int run(const Args& args) {
     n_params += n * (s.tp.split() ? s.tp.parts : 1);
     if (s.tp.split() || args.tp == 1) n_split += n * (s.tp.split() ? s.tp.parts : 1);
   }
-  // Model FLOPs (programs/flops.h): the token embedding is a lookup, the head (tied or not) counts.
-  const fsdp::programs::TransformerShape flops_shape{
-      n_params, cfg.tie_word_embeddings ? 0 : cfg.vocab_size * cfg.n_embd, cfg.n_layer, cfg.n_head, cfg.hd()};
+  const fsdp::programs::TransformerShape flops_shape = llama::flops_shape(cfg, n_params);
   const double peak_tflops = fsdp::programs::resolve_peak_tflops(args.peak_tflops, device);
   std::unique_ptr<torch::optim::Optimizer> opt =
       examples::make_optimizer(args.optimizer, model, args.lr, args.weight_decay);

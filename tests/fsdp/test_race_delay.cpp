@@ -197,13 +197,6 @@ bool have_cuda() {
   return torch::cuda::is_available();
 }
 
-RunOptions on_one_gpu() {
-  RunOptions o;
-  o.env["FSDP_TEST_GLOO_CUDA"] = "1";
-  o.timeout = std::chrono::seconds(240);
-  return o;
-}
-
 TEST(GlooCuda, TwoRanksOnOneGpu) {
   if (!have_cuda()) GTEST_SKIP() << "no CUDA device";
   run_ranks(

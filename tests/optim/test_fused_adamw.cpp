@@ -97,11 +97,8 @@ TEST(FusedAdamW, MatchesTorchAdamW) {
 
 TEST(GlooCuda, FusedAdamWMatchesTorchAdamW) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
-  RunOptions o;
-  o.env["FSDP_TEST_GLOO_CUDA"] = "1";
-  o.timeout = std::chrono::seconds(240);
   run_ranks(
-      2, [](Rank& r) { check_fused_matches(r, fsdp::cuda_device()); }, o);
+      2, [](Rank& r) { check_fused_matches(r, fsdp::cuda_device()); }, on_one_gpu());
 }
 
 }  // namespace
