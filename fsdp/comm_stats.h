@@ -26,6 +26,11 @@ struct CommStats {
   /// their first broadcast), counted as `elements` is (twice each all-reduce) but in bytes of the
   /// tensors' dtype. Part of the counts above, not in addition to them.
   int64_t replica_bytes = 0;
+  /// Point-to-point transfers (fsdp::pp's activations forward and their gradients backward), apart
+  /// from the collectives above: sends and receives issued, and the bytes of their tensors, sent
+  /// plus received (each transfer's small shape header not included).
+  int64_t sends = 0, recvs = 0;
+  int64_t p2p_bytes = 0;
 };
 
 /// The library's temporary buffers (FSDPModule::buffer_cache_stats): a unit's all-gather output,

@@ -99,10 +99,14 @@ DeviceMesh::DeviceMesh(const c10::intrusive_ptr<c10d::ProcessGroup>& world, std:
   std::set<std::string> seen;
   int64_t product = 1;
   for (const MeshDim& d : dims) {
-    FSDP_CHECK(d.name == kReplicateDim || d.name == kShardDim || d.name == kTensorDim, who, ": unknown dimension '",
-               d.name, "' in mesh ", detail::dims_text(dims),
-               "; the library's dimensions are dp_replicate (replicated data parallel), dp_shard (sharded data "
-               "parallel) and tp (tensor parallel).");
+    FSDP_CHECK(d.name == kReplicateDim || d.name == kShardDim || d.name == kTensorDim || d.name == kPipeDim, who,
+               ": unknown dimension '", d.name, "' in mesh ", detail::dims_text(dims),
+               "; the library's dimensions are pp (pipeline parallel), dp_replicate (replicated data parallel), "
+               "dp_shard (sharded data parallel) and tp (tensor parallel).");
+    // The stages of a pipeline are the outermost blocks of ranks: a stage's (dp, tp) ranks are
+    // consecutive, so that its collectives stay inside a node and only point-to-point crosses them.
+    FSDP_CHECK(d.name != kPipeDim || &d == &dims.front(), who, ": dimension 'pp' of mesh ", detail::dims_text(dims),
+               " is not the first; put it first (outermost), e.g. {{\"pp\", 2}, {\"dp_shard\", 2}, {\"tp\", 2}}.");
     FSDP_CHECK(seen.insert(d.name).second, who, ": dimension '", d.name, "' appears twice in mesh ",
                detail::dims_text(dims), ".");
     FSDP_CHECK(d.size >= 1, who, ": dimension '", d.name, "' of mesh ", detail::dims_text(dims), " has size ", d.size,
@@ -179,7 +183,7 @@ DeviceMesh::DeviceMesh(const c10::intrusive_ptr<c10d::ProcessGroup>& world, std:
   }
   // A dimension the mesh lacks has size 1: one one-rank group serves all of them.
   const detail::MeshGroup* alone = nullptr;
-  for (const char* name : {kDataDim, kReplicateDim, kShardDim, kTensorDim}) {
+  for (const char* name : {kDataDim, kReplicateDim, kShardDim, kTensorDim, kPipeDim}) {
     if (s.groups.count(name) != 0U) continue;
     if (alone == nullptr) {
       make(name, {});

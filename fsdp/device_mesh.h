@@ -11,6 +11,8 @@
 // global ranks 0 and 1 are one tensor-parallel pair (coordinates (0, 0) and (0, 1)), 2 and 3 the
 // other, and 0 and 2 shard the same TP part over data parallelism. Put "tp" last, so that a TP
 // group is consecutive ranks (one node under torchrun and Slurm): its collectives are per layer.
+// A pipeline's "pp" dimension (fsdp::pp) comes first, outermost: its stages exchange only
+// activations and their gradients, point to point, the traffic that suits the links between nodes.
 //
 // The subgroups, one along each dimension and the data-parallel group (dp_replicate x dp_shard),
 // are created once, in the constructor, bounded by the world group's timeout; copies of a mesh
@@ -40,11 +42,12 @@ const MeshState& mesh_state(const DeviceMesh& mesh);
 inline constexpr const char* kReplicateDim = "dp_replicate";  ///< data parallel, replicated (hybrid's across groups)
 inline constexpr const char* kShardDim = "dp_shard";          ///< data parallel, sharded (FSDP)
 inline constexpr const char* kTensorDim = "tp";               ///< tensor parallel (fsdp::tp layers)
+inline constexpr const char* kPipeDim = "pp";                 ///< pipeline parallel (fsdp::pp stages), first
 /// Not a dimension of its own: dp_replicate x dp_shard flattened (DeviceMesh::group("dp")), the
 /// ranks that see different data.
 inline constexpr const char* kDataDim = "dp";
 
-/// One dimension of a mesh: its name (one of the three above) and how many ranks it spans.
+/// One dimension of a mesh: its name (one of the four above) and how many ranks it spans.
 struct MeshDim {
   std::string name;
   int size = 1;
@@ -54,7 +57,8 @@ class DeviceMesh {
  public:
   /// Lays the ranks of `world` out as `dims` (row-major, the last dimension fastest) and creates
   /// the subgroups. Collective: every rank of `world` calls it with the same dims. The product of
-  /// the sizes must be the world size, each name one of dp_replicate, dp_shard and tp, at most once.
+  /// the sizes must be the world size, each name one of dp_replicate, dp_shard, tp and pp, at most
+  /// once, pp (if present) first.
   DeviceMesh(const c10::intrusive_ptr<c10d::ProcessGroup>& world, std::vector<MeshDim> dims);
 
   const std::vector<MeshDim>& dims() const;

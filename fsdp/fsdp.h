@@ -1,8 +1,9 @@
 // libtorch-fsdp: fully sharded data parallel training for LibTorch. The one header to include: the
 // whole library, as <torch/all.h> is the whole of LibTorch: the core (fsdp/), the optimizers and
 // clipping (optim/, fsdp::optim), the distributed sampler (data/, fsdp::data), the tensor-parallel
-// layers (tp/, fsdp::tp) and the sharded checkpoints (checkpoint/, fsdp::checkpoint). The CMake
-// target fsdp::fsdp links all five; a program that wants less includes the headers it uses.
+// layers (tp/, fsdp::tp), the pipeline's stages and transfers (pp/, fsdp::pp) and the sharded
+// checkpoints (checkpoint/, fsdp::checkpoint). The CMake target fsdp::fsdp links all six; a program
+// that wants less includes the headers it uses.
 #pragma once
 
 #include "checkpoint/async_save.h"
@@ -31,6 +32,14 @@
 #include "optim/grad_scaler.h"
 #include "optim/local_sgd.h"
 #include "optim/state_bytes.h"
+#include "pp/action.h"
+#include "pp/init.h"
+#include "pp/pipeline.h"
+#include "pp/point_to_point.h"
+#include "pp/schedule.h"
+#include "pp/simulate.h"
+#include "pp/stage_layout.h"
+#include "pp/stage_split.h"
 #include "tp/conjugates.h"
 #include "tp/cross_entropy.h"
 #include "tp/embedding.h"

@@ -36,6 +36,16 @@ namespace detail {
 
 FullyShardOptions options_for_mesh(const DeviceMesh& mesh, FullyShardOptions options) {
   const int R = mesh.size(kReplicateDim), S = mesh.size(kShardDim);
+  // A stage's FSDP spans its own (dp, tp) ranks, never pp: the library's agreements at every
+  // forward and backward would block a stage in a collective while its neighbour waits on a
+  // receive. Until fsdp::pp composes with FSDP that way, a mesh with pipeline stages is refused.
+  FSDP_CHECK_IN(ErrorContext()
+                    .api("fsdp::fully_shard")
+                    .rank(mesh.rank())
+                    .mesh(mesh.coordinates_text() + " of mesh " + mesh.shape_text()),
+                mesh.size(kPipeDim) == 1, "mesh ", mesh.shape_text(), " has ", mesh.size(kPipeDim),
+                " pipeline stages (pp): FSDP over a pipeline's stages is not supported yet. Wrap a model over a mesh "
+                "without pp, or train the stages without fully_shard.");
   if (R > 1 && S > 1) {
     const ShardingStrategy s = options.strategy();
     const ErrorContext context = ErrorContext()

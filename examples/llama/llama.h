@@ -6,6 +6,12 @@
 // model.layers.N.mlp.{gate,up,down}_proj.weight, model.layers.N.{input,post_attention}_layernorm.
 // weight, model.norm.weight, lm_head.weight (absent when tied).
 //
+// A pipeline stage (fsdp::pp::LayerRange) builds only its layers, under their global names (layer
+// 7 is model.layers.7 on whichever rank holds it), the embedding on the first stage and the final
+// norm and head on the last (a tied head: the embedding's weight, on the last stage too). Every
+// weight is drawn from a generator seeded by (seed, its name) (fsdp::pp::parameter_generator), so
+// a stage's weights are those of the same layers in the whole model.
+//
 // Per decoder layer the tensor-parallel collectives are Megatron's four: one all-reduce forward
 // after o_proj and one after down_proj, and backward one for the attention's input gradient (q, k
 // and v share one conjugate) and one for the MLP's (gate and up share one), each of B x T x C.
@@ -15,6 +21,8 @@
 #pragma once
 
 #include "fsdp/sharded.h"
+#include "pp/init.h"
+#include "pp/stage_split.h"
 #include "programs/flops.h"
 #include "tp/conjugates.h"
 #include "tp/cross_entropy.h"
@@ -24,7 +32,7 @@
 #include <ATen/ops/rms_norm.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
 #include <torch/nn/module.h>
-#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/container/moduledict.h>
 
 #include <cmath>
 #include <map>
@@ -34,6 +42,7 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace llama {
@@ -278,41 +287,61 @@ struct DecoderLayerImpl : torch::nn::Module {
   RMSNorm input_layernorm, post_attention_layernorm;
 };
 
+/// The decoder stack of `range`: the embedding if it is the first stage (or the last with a tied
+/// head), its layers under their global indices (a ModuleDict keyed "7", not a ModuleList that
+/// would renumber them from 0), the final norm if it is the last.
 struct LlamaModelImpl : torch::nn::Module {
-  LlamaModelImpl(const Config& c, const fsdp::tp::Group& blocks, const fsdp::tp::Group& vocab)
-      : embed_tokens(register_module(
-            "embed_tokens",
-            fsdp::tp::VocabParallelEmbedding(vocab, fsdp::tp::VocabParallelEmbeddingOptions(c.vocab_size, c.n_embd)
-                                                        .sequence_parallel(c.sequence_parallel)))),
-        layers(register_module("layers", torch::nn::ModuleList())),
-        rope(std::make_shared<RotaryTables>(c.hd(), c.rope_theta)) {
-    for (int64_t i = 0; i < c.n_layer; ++i) {
+  LlamaModelImpl(const Config& c, const fsdp::tp::Group& blocks, const fsdp::tp::Group& vocab,
+                 const fsdp::pp::LayerRange& range)
+      : range(range), rope(std::make_shared<RotaryTables>(c.hd(), c.rope_theta)) {
+    if (range.first() || (range.last() && c.tie_word_embeddings)) {
+      embed_tokens = register_module(
+          "embed_tokens",
+          fsdp::tp::VocabParallelEmbedding(
+              vocab,
+              fsdp::tp::VocabParallelEmbeddingOptions(c.vocab_size, c.n_embd).sequence_parallel(c.sequence_parallel)));
+    }
+    std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> by_index;
+    for (int64_t i = range.begin; i < range.end; ++i) {
       fsdp::Sharded<DecoderLayerImpl> layer(c, blocks, rope);
       if (c.checkpoint_every > 0 && (i + 1) % c.checkpoint_every == 0) layer->set_activation_checkpointing(true);
-      layers->push_back(layer);
+      by_index.emplace_back(std::to_string(i), layer.ptr());
       unit.push_back(layer);
     }
-    norm = register_module("norm", DecoderLayerImpl::norm(c, vocab));
+    layers = register_module("layers", torch::nn::ModuleDict(by_index));
+    if (range.last()) norm = register_module("norm", DecoderLayerImpl::norm(c, vocab));
   }
-  torch::Tensor forward(const torch::Tensor& ids) {
-    auto h = embed_tokens(ids);
+  /// The first stage takes token ids, the others the previous stage's hidden states; the last
+  /// returns the normed hidden states, the others their layers' output.
+  torch::Tensor forward(const torch::Tensor& in) {
+    auto h = range.first() ? embed_tokens(in) : in;
     for (auto& l : unit) h = l(h);
-    return norm(h);
+    return range.last() ? norm(h) : h;
   }
-  fsdp::tp::VocabParallelEmbedding embed_tokens;
-  torch::nn::ModuleList layers;
-  std::vector<fsdp::Sharded<DecoderLayerImpl>> unit;  // the same modules as `layers`, typed
+  fsdp::pp::LayerRange range;
+  fsdp::tp::VocabParallelEmbedding embed_tokens{nullptr};
+  torch::nn::ModuleDict layers{nullptr};
+  std::vector<fsdp::Sharded<DecoderLayerImpl>> unit;  // the same modules as `layers`, typed, in order
   RMSNorm norm{nullptr};
   std::shared_ptr<RotaryTables> rope;  // the layers' one set of tables
 };
 TORCH_MODULE(LlamaModel);
 
 /// LlamaForCausalLM. forward(ids) returns this rank's vocabulary columns of the logits, [B, T, V /
-/// tp]; loss(ids, targets) the mean cross-entropy without full logits on any rank.
+/// tp]; loss(ids, targets) the mean cross-entropy without full logits on any rank. With a `range`
+/// of a pipeline's stages, the model of that stage: forward takes ids on the first stage (hidden
+/// states on the others) and returns logits on the last (hidden states on the others); loss is the
+/// last stage's. Weights: a seed drawn from LibTorch's generator (torch::manual_seed before the
+/// constructor fixes it) before any layer is built, then each weight from (seed, its name).
 struct LlamaForCausalLMImpl : torch::nn::Module {
-  LlamaForCausalLMImpl(const Config& c, const fsdp::tp::Group& blocks, const fsdp::tp::Group& vocab)
-      : config(checked(c, blocks.size())), vocab(vocab), model(register_module("model", LlamaModel(c, blocks, vocab))) {
-    if (!c.tie_word_embeddings) {
+  LlamaForCausalLMImpl(const Config& c, const fsdp::tp::Group& blocks, const fsdp::tp::Group& vocab,
+                       const std::optional<fsdp::pp::LayerRange>& range = std::nullopt)
+      : config(checked(c, blocks.size(), range)),
+        init_seed(fsdp::pp::draw_seed()),
+        vocab(vocab),
+        model(
+            register_module("model", LlamaModel(c, blocks, vocab, range.value_or(fsdp::pp::whole_model(c.n_layer))))) {
+    if (!c.tie_word_embeddings && model->range.last()) {
       lm_head = register_module(
           "lm_head", fsdp::tp::ColumnParallelLinear(vocab, fsdp::tp::ColumnParallelLinearOptions(c.n_embd, c.vocab_size)
                                                                .bias(false)
@@ -321,10 +350,11 @@ struct LlamaForCausalLMImpl : torch::nn::Module {
     init_weights();
   }
   /// transformers' initialization (LlamaPreTrainedModel._init_weights): every linear and embedding
-  /// weight drawn from N(0, 0.02), the norms' ones. Each weight is drawn in full, in module order,
-  /// and this rank keeps its part (fsdp::SplitModule): the same model at every tensor-parallel size.
-  /// (The layers' own initialization is torch::nn's, N(0, 1) for the embedding: as a tied head's
-  /// logits, far too large to train from.)
+  /// weight drawn from N(0, 0.02), the norms' ones. Each weight is drawn in full from its own
+  /// generator (fsdp::pp::parameter_generator(init_seed, its name)) and this rank keeps its part
+  /// (fsdp::SplitModule): the same model at every tensor-parallel and pipeline size. (The layers'
+  /// own initialization is torch::nn's, N(0, 1) for the embedding: as a tied head's logits, far
+  /// too large to train from.)
   void init_weights() {
     torch::NoGradGuard no_grad;
     for (const auto& item : named_modules("", /*include_self=*/false)) {  // the root holds no parameter itself
@@ -334,20 +364,26 @@ struct LlamaForCausalLMImpl : torch::nn::Module {
         at::Tensor& p = item.value()->named_parameters(/*recurse=*/false)[name];
         std::vector<int64_t> full = p.sizes().vec();
         if (how.split()) full[how.dim] *= how.parts;
-        auto w = torch::randn(full) * 0.02;
+        auto w = torch::randn(full, fsdp::pp::parameter_generator(init_seed, item.key() + "." + name)) * 0.02;
         if (how.split()) w = w.narrow(how.dim, how.part * p.size(how.dim), p.size(how.dim));
         p.copy_(w);
       }
     }
   }
-  /// `c`, or std::invalid_argument with shape_error's message: before any layer is built.
-  static const Config& checked(const Config& c, int64_t tp) {
+  /// `c`, or std::invalid_argument with shape_error's message (or a range outside the layers):
+  /// before any layer is built.
+  static const Config& checked(const Config& c, int64_t tp, const std::optional<fsdp::pp::LayerRange>& range) {
     const std::string err = shape_error(c, tp);
     if (!err.empty()) throw std::invalid_argument("llama: " + err);
+    if (range && (range->begin < 0 || range->end > c.n_layer || range->size() < 1)) {
+      throw std::invalid_argument("llama: " + range->text() + " is not a run of the model's " +
+                                  std::to_string(c.n_layer) + " layers");
+    }
     return c;
   }
-  torch::Tensor forward(const torch::Tensor& ids) {
-    auto h = model(ids);
+  torch::Tensor forward(const torch::Tensor& in) {
+    auto h = model(in);
+    if (!model->range.last()) return h;
     if (lm_head) return lm_head(h);
     // Tied: the embedding's rows are this rank's vocabulary, the head's rows too.
     return torch::linear(AttentionImpl::enter(h, vocab, config.sequence_parallel), model->embed_tokens->weight);
@@ -356,6 +392,7 @@ struct LlamaForCausalLMImpl : torch::nn::Module {
     return fsdp::tp::vocab_parallel_cross_entropy(forward(ids), targets, vocab);
   }
   Config config;
+  uint64_t init_seed;  // drawn before any layer: their own initialization draws from the same generator
   fsdp::tp::Group vocab;
   LlamaModel model;
   fsdp::tp::ColumnParallelLinear lm_head{nullptr};

@@ -17,6 +17,7 @@
 #include "examples/device_flag.h"
 #include "examples/llama/hf.h"
 #include "examples/llama/llama.h"
+#include "examples/llama/train_pipelined.h"
 #include "examples/optimizer_flag.h"
 #include "examples/run_flags.h"
 #include "examples/strategy_flags.h"
@@ -66,6 +67,13 @@ struct Args : examples::RunFlags {
   std::string export_hf;        // a directory to write in Hugging Face's layout after training
   std::string device = "cpu";
   examples::CheckpointFlags ckpt;
+  // --pp P (examples/llama/train_pipelined.h)
+  int64_t pp = 1;
+  std::string pp_schedule = "1f1b";
+  int64_t microbatches = 0;     // 0: --pp
+  int64_t stages_per_rank = 0;  // 0: 2 for interleaved, else 1
+  bool pp_schedule_dump = false;
+  std::string pp_schedule_file;
 };
 
 const char* const kAbout =
@@ -86,6 +94,14 @@ const char* const kNotes =
     "  OUT/config.json and OUT/model.safetensors in Hugging Face's layout (from_pretrained loads it).\n"
     "  --save-dir DIR --save-every K: a sharded checkpoint (model, AdamW, sampler) every K steps, over the\n"
     "  whole mesh; --resume continues from DIR's latest on any mesh (another --tp or world size).\n"
+    "  --pp P: a pipeline of P stages' ranks on the mesh (pp P, tp T), P x T ranks (no data parallelism\n"
+    "  inside the stages yet); --pp-schedule gpipe|1f1b|interleaved|zero-bubble, --microbatches M (default P;\n"
+    "  --batch-size splits into M equal microbatches), --stages-per-rank V (interleaved, default 2);\n"
+    "  --pp-schedule-file F: the action lists from a CSV (one line per rank, e.g. 0F0,0SEND_F0,...);\n"
+    "  --pp-schedule-dump: print the lists and their simulated bubble, and exit. The lists are validated\n"
+    "  before any step (a refusal exits 2 naming the action). With --pp, AdamW is torch::optim::AdamW over\n"
+    "  each rank's stages; checkpoints, --from-hf, --export-hf, --prompt, --profile, mixed precision,\n"
+    "  activation checkpointing and sequence parallelism are not supported yet.\n"
     "  Other flags as train_gpt's. Exit status: 0 trained, 2 bad flags, --data or shape, 1 other errors.\n";
 
 fsdp::programs::Program g_program("train_llama");  // its name in messages, its rank once known
@@ -128,6 +144,13 @@ Args parse(int argc, char** argv) {
               "RMSNorm, rotary tables and GQA as before their fused kernels (for comparison)")
       .text("--profile", a.profile, "a trace of a few steps in DIR/trace.json, and their table", "DIR",
             /*non_empty=*/true);
+  flags.integer("--pp", a.pp, 1, 511, "pipeline-parallel size", "P")
+      .choice("--pp-schedule", a.pp_schedule, {"gpipe", "1f1b", "interleaved", "zero-bubble"},
+              "the pipeline's schedule")
+      .integer("--microbatches", a.microbatches, 1, 1 << 20, "microbatches per step with --pp (default --pp)", "M")
+      .integer("--stages-per-rank", a.stages_per_rank, 1, 64, "stages per pipeline rank (interleaved: default 2)", "V")
+      .text("--pp-schedule-file", a.pp_schedule_file, "the pipeline's action lists from a CSV file", "FILE")
+      .toggle("--pp-schedule-dump", a.pp_schedule_dump, "print the schedule's action lists and bubble, and exit");
   examples::add_optimizer_flag(flags, a.optimizer, /*with_sgd=*/false);
   examples::add_device_flag(flags, a.device);
   a.ckpt.add_to(flags);
@@ -137,6 +160,25 @@ Args parse(int argc, char** argv) {
   if (a.build_sharded) usage_error("--build-sharded is not supported by train_llama (a ShardingScope over a mesh)");
   if (!a.wrap.empty()) usage_error("--wrap is train_gpt's; train_llama's units are its decoder layers");
   if (a.prompt.empty() != a.logits_out.empty()) usage_error("--prompt and --logits-out go together");
+  if (a.pp == 1 && !a.pp_schedule_dump &&
+      (a.microbatches > 0 || a.stages_per_rank > 0 || !a.pp_schedule_file.empty())) {
+    usage_error("--microbatches, --stages-per-rank and --pp-schedule-file need --pp P with P > 1");
+  }
+  if (a.pp > 1 && !a.pp_schedule_dump) {
+    const std::pair<bool, const char*> unsupported[] = {{!a.ckpt.dir.empty(), "--save-dir"},
+                                                        {!a.from_hf.empty(), "--from-hf"},
+                                                        {!a.export_hf.empty(), "--export-hf"},
+                                                        {!a.prompt.empty(), "--prompt"},
+                                                        {!a.profile.empty(), "--profile"},
+                                                        {!a.mixed_precision.empty(), "--mixed-precision"},
+                                                        {a.model.checkpoint_every > 0, "--activation-checkpointing"},
+                                                        {a.sequence_parallel, "--sequence-parallel"},
+                                                        {a.device != "cpu", "--device cuda"},
+                                                        {a.strategy != "full", "--strategy"}};
+    for (const auto& [given, flag] : unsupported) {
+      if (given) usage_error(std::string(flag) + " is not supported with --pp yet (docs/pipeline.md)");
+    }
+  }
   examples::check_device_flag(a.device);
   // Where the results go, checked before any work (a fine-tune must not end in a path error).
   auto writable_dir = [](const std::string& d) { return ::access(d.empty() ? "." : d.c_str(), W_OK | X_OK) == 0; };
@@ -191,6 +233,36 @@ int run(const Args& args) {
   }
   const std::string shape = llama::shape_error(cfg, args.tp);
   if (!shape.empty()) usage_error(shape);
+  if (args.pp > 1 || args.pp_schedule_dump) {
+    llama::PipelinedRun run;
+    run.cfg = cfg;
+    run.pp = args.pp;
+    run.tp = args.tp;
+    run.schedule = args.pp_schedule;
+    run.schedule_file = args.pp_schedule_file;
+    run.microbatches = args.microbatches > 0 ? args.microbatches : args.pp;
+    run.stages_per_rank = args.stages_per_rank > 0 ? args.stages_per_rank : args.pp_schedule == "interleaved" ? 2 : 1;
+    run.steps = args.steps;
+    run.batch_size = args.batch_size;
+    run.seed = args.seed;
+    run.lr = args.lr;
+    run.weight_decay = args.weight_decay;
+    run.clip = args.clip;
+    run.json = args.json;
+    run.data = args.data;
+    run.max_data_mb = args.max_data_mb;
+    if (args.timeout_s)
+      run.timeout = std::chrono::milliseconds(std::max<int64_t>(1, std::llround(*args.timeout_s * 1000)));
+    if (args.pp_schedule_dump) {
+      llama::dump_schedule(run);
+      return 0;
+    }
+    if (args.batch_size % run.microbatches != 0) {
+      usage_error("--batch-size " + std::to_string(args.batch_size) + " does not split into --microbatches " +
+                  std::to_string(run.microbatches) + " equal microbatches");
+    }
+    return llama::train_pipelined(run, g_program);
+  }
   const int64_t T = cfg.block_size;
   auto data = corpus::load(args.data, args.max_data_mb, T);
   const int64_t samples = corpus::samples(data, T);

@@ -312,10 +312,10 @@ void Comm::fail(const Pending& p, const std::string& cause, milliseconds waited,
 }
 
 Pending Comm::launch(const char* op, const std::string& what, const at::Tensor& t, const Start& start,
-                     std::optional<SideStream> side) const {
+                     std::optional<SideStream> side, bool point_to_point) const {
   Pending p{nullptr, what, t.is_cpu(), backend(t)};
   p.op = op;
-  if (race_delay_seed() != 0) race_delay_issue(p, t);
+  if (race_delay_seed() != 0) race_delay_issue(p, t, /*wrap=*/!point_to_point);
   p.gloo_cuda = t.is_cuda() && p.backend->getBackendName() == "gloo";
   p.device = t.device();
   p.trace =
@@ -349,10 +349,11 @@ Pending Comm::launch(const char* op, const std::string& what, const at::Tensor& 
   return p;
 }
 
-void Comm::race_delay_issue(Pending& p, const at::Tensor& t) const {
+void Comm::race_delay_issue(Pending& p, const at::Tensor& t, bool wrap) const {
   if (!t.is_cpu() || is_fake_backend(*p.backend)) return;
   // Before the issue (the ranks arrive at different times), never between issue and wait.
   std::this_thread::sleep_for(next_race_delay(RaceSide::kIssue, global_rank_));
+  if (!wrap) return;
   auto& wrapped = shared_->race_backends;
   auto it = std::find_if(wrapped.begin(), wrapped.end(), [&](const auto& w) { return w.first == p.backend.get(); });
   if (it == wrapped.end()) {
@@ -497,6 +498,32 @@ void Comm::broadcast(const at::Tensor& t, int root, const std::string& what) {
   });
   wait(p);
   if (!buf.is_same(t)) t.copy_(buf);
+}
+
+Pending Comm::send_async(const at::Tensor& t, int peer, int tag, const std::string& what, bool header) {
+  TORCH_INTERNAL_ASSERT(t.is_contiguous() && peer >= 0 && peer < world_size_ && peer != rank_);
+  ++stats().sends;
+  if (!header) stats().p2p_bytes += static_cast<int64_t>(t.nbytes());
+  return launch(
+      "send", what, t,
+      [&](c10d::Backend& b, bool /*async_op*/) {
+        std::vector<at::Tensor> ts{t};
+        return b.send(ts, peer, tag);
+      },
+      std::nullopt, /*point_to_point=*/true);
+}
+
+Pending Comm::recv_async(const at::Tensor& t, int peer, int tag, const std::string& what, bool header) {
+  TORCH_INTERNAL_ASSERT(t.is_contiguous() && peer >= 0 && peer < world_size_ && peer != rank_);
+  ++stats().recvs;
+  if (!header) stats().p2p_bytes += static_cast<int64_t>(t.nbytes());
+  return launch(
+      "recv", what, t,
+      [&](c10d::Backend& b, bool /*async_op*/) {
+        std::vector<at::Tensor> ts{t};
+        return b.recv(ts, peer, tag);
+      },
+      std::nullopt, /*point_to_point=*/true);
 }
 
 std::chrono::milliseconds group_timeout(c10d::ProcessGroup& pg) {

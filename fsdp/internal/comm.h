@@ -149,6 +149,14 @@ class FSDP_API Comm {
   Pending all_reduce_async(at::Tensor& t, c10d::ReduceOp op, const std::string& what);
   /// Broadcasts `t` in place from group rank `root` (a strided tensor goes through a copy).
   void broadcast(const at::Tensor& t, int root, const std::string& what);
+  /// Point to point (fsdp::pp's stages): sends contiguous `t` to group rank `peer` under `tag`,
+  /// returning at once (the transfer completes when the peer receives it; `t` stays alive and
+  /// untouched until wait()). recv_async receives group rank `peer`'s send of the same tag into
+  /// contiguous `t`, of the sent size. Counted in CommStats (sends or recvs, p2p_bytes unless
+  /// `header`: a transfer's shape header), not in the call log (a stage's transfers are not its
+  /// peers'), flight-recorded as "send" / "recv" with `what`; wait() is bounded by the timeout.
+  Pending send_async(const at::Tensor& t, int peer, int tag, const std::string& what, bool header = false);
+  Pending recv_async(const at::Tensor& t, int peer, int tag, const std::string& what, bool header = false);
   /// CUDA with side streams (as the collectives): runs `fn` with side stream `side` of `device`
   /// current, after what the current stream has queued, and returns the event after it, which the
   /// consumer's stream must wait for (StreamEvent::block_current). Elsewhere runs `fn` on the
@@ -207,7 +215,7 @@ class FSDP_API Comm {
   using Start = std::function<c10::intrusive_ptr<c10d::Work>(c10d::Backend&, bool async_op)>;
   /// `op` names the collective in the flight recorder ("all-gather", "agreement", ...).
   Pending launch(const char* op, const std::string& what, const at::Tensor& t, const Start& start,
-                 std::optional<SideStream> side = std::nullopt) const;
+                 std::optional<SideStream> side = std::nullopt, bool point_to_point = false) const;
   /// `timed_out`: the caller saw the timeout run out (recorded as such, and named in the dump).
   [[noreturn]] void fail(const Pending& p, const std::string& cause, std::chrono::milliseconds waited,
                          bool timed_out = false) const;
@@ -217,8 +225,8 @@ class FSDP_API Comm {
   /// the statistics; recorded in the flight recorder as `op`.
   void gather_small(at::Tensor& out, at::Tensor& in, const char* op, const std::string& what) const;
   /// The race switch at an issue: on CPU the seeded delay before it, and `p`'s backend replaced
-  /// by its race-delay wrapper.
-  void race_delay_issue(Pending& p, const at::Tensor& t) const;
+  /// by its race-delay wrapper (not for a point-to-point transfer, which the wrapper lacks).
+  void race_delay_issue(Pending& p, const at::Tensor& t, bool wrap = true) const;
   /// wait() of a collective the CPU waits for (Gloo's), at most the timeout.
   void wait_on_cpu(Pending& p) const;
   /// wait() of Gloo's CUDA collective: wait_on_cpu with its side stream current, then the current

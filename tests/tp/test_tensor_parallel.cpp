@@ -208,8 +208,8 @@ TEST(TensorParallel, LayersMatchOneProcessAtEveryTensorParallelSize) {
     EXPECT_NE(e.find("the input is Double but the weight is Float"), std::string::npos) << e;
     e = error_of([&] { DeviceMesh(r.pg, {{kShardDim, 3}, {kTensorDim, 2}}); });
     EXPECT_NE(e.find("mesh (dp_shard 3, tp 2) spans 6 rank(s), but the world has 4"), std::string::npos) << e;
-    e = error_of([&] { DeviceMesh(r.pg, {{"pp", 2}, {kTensorDim, 2}}); });
-    EXPECT_NE(e.find("unknown dimension 'pp'"), std::string::npos) << e;
+    e = error_of([&] { DeviceMesh(r.pg, {{"cp", 2}, {kTensorDim, 2}}); });
+    EXPECT_NE(e.find("unknown dimension 'cp'"), std::string::npos) << e;
     e = error_of([&] { (void)mesh.group("cp"); });
     EXPECT_NE(e.find("no dimension 'cp'"), std::string::npos) << e;
     // Ranks that build different meshes fail at once, each rank's dimensions named (not a

@@ -1,0 +1,157 @@
+// The Llama as pipeline stages (fsdp::pp): this rank's stages built from a layout and a split of
+// the layers, their parameters, the tied embedding's gradient summed over the first and last
+// stage, and the global gradient norm over the pipeline and the tensor-parallel ranks. What
+// train_llama --pp runs, and what tests/pp/test_pipeline.cpp holds against one process.
+#pragma once
+
+#include "examples/llama/llama.h"
+#include "fsdp/device_mesh.h"
+#include "fsdp/process_group.h"
+#include "pp/pipeline.h"
+#include "pp/stage_layout.h"
+#include "pp/stage_split.h"
+
+#include <torch/torch.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+namespace llama {
+
+/// This pipeline rank's stages of one Llama.
+struct PipelinedLlama {
+  /// Builds the stages `layout` gives pipeline rank `pp_rank`, the layers split uniformly (the
+  /// embedding and the head weighed as layers). torch::manual_seed(seed) before each, so that each
+  /// stage draws the whole model's seed (fsdp::pp::draw_seed) and its weights are the whole
+  /// model's.
+  PipelinedLlama(const Config& c, const fsdp::tp::Group& blocks, const fsdp::tp::Group& vocab,
+                 const fsdp::pp::StageLayout& layout, int64_t pp_rank, uint64_t seed)
+      : config(c), vocab(vocab), ranges(fsdp::pp::StageSplit::uniform(c.n_layer).split(layout.stages())) {
+    for (const int64_t s : layout.stages_of(pp_rank)) {
+      torch::manual_seed(seed);
+      models.emplace_back(c, blocks, vocab, ranges[static_cast<size_t>(s)]);
+      indices.push_back(s);
+    }
+  }
+
+  std::vector<torch::Tensor> parameters() const {
+    std::vector<torch::Tensor> all;
+    for (const auto& m : models) {
+      for (const auto& p : m->parameters()) all.push_back(p);
+    }
+    return all;
+  }
+
+  /// The whole model's parameters these stages hold: a tensor-parallel part counted as its whole
+  /// tensor, a tied head's copy of the embedding not again.
+  int64_t whole_parameters() const {
+    int64_t n = 0;
+    const torch::Tensor skip = tied_copy();
+    for (const auto& m : models) {
+      for (const auto& item : m->named_modules("", /*include_self=*/true)) {
+        const auto* split = dynamic_cast<const fsdp::SplitModule*>(item.value().get());
+        for (const auto& p : item.value()->named_parameters(/*recurse=*/false)) {
+          if (skip.defined() && p.value().is_same(skip)) continue;
+          int64_t parts = 1;
+          if (split != nullptr) {
+            for (const auto& [name, how] : split->parameter_splits()) {
+              if (name == p.key() && how.split()) parts = how.parts;
+            }
+          }
+          n += p.value().numel() * parts;
+        }
+      }
+    }
+    return n;
+  }
+
+  /// The stages as fsdp::pp::Pipeline runs them (the last stage's output: its logits).
+  std::vector<fsdp::pp::Stage> stages() const {
+    std::vector<fsdp::pp::Stage> out;
+    for (size_t i = 0; i < models.size(); ++i) {
+      LlamaForCausalLM m = models[i];
+      out.push_back({indices[i], [m](const torch::Tensor& x) mutable { return m->forward(x); }, m->parameters()});
+    }
+    return out;
+  }
+
+  /// A tied head's copy of the embedding on the last stage (undefined elsewhere, and when the
+  /// first and last stage are one).
+  torch::Tensor tied_copy() const {
+    for (const auto& m : models) {
+      if (config.tie_word_embeddings && m->model->range.last() && !m->model->range.first()) {
+        return m->model->embed_tokens->weight;
+      }
+    }
+    return {};
+  }
+  torch::Tensor first_embedding() const {
+    for (const auto& m : models) {
+      if (m->model->range.first()) return m->model->embed_tokens->weight;
+    }
+    return {};
+  }
+
+  /// Tied embedding and head on the first and last stage: each copy's gradient becomes their sum,
+  /// so that the two stay one value (one process's gradient of the one weight). Every pipeline rank
+  /// calls it (the middle ones add zeros): one all-reduce over the pp group.
+  void sum_tied_gradients(const fsdp::DeviceMesh& mesh) const {
+    if (!config.tie_word_embeddings || mesh.size(fsdp::kPipeDim) == 1) return;
+    torch::Tensor g = torch::zeros({config.vocab_size / vocab.size(), config.n_embd});
+    for (const auto& w : {first_embedding(), tied_copy()}) {  // both, where one rank holds both stages
+      if (w.defined() && w.grad().defined()) g += w.grad();
+    }
+    fsdp::all_reduce(mesh.group(fsdp::kPipeDim), g);
+    for (const auto& w : {first_embedding(), tied_copy()}) {
+      if (w.defined()) w.mutable_grad() = g.clone();
+    }
+  }
+
+  /// The global L2 norm of the gradients over the pipeline's stages and the tensor-parallel
+  /// ranks: a tensor-parallel part counted on its rank, a replicated tensor (the norms) once, the
+  /// tied head's copy not at all (it is the embedding). One all-reduce over the world (pp x tp).
+  double grad_norm(const fsdp::DeviceMesh& mesh) const {
+    double sq = 0;
+    const torch::Tensor skip = tied_copy();
+    for (const auto& m : models) {
+      for (const auto& item : m->named_modules("", /*include_self=*/true)) {
+        const auto* split = dynamic_cast<const fsdp::SplitModule*>(item.value().get());
+        for (const auto& p : item.value()->named_parameters(/*recurse=*/false)) {
+          if (!p.value().grad().defined() || (skip.defined() && p.value().is_same(skip))) continue;
+          bool is_split = false;
+          if (split != nullptr) {
+            for (const auto& [name, how] : split->parameter_splits())
+              is_split = is_split || (name == p.key() && how.split());
+          }
+          if (is_split || vocab.rank() == 0) sq += p.value().grad().to(torch::kDouble).pow(2).sum().item<double>();
+        }
+      }
+    }
+    auto t = torch::tensor({sq}, torch::kDouble);
+    fsdp::all_reduce(mesh.world(), t);
+    return std::sqrt(t.item<double>());
+  }
+
+  /// torch's clip_grad_norm_ over the whole pipeline: every gradient scaled by max / (norm + 1e-6)
+  /// when the norm exceeds `max_norm`; returns the norm before clipping.
+  double clip_grad_norm(const fsdp::DeviceMesh& mesh, double max_norm) const {
+    const double norm = grad_norm(mesh);
+    const double coef = max_norm / (norm + 1e-6);
+    if (coef < 1) {
+      torch::NoGradGuard no_grad;
+      for (const auto& p : parameters()) {
+        if (p.grad().defined()) p.grad().mul_(coef);
+      }
+    }
+    return norm;
+  }
+
+  Config config;
+  fsdp::tp::Group vocab;
+  std::vector<fsdp::pp::LayerRange> ranges;  // every stage's
+  std::vector<LlamaForCausalLM> models;      // this rank's, in increasing stage order
+  std::vector<int64_t> indices;              // their stage indices
+};
+
+}  // namespace llama

@@ -1,0 +1,164 @@
+#include "examples/llama/train_pipelined.h"
+
+#include "examples/corpus.h"
+#include "examples/llama/pipelined.h"
+#include "fsdp/fsdp.h"
+#include "programs/flags.h"
+#include "programs/json_row.h"
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+#include <stdexcept>
+
+namespace llama {
+
+using fsdp::programs::usage_error;
+
+std::pair<fsdp::pp::StageLayout, fsdp::pp::ActionLists> pipelined_schedule(const PipelinedRun& run) {
+  try {
+    const fsdp::pp::StageLayout layout(run.pp, run.stages_per_rank);
+    if (layout.stages() > run.cfg.n_layer) {
+      usage_error("--pp " + std::to_string(run.pp) + " x --stages-per-rank " + std::to_string(run.stages_per_rank) +
+                  " makes " + std::to_string(layout.stages()) + " stages, more than the " +
+                  std::to_string(run.cfg.n_layer) + " layers (--n-layer): each stage holds at least one");
+    }
+    fsdp::pp::ActionLists lists;
+    if (run.schedule_file.empty()) {
+      lists = fsdp::pp::make_schedule(fsdp::pp::parse_schedule(run.schedule), layout, run.microbatches);
+    } else {
+      std::ifstream in(run.schedule_file);
+      if (!in) usage_error("--pp-schedule-file " + run.schedule_file + ": cannot be read");
+      std::stringstream text;
+      text << in.rdbuf();
+      lists = fsdp::pp::parse_lists(text.str());
+    }
+    fsdp::pp::validate(lists, layout, run.microbatches);
+    return {layout, lists};
+  } catch (const std::invalid_argument& e) {
+    usage_error(std::string(e.what()) + " (--pp " + std::to_string(run.pp) + ", --microbatches " +
+                std::to_string(run.microbatches) + ")");
+  }
+}
+
+void dump_schedule(const PipelinedRun& run) {
+  const auto [layout, lists] = pipelined_schedule(run);
+  const auto t = fsdp::pp::simulate(lists, layout, run.microbatches);
+  std::cout << "# " << (run.schedule_file.empty() ? run.schedule : run.schedule_file) << ": pp " << run.pp << ", "
+            << run.stages_per_rank << " stage(s) per rank, " << run.microbatches << " microbatches; simulated with "
+            << "equal times: step " << t.step << ", bubble " << t.bubble << "\n"
+            << fsdp::pp::format_lists(lists);
+}
+
+int train_pipelined(const PipelinedRun& run, fsdp::programs::Program& program) {
+  const auto [layout, lists] = pipelined_schedule(run);
+  const llama::Config& cfg = run.cfg;
+  const int64_t T = cfg.block_size, M = run.microbatches, rows = run.batch_size / M;
+  auto data = corpus::load(run.data, run.max_data_mb, T);
+  const int64_t samples = corpus::samples(data, T);
+  if (samples < run.batch_size) {
+    corpus::data_error(run.data, "has " + std::to_string(samples) + " windows, fewer than one global batch");
+  }
+  fsdp::InitOptions init;
+  if (run.timeout) init.timeout(*run.timeout);
+  auto world = fsdp::init_process_group(init);
+  const int rank = world->getRank(), W = world->getSize();
+  program.set_rank(rank);
+  if (W != run.pp * run.tp) {
+    usage_error("--pp " + std::to_string(run.pp) + " x --tp " + std::to_string(run.tp) + " is " +
+                std::to_string(run.pp * run.tp) + " ranks, the world " + std::to_string(W) +
+                ": data parallelism inside the stages (FSDP over each stage) is not supported yet");
+  }
+  fsdp::DeviceMesh mesh(world,
+                        {{fsdp::kPipeDim, static_cast<int>(run.pp)}, {fsdp::kTensorDim, static_cast<int>(run.tp)}});
+  fsdp::tp::Group blocks(mesh), vocab(mesh);
+  const int64_t pp_rank = mesh.coordinate(fsdp::kPipeDim);
+  PipelinedLlama stages(cfg, blocks, vocab, layout, pp_rank, run.seed);
+  fsdp::pp::Pipeline pipe(mesh, layout, lists, M, stages.stages());
+  torch::optim::AdamW opt(stages.parameters(), torch::optim::AdamWOptions(run.lr).weight_decay(run.weight_decay));
+  // The whole model's parameters, over the stages.
+  auto count = torch::tensor({stages.whole_parameters()}, torch::kLong);
+  fsdp::all_reduce(mesh.group(fsdp::kPipeDim), count);
+  const int64_t params = count.item<int64_t>();
+  // One data-parallel rank: the whole global batch every step, in the one-process order.
+  fsdp::data::DistributedSampler sampler(samples, 0, 1, fsdp::data::SamplerOptions(run.batch_size).seed(run.seed));
+  if (rank == 0 && !run.json) {
+    std::cout << "train_llama: " << W << " rank(s) as mesh " << mesh.shape_text() << ", " << cfg.n_layer
+              << " layers in " << layout.stages() << " stages (" << run.schedule << ", " << M << " microbatches of "
+              << rows << " rows)\n";
+  }
+  double total_ms = 0;  // the steps after the first
+  for (int64_t step = 0; step < run.steps; ++step) {
+    opt.zero_grad();
+    auto share = sampler.next_share();
+    if (!share) share = sampler.next_share();
+    const auto xy = corpus::batch(data, share->indices, T);
+    const auto rep =
+        pipe.step([&](int64_t m) { return xy.first.narrow(0, m * rows, rows); },
+                  [&](const torch::Tensor& logits, int64_t m) {
+                    // Equal microbatches: each loss weighs 1/M of the batch's mean.
+                    return fsdp::tp::vocab_parallel_cross_entropy(logits, xy.second.narrow(0, m * rows, rows), vocab) /
+                           static_cast<double>(M);
+                  });
+    stages.sum_tied_gradients(mesh);
+    const double grad_norm = run.clip > 0 ? stages.clip_grad_norm(mesh, run.clip) : stages.grad_norm(mesh);
+    opt.step();
+    // The loss from the last stage to every rank; the bubble (the largest share of the step a rank
+    // waited on transfers) and the bytes moved between stages (each transfer once).
+    auto loss = torch::tensor({rep.loss}, torch::kDouble);
+    fsdp::all_reduce(mesh.group(fsdp::kPipeDim), loss);
+    auto worst =
+        torch::tensor({rep.bubble(), rep.step_seconds, static_cast<double>(rep.peak_in_flight)}, torch::kDouble);
+    fsdp::all_reduce(world, worst, c10d::ReduceOp::MAX);
+    auto bytes = torch::tensor({rep.p2p_bytes}, torch::kLong);
+    fsdp::all_reduce(world, bytes);
+    const double l = loss.item<double>();
+    if (step > 0) total_ms += 1000 * worst[1].item<double>();
+    if (rank == 0) {
+      if (run.json) {
+        fsdp::programs::JsonRow()
+            .add("step", step)
+            .add("loss", l, "%.9g")
+            .add("grad_norm", grad_norm, "%.9g")
+            .add("step_ms", 1000 * worst[1].item<double>(), "%.3f")
+            .add("world_size", W)
+            .add("pp", run.pp)
+            .add("tp", run.tp)
+            .add("dp", 1)
+            .add("pp_schedule", run.schedule_file.empty() ? run.schedule : "file")
+            .add("microbatches", M)
+            .add("stages_per_rank", run.stages_per_rank)
+            .add("p2p_bytes", bytes.item<int64_t>() / 2)
+            .add("bubble", worst[0].item<double>(), "%.6g")
+            .add("peak_in_flight", static_cast<int64_t>(worst[2].item<double>()))
+            .add("params", params)
+            .print();
+      } else {
+        std::printf("step %4lld | loss %.4f | grad norm %.4g | %8.1f ms | bubble %.3f\n", static_cast<long long>(step),
+                    l, grad_norm, 1000 * worst[1].item<double>(), worst[0].item<double>());
+      }
+      std::fflush(stdout);
+    }
+    if (!std::isfinite(l)) {
+      throw std::runtime_error("the loss of step " + std::to_string(step) +
+                               " is not finite: training diverged. Lower --lr, or clip with --clip MAX_NORM.");
+    }
+  }
+  if (rank == 0 && run.json) {
+    fsdp::programs::JsonRow()
+        .add("summary", true)
+        .add("world_size", W)
+        .add("pp", run.pp)
+        .add("tp", run.tp)
+        .add("dp", 1)
+        .add("mesh", mesh.shape_text())
+        .add("params", params)
+        .add("mean_step_ms", run.steps > 1 ? total_ms / static_cast<double>(run.steps - 1) : 0.0, "%.3f")
+        .print();
+  }
+  return 0;
+}
+
+}  // namespace llama

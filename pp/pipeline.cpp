@@ -1,0 +1,172 @@
+#include "pp/pipeline.h"
+
+#include "fsdp/internal/check.h"
+#include "fsdp/internal/core_access.h"
+#include "fsdp/process_group.h"
+#include "pp/simulate.h"
+
+#include <torch/csrc/autograd/autograd.h>
+
+#include <chrono>
+#include <stdexcept>
+#include <string>
+
+namespace fsdp::pp {
+
+struct Pipeline::Slot {
+  at::Tensor input;     // the stage's input: a leaf that requires grad, except on the first stage
+  at::Tensor output;    // its output, or on the last stage the microbatch's scaled loss
+  at::Tensor grad_out;  // the gradient of `output` (undefined on the last stage: the loss's is 1)
+  at::Tensor grad_in;   // the gradient at `input`, for the stage before
+};
+
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+
+double seconds_since(clock_type::time_point t) {
+  return std::chrono::duration<double>(clock_type::now() - t).count();
+}
+
+}  // namespace
+
+Pipeline::Pipeline(const DeviceMesh& mesh, const StageLayout& layout, ActionLists lists, int64_t microbatches,
+                   std::vector<Stage> stages, const at::Device& device)
+    : p2p_(mesh), layout_(layout), lists_(std::move(lists)), microbatches_(microbatches), device_(device) {
+  if (layout.ranks() != p2p_.size()) {
+    throw std::invalid_argument("fsdp::pp::Pipeline: the layout has " + std::to_string(layout.ranks()) +
+                                " pipeline ranks, the mesh's pp dimension " + std::to_string(p2p_.size()));
+  }
+  validate(lists_, layout_, microbatches_);
+  for (auto& s : stages) {
+    if (layout_.rank_of(s.index) != p2p_.rank()) {
+      throw std::invalid_argument("fsdp::pp::Pipeline: stage " + std::to_string(s.index) + " is pipeline rank " +
+                                  std::to_string(layout_.rank_of(s.index)) + "'s, not this rank's (" +
+                                  std::to_string(p2p_.rank()) + ")");
+    }
+    if (!s.forward)
+      throw std::invalid_argument("fsdp::pp::Pipeline: stage " + std::to_string(s.index) + " has no forward");
+    const int64_t index = s.index;
+    stages_.emplace(index, std::move(s));
+  }
+  for (const int64_t s : layout_.stages_of(p2p_.rank())) {
+    if (stages_.count(s) == 0) {
+      throw std::invalid_argument("fsdp::pp::Pipeline: pipeline rank " + std::to_string(p2p_.rank()) + " holds stage " +
+                                  std::to_string(s) + " in the layout, but was not given it");
+    }
+  }
+  // Every pipeline rank runs the same lists: a fingerprint of them, its least and largest value
+  // over the pipeline's ranks (one bounded all-reduce each).
+  const uint64_t mine = detail::Fingerprint().add(format_lists(lists_)).add(microbatches_).value();
+  const auto group = mesh.group(kPipeDim);
+  at::Tensor lo = at::full({1}, static_cast<int64_t>(mine >> 1), at::kLong), hi = lo.clone();
+  fsdp::all_reduce(group, lo, c10d::ReduceOp::MIN);
+  fsdp::all_reduce(group, hi, c10d::ReduceOp::MAX);
+  FSDP_CHECK(lo.item<int64_t>() == hi.item<int64_t>(), "fsdp::pp::Pipeline on ", p2p_.where(),
+             ": the pipeline's ranks were given different schedules (action lists or microbatch counts); build "
+             "them from the same schedule, microbatches and layout on every rank");
+}
+
+StepReport Pipeline::step(const Input& input, const Loss& loss) {
+  StepReport report;
+  const auto start = clock_type::now();
+  const auto before = p2p_.comm_stats().p2p_bytes;
+  const int64_t S = layout_.stages(), me = p2p_.rank();
+  std::map<std::pair<int64_t, int64_t>, Slot> slots;  // (stage, microbatch)
+  std::vector<Transfer> sends;                        // each keeps what it reads alive until it completes
+  int64_t in_flight = 0;
+  std::vector<at::Tensor> losses;  // the last stage's, detached
+  auto waited = [&](const std::function<void()>& fn) {
+    const auto t = clock_type::now();
+    fn();
+    report.p2p_wait_seconds += seconds_since(t);
+  };
+  auto local = [&](int64_t s) { return s >= 0 && s < S && layout_.rank_of(s) == me; };
+  // Runs autograd from the slot's output: into every leaf (B: the parameters and the input), to
+  // its input only, keeping the graph (I), or to the stage's parameters only, freeing it (W).
+  auto backward = [&](int64_t s, Slot& slot, bool to_input, bool to_weights) {
+    const bool input_leaf = slot.input.defined() && slot.input.requires_grad();
+    std::vector<at::Tensor> grads;
+    if (slot.grad_out.defined()) grads.push_back(slot.grad_out);
+    if (to_input && to_weights) {
+      torch::autograd::backward({slot.output}, grads);
+    } else {
+      std::vector<at::Tensor> inputs;
+      if (to_input && input_leaf) inputs.push_back(slot.input);
+      if (to_weights) {
+        for (const auto& p : stages_.at(s).parameters) {
+          if (p.requires_grad()) inputs.push_back(p);
+        }
+      }
+      if (!inputs.empty()) {
+        torch::autograd::backward({slot.output}, grads, /*retain_graph=*/to_input, /*create_graph=*/false, inputs);
+      }
+    }
+    if (to_input && input_leaf) {
+      slot.grad_in = slot.input.grad().defined() ? slot.input.grad() : at::zeros_like(slot.input);
+    }
+    if (to_weights) {  // done with this microbatch on this stage but the gradient it sends back
+      slot.output = at::Tensor();
+      slot.input = at::Tensor();
+      slot.grad_out = at::Tensor();
+    }
+  };
+  for (const Action& a : lists_[static_cast<size_t>(me)]) {
+    const int64_t s = a.stage, m = a.microbatch;
+    Slot& slot = slots[{s, m}];
+    switch (a.kind) {
+      case ActionKind::kRecvForward:
+        waited([&] { slot.input = p2p_.recv(layout_.rank_of(s - 1), {Payload::kActivation, s - 1, s, m}, device_); });
+        slot.input.requires_grad_(true);
+        break;
+      case ActionKind::kForward: {
+        if (s == 0) {
+          slot.input = input(m);
+        } else if (local(s - 1)) {  // handed over in memory by this rank's stage before
+          auto& prev = slots.at({s - 1, m});
+          slot.input = prev.output.detach().requires_grad_(true);
+        }
+        FSDP_CHECK(slot.input.defined(), "fsdp::pp::Pipeline on ", p2p_.where(), ": ", a.text(), " has no input");
+        auto out = stages_.at(s).forward(slot.input);
+        slot.output = s == S - 1 ? loss(out, m) : out;
+        if (s == S - 1) losses.push_back(slot.output.detach().to(at::kDouble));
+        report.peak_in_flight = std::max(report.peak_in_flight, ++in_flight);
+        break;
+      }
+      case ActionKind::kSendForward: {
+        sends.push_back(p2p_.send(slot.output.detach(), layout_.rank_of(s + 1), {Payload::kActivation, s, s + 1, m}));
+        break;
+      }
+      case ActionKind::kRecvBackward:
+        waited([&] { slot.grad_out = p2p_.recv(layout_.rank_of(s + 1), {Payload::kGradient, s + 1, s, m}, device_); });
+        break;
+      case ActionKind::kBackward:
+      case ActionKind::kBackwardInput: {
+        if (s < S - 1 && local(s + 1)) slot.grad_out = slots.at({s + 1, m}).grad_in;
+        const bool whole = a.kind == ActionKind::kBackward;
+        backward(s, slot, /*to_input=*/true, /*to_weights=*/whole);
+        if (whole) --in_flight;
+        break;
+      }
+      case ActionKind::kBackwardWeight:
+        backward(s, slot, /*to_input=*/false, /*to_weights=*/true);
+        --in_flight;
+        break;
+      case ActionKind::kSendBackward: {
+        sends.push_back(p2p_.send(slot.grad_in, layout_.rank_of(s - 1), {Payload::kGradient, s, s - 1, m}));
+        slot.grad_in = at::Tensor();
+        break;
+      }
+    }
+  }
+  waited([&] {
+    for (auto& t : sends) p2p_.wait(t);
+  });
+  // One read of the losses at the end (on a GPU, one synchronisation per step, not per microbatch).
+  for (const auto& l : losses) report.loss += l.item<double>();
+  report.step_seconds = seconds_since(start);
+  report.p2p_bytes = p2p_.comm_stats().p2p_bytes - before;
+  return report;
+}
+
+}  // namespace fsdp::pp

@@ -1,0 +1,98 @@
+#!/usr/bin/env python3
+"""End-to-end check of train_llama --pp (issue 44's commands, those that run without data parallelism
+inside the stages).
+
+- `--nproc-per-node 4 --n-layer 4 --pp 2 --tp 2 --microbatches 4 --pp-schedule 1f1b --steps 5 --seed 1 --json`
+  gives the losses of `--n-layer 4 --steps 5 --seed 1 --json` on one rank (1e-5 relative); its rows carry
+  pp 2, the schedule, the microbatches, a bubble in [0, 1) and p2p_bytes from the shapes: per step each of
+  the 2 tensor-parallel pipelines moves M microbatches' activations forward and their gradients back,
+  each [B/M, T, C] fp32.
+- `--nproc-per-node 4 --pp 4 --pp-schedule interleaved --stages-per-rank 2 --n-layer 8 --microbatches 8
+  --batch-size 16` against one rank with `--n-layer 8 --batch-size 16`.
+- `--nproc-per-node 2 --n-layer 4 --pp 2 --microbatches 4 --pp-schedule zero-bubble --batch-size 16` against
+  one rank with `--n-layer 4 --batch-size 16` (the issue runs it over 4 ranks, FSDP over 2 data-parallel ranks
+  inside each stage: not supported yet); and gpipe the same way, with --tied.
+- `--pp 2 --microbatches 1 --pp-schedule 1f1b` on 2 ranks is refused before any step (exit 2, naming the
+  microbatches); so is a hand-made list that deadlocks (--pp-schedule-file), naming the action;
+  --pp-schedule-dump prints the lists in one process.
+"""
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "programs"))
+from torchrun_runs import command, run  # noqa: E402
+
+T, C = 64, 128  # train_llama's --block-size and --n-embd
+
+
+def compare(a, ranks, pipelined, reference, label, B=12, M=None):
+    one, _ = run(command(a.train_llama, a.torchrun, 1, reference), a.timeout)
+    many, summary = run(command(a.train_llama, a.torchrun, ranks, pipelined), a.timeout)
+    assert len(one) == len(many), (len(one), len(many))
+    worst = 0.0
+    for r1, rn in zip(one, many):
+        rel = abs(rn["loss"] - r1["loss"]) / abs(r1["loss"])
+        worst = max(worst, rel)
+        if rel > 1e-5:
+            sys.exit(f"FAILED: {label}: step {r1['step']}: loss {rn['loss']} vs one rank's {r1['loss']} (rel {rel:.2e})")
+        if not (0 <= rn["bubble"] < 1) or rn["pp"] < 2 or rn["microbatches"] != M:
+            sys.exit(f"FAILED: {label}: row {rn}")
+        # Each tensor-parallel pipeline: M activations forward and M gradients back across each of
+        # the stage boundaries that cross ranks.
+        V = rn["stages_per_rank"]
+        boundaries = rn["pp"] * V - 1
+        want = rn["tp"] * boundaries * 2 * M * (B // M) * T * C * 4
+        if rn["p2p_bytes"] != want:
+            sys.exit(f"FAILED: {label}: p2p_bytes {rn['p2p_bytes']}, want {want} from the shapes")
+    print(f"{label} on {ranks} ranks (mesh {summary['mesh']}): {len(many)} losses within {worst:.2e} of one rank's, "
+          f"bubble {many[-1]['bubble']:.3f}, {many[-1]['p2p_bytes']} bytes between stages per step")
+
+
+def refused(a, ranks, args, text, label):
+    p = subprocess.run(command(a.train_llama, a.torchrun, ranks, args), capture_output=True, text=True,
+                       timeout=a.timeout, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    out = p.stdout + p.stderr
+    if p.returncode == 0 or text not in out or "step    0" in out or '"step"' in p.stdout:
+        sys.exit(f"FAILED: {label}: exit {p.returncode}, wanted a refusal naming '{text}' before any step\n{out}")
+    print(f"{label}: refused (exit {p.returncode}): {text}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--train-llama", required=True)
+    ap.add_argument("--torchrun", required=True)
+    ap.add_argument("--timeout", type=int, default=300)
+    a = ap.parse_args()
+    base = ["--steps", "5", "--seed", "1", "--json"]
+    compare(a, 4, ["--n-layer", "4", "--pp", "2", "--tp", "2", "--microbatches", "4", "--pp-schedule", "1f1b"] + base,
+            ["--n-layer", "4"] + base, "1f1b, pp 2 x tp 2", M=4)
+    compare(a, 4, ["--pp", "4", "--pp-schedule", "interleaved", "--stages-per-rank", "2", "--n-layer", "8",
+                   "--microbatches", "8", "--batch-size", "16"] + base,
+            ["--n-layer", "8", "--batch-size", "16"] + base, "interleaved, pp 4, 2 stages per rank", B=16, M=8)
+    compare(a, 2, ["--n-layer", "4", "--pp", "2", "--microbatches", "4", "--pp-schedule", "zero-bubble",
+                   "--batch-size", "16"] + base,
+            ["--n-layer", "4", "--batch-size", "16"] + base, "zero-bubble, pp 2", B=16, M=4)
+    compare(a, 2, ["--n-layer", "3", "--pp", "2", "--microbatches", "3", "--pp-schedule", "gpipe", "--tied",
+                   "--clip", "0.5"] + base,
+            ["--n-layer", "3", "--tied", "--clip", "0.5"] + base, "gpipe, pp 2, tied, clipped", M=3)
+    refused(a, 2, ["--pp", "2", "--microbatches", "1", "--pp-schedule", "1f1b"] + base,
+            "needs at least as many microbatches as pipeline ranks: 1 microbatches for 2 ranks", "too few microbatches")
+    with tempfile.TemporaryDirectory() as d:
+        bad = os.path.join(d, "deadlock.csv")
+        with open(bad, "w") as f:  # rank 0 waits for a gradient before it sends the activations
+            f.write("0F0,0RECV_B0,0SEND_F0,0B0\n1RECV_F0,1F0,1B0,1SEND_B0\n")
+        refused(a, 2, ["--pp", "2", "--microbatches", "1", "--pp-schedule-file", bad] + base,
+                "the order deadlocks: rank 0 waits at its action 1, 0RECV_B0", "a deadlocking list from a file")
+    p = subprocess.run([a.train_llama, "--pp", "4", "--pp-schedule", "1f1b", "--microbatches", "8", "--n-layer", "4",
+                        "--pp-schedule-dump"], capture_output=True, text=True, timeout=a.timeout)
+    lines = p.stdout.splitlines()
+    if p.returncode != 0 or len(lines) != 5 or not lines[1].startswith("0F0,0SEND_F0,0F1,0SEND_F1,0F2,0SEND_F2,0F3"):
+        sys.exit(f"FAILED: --pp-schedule-dump: exit {p.returncode}\n{p.stdout}\n{p.stderr}")
+    print("--pp-schedule-dump: " + lines[0])
+
+
+if __name__ == "__main__":
+    main()
