@@ -39,6 +39,7 @@
 #include "pp/schedule.h"
 #include "pp/simulate.h"
 #include "pp/stage_layout.h"
+#include "pp/stage_mesh.h"
 #include "pp/stage_split.h"
 #include "tp/conjugates.h"
 #include "tp/cross_entropy.h"

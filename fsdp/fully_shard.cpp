@@ -44,8 +44,9 @@ FullyShardOptions options_for_mesh(const DeviceMesh& mesh, FullyShardOptions opt
                     .rank(mesh.rank())
                     .mesh(mesh.coordinates_text() + " of mesh " + mesh.shape_text()),
                 mesh.size(kPipeDim) == 1, "mesh ", mesh.shape_text(), " has ", mesh.size(kPipeDim),
-                " pipeline stages (pp): FSDP over a pipeline's stages is not supported yet. Wrap a model over a mesh "
-                "without pp, or train the stages without fully_shard.");
+                " pipeline stages (pp): a model wrapped across stages would block a stage in its agreements while "
+                "its neighbour waits on a transfer. Wrap each stage's model over its own stage's ranks, "
+                "fsdp::pp::stage_mesh(mesh) (docs/pipeline.md).");
   if (R > 1 && S > 1) {
     const ShardingStrategy s = options.strategy();
     const ErrorContext context = ErrorContext()

@@ -1,8 +1,10 @@
 #include "optim/clip_grad_norm.h"
 #include "fsdp/internal/check.h"
 #include "fsdp/internal/core_access.h"
+#include "fsdp/process_group.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 
 #include <algorithm>
 #include <cmath>
@@ -23,19 +25,23 @@ struct ShardGrad {
   std::string name;
 };
 
-/// The global `norm_type` norm of every sharded gradient of `model`, in one all-reduce; fills
-/// `grads` with this rank's gradients (for clipping). `caller` names the function in errors.
-double global_norm(const FSDPModule& model, double norm_type, bool error_if_nonfinite, const char* caller,
-                   std::vector<ShardGrad>& grads) {
+/// The model's part of the norm over its own ranks, in one all-reduce: [the sum of |g|^p (inf:
+/// the largest |g|), the gradients counted, whether any is not finite]. Fills `grads` with this
+/// rank's gradients (for clipping), those named in `skip` left out of the sum (not of `grads`).
+at::Tensor model_norm_part(const FSDPModule& model, double norm_type, const char* caller, std::vector<ShardGrad>& grads,
+                           const std::vector<std::string>& skip) {
   fsdp::detail::check_gradients_reduced(model, caller);
   // While replicas train apart (LocalSGD, DiLoCo) the norm is each replica's: the sum spans its
   // shard group only, where no other rank holds the same rows.
   const bool per_replica = fsdp::detail::replicas_apart(model);
+  std::vector<bool> counted;
   for (const auto& p : model.shard_specs()) {  // each parameter once (a tied weight is one tensor)
     // A parameter tensor parallelism does not split is the same on each of the tp_size ranks:
     // counted once over them, as a replica is.
     const int64_t copies = static_cast<int64_t>(per_replica ? 1 : p.replicas) * (p.tp.split() ? 1 : p.tp_size);
-    if (p.local.grad().defined()) grads.push_back({p.local.grad(), copies, p.name});
+    if (!p.local.grad().defined()) continue;
+    grads.push_back({p.local.grad(), copies, p.name});
+    counted.push_back(std::find(skip.begin(), skip.end(), p.name) == skip.end());
   }
   const bool inf = std::isinf(norm_type);
   // This rank's part: the largest |g|, or the sum of |g|^p, over its own rows (shards hold no
@@ -43,8 +49,9 @@ double global_norm(const FSDPModule& model, double norm_type, bool error_if_nonf
   // is kept (std::max would drop it) and also flagged, since a MAX reduction may drop it too.
   double local = 0.0;
   bool nonfinite = false;
-  for (const auto& g : grads) {
-    if (g.grad.numel() == 0) continue;
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const auto& g = grads[i];
+    if (g.grad.numel() == 0 || !counted[i]) continue;
     const double n = g.grad.norm(norm_type).item<double>();
     nonfinite = nonfinite || !std::isfinite(n);
     if (!inf) {
@@ -67,6 +74,15 @@ double global_norm(const FSDPModule& model, double norm_type, bool error_if_nonf
   std::ostringstream call;
   call << caller << " (norm_type " << norm_type << ")";
   fsdp::detail::all_reduce(model, t, inf ? c10d::ReduceOp::MAX : c10d::ReduceOp::SUM, call.str());
+  return t;
+}
+
+/// The norm from the reduced parts `t` (model_norm_part's, summed or maxed over whatever spans
+/// the whole model), with its checks: some gradient somewhere, and with `error_if_nonfinite` a
+/// finite norm (else the error names this rank's first parameter whose gradient is not).
+double norm_of(const at::Tensor& t, const FSDPModule& model, double norm_type, bool error_if_nonfinite,
+               const char* caller, const std::vector<ShardGrad>& grads) {
+  const bool inf = std::isinf(norm_type);
   const ErrorContext context =
       ErrorContext().api(caller).rank(model.rank()).world_size(model.world_size()).operation(caller);
   FSDP_CHECK_IN(context, t[1].item<double>() > 0,
@@ -96,7 +112,42 @@ double global_norm(const FSDPModule& model, double norm_type, bool error_if_nonf
   return total;
 }
 
+/// The global `norm_type` norm of every sharded gradient of `model`, in one all-reduce; fills
+/// `grads` with this rank's gradients (for clipping). `caller` names the function in errors.
+double global_norm(const FSDPModule& model, double norm_type, bool error_if_nonfinite, const char* caller,
+                   std::vector<ShardGrad>& grads) {
+  const at::Tensor t = model_norm_part(model, norm_type, caller, grads, {});
+  return norm_of(t, model, norm_type, error_if_nonfinite, caller, grads);
+}
+
 }  // namespace
+
+double clip_grad_norm(const std::vector<FSDPModule>& models, const c10::intrusive_ptr<c10d::ProcessGroup>& pipeline,
+                      double max_norm, const std::vector<std::string>& skip, double norm_type,
+                      bool error_if_nonfinite) {
+  const char* const caller = "fsdp::optim::clip_grad_norm (pipeline stages)";
+  FSDP_CHECK(!models.empty(), caller, ": no model: pass this rank's stages, each wrapped by fsdp::fully_shard");
+  FSDP_CHECK(pipeline, caller, ": the pipeline's process group is null");
+  const bool inf = std::isinf(norm_type);
+  std::vector<std::vector<ShardGrad>> grads(models.size());
+  at::Tensor t = at::zeros({3}, at::kDouble);
+  for (size_t i = 0; i < models.size(); ++i) {  // each over its own stage's ranks
+    const at::Tensor part = model_norm_part(models[i], norm_type, caller, grads[i], skip);
+    t[0] = inf ? std::max(t[0].item<double>(), part[0].item<double>()) : t[0].item<double>() + part[0].item<double>();
+    t[1] += part[1];
+    t[2] += part[2];
+  }
+  fsdp::all_reduce(pipeline, t, inf ? c10d::ReduceOp::MAX : c10d::ReduceOp::SUM);  // then over the stages
+  std::vector<ShardGrad> all;
+  for (const auto& g : grads) all.insert(all.end(), g.begin(), g.end());
+  const double total = norm_of(t, models.front(), norm_type, error_if_nonfinite, caller, all);
+  const double coef = max_norm / (total + 1e-6);
+  if (coef < 1.0) {
+    for (auto& g : all) g.grad.mul_(coef);
+    for (const auto& m : models) fsdp::detail::gradients_rescaled(m);
+  }
+  return total;
+}
 
 double clip_grad_norm(const FSDPModule& model, double max_norm, double norm_type, bool error_if_nonfinite) {
   std::vector<ShardGrad> grads;

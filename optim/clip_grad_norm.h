@@ -5,6 +5,11 @@
 #include "fsdp/export.h"
 #include "fsdp/fully_shard.h"
 
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <string>
+#include <vector>
+
 FSDP_PUBLIC_BEGIN
 
 namespace fsdp::optim {
@@ -18,6 +23,16 @@ namespace fsdp::optim {
 /// scaled, naming the norm and this rank's first parameter whose gradient is not finite. Without
 /// it, a non-finite norm is returned: NaN scales nothing, infinity zeroes the gradients.
 double clip_grad_norm(const FSDPModule& model, double max_norm, double norm_type = 2.0,
+                      bool error_if_nonfinite = false);
+
+/// Pipeline stages (fsdp::pp): the norm of the gradients of `models` (this rank's stages, each
+/// wrapped over its own stage's ranks, pp::stage_mesh) and of the other pipeline ranks' stages,
+/// summed over `pipeline` (the mesh's pp group): the whole model's norm, the same on every rank;
+/// every gradient then scaled as above. A parameter named in `skip` (its name in its model) is
+/// scaled but left out of the norm: a tied head's copy of the embedding, which the first stage
+/// counts. Every rank calls it; one all-reduce per model over its ranks, then one over `pipeline`.
+double clip_grad_norm(const std::vector<FSDPModule>& models, const c10::intrusive_ptr<c10d::ProcessGroup>& pipeline,
+                      double max_norm, const std::vector<std::string>& skip = {}, double norm_type = 2.0,
                       bool error_if_nonfinite = false);
 
 /// The same global norm as clip_grad_norm, gradients left as they are (for logging, or to detect

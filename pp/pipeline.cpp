@@ -37,7 +37,13 @@ Pipeline::Pipeline(const DeviceMesh& mesh, const StageLayout& layout, ActionList
     throw std::invalid_argument("fsdp::pp::Pipeline: the layout has " + std::to_string(layout.ranks()) +
                                 " pipeline ranks, the mesh's pp dimension " + std::to_string(p2p_.size()));
   }
-  validate(lists_, layout_, microbatches_);
+  // The transfers' tags hold stages below 512 and microbatches below 2^20 (pp/point_to_point.h):
+  // refused here, on every rank alike, not at a first transfer on some ranks.
+  if (layout.stages() >= 512 || microbatches >= (int64_t{1} << 20)) {
+    throw std::invalid_argument("fsdp::pp::Pipeline: " + std::to_string(layout.stages()) + " stages and " +
+                                std::to_string(microbatches) +
+                                " microbatches; the transfers take fewer than 512 stages and 2^20 microbatches");
+  }
   for (auto& s : stages) {
     if (layout_.rank_of(s.index) != p2p_.rank()) {
       throw std::invalid_argument("fsdp::pp::Pipeline: stage " + std::to_string(s.index) + " is pipeline rank " +
@@ -65,6 +71,8 @@ Pipeline::Pipeline(const DeviceMesh& mesh, const StageLayout& layout, ActionList
   FSDP_CHECK(lo.item<int64_t>() == hi.item<int64_t>(), "fsdp::pp::Pipeline on ", p2p_.where(),
              ": the pipeline's ranks were given different schedules (action lists or microbatch counts); build "
              "them from the same schedule, microbatches and layout on every rank");
+  // The same lists everywhere: every rank refuses them alike, or none does.
+  validate(lists_, layout_, microbatches_);
 }
 
 StepReport Pipeline::step(const Input& input, const Loss& loss) {
@@ -73,7 +81,11 @@ StepReport Pipeline::step(const Input& input, const Loss& loss) {
   const auto before = p2p_.comm_stats().p2p_bytes;
   const int64_t S = layout_.stages(), me = p2p_.rank();
   std::map<std::pair<int64_t, int64_t>, Slot> slots;  // (stage, microbatch)
-  std::vector<Transfer> sends;                        // each keeps what it reads alive until it completes
+  // Sends in flight, each keeping what it reads alive until it completes. An activation's send is
+  // complete once its gradient came back (the peer received it before it could send that): waited
+  // for and dropped then; the rest at the step's end.
+  std::vector<Transfer> sends;
+  std::map<std::pair<int64_t, int64_t>, Transfer> activations_sent;  // (stage, microbatch)
   int64_t in_flight = 0;
   std::vector<at::Tensor> losses;  // the last stage's, detached
   auto waited = [&](const std::function<void()>& fn) {
@@ -134,11 +146,19 @@ StepReport Pipeline::step(const Input& input, const Loss& loss) {
         break;
       }
       case ActionKind::kSendForward: {
-        sends.push_back(p2p_.send(slot.output.detach(), layout_.rank_of(s + 1), {Payload::kActivation, s, s + 1, m}));
+        activations_sent.emplace(std::make_pair(s, m), p2p_.send(slot.output.detach(), layout_.rank_of(s + 1),
+                                                                 {Payload::kActivation, s, s + 1, m}));
         break;
       }
       case ActionKind::kRecvBackward:
-        waited([&] { slot.grad_out = p2p_.recv(layout_.rank_of(s + 1), {Payload::kGradient, s + 1, s, m}, device_); });
+        waited([&] {
+          slot.grad_out = p2p_.recv(layout_.rank_of(s + 1), {Payload::kGradient, s + 1, s, m}, device_);
+          const auto it = activations_sent.find({s, m});
+          if (it != activations_sent.end()) {
+            p2p_.wait(it->second);
+            activations_sent.erase(it);
+          }
+        });
         break;
       case ActionKind::kBackward:
       case ActionKind::kBackwardInput: {
@@ -161,6 +181,7 @@ StepReport Pipeline::step(const Input& input, const Loss& loss) {
   }
   waited([&] {
     for (auto& t : sends) p2p_.wait(t);
+    for (auto& sent : activations_sent) p2p_.wait(sent.second);
   });
   // One read of the losses at the end (on a GPU, one synchronisation per step, not per microbatch).
   for (const auto& l : losses) report.loss += l.item<double>();

@@ -14,7 +14,7 @@
 // The constructor validates the lists (pp/simulate.h: every rank simulates all ranks' lists, so
 // no step starts on a schedule that would hang) and checks that every pipeline rank holds the
 // same lists, bounded by the mesh's timeout; a refusal is std::invalid_argument naming the action,
-// a difference between ranks an fsdp::Error naming both.
+// a difference between ranks an fsdp::Error on every rank.
 //
 // The loss function returns microbatch m's share of the step's loss (for one process's
 // equivalent over the global batch: its mean loss times its tokens over the batch's); its

@@ -68,13 +68,7 @@ bool Transfer::pending() const {
   return state_ && (state_->header.in_flight() || state_->data.in_flight());
 }
 
-PointToPoint::PointToPoint(const DeviceMesh& mesh) : comm_(detail::mesh_group(mesh, kPipeDim, /*verify=*/false)) {
-  try {
-    gloo_serves_cuda_ = comm_->process_group()->getBackend(c10::DeviceType::CUDA)->getBackendName() == "gloo";
-  } catch (const std::exception&) {
-    gloo_serves_cuda_ = false;  // no CUDA backend: CUDA tensors are refused by the send itself
-  }
-}
+PointToPoint::PointToPoint(const DeviceMesh& mesh) : comm_(detail::mesh_group(mesh, kPipeDim, /*verify=*/false)) {}
 
 PointToPoint::~PointToPoint() = default;
 
@@ -109,7 +103,10 @@ Transfer PointToPoint::send(const at::Tensor& t, int64_t peer, const Message& m)
   h[6] = t.dim();
   for (int64_t d = 0; d < t.dim(); ++d) h[kFixed + d] = t.size(d);
   // What the backend sends: contiguous, and on the host where Gloo serves a CUDA tensor.
-  s.data_tensor = t.is_cuda() && gloo_serves_cuda_ ? t.to(at::kCPU).contiguous() : t.detach().contiguous();
+  // A CUDA tensor goes through host memory, over the CPU backend (Gloo), which pairs by tag: NCCL
+  // would pair by issue order alone, and its send to a peer can wait behind that peer's send to
+  // it (1F1B's crossing transfers), so it waits for a GPU run that proves a coalesced exchange.
+  s.data_tensor = t.is_cuda() ? t.detach().to(at::kCPU).contiguous() : t.detach().contiguous();
   const std::string what = "send of " + m.text();
   const int dst = static_cast<int>(peer);
   s.header = comm_->send_async(s.header_tensor, dst, tag_of(m, false), what + " (its header)", /*header=*/true);
@@ -142,8 +139,8 @@ at::Tensor PointToPoint::recv(int64_t peer, const Message& m, const at::Device& 
                 " under its tag: the two ranks run different schedules");
   std::vector<int64_t> shape(h + kFixed, h + kFixed + h[6]);
   const auto dtype = static_cast<at::ScalarType>(h[1]);
-  // Received where the backend serves the device: on the host for Gloo, then copied over.
-  const bool via_host = device.is_cuda() && gloo_serves_cuda_;
+  // Received on the host (see send), then copied to the device.
+  const bool via_host = device.is_cuda();
   at::Tensor out = at::empty(shape, at::TensorOptions(dtype).device(via_host ? at::Device(at::kCPU) : device));
   detail::Pending pd = comm_->recv_async(out, static_cast<int>(peer), tag_of(m, true), what);
   comm_->wait(pd);

@@ -20,8 +20,10 @@
 // pairs with another transfer's send: an order that does not match fails within the timeout rather
 // than mixing data. Transfers are counted in comm_stats(): sends, recvs and p2p_bytes.
 //
-// CUDA tensors go through the backend that serves them (NCCL); on Gloo (the testing mode of
-// several ranks on one GPU) they are staged through host memory.
+// CUDA tensors are staged through host memory and sent over the CPU backend (Gloo), which pairs a
+// receive with its send by tag. NCCL pairs by issue order alone, and a rank's send to a peer can
+// wait behind that peer's send to it (1F1B's crossing transfers): a direct NCCL path waits for a
+// coalesced exchange proven on GPUs.
 #pragma once
 
 #include "fsdp/comm_stats.h"
@@ -108,7 +110,6 @@ class PointToPoint {
 
  private:
   std::shared_ptr<detail::Comm> comm_;
-  bool gloo_serves_cuda_ = false;
 };
 
 }  // namespace pp

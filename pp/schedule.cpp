@@ -146,8 +146,8 @@ ActionLists make_schedule(ScheduleKind kind, const StageLayout& layout, int64_t 
   if (layout.order() != StageOrder::kLooped) refuse(kind, "runs on a looped layout, not a V-shaped one");
   if (kind != ScheduleKind::kGPipe && m < p) {
     refuse(kind, "needs at least as many microbatches as pipeline ranks: " + std::to_string(m) + " microbatches for " +
-                     std::to_string(p) + " ranks would leave the first rank's warm-up waiting on backwards that " +
-                     "cannot come; use at least " + std::to_string(p) + " microbatches");
+                     std::to_string(p) + " ranks never fill the pipe, a bubble of half the step or more (PyTorch's " +
+                     "Schedule1F1B refuses it too); use at least " + std::to_string(p) + " microbatches, or gpipe");
   }
   if (kind == ScheduleKind::kInterleaved1F1B && m % p != 0) {
     refuse(kind, "runs the microbatches in rounds of " + std::to_string(p) +

@@ -27,7 +27,10 @@ struct PipelinedLlama {
   /// model's.
   PipelinedLlama(const Config& c, const fsdp::tp::Group& blocks, const fsdp::tp::Group& vocab,
                  const fsdp::pp::StageLayout& layout, int64_t pp_rank, uint64_t seed)
-      : config(c), vocab(vocab), ranges(fsdp::pp::StageSplit::uniform(c.n_layer).split(layout.stages())) {
+      : config(c),
+        vocab(vocab),
+        instance(next_instance()),
+        ranges(fsdp::pp::StageSplit::uniform(c.n_layer).split(layout.stages())) {
     for (const int64_t s : layout.stages_of(pp_rank)) {
       torch::manual_seed(seed);
       models.emplace_back(c, blocks, vocab, ranges[static_cast<size_t>(s)]);
@@ -94,17 +97,27 @@ struct PipelinedLlama {
   }
 
   /// Tied embedding and head on the first and last stage: each copy's gradient becomes their sum,
-  /// so that the two stay one value (one process's gradient of the one weight). Every pipeline rank
-  /// calls it (the middle ones add zeros): one all-reduce over the pp group.
-  void sum_tied_gradients(const fsdp::DeviceMesh& mesh) const {
-    if (!config.tie_word_embeddings || mesh.size(fsdp::kPipeDim) == 1) return;
-    torch::Tensor g = torch::zeros({config.vocab_size / vocab.size(), config.n_embd});
-    for (const auto& w : {first_embedding(), tied_copy()}) {  // both, where one rank holds both stages
-      if (w.defined() && w.grad().defined()) g += w.grad();
+  /// so that the two stay one value (one process's gradient of the one weight). Every rank calls
+  /// it; the ranks of the first and last stage at one (dp, tp) place sum over a group of the two
+  /// (made at the first call), the others do nothing. With FSDP inside the stages each copy is
+  /// this rank's shard, the same rows in both stages.
+  void sum_tied_gradients(const fsdp::DeviceMesh& mesh) {
+    const int P = mesh.size(fsdp::kPipeDim);
+    if (!config.tie_word_embeddings || P == 1) return;
+    const int per_stage = mesh.world_size() / P, place = mesh.rank() % per_stage;
+    const int first = place, last = (P - 1) * per_stage + place;
+    if (mesh.rank() != first && mesh.rank() != last) return;
+    if (!tied_group) {
+      tied_group = fsdp::new_subgroup(mesh.world(), {first, last},
+                                      "llama-tied-" + std::to_string(instance) + "-" + std::to_string(place));
     }
-    fsdp::all_reduce(mesh.group(fsdp::kPipeDim), g);
-    for (const auto& w : {first_embedding(), tied_copy()}) {
-      if (w.defined()) w.mutable_grad() = g.clone();
+    const torch::Tensor w = first_embedding().defined() ? first_embedding() : tied_copy();
+    torch::Tensor g = w.grad().defined() ? w.grad().clone() : torch::zeros_like(w);
+    fsdp::all_reduce(tied_group, g);
+    if (w.grad().defined()) {
+      w.grad().copy_(g);  // in place: with FSDP the gradient is a view of the unit's flat gradient
+    } else {
+      w.mutable_grad() = g;
     }
   }
 
@@ -149,9 +162,16 @@ struct PipelinedLlama {
 
   Config config;
   fsdp::tp::Group vocab;
-  std::vector<fsdp::pp::LayerRange> ranges;  // every stage's
-  std::vector<LlamaForCausalLM> models;      // this rank's, in increasing stage order
-  std::vector<int64_t> indices;              // their stage indices
+  /// Every rank builds its PipelinedLlamas in the same order: the count names their subgroups alike.
+  static int64_t next_instance() {
+    static int64_t made = 0;
+    return made++;
+  }
+  int64_t instance;
+  c10::intrusive_ptr<c10d::ProcessGroup> tied_group;  // the first and last stage's ranks at one place
+  std::vector<fsdp::pp::LayerRange> ranges;           // every stage's
+  std::vector<LlamaForCausalLM> models;               // this rank's, in increasing stage order
+  std::vector<int64_t> indices;                       // their stage indices
 };
 
 }  // namespace llama

@@ -94,14 +94,15 @@ const char* const kNotes =
     "  OUT/config.json and OUT/model.safetensors in Hugging Face's layout (from_pretrained loads it).\n"
     "  --save-dir DIR --save-every K: a sharded checkpoint (model, AdamW, sampler) every K steps, over the\n"
     "  whole mesh; --resume continues from DIR's latest on any mesh (another --tp or world size).\n"
-    "  --pp P: a pipeline of P stages' ranks on the mesh (pp P, tp T), P x T ranks (no data parallelism\n"
-    "  inside the stages yet); --pp-schedule gpipe|1f1b|interleaved|zero-bubble, --microbatches M (default P;\n"
-    "  --batch-size splits into M equal microbatches), --stages-per-rank V (interleaved, default 2);\n"
+    "  --pp P: a pipeline of P stages on the mesh (pp P, dp_shard D, tp T) of P x D x T ranks; with D > 1\n"
+    "  each stage is FSDP over its own D x T ranks (FusedAdamW), with D = 1 plain (torch::optim::AdamW).\n"
+    "  --pp-schedule gpipe|1f1b|interleaved|zero-bubble (zero-bubble: D = 1 only), --microbatches M (default P;\n"
+    "  each data-parallel share splits into M equal microbatches), --stages-per-rank V (interleaved, default 2);\n"
     "  --pp-schedule-file F: the action lists from a CSV (one line per rank, e.g. 0F0,0SEND_F0,...);\n"
     "  --pp-schedule-dump: print the lists and their simulated bubble, and exit. The lists are validated\n"
-    "  before any step (a refusal exits 2 naming the action). With --pp, AdamW is torch::optim::AdamW over\n"
-    "  each rank's stages; checkpoints, --from-hf, --export-hf, --prompt, --profile, mixed precision,\n"
-    "  activation checkpointing and sequence parallelism are not supported yet.\n"
+    "  before any step (a refusal exits 2 naming the action). With --pp, checkpoints, --from-hf, --export-hf,\n"
+    "  --prompt, --profile, mixed precision, activation checkpointing, sequence parallelism and --device cuda\n"
+    "  are not supported yet (docs/pipeline.md).\n"
     "  Other flags as train_gpt's. Exit status: 0 trained, 2 bad flags, --data or shape, 1 other errors.\n";
 
 fsdp::programs::Program g_program("train_llama");  // its name in messages, its rank once known

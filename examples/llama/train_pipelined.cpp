@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <limits>
 #include <sstream>
 #include <stdexcept>
 
@@ -55,7 +56,7 @@ void dump_schedule(const PipelinedRun& run) {
 int train_pipelined(const PipelinedRun& run, fsdp::programs::Program& program) {
   const auto [layout, lists] = pipelined_schedule(run);
   const llama::Config& cfg = run.cfg;
-  const int64_t T = cfg.block_size, M = run.microbatches, rows = run.batch_size / M;
+  const int64_t T = cfg.block_size, M = run.microbatches;
   auto data = corpus::load(run.data, run.max_data_mb, T);
   const int64_t samples = corpus::samples(data, T);
   if (samples < run.batch_size) {
@@ -66,55 +67,101 @@ int train_pipelined(const PipelinedRun& run, fsdp::programs::Program& program) {
   auto world = fsdp::init_process_group(init);
   const int rank = world->getRank(), W = world->getSize();
   program.set_rank(rank);
-  if (W != run.pp * run.tp) {
-    usage_error("--pp " + std::to_string(run.pp) + " x --tp " + std::to_string(run.tp) + " is " +
-                std::to_string(run.pp * run.tp) + " ranks, the world " + std::to_string(W) +
-                ": data parallelism inside the stages (FSDP over each stage) is not supported yet");
+  if (W % (run.pp * run.tp) != 0) {
+    usage_error("--pp " + std::to_string(run.pp) + " x --tp " + std::to_string(run.tp) + " does not divide the " +
+                std::to_string(W) + " ranks: the data-parallel size inside each stage is the world over both");
   }
-  fsdp::DeviceMesh mesh(world,
-                        {{fsdp::kPipeDim, static_cast<int>(run.pp)}, {fsdp::kTensorDim, static_cast<int>(run.tp)}});
-  fsdp::tp::Group blocks(mesh), vocab(mesh);
-  const int64_t pp_rank = mesh.coordinate(fsdp::kPipeDim);
-  PipelinedLlama stages(cfg, blocks, vocab, layout, pp_rank, run.seed);
-  fsdp::pp::Pipeline pipe(mesh, layout, lists, M, stages.stages());
-  torch::optim::AdamW opt(stages.parameters(), torch::optim::AdamWOptions(run.lr).weight_decay(run.weight_decay));
-  // The whole model's parameters, over the stages.
+  const int dp = W / static_cast<int>(run.pp * run.tp);
+  bool split_backward = false;
+  for (const auto& list : lists) {
+    for (const auto& a : list) split_backward = split_backward || a.kind == fsdp::pp::ActionKind::kBackwardInput;
+  }
+  if (dp > 1 && split_backward) {
+    usage_error("the backward split into input and weight gradients (" + run.schedule + ") with FSDP inside the " +
+                "stages (" + std::to_string(dp) + " data-parallel ranks) is not supported yet: use 1f1b, gpipe or " +
+                "interleaved, or --pp x --tp ranks");
+  }
+  if (run.batch_size % (dp * M) != 0) {
+    usage_error("--batch-size " + std::to_string(run.batch_size) + " does not split into " + std::to_string(dp) +
+                " data-parallel shares of --microbatches " + std::to_string(M) + " equal microbatches");
+  }
+  const int64_t rows = run.batch_size / (dp * M);  // per microbatch, on each data-parallel rank
+  fsdp::DeviceMesh mesh(world, {{fsdp::kPipeDim, static_cast<int>(run.pp)},
+                                {fsdp::kShardDim, dp},
+                                {fsdp::kTensorDim, static_cast<int>(run.tp)}});
+  // The stage's own ranks: its FSDP and tensor-parallel layers never span pp.
+  const fsdp::DeviceMesh stage_mesh = fsdp::pp::stage_mesh(mesh);
+  fsdp::tp::Group blocks(stage_mesh), vocab(stage_mesh);
+  PipelinedLlama stages(cfg, blocks, vocab, layout, mesh.coordinate(fsdp::kPipeDim), run.seed);
+  // One data-parallel rank: plain stages and torch::optim::AdamW. Several: each stage's model
+  // wrapped by FSDP over the stage's ranks, with its FusedAdamW.
+  // The whole model's parameters, over the stages (counted before any is sharded).
   auto count = torch::tensor({stages.whole_parameters()}, torch::kLong);
   fsdp::all_reduce(mesh.group(fsdp::kPipeDim), count);
   const int64_t params = count.item<int64_t>();
-  // One data-parallel rank: the whole global batch every step, in the one-process order.
-  fsdp::data::DistributedSampler sampler(samples, 0, 1, fsdp::data::SamplerOptions(run.batch_size).seed(run.seed));
+  std::vector<fsdp::pp::Stage> pipeline_stages = stages.stages();
+  std::vector<std::unique_ptr<torch::optim::Optimizer>> opts;
+  std::vector<fsdp::FSDPModule> sharded;  // with FSDP: this rank's stages, wrapped
+  const auto adamw = torch::optim::AdamWOptions(run.lr).weight_decay(run.weight_decay);
+  if (dp > 1) {
+    fsdp::FullyShardOptions options;
+    if (run.timeout) options.timeout(*run.timeout);
+    for (size_t i = 0; i < stages.models.size(); ++i) {
+      auto handle = fsdp::fully_shard(stages.models[i], stage_mesh, options);
+      pipeline_stages[i].forward = [handle](const torch::Tensor& x) mutable { return handle(x); };
+      pipeline_stages[i].parameters = handle.parameters();
+      opts.push_back(std::make_unique<fsdp::optim::FusedAdamW>(handle, adamw));
+      sharded.push_back(handle);
+    }
+  } else {
+    opts.push_back(std::make_unique<torch::optim::AdamW>(stages.parameters(), adamw));
+  }
+  fsdp::pp::Pipeline pipe(mesh, layout, lists, M, pipeline_stages);
+  // Each data-parallel rank its share of every global batch, in the one-process order.
+  fsdp::data::DistributedSampler sampler(samples, mesh.coordinate(fsdp::kDataDim), dp,
+                                         fsdp::data::SamplerOptions(run.batch_size).seed(run.seed));
   if (rank == 0 && !run.json) {
     std::cout << "train_llama: " << W << " rank(s) as mesh " << mesh.shape_text() << ", " << cfg.n_layer
               << " layers in " << layout.stages() << " stages (" << run.schedule << ", " << M << " microbatches of "
-              << rows << " rows)\n";
+              << rows << " rows per data-parallel rank)\n";
   }
   double total_ms = 0;  // the steps after the first
   for (int64_t step = 0; step < run.steps; ++step) {
-    opt.zero_grad();
+    for (auto& o : opts) o->zero_grad();
     auto share = sampler.next_share();
     if (!share) share = sampler.next_share();
     const auto xy = corpus::batch(data, share->indices, T);
     const auto rep =
         pipe.step([&](int64_t m) { return xy.first.narrow(0, m * rows, rows); },
                   [&](const torch::Tensor& logits, int64_t m) {
-                    // Equal microbatches: each loss weighs 1/M of the batch's mean.
+                    // Equal microbatches: each loss weighs 1/M of the share's mean.
                     return fsdp::tp::vocab_parallel_cross_entropy(logits, xy.second.narrow(0, m * rows, rows), vocab) /
                            static_cast<double>(M);
                   });
     stages.sum_tied_gradients(mesh);
-    const double grad_norm = run.clip > 0 ? stages.clip_grad_norm(mesh, run.clip) : stages.grad_norm(mesh);
-    opt.step();
-    // The loss from the last stage to every rank; the bubble (the largest share of the step a rank
-    // waited on transfers) and the bytes moved between stages (each transfer once).
+    double grad_norm = 0;
+    if (sharded.empty()) {
+      grad_norm = run.clip > 0 ? stages.clip_grad_norm(mesh, run.clip) : stages.grad_norm(mesh);
+    } else {  // over the stages' shards; a tied head's copy counted by the first stage
+      const std::vector<std::string> skip = stages.tied_copy().defined()
+                                                ? std::vector<std::string>{"model.embed_tokens.weight"}
+                                                : std::vector<std::string>{};
+      grad_norm = fsdp::optim::clip_grad_norm(sharded, mesh.group(fsdp::kPipeDim),
+                                              run.clip > 0 ? run.clip : std::numeric_limits<double>::infinity(), skip);
+    }
+    for (auto& o : opts) o->step();
+    // The loss from the last stage to every rank, the mean over the data-parallel ranks; the
+    // bubble (the largest share of the step a rank waited on transfers) and the bytes moved
+    // between stages (each transfer once).
     auto loss = torch::tensor({rep.loss}, torch::kDouble);
     fsdp::all_reduce(mesh.group(fsdp::kPipeDim), loss);
+    fsdp::all_reduce(mesh.group(fsdp::kDataDim), loss);
+    const double l = loss.item<double>() / dp;
     auto worst =
         torch::tensor({rep.bubble(), rep.step_seconds, static_cast<double>(rep.peak_in_flight)}, torch::kDouble);
     fsdp::all_reduce(world, worst, c10d::ReduceOp::MAX);
     auto bytes = torch::tensor({rep.p2p_bytes}, torch::kLong);
     fsdp::all_reduce(world, bytes);
-    const double l = loss.item<double>();
     if (step > 0) total_ms += 1000 * worst[1].item<double>();
     if (rank == 0) {
       if (run.json) {
@@ -126,7 +173,7 @@ int train_pipelined(const PipelinedRun& run, fsdp::programs::Program& program) {
             .add("world_size", W)
             .add("pp", run.pp)
             .add("tp", run.tp)
-            .add("dp", 1)
+            .add("dp", dp)
             .add("pp_schedule", run.schedule_file.empty() ? run.schedule : "file")
             .add("microbatches", M)
             .add("stages_per_rank", run.stages_per_rank)
@@ -152,7 +199,7 @@ int train_pipelined(const PipelinedRun& run, fsdp::programs::Program& program) {
         .add("world_size", W)
         .add("pp", run.pp)
         .add("tp", run.tp)
-        .add("dp", 1)
+        .add("dp", dp)
         .add("mesh", mesh.shape_text())
         .add("params", params)
         .add("mean_step_ms", run.steps > 1 ? total_ms / static_cast<double>(run.steps - 1) : 0.0, "%.3f")

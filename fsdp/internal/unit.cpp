@@ -229,12 +229,19 @@ void Unit::post_forward(const std::vector<at::Tensor>& outputs, int member) {
     std::weak_ptr<Unit> self = weak_from_this();
     for (const auto& t : outputs) {
       if (!t.defined() || !t.requires_grad()) continue;
+      if (!forward_token_) {  // this forward's first hooked output: one more backward to come
+        forward_token_ = std::make_shared<ForwardToken>();
+        awaiting_.erase(std::remove_if(awaiting_.begin(), awaiting_.end(),
+                                       [](const std::weak_ptr<ForwardToken>& w) { return w.expired(); }),
+                        awaiting_.end());
+        awaiting_.push_back(forward_token_);
+      }
       // Fires when the gradient w.r.t. this output is complete, i.e. right before this unit's
       // backward: the unit's pre-backward. It fires once per backward: a second time is a second
       // backward through this forward (retain_graph), whose gathered parameters the first freed
       // (LibTorch would fail on their empty storage, saying nothing of why): refused here.
       auto fired = std::make_shared<bool>(false);
-      const_cast<at::Tensor&>(t).register_hook([self, fired](const at::Tensor&) {
+      const_cast<at::Tensor&>(t).register_hook([self, fired, token = forward_token_](const at::Tensor&) {
         auto u = self.lock();
         if (!u) return;
         FSDP_CHECK_IN(u->error_context("backward").api("fsdp"), !*fired,
@@ -243,9 +250,9 @@ void Unit::post_forward(const std::vector<at::Tensor>& outputs, int member) {
                       "freed its gathered parameters and reduced its gradients. Run the forward again for each "
                       "backward; to use one loss twice, add the losses and call backward once.");
         *fired = true;
-        u->pre_backward();
+        u->pre_backward(*token);
       });
-      backward_ = BackwardPhase::kAwaiting;
+      if (backward_ == BackwardPhase::kIdle) backward_ = BackwardPhase::kAwaiting;
     }
   }
   // Modules sharing the unit: it stays gathered until each has run (one that never runs in this
@@ -256,6 +263,7 @@ void Unit::post_forward(const std::vector<at::Tensor>& outputs, int member) {
 
 void Unit::finish_forward() {
   members_run_ = 0;
+  forward_token_.reset();  // the next forward hooks its outputs with a token of its own
   const bool grad = c10::GradMode::is_enabled();
   // The root keeps its gathered memory into its backward (it is the first to need it again).
   if (!grad || (!is_root_ && traits_.reshard_after_forward)) {
@@ -270,8 +278,20 @@ void Unit::finish_forward() {
   }
 }
 
-void Unit::pre_backward() {
-  if (backward_ != BackwardPhase::kAwaiting) return;
+bool Unit::awaits_backward() const {
+  return std::any_of(awaiting_.begin(), awaiting_.end(), [](const std::weak_ptr<ForwardToken>& w) {
+    const auto t = w.lock();
+    return t && !t->started;
+  });
+}
+
+void Unit::pre_backward(ForwardToken& token) {
+  // Once per forward: the first of its outputs' hooks to fire (the others find it started). The
+  // backward of another forward of this unit (a pipeline's next microbatch) begins afresh; two
+  // forwards whose outputs meet in one loss share one backward.
+  if (token.started) return;
+  token.started = true;  // also when another forward's backward runs: one backward through both
+  if (backward_ == BackwardPhase::kRunning) return;
   backward_ = BackwardPhase::kIdle;
   run_->on_backward_begin();
   unshard();
@@ -325,7 +345,7 @@ void Unit::grads_complete() {
   // gradients keep accumulating beside the parameters; nothing is communicated.
   if (run_->sync_gradients() && !buckets()) reduce_grads();
   if (!run_->sync_gradients()) accumulate_unsynced();
-  backward_ = BackwardPhase::kIdle;
+  backward_ = idle_or_awaiting();
   // A frozen parameter's last reader may still be ahead in the graph (autograd runs gradient
   // accumulation as soon as it can): such a unit stays gathered until the end of backward.
   if (grads_expected_ == slots_.size()) reshard();
@@ -341,7 +361,7 @@ void Unit::finalize_backward() {
     // parameters) are pending too; the rest go out now, with zeros for the missing ones.
     if (buckets_.partly_launched() || holds_unsynced_grads()) reduce_grads();
   }
-  backward_ = BackwardPhase::kIdle;
+  backward_ = idle_or_awaiting();
   checkpoints_pending_ = 0;  // a checkpointed forward whose output backward never reached
   reshard();
 }
@@ -365,7 +385,7 @@ void Unit::reset_after_failed_backward() {
   // Offload: a gradient copy to the host may still be writing.
   run_->breaks_on_failure([&] { wait_host_copies(); }, {}, RunState::Rethrow::kNo);
   if (backward_ != BackwardPhase::kRunning) return;
-  backward_ = BackwardPhase::kIdle;
+  backward_ = idle_or_awaiting();
   grads_ready_ = 0;
   // The failed backward left the parameters full, with partial full gradients that the user saw
   // (and may have zeroed) instead of the sharded ones, which wait aside. Those follow what the

@@ -99,7 +99,7 @@ class Unit : public std::enable_shared_from_this<Unit> {
   /// Whether the parameters point at their full views now (forward, backward), not their shards.
   bool is_unsharded() const { return state_ == UnitState::kUnsharded; }
   /// Its forward ran with gradients and its backward has not finished (FSDPModule::step_in_progress).
-  bool backward_pending() const { return backward_ != BackwardPhase::kIdle; }
+  bool backward_pending() const { return backward_ == BackwardPhase::kRunning || awaits_backward(); }
   const std::vector<ParamSlot>& slots() const { return slots_; }
   int64_t shard_numel() const { return buffers_.shard_numel; }
   /// This rank's rows of every parameter, padded: what the parameters alias between steps.
@@ -153,7 +153,11 @@ class Unit : public std::enable_shared_from_this<Unit> {
   void finish_forward();
 
   // Backward.
-  void pre_backward();
+  /// One forward of the unit whose backward is to come (its output hooks hold it).
+  struct ForwardToken {
+    bool started = false;  // its backward began (one of its outputs' hooks fired)
+  };
+  void pre_backward(ForwardToken& token);
   void on_grad_ready(size_t slot);
   /// Activation checkpointing: a checkpointed forward of this unit ran; its recompute's backward
   /// ended. Gradients count as complete only once every recompute of this backward has run (a
@@ -294,6 +298,15 @@ class Unit : public std::enable_shared_from_this<Unit> {
 
   UnitState state_ = UnitState::kUnsharded;  // at wrap time the parameters are full
   BackwardPhase backward_ = BackwardPhase::kIdle;
+  // The forwards whose backward is still to come, one token each: several, when a pipeline runs
+  // the forwards of several microbatches before their backwards (fsdp::pp). A token lives as long
+  // as its forward's graph (the output hooks hold it), so a forward whose graph was dropped
+  // without a backward no longer counts.
+  std::shared_ptr<ForwardToken> forward_token_;        // the current forward's, until finish_forward
+  std::vector<std::weak_ptr<ForwardToken>> awaiting_;  // every forward's since, backward not begun
+  bool awaits_backward() const;
+  /// After this unit's backward: kAwaiting while another forward's backward is still to come.
+  BackwardPhase idle_or_awaiting() const { return awaits_backward() ? BackwardPhase::kAwaiting : BackwardPhase::kIdle; }
   // An all-gather in flight (prefetch): its output buffer stays alive until unshard() waits.
   at::Tensor gathered_;
   at::Tensor gather_in_;  // kShardOptimizerState: this rank's rows, packed for the all-gather

@@ -68,6 +68,14 @@ TEST(EdgeCases, SeveralForwardsBeforeOneBackward) {
         },
         [&](int) { expect_between_steps(r, model, *ref); });
     expect_shards_match(r, model, *ref);
+    // Both forwards' backward ran in the one backward, though the loss (and with it their graphs'
+    // hooks) is still held: no step in progress.
+    auto [x1, y1] = batch(400);
+    auto [x2, y2] = batch(401);
+    auto loss = ce(model(x1), y1) + ce(model(x2), y2);
+    loss.backward();
+    EXPECT_FALSE(model.step_in_progress());
+    opt.zero_grad();
   });
 }
 
