@@ -8,6 +8,7 @@
 #include "tests/harness.h"
 #include "tests/mixed_reference.h"
 #include "tests/models.h"
+#include "tests/pp/microbatches.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -32,20 +33,6 @@ llama::Config pipe_config(int64_t layers) {
   c.intermediate = 24;
   c.tie_word_embeddings = true;
   return c;
-}
-
-// Step s's microbatch m: kRows rows of 4 + m tokens (the lengths differ), and its targets.
-std::pair<torch::Tensor, torch::Tensor> microbatch(int64_t step, int64_t m, int64_t vocab) {
-  torch::manual_seed(1000 * step + m);
-  const auto t = torch::randint(vocab, {kRows, 4 + m + 1});
-  return {t.narrow(1, 0, 4 + m), t.narrow(1, 1, 4 + m)};
-}
-
-// Microbatch m's share of one process's loss over the step's tokens: its mean times its tokens.
-double weight(int64_t m) {
-  int64_t total = 0;
-  for (int64_t i = 0; i < kMicrobatches; ++i) total += 4 + i;
-  return static_cast<double>(4 + m) / static_cast<double>(total);
 }
 
 void check_schedule(Rank& r, pp::ScheduleKind kind, int64_t per_rank, int64_t layers) {
@@ -78,8 +65,8 @@ void check_schedule(Rank& r, pp::ScheduleKind kind, int64_t per_rank, int64_t la
     ref_opt.zero_grad();
     double ref_loss = 0;
     for (int64_t m = 0; m < kMicrobatches; ++m) {
-      const auto [x, y] = microbatch(step, m, cfg.vocab_size);
-      auto l = whole->loss(x, y) * weight(m);
+      const auto [x, y] = microbatch(step, m, cfg.vocab_size, kRows);
+      auto l = whole->loss(x, y) * token_share(m, kMicrobatches);
       l.backward();
       ref_loss += l.item<double>();
     }
@@ -88,11 +75,12 @@ void check_schedule(Rank& r, pp::ScheduleKind kind, int64_t per_rank, int64_t la
 
     opt.zero_grad();
     pipe.p2p().reset_comm_stats();
-    const auto rep = pipe.step(
-        [&](int64_t m) { return microbatch(step, m, cfg.vocab_size).first; },
-        [&](const torch::Tensor& logits, int64_t m) {
-          return tp::vocab_parallel_cross_entropy(logits, microbatch(step, m, cfg.vocab_size).second, g) * weight(m);
-        });
+    const auto rep = pipe.step([&](int64_t m) { return microbatch(step, m, cfg.vocab_size, kRows).first; },
+                               [&](const torch::Tensor& logits, int64_t m) {
+                                 return tp::vocab_parallel_cross_entropy(
+                                            logits, microbatch(step, m, cfg.vocab_size, kRows).second, g) *
+                                        token_share(m, kMicrobatches);
+                               });
     stages.sum_tied_gradients(mesh);
     const double norm = stages.clip_grad_norm(mesh, kClip);
     opt.step();

@@ -7,6 +7,7 @@
 #include "tests/harness.h"
 #include "tests/mixed_reference.h"
 #include "tests/models.h"
+#include "tests/pp/microbatches.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -25,18 +26,6 @@ llama::Config fsdp_config() {
   c.n_embd = 16;
   c.intermediate = 24;
   return c;
-}
-
-std::pair<torch::Tensor, torch::Tensor> microbatch(int64_t step, int64_t d, int64_t m, int64_t vocab) {
-  torch::manual_seed(1000 * step + 100 * d + m);
-  const auto t = torch::randint(vocab, {kRows, 4 + m + 1});
-  return {t.narrow(1, 0, 4 + m), t.narrow(1, 1, 4 + m)};
-}
-
-double weight(int64_t m) {
-  int64_t total = 0;
-  for (int64_t i = 0; i < kMicrobatches; ++i) total += 4 + i;
-  return static_cast<double>(4 + m) / static_cast<double>(total);
 }
 
 void check(Rank& r, pp::ScheduleKind kind) {
@@ -65,19 +54,20 @@ void check(Rank& r, pp::ScheduleKind kind) {
     double ref_loss = 0;
     for (int64_t dd = 0; dd < kDp; ++dd) {
       for (int64_t m = 0; m < kMicrobatches; ++m) {
-        const auto [x, y] = microbatch(step, dd, m, cfg.vocab_size);
-        auto l = whole->loss(x, y) * (weight(m) / kDp);
+        const auto [x, y] = microbatch(step, m, cfg.vocab_size, kRows, dd);
+        auto l = whole->loss(x, y) * (token_share(m, kMicrobatches) / kDp);
         l.backward();
         ref_loss += l.item<double>();
       }
     }
     ref_opt.step();
     opt.zero_grad();
-    const auto rep = pipe.step(
-        [&](int64_t m) { return microbatch(step, d, m, cfg.vocab_size).first; },
-        [&](const torch::Tensor& logits, int64_t m) {
-          return tp::vocab_parallel_cross_entropy(logits, microbatch(step, d, m, cfg.vocab_size).second, g) * weight(m);
-        });
+    const auto rep = pipe.step([&](int64_t m) { return microbatch(step, m, cfg.vocab_size, kRows, d).first; },
+                               [&](const torch::Tensor& logits, int64_t m) {
+                                 return tp::vocab_parallel_cross_entropy(
+                                            logits, microbatch(step, m, cfg.vocab_size, kRows, d).second, g) *
+                                        token_share(m, kMicrobatches);
+                               });
     opt.step();
     auto loss = torch::tensor({rep.loss / kDp}, torch::kDouble);
     all_reduce(r.pg, loss);
