@@ -140,8 +140,10 @@ TEST(PointToPoint, AnUnmatchedTransferFailsWithinTheTimeoutNamingIt) {
           ASSERT_FALSE(dumps.empty());
           bool found = false;
           for (const auto& d : dumps) {
-            found = found ||
-                    d.reason == "timeout in recv of microbatch 5's activations from stage 0 to stage 1 (its header)";
+            // "timeout in ...", or "failure in ..." when the peer's own timeout closed the connection first.
+            found =
+                found || d.reason.find("in recv of microbatch 5's activations from stage 0 to stage 1 (its header)") !=
+                             std::string::npos;
           }
           EXPECT_TRUE(found) << "the receiver's dump names its wait";
         }
