@@ -108,49 +108,42 @@ void load_weights(const std::string& dir, torch::nn::Module& model) {
   }
   torch::NoGradGuard no_grad;
   std::set<std::string> used;
-  for (const auto& item : model.named_modules()) {
-    const auto* split = dynamic_cast<const fsdp::SplitModule*>(item.value().get());
-    std::map<std::string, fsdp::TensorSplit> splits;
-    if (split != nullptr) {
-      for (const auto& [name, how] : split->parameter_splits()) splits[name] = how;
+  for (auto& sp : split_parameters(model)) {
+    const std::string& name = sp.name;
+    const auto f = file_of.find(name);
+    if (f == file_of.end()) refuse(dir, "no tensor '" + name + "' in its weights (is config.json this model's?)");
+    used.insert(name);
+    const ck::FileRecord& rec = header(f->second);
+    const auto t =
+        std::find_if(rec.tensors.begin(), rec.tensors.end(), [&](const ck::TensorRecord& r) { return r.name == name; });
+    if (t == rec.tensors.end()) {
+      refuse(dir, f->second + " has no tensor '" + name + "', which the index says it holds");
     }
-    for (auto& p : item.value()->named_parameters(/*recurse=*/false)) {
-      const std::string name = item.key().empty() ? p.key() : item.key() + "." + p.key();
-      const auto f = file_of.find(name);
-      if (f == file_of.end()) refuse(dir, "no tensor '" + name + "' in its weights (is config.json this model's?)");
-      used.insert(name);
-      const ck::FileRecord& rec = header(f->second);
-      const auto t = std::find_if(rec.tensors.begin(), rec.tensors.end(),
-                                  [&](const ck::TensorRecord& r) { return r.name == name; });
-      if (t == rec.tensors.end()) {
-        refuse(dir, f->second + " has no tensor '" + name + "', which the index says it holds");
-      }
-      at::Tensor& local = p.value();
-      const fsdp::TensorSplit how = splits.count(p.key()) != 0U ? splits[p.key()] : fsdp::TensorSplit{};
-      std::vector<int64_t> full = local.sizes().vec();
-      if (how.split()) full[how.dim] *= how.parts;
-      if (t->shape != full) {
-        refuse(dir, "tensor '" + name + "' in " + f->second + " has shape " + c10::str(c10::IntArrayRef(t->shape)) +
-                        ", the model's is " + c10::str(c10::IntArrayRef(full)) + " (is config.json this file's?)");
-      }
-      // This rank's part: for each index over the dimensions before the split one, one run of
-      // part-size x (the elements after it); a tensor not split is one run.
-      const at::ScalarType type = ck::scalar_type_of(t->dtype, rec.path);
-      const int64_t es = static_cast<int64_t>(c10::elementSize(type));
-      const int64_t d = how.split() ? how.dim : 0;
-      int64_t outer = 1, inner = 1;
-      for (int64_t i = 0; i < d; ++i) outer *= full[i];
-      for (size_t i = d + 1; i < full.size(); ++i) inner *= full[i];
-      const int64_t n_full = full.empty() ? 1 : full[d], n = full.empty() ? 1 : local.size(d);
-      const int64_t first = how.split() ? how.part * n : 0;
-      at::Tensor buf = at::empty(local.sizes(), at::TensorOptions().dtype(type));
-      auto* dst = static_cast<char*>(buf.data_ptr());
-      for (int64_t o = 0; o < outer; ++o) {
-        const uint64_t at = t->begin + static_cast<uint64_t>(((o * n_full) + first) * inner * es);
-        ck::read_bytes(rec.path, at, static_cast<uint64_t>(n * inner * es), dst + o * n * inner * es);
-      }
-      local.copy_(buf);
+    at::Tensor& local = sp.param;
+    const fsdp::TensorSplit how = sp.split.value_or(fsdp::TensorSplit{});
+    std::vector<int64_t> full = local.sizes().vec();
+    if (how.split()) full[how.dim] *= how.parts;
+    if (t->shape != full) {
+      refuse(dir, "tensor '" + name + "' in " + f->second + " has shape " + c10::str(c10::IntArrayRef(t->shape)) +
+                      ", the model's is " + c10::str(c10::IntArrayRef(full)) + " (is config.json this file's?)");
     }
+    // This rank's part: for each index over the dimensions before the split one, one run of
+    // part-size x (the elements after it); a tensor not split is one run.
+    const at::ScalarType type = ck::scalar_type_of(t->dtype, rec.path);
+    const int64_t es = static_cast<int64_t>(c10::elementSize(type));
+    const int64_t d = how.split() ? how.dim : 0;
+    int64_t outer = 1, inner = 1;
+    for (int64_t i = 0; i < d; ++i) outer *= full[i];
+    for (size_t i = d + 1; i < full.size(); ++i) inner *= full[i];
+    const int64_t n_full = full.empty() ? 1 : full[d], n = full.empty() ? 1 : local.size(d);
+    const int64_t first = how.split() ? how.part * n : 0;
+    at::Tensor buf = at::empty(local.sizes(), at::TensorOptions().dtype(type));
+    auto* dst = static_cast<char*>(buf.data_ptr());
+    for (int64_t o = 0; o < outer; ++o) {
+      const uint64_t at = t->begin + static_cast<uint64_t>(((o * n_full) + first) * inner * es);
+      ck::read_bytes(rec.path, at, static_cast<uint64_t>(n * inner * es), dst + o * n * inner * es);
+    }
+    local.copy_(buf);
   }
   // Tensors the model has no parameter for (more layers than config.json says, another model's
   // file): loaded nothing from them, said so. A tied head's lm_head.weight, if stored, is one.

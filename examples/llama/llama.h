@@ -115,6 +115,37 @@ inline std::string shape_error(const Config& c, int64_t tp) {
 /// writes. Under sequence parallelism (`sp` set) it sees this rank's
 /// positions only, so its weight's gradient is partial: copy_to_region on the weight sums it over
 /// the group in backward.
+/// A parameter of a model under its full name, with its tensor-parallel split: `split` is set
+/// when its module is an fsdp::SplitModule (which says how each of its parameters is split, or
+/// that it is not), unset otherwise (a norm's weight: replicated, initialized by its module).
+struct SplitParameter {
+  std::string name;
+  torch::Tensor param;
+  std::optional<fsdp::TensorSplit> split;
+  /// How many parts make the whole tensor (1 unless split).
+  int64_t parts() const { return split && split->split() ? split->parts : 1; }
+};
+
+/// Every parameter of `model` (its own and its submodules') with its split, in module order.
+inline std::vector<SplitParameter> split_parameters(const torch::nn::Module& model) {
+  std::vector<SplitParameter> out;
+  auto add = [&](const std::string& path, const torch::nn::Module& m) {
+    const auto* module = dynamic_cast<const fsdp::SplitModule*>(&m);
+    std::map<std::string, fsdp::TensorSplit> splits;
+    if (module != nullptr) {
+      for (const auto& [name, how] : module->parameter_splits()) splits[name] = how;
+    }
+    for (const auto& p : m.named_parameters(/*recurse=*/false)) {
+      SplitParameter sp{path.empty() ? p.key() : path + "." + p.key(), p.value(), std::nullopt};
+      if (module != nullptr) sp.split = splits.count(p.key()) != 0U ? splits[p.key()] : fsdp::TensorSplit{};
+      out.push_back(std::move(sp));
+    }
+  };
+  add("", model);  // the model itself, without named_modules' include_self (it may not be held yet)
+  for (const auto& item : model.named_modules("", /*include_self=*/false)) add(item.key(), *item.value());
+  return out;
+}
+
 struct RMSNormImpl : torch::nn::Module {
   RMSNormImpl(int64_t dim, double eps, std::optional<fsdp::tp::Group> sp = std::nullopt, bool reference = false)
       : eps(eps), sp(std::move(sp)), reference(reference), weight(register_parameter("weight", torch::ones({dim}))) {}
@@ -357,17 +388,14 @@ struct LlamaForCausalLMImpl : torch::nn::Module {
   /// too large to train from.)
   void init_weights() {
     torch::NoGradGuard no_grad;
-    for (const auto& item : named_modules("", /*include_self=*/false)) {  // the root holds no parameter itself
-      const auto* split = dynamic_cast<const fsdp::SplitModule*>(item.value().get());
-      if (split == nullptr) continue;
-      for (const auto& [name, how] : split->parameter_splits()) {
-        at::Tensor& p = item.value()->named_parameters(/*recurse=*/false)[name];
-        std::vector<int64_t> full = p.sizes().vec();
-        if (how.split()) full[how.dim] *= how.parts;
-        auto w = torch::randn(full, fsdp::pp::parameter_generator(init_seed, item.key() + "." + name)) * 0.02;
-        if (how.split()) w = w.narrow(how.dim, how.part * p.size(how.dim), p.size(how.dim));
-        p.copy_(w);
-      }
+    for (auto& sp : split_parameters(*this)) {
+      if (!sp.split) continue;  // a norm: its ones
+      const fsdp::TensorSplit how = *sp.split;
+      std::vector<int64_t> full = sp.param.sizes().vec();
+      if (how.split()) full[how.dim] *= how.parts;
+      auto w = torch::randn(full, fsdp::pp::parameter_generator(init_seed, sp.name)) * 0.02;
+      if (how.split()) w = w.narrow(how.dim, how.part * sp.param.size(how.dim), sp.param.size(how.dim));
+      sp.param.copy_(w);
     }
   }
   /// `c`, or std::invalid_argument with shape_error's message (or a range outside the layers):

@@ -52,18 +52,8 @@ struct PipelinedLlama {
     int64_t n = 0;
     const torch::Tensor skip = tied_copy();
     for (const auto& m : models) {
-      for (const auto& item : m->named_modules("", /*include_self=*/true)) {
-        const auto* split = dynamic_cast<const fsdp::SplitModule*>(item.value().get());
-        for (const auto& p : item.value()->named_parameters(/*recurse=*/false)) {
-          if (skip.defined() && p.value().is_same(skip)) continue;
-          int64_t parts = 1;
-          if (split != nullptr) {
-            for (const auto& [name, how] : split->parameter_splits()) {
-              if (name == p.key() && how.split()) parts = how.parts;
-            }
-          }
-          n += p.value().numel() * parts;
-        }
+      for (const auto& sp : split_parameters(*m)) {
+        if (!(skip.defined() && sp.param.is_same(skip))) n += sp.param.numel() * sp.parts();
       }
     }
     return n;
@@ -128,17 +118,10 @@ struct PipelinedLlama {
     double sq = 0;
     const torch::Tensor skip = tied_copy();
     for (const auto& m : models) {
-      for (const auto& item : m->named_modules("", /*include_self=*/true)) {
-        const auto* split = dynamic_cast<const fsdp::SplitModule*>(item.value().get());
-        for (const auto& p : item.value()->named_parameters(/*recurse=*/false)) {
-          if (!p.value().grad().defined() || (skip.defined() && p.value().is_same(skip))) continue;
-          bool is_split = false;
-          if (split != nullptr) {
-            for (const auto& [name, how] : split->parameter_splits())
-              is_split = is_split || (name == p.key() && how.split());
-          }
-          if (is_split || vocab.rank() == 0) sq += p.value().grad().to(torch::kDouble).pow(2).sum().item<double>();
-        }
+      for (const auto& sp : split_parameters(*m)) {
+        const torch::Tensor& g = sp.param.grad();
+        if (!g.defined() || (skip.defined() && sp.param.is_same(skip))) continue;
+        if (sp.parts() > 1 || vocab.rank() == 0) sq += g.to(torch::kDouble).pow(2).sum().item<double>();
       }
     }
     auto t = torch::tensor({sq}, torch::kDouble);

@@ -234,6 +234,8 @@ int run(const Args& args) {
   }
   const std::string shape = llama::shape_error(cfg, args.tp);
   if (!shape.empty()) usage_error(shape);
+  std::optional<std::chrono::milliseconds> timeout;
+  if (args.timeout_s) timeout = std::chrono::milliseconds(std::max<int64_t>(1, std::llround(*args.timeout_s * 1000)));
   if (args.pp > 1 || args.pp_schedule_dump) {
     llama::PipelinedRun run;
     run.cfg = cfg;
@@ -252,8 +254,7 @@ int run(const Args& args) {
     run.json = args.json;
     run.data = args.data;
     run.max_data_mb = args.max_data_mb;
-    if (args.timeout_s)
-      run.timeout = std::chrono::milliseconds(std::max<int64_t>(1, std::llround(*args.timeout_s * 1000)));
+    run.timeout = timeout;
     if (args.pp_schedule_dump) {
       llama::dump_schedule(run);
       return 0;
@@ -271,8 +272,6 @@ int run(const Args& args) {
     corpus::data_error(args.data, "has " + std::to_string(samples) + " windows of --block-size + 1 tokens, fewer " +
                                       "than one global batch (--batch-size " + std::to_string(args.batch_size) + ")");
   }
-  std::optional<std::chrono::milliseconds> timeout;
-  if (args.timeout_s) timeout = std::chrono::milliseconds(std::max<int64_t>(1, std::llround(*args.timeout_s * 1000)));
   fsdp::InitOptions init;
   if (timeout) init.timeout(*timeout);
   fsdp::programs::StepProfiler profiler(args.profile);  // before the group: a bad DIR fails alone
