@@ -38,6 +38,7 @@
 #include "pp/point_to_point.h"
 #include "pp/schedule.h"
 #include "pp/simulate.h"
+#include "pp/split_backward.h"
 #include "pp/stage_layout.h"
 #include "pp/stage_mesh.h"
 #include "pp/stage_split.h"

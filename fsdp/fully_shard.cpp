@@ -272,6 +272,21 @@ void FSDPModule::set_requires_gradient_sync(bool sync) {
 bool FSDPModule::requires_gradient_sync() const {
   return root_->state().sync_gradients();
 }
+void FSDPModule::set_reshard_after_forward(bool on) {
+  root_->state().set_reshard_after_forward(on);
+}
+void FSDPModule::set_reshard_after_backward(bool on) {
+  root_->state().set_reshard_after_backward(on);
+}
+void FSDPModule::unshard() {
+  root_->state().unshard_all("fsdp::FSDPModule::unshard");
+}
+void FSDPModule::reshard() {
+  root_->state().reshard_all("fsdp::FSDPModule::reshard");
+}
+void FSDPModule::reduce_gradients() {
+  root_->state().reduce_gradients();
+}
 
 int64_t FSDPModule::num_parameters() const {
   int64_t n = 0;

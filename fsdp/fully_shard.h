@@ -100,6 +100,26 @@ class FSDPModule {
   void set_requires_gradient_sync(bool sync);
   bool requires_gradient_sync() const;
 
+  /// A pipeline's controls (FSDP2's, for fsdp::pp): a stage runs the forwards and backwards of
+  /// several microbatches per step, and gathering its weights for each of them, or reducing its
+  /// gradients after each, would multiply the step's communication by the microbatches.
+  ///   set_reshard_after_forward(false): units stay gathered after their forward (the memory of
+  ///     ZeRO-2) instead of being gathered again for backward or the next microbatch's forward.
+  ///   set_reshard_after_backward(false): units stay gathered after their backward, too.
+  ///   unshard() / reshard(): gathers every unit now (the parameters are then the full ones until
+  ///     the next forward, backward or reshard) / frees every unit's gathered memory now.
+  ///   reduce_gradients(): reduces now what backwards accumulated with gradient sync off (as the
+  ///     next backward with sync on would) and reshards every unit: a stage's one reduce-scatter
+  ///     per step, after its last microbatch. Then the sharded gradients are the step's.
+  /// With both resharding controls off and sync off, a stage's step gathers each unit once and
+  /// reduce_gradients reduce-scatters it once. Each is collective (every rank of the model, at the
+  /// same point) and called between forwards and backwards, never inside one; defaults: on.
+  void set_reshard_after_forward(bool on);
+  void set_reshard_after_backward(bool on);
+  void unshard();
+  void reshard();
+  void reduce_gradients();
+
   const CommStats& comm_stats() const;
   void reset_comm_stats();
 

@@ -4,6 +4,7 @@
 #include "fsdp/internal/core_access.h"
 #include "fsdp/process_group.h"
 #include "pp/simulate.h"
+#include "pp/split_backward.h"
 
 #include <torch/csrc/autograd/autograd.h>
 
@@ -18,6 +19,7 @@ struct Pipeline::Slot {
   at::Tensor output;    // its output, or on the last stage the microbatch's scaled loss
   at::Tensor grad_out;  // the gradient of `output` (undefined on the last stage: the loss's is 1)
   at::Tensor grad_in;   // the gradient at `input`, for the stage before
+  WeightPass weights;   // zero bubble: what its input pass kept for its weight pass
 };
 
 namespace {
@@ -52,6 +54,7 @@ Pipeline::Pipeline(const DeviceMesh& mesh, const StageLayout& layout, ActionList
     }
     if (!s.forward)
       throw std::invalid_argument("fsdp::pp::Pipeline: stage " + std::to_string(s.index) + " has no forward");
+    if (s.module && s.parameters.empty()) s.parameters = s.module->parameters();
     const int64_t index = s.index;
     stages_.emplace(index, std::move(s));
   }
@@ -94,36 +97,62 @@ StepReport Pipeline::step(const Input& input, const Loss& loss) {
     report.p2p_wait_seconds += seconds_since(t);
   };
   auto local = [&](int64_t s) { return s >= 0 && s < S && layout_.rank_of(s) == me; };
-  // Runs autograd from the slot's output: into every leaf (B: the parameters and the input), to
-  // its input only, keeping the graph (I), or to the stage's parameters only, freeing it (W).
-  auto backward = [&](int64_t s, Slot& slot, bool to_input, bool to_weights) {
+  // B: autograd from the slot's output into every leaf (the parameters and the input); I: to the
+  // input only, keeping what W needs (pp/split_backward.h); W: the weights' part. The microbatch's
+  // tensors go after B or W, but the gradient it sends back.
+  auto backward = [&](int64_t s, Slot& slot, ActionKind kind) {
+    Stage& stage = stages_.at(s);
     const bool input_leaf = slot.input.defined() && slot.input.requires_grad();
-    std::vector<at::Tensor> grads;
-    if (slot.grad_out.defined()) grads.push_back(slot.grad_out);
-    if (to_input && to_weights) {
-      torch::autograd::backward({slot.output}, grads);
+    if (kind == ActionKind::kBackwardWeight) {
+      // W adds into the full parameters' gradients; with a stage resharded between microbatches,
+      // gathered for it and freed after.
+      const bool gather = stage.module && !slot.weights.empty();
+      if (gather) stage.module->unshard();
+      slot.weights.run();
+      if (gather && stage.reshard_between_microbatches) stage.module->reshard();
+    } else if (kind == ActionKind::kBackwardInput) {
+      slot.weights = backward_input(slot.output, slot.grad_out, input_leaf ? slot.input : at::Tensor(),
+                                    stage.parameters, slot.grad_in);
     } else {
-      std::vector<at::Tensor> inputs;
-      if (to_input && input_leaf) inputs.push_back(slot.input);
-      if (to_weights) {
-        for (const auto& p : stages_.at(s).parameters) {
-          if (p.requires_grad()) inputs.push_back(p);
-        }
-      }
-      if (!inputs.empty()) {
-        torch::autograd::backward({slot.output}, grads, /*retain_graph=*/to_input, /*create_graph=*/false, inputs);
-      }
+      std::vector<at::Tensor> grads;
+      if (slot.grad_out.defined()) grads.push_back(slot.grad_out);
+      torch::autograd::backward({slot.output}, grads);
+      if (input_leaf) slot.grad_in = slot.input.grad().defined() ? slot.input.grad() : at::zeros_like(slot.input);
     }
-    if (to_input && input_leaf) {
-      slot.grad_in = slot.input.grad().defined() ? slot.input.grad() : at::zeros_like(slot.input);
+    slot.output = at::Tensor();  // after I, the weight pass holds what it needs of the graph
+    slot.input = at::Tensor();
+    slot.grad_out = at::Tensor();
+  };
+  // FSDP stages: gathered once, reduced once (see pipeline.h), after each one's last backward.
+  std::map<int64_t, size_t> last_backward;  // stage -> position in this rank's list
+  const auto& list = lists_[static_cast<size_t>(me)];
+  for (size_t i = 0; i < list.size(); ++i) {
+    if (list[i].kind == ActionKind::kBackward || list[i].kind == ActionKind::kBackwardWeight) {
+      last_backward[list[i].stage] = i;
     }
-    if (to_weights) {  // done with this microbatch on this stage but the gradient it sends back
-      slot.output = at::Tensor();
-      slot.input = at::Tensor();
-      slot.grad_out = at::Tensor();
+  }
+  std::map<int64_t, bool> synced;  // each FSDP stage's gradient sync before the step
+  for (auto& [index, stage] : stages_) {
+    if (!stage.module) continue;
+    synced[index] = stage.module->requires_gradient_sync();
+    stage.module->set_requires_gradient_sync(false);
+    stage.module->set_reshard_after_forward(stage.reshard_between_microbatches);
+    stage.module->set_reshard_after_backward(stage.reshard_between_microbatches);
+  }
+  auto restore = [&] {
+    for (auto& [index, stage] : stages_) {
+      if (!stage.module) continue;
+      stage.module->set_requires_gradient_sync(synced[index]);
+      stage.module->set_reshard_after_forward(true);
+      stage.module->set_reshard_after_backward(true);
     }
   };
-  for (const Action& a : lists_[static_cast<size_t>(me)]) {
+  struct Restore {
+    std::function<void()> fn;
+    ~Restore() { fn(); }
+  } restore_at_end{restore};
+  for (size_t i = 0; i < list.size(); ++i) {
+    const Action& a = list[i];
     const int64_t s = a.stage, m = a.microbatch;
     Slot& slot = slots[{s, m}];
     switch (a.kind) {
@@ -163,13 +192,12 @@ StepReport Pipeline::step(const Input& input, const Loss& loss) {
       case ActionKind::kBackward:
       case ActionKind::kBackwardInput: {
         if (s < S - 1 && local(s + 1)) slot.grad_out = slots.at({s + 1, m}).grad_in;
-        const bool whole = a.kind == ActionKind::kBackward;
-        backward(s, slot, /*to_input=*/true, /*to_weights=*/whole);
-        if (whole) --in_flight;
+        backward(s, slot, a.kind);
+        if (a.kind == ActionKind::kBackward) --in_flight;
         break;
       }
       case ActionKind::kBackwardWeight:
-        backward(s, slot, /*to_input=*/false, /*to_weights=*/true);
+        backward(s, slot, a.kind);
         --in_flight;
         break;
       case ActionKind::kSendBackward: {
@@ -177,6 +205,10 @@ StepReport Pipeline::step(const Input& input, const Loss& loss) {
         slot.grad_in = at::Tensor();
         break;
       }
+    }
+    const auto last = last_backward.find(s);
+    if (last != last_backward.end() && last->second == i && stages_.at(s).module) {
+      stages_.at(s).module->reduce_gradients();
     }
   }
   waited([&] {

@@ -22,17 +22,25 @@
 // input is a leaf of its own graph (received, or handed over in memory by this rank's previous
 // stage), so a stage's backward stops at its input and the gradient there goes back a stage.
 //
-// Zero bubble's split backward: the input pass (I) runs autograd from the stage's output to its
-// input only, keeping the graph; the weight pass (W) runs it again from the output to the stage's
-// parameters, so that their gradients accumulate through their AccumulateGrad nodes (hooks fire)
-// and the graph is freed. The second pass recomputes the activation gradients along the way
-// (PyTorch's stage_backward_weight avoids this by starting from the gradients the first pass
-// captured at the weight-consuming nodes); it costs more compute than zero bubble's W, not
-// correctness.
+// Zero bubble's split backward (pp/split_backward.h): the input pass (I) computes the gradient at
+// the stage's input and keeps the gradients reaching the weight-consuming nodes; the weight pass
+// (W) runs from those nodes to the weights only.
+//
+// An FSDP stage (Stage::module set: the stage's model wrapped by fully_shard over the stage's own
+// ranks, pp/stage_mesh.h) is driven through FSDPModule's pipeline controls, as PyTorch's pipelining
+// drives FSDP2: during a step its units stay gathered from their first forward to the step's end
+// and its gradients accumulate without sync; after the stage's last backward (B or W) of the
+// step, reduce_gradients() reduce-scatters them once and reshards. A step thus costs each unit one
+// all-gather and one reduce-scatter, whatever the microbatches. Stage::reshard_between_microbatches
+// trades that for memory: each forward and backward gathers again (FSDP's own schedule), the
+// reduction still once. Before a W the stage is gathered (unshard), since W adds into the full
+// parameters' gradients without autograd's accumulation hooks. The controls are back to their
+// defaults (sync as before the step, resharding on) when the step ends.
 #pragma once
 
 #include "fsdp/device_mesh.h"
 #include "fsdp/export.h"
+#include "fsdp/fully_shard.h"
 #include "pp/action.h"
 #include "pp/point_to_point.h"
 #include "pp/stage_layout.h"
@@ -43,6 +51,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <vector>
 
 FSDP_PUBLIC_BEGIN
@@ -51,11 +60,16 @@ namespace fsdp::pp {
 
 /// One stage this rank holds: its index, its computation (token ids on the first stage, the
 /// previous stage's output elsewhere; returns what the next stage takes, or what the loss takes
-/// on the last) and the parameters its weight-gradient pass differentiates.
+/// on the last) and the parameters its weight-gradient pass differentiates (empty with `module`:
+/// the module's).
 struct Stage {
   int64_t index = 0;
   std::function<at::Tensor(const at::Tensor&)> forward;
   std::vector<at::Tensor> parameters;
+  /// The stage's FSDP model, when `forward` calls one: the pipeline drives it (see above).
+  std::optional<FSDPModule> module;
+  /// With `module`: gather for each microbatch's forward and backward instead of once per step.
+  bool reshard_between_microbatches = false;
 };
 
 /// What one step did on this rank.

@@ -72,15 +72,6 @@ int train_pipelined(const PipelinedRun& run, fsdp::programs::Program& program) {
                 std::to_string(W) + " ranks: the data-parallel size inside each stage is the world over both");
   }
   const int dp = W / static_cast<int>(run.pp * run.tp);
-  bool split_backward = false;
-  for (const auto& list : lists) {
-    for (const auto& a : list) split_backward = split_backward || a.kind == fsdp::pp::ActionKind::kBackwardInput;
-  }
-  if (dp > 1 && split_backward) {
-    usage_error("the backward split into input and weight gradients (" + run.schedule + ") with FSDP inside the " +
-                "stages (" + std::to_string(dp) + " data-parallel ranks) is not supported yet: use 1f1b, gpipe or " +
-                "interleaved, or --pp x --tp ranks");
-  }
   if (run.batch_size % (dp * M) != 0) {
     usage_error("--batch-size " + std::to_string(run.batch_size) + " does not split into " + std::to_string(dp) +
                 " data-parallel shares of --microbatches " + std::to_string(M) + " equal microbatches");
@@ -110,6 +101,7 @@ int train_pipelined(const PipelinedRun& run, fsdp::programs::Program& program) {
       auto handle = fsdp::fully_shard(stages.models[i], stage_mesh, options);
       pipeline_stages[i].forward = [handle](const torch::Tensor& x) mutable { return handle(x); };
       pipeline_stages[i].parameters = handle.parameters();
+      pipeline_stages[i].module = handle;  // gathered once and reduced once per step (pp/pipeline.h)
       opts.push_back(std::make_unique<fsdp::optim::FusedAdamW>(handle, adamw));
       sharded.push_back(handle);
     }
@@ -131,6 +123,17 @@ int train_pipelined(const PipelinedRun& run, fsdp::programs::Program& program) {
     auto share = sampler.next_share();
     if (!share) share = sampler.next_share();
     const auto xy = corpus::batch(data, share->indices, T);
+    // FSDP's collectives this step, over this rank's stages (one all-gather and one reduce-scatter
+    // per unit, pp/pipeline.h).
+    auto fsdp_collectives = [&] {
+      std::pair<int64_t, int64_t> n{0, 0};
+      for (const auto& h : sharded) {
+        n.first += h.comm_stats().all_gathers;
+        n.second += h.comm_stats().reduce_scatters;
+      }
+      return n;
+    };
+    const auto collectives_before = fsdp_collectives();
     const auto rep =
         pipe.step([&](int64_t m) { return xy.first.narrow(0, m * rows, rows); },
                   [&](const torch::Tensor& logits, int64_t m) {
@@ -160,6 +163,11 @@ int train_pipelined(const PipelinedRun& run, fsdp::programs::Program& program) {
     auto worst =
         torch::tensor({rep.bubble(), rep.step_seconds, static_cast<double>(rep.peak_in_flight)}, torch::kDouble);
     fsdp::all_reduce(world, worst, c10d::ReduceOp::MAX);
+    const auto collectives_after = fsdp_collectives();
+    auto counts = torch::tensor(
+        {collectives_after.first - collectives_before.first, collectives_after.second - collectives_before.second},
+        torch::kLong);
+    fsdp::all_reduce(world, counts, c10d::ReduceOp::MAX);
     auto bytes = torch::tensor({rep.p2p_bytes}, torch::kLong);
     fsdp::all_reduce(world, bytes);
     if (step > 0) total_ms += 1000 * worst[1].item<double>();
@@ -180,6 +188,8 @@ int train_pipelined(const PipelinedRun& run, fsdp::programs::Program& program) {
             .add("p2p_bytes", bytes.item<int64_t>() / 2)
             .add("bubble", worst[0].item<double>(), "%.6g")
             .add("peak_in_flight", static_cast<int64_t>(worst[2].item<double>()))
+            .add("fsdp_all_gathers", counts[0].item<int64_t>())
+            .add("fsdp_reduce_scatters", counts[1].item<int64_t>())
             .add("params", params)
             .print();
       } else {

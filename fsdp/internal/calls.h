@@ -23,9 +23,10 @@ enum class Call : int64_t {
   kBackwardEnd = 103,
   kModelCollective = 104,  ///< a collective of the model's own functions: clipping, the scaler, a load's totals
   kFullStateDict = 105,
-  kModelCheck = 106,  ///< fully_shard's model check (internal/model_check.cpp)
-  kDeviceMesh = 107,  ///< every rank builds a DeviceMesh of the same dimensions (fsdp/device_mesh.cpp)
-  kOuterStep = 108,   ///< LocalSGD / DiLoCo: the same settings everywhere, the same outer step across replicas
+  kModelCheck = 106,       ///< fully_shard's model check (internal/model_check.cpp)
+  kDeviceMesh = 107,       ///< every rank builds a DeviceMesh of the same dimensions (fsdp/device_mesh.cpp)
+  kOuterStep = 108,        ///< LocalSGD / DiLoCo: the same settings everywhere, the same outer step across replicas
+  kReduceGradients = 109,  ///< FSDPModule::reduce_gradients (a pipeline stage's reduction after its last backward)
   // fsdp::all_reduce over a process group (metrics).
   kUserAllReduce = 201,
   // A phase of a checkpoint's save or load succeeded on every rank (checkpoint/internal/collectives.cpp).

@@ -1,5 +1,5 @@
 // The core, as the libraries around it reach it: the one door of fsdp::optim, fsdp::checkpoint,
-// fsdp::tp and fsdp::data (and the coming fsdp::pp) into the sharding core. Besides the check and
+// fsdp::tp, fsdp::data and fsdp::pp into the sharding core. Besides the check and
 // error macros (fsdp/internal/check.h) and the public headers, this is all those libraries include
 // of fsdp/: what they may do with a wrapped model's ranks, groups and state, and nothing of how the
 // core keeps them (RunState, Unit, Access stay inside fsdp/).

@@ -119,6 +119,10 @@ void RunState::finalize_backward() {
   // Ranks whose backwards issued different collectives of equal sizes are stopped here, before an
   // optimizer uses what they reduced.
   agree(Call::kBackwardEnd, Fingerprint().add(backwards_), "the end of backward #" + std::to_string(backwards_));
+  watch_after_backward();
+}
+
+void RunState::watch_after_backward() {
   // What the program does with the gradients and parameters until the next forward (step_watch.h):
   // the sharded gradients of units sharded over more than one rank (a replicated unit's gradient
   // is whole, and a per-rank norm of it is the global one).
@@ -131,7 +135,47 @@ void RunState::finalize_backward() {
     return grads;
   };
   watch_.after_backward(
-      sharded_grads, [this] { return parameters(); }, holds_unsynced_grads());
+      sharded_grads, [this] { return shards(); }, holds_unsynced_grads());
+}
+
+void RunState::unshard_all(const char* api) {
+  check_between_passes(api);
+  for_each_unit([](Unit& u) { u.unshard(); });
+}
+
+void RunState::reshard_all(const char* api) {
+  check_between_passes(api);
+  for_each_unit([](Unit& u) { u.reshard(); });
+}
+
+void RunState::reduce_gradients() {
+  check_between_passes("fsdp::FSDPModule::reduce_gradients");
+  // What the end of a backward with sync on does (Unit::finalize_backward), for every unit at
+  // once, then every unit resharded: FSDP2's post-backward, called by hand.
+  struct SyncOn {  // for the reduction only, also when it throws
+    bool& flag;
+    bool before;
+    ~SyncOn() { flag = before; }
+  } sync_on{sync_gradients_, sync_gradients_};
+  sync_gradients_ = true;
+  breaks_on_failure([&] {
+    for_each_unit([](Unit& u) {
+      u.finalize_backward();
+      u.reshard();
+    });
+    finish_reduces();
+  });
+  wait_host_copies();
+  ++reductions_;
+  agree(Call::kReduceGradients, Fingerprint().add(backwards_).add(reductions_),
+        "reduce_gradients #" + std::to_string(reductions_));
+  watch_after_backward();  // the sharded gradients the program may read now are these
+}
+
+void RunState::check_between_passes(const char* api) const {
+  FSDP_CHECK_IN(comm_.error_in(api), !in_backward() && !in_root_forward_,
+                "called inside the model's forward or backward: call it between them (a pipeline stage calls it "
+                "between its microbatches' passes, or after its last backward of the step).");
 }
 
 bool RunState::holds_unsynced_grads() const {
@@ -140,10 +184,10 @@ bool RunState::holds_unsynced_grads() const {
   return any;
 }
 
-std::vector<at::Tensor> RunState::parameters() const {
+std::vector<at::Tensor> RunState::shards() const {
   std::vector<at::Tensor> out;
   for_each_unit([&](const Unit& u) {
-    for (const auto& s : u.slots()) out.push_back(s.param);
+    for (const auto& s : u.slots()) out.push_back(s.sharded);
   });
   return out;
 }
@@ -282,7 +326,7 @@ void RunState::begin_forward() {
   const std::vector<int64_t> votes = agree(
       Call::kForward, Fingerprint().add(forwards_).add(grad ? 1 : 0),
       "forward #" + std::to_string(forwards_) + " of the wrapped model (" + (grad ? "gradients on" : "no grad") + ")",
-      watch_.vote([this] { return parameters(); }, holds_unsynced_grads()));
+      watch_.vote([this] { return shards(); }, holds_unsynced_grads()));
   watch_.act(votes, comm_.error_in("fsdp"), [this] {
     const auto [count, names] = units_holding_unsynced_grads();
     return std::to_string(count) + " unit(s) (" + names + ")";

@@ -92,6 +92,18 @@ class RunState : public std::enable_shared_from_this<RunState> {
   /// False while accumulating gradients without communication (set_requires_gradient_sync).
   bool sync_gradients() const { return sync_gradients_; }
   void set_sync_gradients(bool sync) { sync_gradients_ = sync; }
+  /// FSDPModule's pipeline controls: whether units reshard after their forward (when their
+  /// strategy does) and after their backward; every unit gathered or resharded now; what sync off
+  /// accumulated reduced now, every unit resharded (collective, between forwards and backwards).
+  bool reshard_after_forward() const { return reshard_after_forward_; }
+  void set_reshard_after_forward(bool on) { reshard_after_forward_ = on; }
+  bool reshard_after_backward() const { return reshard_after_backward_; }
+  void set_reshard_after_backward(bool on) { reshard_after_backward_ = on; }
+  void unshard_all(const char* api);
+  void reshard_all(const char* api);
+  void reduce_gradients();
+  /// Refuses, naming `api`, a call inside a forward or backward.
+  void check_between_passes(const char* api) const;
   /// Calls through the handle's operator-> in progress (model->...), and whether the handle's own
   /// forward runs: a unit's forward under the first but not the second was reached by calling the
   /// module's forward directly, around the wrapper.
@@ -151,8 +163,9 @@ class RunState : public std::enable_shared_from_this<RunState> {
   /// Called at the start of each root forward: if the last backward threw before its end (its
   /// queued callback then never runs), clear what it left half done.
   void begin_forward();
-  /// Every unit's parameters (the user's tensors), in unit order.
-  std::vector<at::Tensor> parameters() const;
+  /// Every unit's shards (this rank's rows of each parameter, whatever the parameters point at now:
+  /// the full views after FSDPModule::unshard), in unit order: what the step watch samples.
+  std::vector<at::Tensor> shards() const;
   /// Called at the end of each root forward: the units' order of this forward is what prefetch
   /// follows next time (and in this step's backward, reversed).
   void end_forward();
@@ -211,6 +224,8 @@ class RunState : public std::enable_shared_from_this<RunState> {
   int64_t state_peak() const { return state_peak_; }
 
  private:
+  /// The step watch's samples (step_watch.h) at the end of a backward or of reduce_gradients.
+  void watch_after_backward();
   const FullyShardOptions options_;
   Comm comm_;
   std::unique_ptr<Comm> shard_comm_, replicate_comm_, tp_comm_, mesh_comm_;
@@ -220,6 +235,8 @@ class RunState : public std::enable_shared_from_this<RunState> {
   std::weak_ptr<OuterState> outer_;
   bool warned_no_outer_ = false;  // begin_forward's warning, once
   bool sync_gradients_ = true;
+  bool reshard_after_forward_ = true, reshard_after_backward_ = true;
+  int64_t reductions_ = 0;  // reduce_gradients calls, for their agreements
   int direct_access_ = 0;
   bool in_root_forward_ = false;
   bool access_error_explained_ = false;

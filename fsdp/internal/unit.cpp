@@ -244,6 +244,8 @@ void Unit::post_forward(const std::vector<at::Tensor>& outputs, int member) {
       const_cast<at::Tensor&>(t).register_hook([self, fired, token = forward_token_](const at::Tensor&) {
         auto u = self.lock();
         if (!u) return;
+        // Gathered still (a pipeline's weight-gradient pass, FSDPModule::unshard): nothing to do.
+        if (*fired && u->is_unsharded()) return;
         FSDP_CHECK_IN(u->error_context("backward").api("fsdp"), !*fired,
                       "a second backward through the forward of unit '", u->label(),
                       "' (retain_graph=true, or torch::autograd::grad after a backward): the first backward "
@@ -266,7 +268,7 @@ void Unit::finish_forward() {
   forward_token_.reset();  // the next forward hooks its outputs with a token of its own
   const bool grad = c10::GradMode::is_enabled();
   // The root keeps its gathered memory into its backward (it is the first to need it again).
-  if (!grad || (!is_root_ && traits_.reshard_after_forward)) {
+  if (!grad || (!is_root_ && traits_.reshard_after_forward && run_->reshard_after_forward())) {
     reshard();
   } else if (state_ == UnitState::kUnsharded) {
     // Gathered memory kept for backward, but the parameters are the shards again: between
@@ -348,7 +350,16 @@ void Unit::grads_complete() {
   backward_ = idle_or_awaiting();
   // A frozen parameter's last reader may still be ahead in the graph (autograd runs gradient
   // accumulation as soon as it can): such a unit stays gathered until the end of backward.
-  if (grads_expected_ == slots_.size()) reshard();
+  if (grads_expected_ == slots_.size()) reshard_after_backward();
+}
+
+void Unit::reshard_after_backward() {
+  if (run_->reshard_after_backward()) {
+    reshard();
+  } else if (state_ == UnitState::kUnsharded) {  // kept gathered (a pipeline's next microbatch)
+    use_shard_views();
+    enter(UnitState::kKeptForBackward);
+  }
 }
 
 void Unit::finalize_backward() {
@@ -363,7 +374,7 @@ void Unit::finalize_backward() {
   }
   backward_ = idle_or_awaiting();
   checkpoints_pending_ = 0;  // a checkpointed forward whose output backward never reached
-  reshard();
+  reshard_after_backward();
 }
 
 void Unit::reset_after_failed_backward() {

@@ -140,6 +140,9 @@ class Unit : public std::enable_shared_from_this<Unit> {
   /// Frees the unsharded storage (0 bytes, sharded strategies) and points every user parameter at
   /// its shard, with the sharded gradient.
   void reshard();
+  /// After the unit's backward: reshard, or keep the gathered memory while the pipeline's control
+  /// says so (FSDPModule::set_reshard_after_backward(false)), the parameters back at their shards.
+  void reshard_after_backward();
 
   // Forward: unshard before, reshard after (or keep the memory for backward) and hook the
   // outputs so the unit is gathered again when its backward begins. `member`: which of the unit's

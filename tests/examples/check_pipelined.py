@@ -1,6 +1,5 @@
 #!/usr/bin/env python3
-"""End-to-end check of train_llama --pp (issue 44's commands, those that run without data parallelism
-inside the stages).
+"""End-to-end check of train_llama --pp (issue 44's commands but the checkpoints' resume).
 
 - `--nproc-per-node 4 --n-layer 4 --pp 2 --tp 2 --microbatches 4 --pp-schedule 1f1b --steps 5 --seed 1 --json`
   gives the losses of `--n-layer 4 --steps 5 --seed 1 --json` on one rank (1e-5 relative); its rows carry
@@ -9,10 +8,11 @@ inside the stages).
   each [B/M, T, C] fp32.
 - `--nproc-per-node 4 --pp 4 --pp-schedule interleaved --stages-per-rank 2 --n-layer 8 --microbatches 8
   --batch-size 16` against one rank with `--n-layer 8 --batch-size 16`.
-- `--nproc-per-node 2 --n-layer 4 --pp 2 --microbatches 4 --pp-schedule zero-bubble --batch-size 16` against
-  one rank with `--n-layer 4 --batch-size 16`; the issue runs it over 4 ranks, FSDP over 2 data-parallel
-  ranks inside each stage: that runs with 1f1b (tied, clipped), and zero bubble there is refused (its split
-  backward under FSDP is not supported yet); and gpipe at 2 ranks, tied and clipped.
+- `--nproc-per-node 4 --n-layer 4 --pp 2 --microbatches 4 --pp-schedule zero-bubble --batch-size 16` (FSDP
+  over 2 data-parallel ranks inside each stage) against one rank with `--n-layer 4 --batch-size 16`; the
+  same at 2 ranks (plain stages); 1f1b with FSDP in the stages, tied and clipped; gpipe at 2 ranks, tied
+  and clipped. With FSDP, each rank's stage gathers each of its units once per step and reduce-scatters
+  each once (the rows' fsdp_all_gathers and fsdp_reduce_scatters: its 2 layers and its root).
 - `--pp 2 --microbatches 1 --pp-schedule 1f1b` on 2 ranks is refused before any step (exit 2, naming the
   microbatches); so is a hand-made list that deadlocks (--pp-schedule-file), naming the action;
   --pp-schedule-dump prints the lists in one process.
@@ -29,7 +29,7 @@ from torchrun_runs import command, run  # noqa: E402
 T, C = 64, 128  # train_llama's --block-size and --n-embd
 
 
-def compare(a, ranks, pipelined, reference, label, B=12, M=None, dp=1):
+def compare(a, ranks, pipelined, reference, label, B=12, M=None, dp=1, units=0):
     one, _ = run(command(a.train_llama, a.torchrun, 1, reference), a.timeout)
     err = []
     many, summary = run(command(a.train_llama, a.torchrun, ranks, pipelined), a.timeout, stderr_out=err)
@@ -51,6 +51,9 @@ def compare(a, ranks, pipelined, reference, label, B=12, M=None, dp=1):
         want = dp * rn["tp"] * boundaries * 2 * M * (B // (dp * M)) * T * C * 4
         if rn["p2p_bytes"] != want:
             sys.exit(f"FAILED: {label}: p2p_bytes {rn['p2p_bytes']}, want {want} from the shapes")
+        if rn["fsdp_all_gathers"] != units or rn["fsdp_reduce_scatters"] != units:
+            sys.exit(f"FAILED: {label}: step {rn['step']}: {rn['fsdp_all_gathers']} all-gathers and "
+                     f"{rn['fsdp_reduce_scatters']} reduce-scatters, want {units} of each (one per unit)")
     print(f"{label} on {ranks} ranks (mesh {summary['mesh']}): {len(many)} losses within {worst:.2e} of one rank's, "
           f"bubble {many[-1]['bubble']:.3f}, {many[-1]['p2p_bytes']} bytes between stages per step")
 
@@ -79,15 +82,16 @@ def main():
     compare(a, 2, ["--n-layer", "4", "--pp", "2", "--microbatches", "4", "--pp-schedule", "zero-bubble",
                    "--batch-size", "16"] + base,
             ["--n-layer", "4", "--batch-size", "16"] + base, "zero-bubble, pp 2", B=16, M=4)
-    # FSDP over 2 data-parallel ranks inside each stage (the issue's third command, with 1f1b: the split
-    # backward is not yet supported with FSDP), tied and clipped: the norm over the stages' shards.
+    # FSDP over 2 data-parallel ranks inside each stage: the issue's third command, then 1f1b tied and
+    # clipped (the norm over the stages' shards).
+    compare(a, 4, ["--n-layer", "4", "--pp", "2", "--microbatches", "4", "--pp-schedule", "zero-bubble",
+                   "--batch-size", "16"] + base,
+            ["--n-layer", "4", "--batch-size", "16"] + base, "zero-bubble, pp 2 x dp_shard 2 (FSDP in each stage)",
+            B=16, M=4, dp=2, units=3)
     compare(a, 4, ["--n-layer", "4", "--pp", "2", "--microbatches", "4", "--pp-schedule", "1f1b", "--batch-size", "16",
                    "--tied", "--clip", "0.5"] + base,
             ["--n-layer", "4", "--batch-size", "16", "--tied", "--clip", "0.5"] + base,
-            "1f1b, pp 2 x dp_shard 2 (FSDP in each stage), tied, clipped", B=16, M=4, dp=2)
-    refused(a, 4, ["--n-layer", "4", "--pp", "2", "--microbatches", "4", "--pp-schedule", "zero-bubble",
-                   "--batch-size", "16"] + base,
-            "with FSDP inside the stages (2 data-parallel ranks) is not supported yet", "zero bubble with FSDP")
+            "1f1b, pp 2 x dp_shard 2 (FSDP in each stage), tied, clipped", B=16, M=4, dp=2, units=3)
     compare(a, 2, ["--n-layer", "3", "--pp", "2", "--microbatches", "3", "--pp-schedule", "gpipe", "--tied",
                    "--clip", "0.5"] + base,
             ["--n-layer", "3", "--tied", "--clip", "0.5"] + base, "gpipe, pp 2, tied, clipped", M=3)

@@ -1,7 +1,12 @@
 // FSDP inside pipeline stages: each stage's model wrapped by fully_shard over its own ranks
 // (pp::stage_mesh), the pipeline's transfers over pp, trained as one process trains the whole model
-// at 4 ranks, (pp 2, dp_shard 2), with GPipe and 1F1B: several forwards of one unit before their
-// backwards (each forward's backward re-gathers the unit, Unit::pre_backward per forward).
+// at 4 ranks, (pp 2, dp_shard 2):
+//   - GPipe with the stage's FSDP left to itself (Stage::module unset): several forwards of one
+//     unit before their backwards, each backward gathering the unit again (Unit::pre_backward per
+//     forward) and reducing its gradients;
+//   - 1F1B and zero bubble (ZB-H1: its split backward) driven by the pipeline (Stage::module): each
+//     unit gathered once and reduce-scattered once per step, counted;
+//   - 1F1B with Stage::reshard_between_microbatches: gathered per forward and backward, reduced once.
 #include "examples/llama/pipelined.h"
 #include "fsdp/fsdp.h"
 #include "tests/harness.h"
@@ -11,6 +16,9 @@
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+
+#include <map>
+#include <string>
 
 namespace fsdp::testing {
 namespace {
@@ -28,9 +36,13 @@ llama::Config fsdp_config() {
   return c;
 }
 
-void check(Rank& r, pp::ScheduleKind kind) {
+enum class Drive { kLeft, kOncePerStep, kPerMicrobatch };
+
+void check(Rank& r, pp::ScheduleKind kind, Drive drive) {
   const auto cfg = fsdp_config();
-  const std::string label = pp::to_string(kind);
+  const std::string label = pp::to_string(kind) + (drive == Drive::kLeft          ? " (FSDP left to itself)"
+                                                   : drive == Drive::kOncePerStep ? " (driven)"
+                                                                                  : " (resharded per microbatch)");
   DeviceMesh mesh(r.pg, {{kPipeDim, 2}, {kShardDim, static_cast<int>(kDp)}});
   const int64_t stage_coord = mesh.coordinate(kPipeDim), d = mesh.coordinate(kShardDim);
   const DeviceMesh stage_mesh = pp::stage_mesh(mesh);
@@ -47,8 +59,14 @@ void check(Rank& r, pp::ScheduleKind kind) {
   auto model = fully_shard(stages.models[0], stage_mesh);
   optim::FusedAdamW opt(model, torch::optim::AdamWOptions(3e-3));
   const auto lists = pp::make_schedule(kind, layout, kMicrobatches);
-  pp::Pipeline pipe(mesh, layout, lists, kMicrobatches,
-                    {{stages.indices[0], [&](const torch::Tensor& x) { return model(x); }, model.parameters()}});
+  pp::Stage stage{stages.indices[0], [&](const torch::Tensor& x) { return model(x); }, model.parameters()};
+  if (drive != Drive::kLeft) stage.module = model;
+  stage.reshard_between_microbatches = drive == Drive::kPerMicrobatch;
+  pp::Pipeline pipe(mesh, layout, lists, kMicrobatches, {stage});
+  // The units holding parameters: each one collective of each kind per step when driven.
+  int64_t units = 0;
+  for (const auto& u : model.units()) units += u.shard_numel > 0 ? 1 : 0;
+  EXPECT_EQ(units, stages.ranges[static_cast<size_t>(stage_coord)].size() + 1) << "the stage's layers and its root";
   for (int64_t step = 0; step < kSteps; ++step) {
     ref_opt.zero_grad();
     double ref_loss = 0;
@@ -62,12 +80,28 @@ void check(Rank& r, pp::ScheduleKind kind) {
     }
     ref_opt.step();
     opt.zero_grad();
+    const CommStats before = model.comm_stats();
     const auto rep = pipe.step([&](int64_t m) { return microbatch(step, m, cfg.vocab_size, kRows, d).first; },
                                [&](const torch::Tensor& logits, int64_t m) {
                                  return tp::vocab_parallel_cross_entropy(
                                             logits, microbatch(step, m, cfg.vocab_size, kRows, d).second, g) *
                                         token_share(m, kMicrobatches);
                                });
+    const CommStats& after = model.comm_stats();
+    const int64_t gathers = after.all_gathers - before.all_gathers,
+                  reductions = after.reduce_scatters - before.reduce_scatters;
+    if (drive == Drive::kLeft) {  // a reduction per microbatch's backward
+      EXPECT_EQ(reductions, kMicrobatches * units) << label;
+    } else {
+      EXPECT_EQ(reductions, units) << label << ": one reduce-scatter per unit per step";
+    }
+    if (drive == Drive::kOncePerStep) {
+      EXPECT_EQ(gathers, units) << label << ": one all-gather per unit per step";
+    } else {
+      EXPECT_GT(gathers, units) << label;
+    }
+    EXPECT_FALSE(model.step_in_progress()) << label;
+    EXPECT_TRUE(model.requires_gradient_sync()) << label << ": the controls back to their defaults";
     opt.step();
     auto loss = torch::tensor({rep.loss / kDp}, torch::kDouble);
     all_reduce(r.pg, loss);
@@ -81,10 +115,50 @@ void check(Rank& r, pp::ScheduleKind kind) {
   }
 }
 
+// Zero bubble under mixed precision: the parameters between passes point at shards of another
+// dtype (autograd drops their accumulator pointers then), yet every weight gets its gradient,
+// those of 1F1B under the same policy (bf16 sums of W's gradients between two input passes: 1e-2).
+void zero_bubble_under_mixed_precision(Rank& r) {
+  const auto cfg = fsdp_config();
+  DeviceMesh mesh(r.pg, {{kPipeDim, 2}, {kShardDim, static_cast<int>(kDp)}});
+  const int64_t stage_coord = mesh.coordinate(kPipeDim), d = mesh.coordinate(kShardDim);
+  const DeviceMesh stage_mesh = pp::stage_mesh(mesh);
+  const tp::Group g(stage_mesh);
+  const pp::StageLayout layout(2);
+  const auto bf16 = FullyShardOptions().mixed_precision(MixedPrecisionPolicy().param_dtype(torch::kBFloat16));
+  std::map<std::string, torch::Tensor> grads[2];
+  int i = 0;
+  for (const auto kind : {pp::ScheduleKind::k1F1B, pp::ScheduleKind::kZeroBubble}) {
+    llama::PipelinedLlama stages(cfg, g, g, layout, stage_coord, 7);
+    auto model = fully_shard(stages.models[0], stage_mesh, bf16);
+    pp::Stage stage{stages.indices[0], [&](const torch::Tensor& x) { return model(x); }};
+    stage.module = model;
+    pp::Pipeline pipe(mesh, layout, pp::make_schedule(kind, layout, kMicrobatches), kMicrobatches, {stage});
+    pipe.step([&](int64_t m) { return microbatch(0, m, cfg.vocab_size, kRows, d).first; },
+              [&](const torch::Tensor& logits, int64_t m) {
+                return tp::vocab_parallel_cross_entropy(logits.to(torch::kFloat),
+                                                        microbatch(0, m, cfg.vocab_size, kRows, d).second, g) *
+                       token_share(m, kMicrobatches);
+              });
+    for (const auto& p : model.named_parameters()) {
+      ASSERT_TRUE(p.value().grad().defined()) << pp::to_string(kind) << ": " << p.key();
+      grads[i][p.key()] = p.value().grad().clone();
+    }
+    ++i;
+  }
+  ASSERT_EQ(grads[0].size(), grads[1].size());
+  for (const auto& [name, want] : grads[0]) {
+    EXPECT_LT(rel_diff(grads[1][name], want), 1e-2) << name << " on rank " << r.rank;
+  }
+}
+
 TEST(PipelineFSDP, StagesShardedOverTheirOwnRanks) {
   run_ranks(4, [](Rank& r) {
-    check(r, pp::ScheduleKind::kGPipe);
-    check(r, pp::ScheduleKind::k1F1B);
+    check(r, pp::ScheduleKind::kGPipe, Drive::kLeft);
+    check(r, pp::ScheduleKind::k1F1B, Drive::kOncePerStep);
+    check(r, pp::ScheduleKind::kZeroBubble, Drive::kOncePerStep);
+    check(r, pp::ScheduleKind::k1F1B, Drive::kPerMicrobatch);
+    zero_bubble_under_mixed_precision(r);
   });
 }
 

@@ -1,0 +1,83 @@
+// FSDPModule's pipeline controls (FSDP2's set_reshard_after_forward / set_reshard_after_backward,
+// unshard, reshard, and the post-backward by hand, reduce_gradients): with resharding off and sync
+// off, M microbatches' forwards and backwards in a pipeline's order (two forwards before their
+// backwards) gather each unit once and reduce-scatter it once, and give the gradients of the
+// model's ordinary accumulation; unshard and reshard gather and free on demand; a call inside a
+// backward is refused naming it.
+#include "tests/parity.h"
+
+namespace fsdp::testing {
+namespace {
+
+const gpt::Config kCfg{31, 8, 2, 2, 12, false};
+constexpr int64_t kMicro = 4;
+
+TEST(PipelineControls, GatherOnceReduceOnceAsAccumulationDoes) {
+  run_ranks(2, [](Rank& r) {
+    torch::manual_seed(0);
+    auto plain = fsdp::fully_shard(gpt::make_gpt<true>(kCfg), r.pg, test_options());
+    torch::manual_seed(0);
+    auto piped = fsdp::fully_shard(gpt::make_gpt<true>(kCfg), r.pg, test_options());
+    auto [x, y] = gpt_batch(kCfg, 2 * kMicro);
+    x = local_rows(x, r.rank, r.world_size);
+    y = local_rows(y, r.rank, r.world_size);
+    auto micro = [&](const torch::Tensor& t, int64_t m) { return t.narrow(0, m, 1); };
+    // The model's own: a backward per microbatch, each reducing.
+    for (int64_t m = 0; m < kMicro; ++m) (gpt_loss(plain(micro(x, m)), micro(y, m)) / kMicro).backward();
+    int64_t units = 0;
+    for (const auto& u : piped.units()) units += u.shard_numel > 0 ? 1 : 0;
+    ASSERT_GE(units, 3) << "the root and the blocks";
+    const CommStats before = piped.comm_stats();
+    piped.set_reshard_after_forward(false);
+    piped.set_reshard_after_backward(false);
+    piped.set_requires_gradient_sync(false);
+    // Two forwards, then their backwards, twice (1F1B's warm-up on a stage); gathered on demand
+    // between (the parameters full then, which the next forward must not take for a step).
+    for (int64_t m = 0; m < kMicro; m += 2) {
+      auto l0 = gpt_loss(piped(micro(x, m)), micro(y, m)) / kMicro;
+      auto l1 = gpt_loss(piped(micro(x, m + 1)), micro(y, m + 1)) / kMicro;
+      l0.backward();
+      l1.backward();
+      piped.unshard();
+    }
+    EXPECT_EQ(piped.comm_stats().reduce_scatters - before.reduce_scatters, 0) << "sync off: nothing reduced";
+    const int64_t kept = piped.held_state_bytes();
+    piped.reduce_gradients();
+    EXPECT_LT(piped.held_state_bytes(), kept) << "the gathered memory kept until reduce_gradients resharded";
+    const CommStats& after = piped.comm_stats();
+    EXPECT_EQ(after.all_gathers - before.all_gathers, units) << "each unit gathered once";
+    EXPECT_EQ(after.reduce_scatters - before.reduce_scatters, units) << "each unit reduce-scattered once";
+    EXPECT_FALSE(piped.step_in_progress());
+    const auto want = plain->named_parameters();
+    for (const auto& p : piped->named_parameters()) {
+      ASSERT_TRUE(p.value().grad().defined()) << p.key();
+      EXPECT_TRUE(torch::allclose(p.value().grad(), want[p.key()].grad(), 1e-5, 1e-7)) << p.key();
+    }
+    // On demand: gathered (the full parameters) and freed again; nothing is communicated to free.
+    piped.set_reshard_after_forward(true);
+    piped.set_reshard_after_backward(true);
+    const int64_t held = piped.held_state_bytes();
+    piped.unshard();
+    for (const auto& u : piped.units()) EXPECT_TRUE(u.unsharded) << u.name;
+    EXPECT_GT(piped.held_state_bytes(), held);
+    EXPECT_EQ(piped->named_parameters()["wte.weight"].sizes(), (std::vector<int64_t>{31, 12})) << "the full weight";
+    piped.reshard();
+    EXPECT_EQ(piped->named_parameters()["wte.weight"].size(0), r.rank == 0 ? 16 : 15) << "this rank's rows again";
+    for (const auto& u : piped.units()) EXPECT_FALSE(u.unsharded) << u.name;
+    EXPECT_EQ(piped.held_state_bytes(), held);
+    // Inside a backward: refused, naming the call.
+    auto out = piped(micro(x, 0));
+    out.register_hook([&](const torch::Tensor& g) {
+      piped.reduce_gradients();
+      return g;
+    });
+    const auto msg = error_of([&] { gpt_loss(out, micro(y, 0)).backward(); });
+    EXPECT_NE(msg.find("fsdp::FSDPModule::reduce_gradients (rank " + std::to_string(r.rank) +
+                       " of 2): called inside the model's forward or backward"),
+              std::string::npos)
+        << msg;
+  });
+}
+
+}  // namespace
+}  // namespace fsdp::testing
