@@ -94,14 +94,15 @@ const char* const kNotes =
     "  OUT/config.json and OUT/model.safetensors in Hugging Face's layout (from_pretrained loads it).\n"
     "  --save-dir DIR --save-every K: a sharded checkpoint (model, AdamW, sampler) every K steps, over the\n"
     "  whole mesh; --resume continues from DIR's latest on any mesh (another --tp or world size).\n"
-    "  --pp P: a pipeline of P stages on the mesh (pp P, dp_shard D, tp T) of P x D x T ranks; with D > 1\n"
-    "  each stage is FSDP over its own D x T ranks (FusedAdamW), with D = 1 plain (torch::optim::AdamW).\n"
-    "  --pp-schedule gpipe|1f1b|interleaved|zero-bubble (zero-bubble: D = 1 only), --microbatches M (default P;\n"
+    "  --pp P: a pipeline of P stages on the mesh (pp P, dp_shard D, tp T) of P x D x T ranks; each stage is\n"
+    "  FSDP over its own D x T ranks (FusedAdamW), gathered once and reduced once per step.\n"
+    "  --pp-schedule gpipe|1f1b|interleaved|zero-bubble, --microbatches M (default P;\n"
     "  each data-parallel share splits into M equal microbatches), --stages-per-rank V (interleaved, default 2);\n"
     "  --pp-schedule-file F: the action lists from a CSV (one line per rank, e.g. 0F0,0SEND_F0,...);\n"
     "  --pp-schedule-dump: print the lists and their simulated bubble, and exit. The lists are validated\n"
     "  before any step (a refusal exits 2 naming the action). With --pp, checkpoints, --from-hf, --export-hf,\n"
-    "  --prompt, --profile, mixed precision, activation checkpointing, sequence parallelism and --device cuda\n"
+    "  --prompt, --profile, --mixed-precision fp16 (bf16 works), activation checkpointing, sequence\n"
+    "  parallelism and --device cuda\n"
     "  are not supported yet (docs/pipeline.md).\n"
     "  Other flags as train_gpt's. Exit status: 0 trained, 2 bad flags, --data or shape, 1 other errors.\n";
 
@@ -171,7 +172,7 @@ Args parse(int argc, char** argv) {
                                                         {!a.export_hf.empty(), "--export-hf"},
                                                         {!a.prompt.empty(), "--prompt"},
                                                         {!a.profile.empty(), "--profile"},
-                                                        {!a.mixed_precision.empty(), "--mixed-precision"},
+                                                        {a.mixed_precision == "fp16", "--mixed-precision fp16"},
                                                         {a.model.checkpoint_every > 0, "--activation-checkpointing"},
                                                         {a.sequence_parallel, "--sequence-parallel"},
                                                         {a.device != "cpu", "--device cuda"},
@@ -255,6 +256,7 @@ int run(const Args& args) {
     run.data = args.data;
     run.max_data_mb = args.max_data_mb;
     run.timeout = timeout;
+    run.mixed_precision = examples::mixed_precision_policy(args);
     if (args.pp_schedule_dump) {
       llama::dump_schedule(run);
       return 0;

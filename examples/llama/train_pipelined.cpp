@@ -84,29 +84,27 @@ int train_pipelined(const PipelinedRun& run, fsdp::programs::Program& program) {
   const fsdp::DeviceMesh stage_mesh = fsdp::pp::stage_mesh(mesh);
   fsdp::tp::Group blocks(stage_mesh), vocab(stage_mesh);
   PipelinedLlama stages(cfg, blocks, vocab, layout, mesh.coordinate(fsdp::kPipeDim), run.seed);
-  // One data-parallel rank: plain stages and torch::optim::AdamW. Several: each stage's model
-  // wrapped by FSDP over the stage's ranks, with its FusedAdamW.
+  // Each stage's model wrapped by FSDP over the stage's ranks (one data-parallel rank: FSDP over
+  // one, still the mixed-precision policy and FusedAdamW), driven by the pipeline: gathered once
+  // and reduced once per step (pp/pipeline.h).
   // The whole model's parameters, over the stages (counted before any is sharded).
   auto count = torch::tensor({stages.whole_parameters()}, torch::kLong);
   fsdp::all_reduce(mesh.group(fsdp::kPipeDim), count);
   const int64_t params = count.item<int64_t>();
   std::vector<fsdp::pp::Stage> pipeline_stages = stages.stages();
   std::vector<std::unique_ptr<torch::optim::Optimizer>> opts;
-  std::vector<fsdp::FSDPModule> sharded;  // with FSDP: this rank's stages, wrapped
+  std::vector<fsdp::FSDPModule> sharded;  // this rank's stages, wrapped
   const auto adamw = torch::optim::AdamWOptions(run.lr).weight_decay(run.weight_decay);
-  if (dp > 1) {
-    fsdp::FullyShardOptions options;
-    if (run.timeout) options.timeout(*run.timeout);
-    for (size_t i = 0; i < stages.models.size(); ++i) {
-      auto handle = fsdp::fully_shard(stages.models[i], stage_mesh, options);
-      pipeline_stages[i].forward = [handle](const torch::Tensor& x) mutable { return handle(x); };
-      pipeline_stages[i].parameters = handle.parameters();
-      pipeline_stages[i].module = handle;  // gathered once and reduced once per step (pp/pipeline.h)
-      opts.push_back(std::make_unique<fsdp::optim::FusedAdamW>(handle, adamw));
-      sharded.push_back(handle);
-    }
-  } else {
-    opts.push_back(std::make_unique<torch::optim::AdamW>(stages.parameters(), adamw));
+  fsdp::FullyShardOptions options;
+  options.mixed_precision(run.mixed_precision);
+  if (run.timeout) options.timeout(*run.timeout);
+  for (size_t i = 0; i < stages.models.size(); ++i) {
+    auto handle = fsdp::fully_shard(stages.models[i], stage_mesh, options);
+    pipeline_stages[i].forward = [handle](const torch::Tensor& x) mutable { return handle(x); };
+    pipeline_stages[i].parameters = handle.parameters();
+    pipeline_stages[i].module = handle;
+    opts.push_back(std::make_unique<fsdp::optim::FusedAdamW>(handle, adamw));
+    sharded.push_back(handle);
   }
   fsdp::pp::Pipeline pipe(mesh, layout, lists, M, pipeline_stages);
   // Each data-parallel rank its share of every global batch, in the one-process order.
@@ -142,16 +140,13 @@ int train_pipelined(const PipelinedRun& run, fsdp::programs::Program& program) {
                            static_cast<double>(M);
                   });
     stages.sum_tied_gradients(mesh);
-    double grad_norm = 0;
-    if (sharded.empty()) {
-      grad_norm = run.clip > 0 ? stages.clip_grad_norm(mesh, run.clip) : stages.grad_norm(mesh);
-    } else {  // over the stages' shards; a tied head's copy counted by the first stage
-      const std::vector<std::string> skip = stages.tied_copy().defined()
-                                                ? std::vector<std::string>{"model.embed_tokens.weight"}
-                                                : std::vector<std::string>{};
-      grad_norm = fsdp::optim::clip_grad_norm(sharded, mesh.group(fsdp::kPipeDim),
-                                              run.clip > 0 ? run.clip : std::numeric_limits<double>::infinity(), skip);
-    }
+    // The norm over the stages' shards (and tensor-parallel parts); a tied head's copy counted by
+    // the first stage.
+    const std::vector<std::string> skip = stages.tied_copy().defined()
+                                              ? std::vector<std::string>{"model.embed_tokens.weight"}
+                                              : std::vector<std::string>{};
+    const double grad_norm = fsdp::optim::clip_grad_norm(
+        sharded, mesh.group(fsdp::kPipeDim), run.clip > 0 ? run.clip : std::numeric_limits<double>::infinity(), skip);
     for (auto& o : opts) o->step();
     // The loss from the last stage to every rank, the mean over the data-parallel ranks; the
     // bubble (the largest share of the step a rank waited on transfers) and the bytes moved

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "examples/llama/llama.h"
+#include "fsdp/mixed_precision.h"
 #include "pp/action.h"
 #include "pp/stage_layout.h"
 #include "programs/program.h"
@@ -26,6 +27,8 @@ struct PipelinedRun {
   std::string data;
   double max_data_mb = 64;
   std::optional<std::chrono::milliseconds> timeout;
+  /// --mixed-precision bf16: each stage's FSDP policy (fp16 needs the gradient scaler: refused).
+  fsdp::MixedPrecisionPolicy mixed_precision;
 };
 
 /// The run's stage layout (looped) and its action lists: make_schedule's, or the file's; both
