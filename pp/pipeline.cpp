@@ -30,6 +30,36 @@ double seconds_since(clock_type::time_point t) {
   return std::chrono::duration<double>(clock_type::now() - t).count();
 }
 
+// For one step, the FSDP stages under the pipeline's controls (pipeline.h): gradient sync off,
+// resharding as the stage asks; back to the defaults (sync as it was) when the step ends, also
+// when it throws.
+class DrivenStages {
+ public:
+  explicit DrivenStages(std::map<int64_t, Stage>& stages) : stages_(stages) {
+    for (auto& [index, stage] : stages_) {
+      if (!stage.module) continue;
+      synced_[index] = stage.module->requires_gradient_sync();
+      stage.module->set_requires_gradient_sync(false);
+      stage.module->set_reshard_after_forward(stage.reshard_between_microbatches);
+      stage.module->set_reshard_after_backward(stage.reshard_between_microbatches);
+    }
+  }
+  ~DrivenStages() {
+    for (auto& [index, stage] : stages_) {
+      if (!stage.module) continue;
+      stage.module->set_requires_gradient_sync(synced_[index]);
+      stage.module->set_reshard_after_forward(true);
+      stage.module->set_reshard_after_backward(true);
+    }
+  }
+  DrivenStages(const DrivenStages&) = delete;
+  DrivenStages& operator=(const DrivenStages&) = delete;
+
+ private:
+  std::map<int64_t, Stage>& stages_;
+  std::map<int64_t, bool> synced_;  // each FSDP stage's gradient sync before the step
+};
+
 }  // namespace
 
 Pipeline::Pipeline(const DeviceMesh& mesh, const StageLayout& layout, ActionLists lists, int64_t microbatches,
@@ -131,26 +161,7 @@ StepReport Pipeline::step(const Input& input, const Loss& loss) {
       last_backward[list[i].stage] = i;
     }
   }
-  std::map<int64_t, bool> synced;  // each FSDP stage's gradient sync before the step
-  for (auto& [index, stage] : stages_) {
-    if (!stage.module) continue;
-    synced[index] = stage.module->requires_gradient_sync();
-    stage.module->set_requires_gradient_sync(false);
-    stage.module->set_reshard_after_forward(stage.reshard_between_microbatches);
-    stage.module->set_reshard_after_backward(stage.reshard_between_microbatches);
-  }
-  auto restore = [&] {
-    for (auto& [index, stage] : stages_) {
-      if (!stage.module) continue;
-      stage.module->set_requires_gradient_sync(synced[index]);
-      stage.module->set_reshard_after_forward(true);
-      stage.module->set_reshard_after_backward(true);
-    }
-  };
-  struct Restore {
-    std::function<void()> fn;
-    ~Restore() { fn(); }
-  } restore_at_end{restore};
+  const DrivenStages driven(stages_);
   for (size_t i = 0; i < list.size(); ++i) {
     const Action& a = list[i];
     const int64_t s = a.stage, m = a.microbatch;

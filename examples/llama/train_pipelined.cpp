@@ -84,14 +84,14 @@ int train_pipelined(const PipelinedRun& run, fsdp::programs::Program& program) {
   const fsdp::DeviceMesh stage_mesh = fsdp::pp::stage_mesh(mesh);
   fsdp::tp::Group blocks(stage_mesh), vocab(stage_mesh);
   PipelinedLlama stages(cfg, blocks, vocab, layout, mesh.coordinate(fsdp::kPipeDim), run.seed);
-  // Each stage's model wrapped by FSDP over the stage's ranks (one data-parallel rank: FSDP over
-  // one, still the mixed-precision policy and FusedAdamW), driven by the pipeline: gathered once
-  // and reduced once per step (pp/pipeline.h).
   // The whole model's parameters, over the stages (counted before any is sharded).
   auto count = torch::tensor({stages.whole_parameters()}, torch::kLong);
   fsdp::all_reduce(mesh.group(fsdp::kPipeDim), count);
   const int64_t params = count.item<int64_t>();
-  std::vector<fsdp::pp::Stage> pipeline_stages = stages.stages();
+  // Each stage's model wrapped by FSDP over the stage's ranks (one data-parallel rank: FSDP over
+  // one, still the mixed-precision policy and FusedAdamW), driven by the pipeline: gathered once
+  // and reduced once per step (pp/pipeline.h).
+  std::vector<fsdp::pp::Stage> pipeline_stages;
   std::vector<std::unique_ptr<torch::optim::Optimizer>> opts;
   std::vector<fsdp::FSDPModule> sharded;  // this rank's stages, wrapped
   const auto adamw = torch::optim::AdamWOptions(run.lr).weight_decay(run.weight_decay);
@@ -100,9 +100,9 @@ int train_pipelined(const PipelinedRun& run, fsdp::programs::Program& program) {
   if (run.timeout) options.timeout(*run.timeout);
   for (size_t i = 0; i < stages.models.size(); ++i) {
     auto handle = fsdp::fully_shard(stages.models[i], stage_mesh, options);
-    pipeline_stages[i].forward = [handle](const torch::Tensor& x) mutable { return handle(x); };
-    pipeline_stages[i].parameters = handle.parameters();
-    pipeline_stages[i].module = handle;
+    fsdp::pp::Stage stage{stages.indices[i], [handle](const torch::Tensor& x) mutable { return handle(x); }};
+    stage.module = handle;  // the pipeline takes its parameters and drives its FSDP
+    pipeline_stages.push_back(std::move(stage));
     opts.push_back(std::make_unique<fsdp::optim::FusedAdamW>(handle, adamw));
     sharded.push_back(handle);
   }

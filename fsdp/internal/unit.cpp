@@ -270,14 +270,19 @@ void Unit::finish_forward() {
   // The root keeps its gathered memory into its backward (it is the first to need it again).
   if (!grad || (!is_root_ && traits_.reshard_after_forward && run_->reshard_after_forward())) {
     reshard();
-  } else if (state_ == UnitState::kUnsharded) {
-    // Gathered memory kept for backward, but the parameters are the shards again: between
-    // forward and backward a user may zero the gradients or step (a forward whose backward never
-    // comes), and must find the shards. Autograd saved the parameter itself, whose full view
-    // pre_backward() restores before any of the unit's gradients are computed.
-    use_shard_views();
-    enter(UnitState::kKeptForBackward);
+  } else {
+    keep_gathered();
   }
+}
+
+void Unit::keep_gathered() {
+  if (state_ != UnitState::kUnsharded) return;
+  // Gathered memory kept, but the parameters are the shards again: between forward and backward
+  // (or a pipeline's passes) a user may zero the gradients or step (a forward whose backward
+  // never comes), and must find the shards. Autograd saved the parameter itself, whose full view
+  // pre_backward() (or the next forward, or unshard) restores before it is used.
+  use_shard_views();
+  enter(UnitState::kKeptForBackward);
 }
 
 bool Unit::awaits_backward() const {
@@ -356,9 +361,8 @@ void Unit::grads_complete() {
 void Unit::reshard_after_backward() {
   if (run_->reshard_after_backward()) {
     reshard();
-  } else if (state_ == UnitState::kUnsharded) {  // kept gathered (a pipeline's next microbatch)
-    use_shard_views();
-    enter(UnitState::kKeptForBackward);
+  } else {
+    keep_gathered();  // for a pipeline's next microbatch
   }
 }
 

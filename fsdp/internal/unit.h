@@ -143,6 +143,9 @@ class Unit : public std::enable_shared_from_this<Unit> {
   /// After the unit's backward: reshard, or keep the gathered memory while the pipeline's control
   /// says so (FSDPModule::set_reshard_after_backward(false)), the parameters back at their shards.
   void reshard_after_backward();
+  /// Keeps the gathered memory (kKeptForBackward) with the parameters back at their shards; a
+  /// unit not gathered now stays as it is.
+  void keep_gathered();
 
   // Forward: unshard before, reshard after (or keep the memory for backward) and hook the
   // outputs so the unit is gathered again when its backward begins. `member`: which of the unit's
