@@ -9,8 +9,10 @@
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/commit.h"
 #include "checkpoint/manifest.h"
+#include "checkpoint/pipelined.h"
 #include "data/distributed_sampler.h"
 #include "programs/flags.h"
+#include "programs/json_row.h"
 
 #include <torch/optim/optimizer.h>
 
@@ -91,19 +93,34 @@ class Checkpoints {
     return path;
   }
 
+  /// What a resume read, on rank 0: a JSON row (with --json) of the bytes it needed and read over
+  /// every rank, or a line on stderr after `who`.
+  static void print_resumed(const fsdp::checkpoint::LoadResult& res, const std::string& mesh, bool json,
+                            const std::string& who) {
+    if (json) {
+      fsdp::programs::JsonRow()
+          .add("resumed", res.path)
+          .add("step", res.step)
+          .add("saved_world_size", res.saved_world_size)
+          .add("mesh", mesh)
+          .add("bytes_needed", res.bytes_needed_total)
+          .add("bytes_read", res.bytes_read_total)
+          .add("load_seconds", res.seconds, "%.4f")
+          .print();
+    } else {
+      std::cerr << who << ": resumed from '" << res.path << "' (saved by " << res.saved_world_size
+                << " rank(s)) at step " << res.step << " on mesh " << mesh << "\n";
+    }
+  }
+
   /// After step `step` (0-based): saves when it is due, named by the next step to run (a resume
   /// starts there), and says what it did ("" when nothing was due); then counts the steps since
   /// the latest committed checkpoint.
   std::string after_step(int64_t step, const fsdp::FSDPModule& model, const torch::optim::Optimizer& opt,
                          const fsdp::data::DistributedSampler& sampler, const fsdp::checkpoint::Metadata& metadata) {
     std::string did;
-    if (every_ > 0 && (step + 1) % every_ == 0) {
-      const auto options = fsdp::checkpoint::SaveOptions()
-                               .step(step + 1)
-                               .sampler_state(sampler.state())
-                               .keep_last(keep_last_)
-                               .direct_io(direct_io_)
-                               .metadata(metadata);
+    if (due(step)) {
+      const auto options = options_for(step, sampler, metadata);
       if (async_) {
         if (!saver_) {
           saver_ = std::make_unique<fsdp::checkpoint::AsyncSaver>(
@@ -119,16 +136,26 @@ class Checkpoints {
         const auto res = fsdp::checkpoint::save(dir_, model, opt, options);
         started_ += 1;
         held_seconds_ += res.seconds;
-        did = "saved '" + res.path + "' (" + std::to_string(res.bytes_total) + " bytes in " +
-              std::to_string(res.seconds) + " s)";
+        did = said(res);
       }
     }
-    if (every_ > 0) {
-      const int64_t lost = step + 1 - committed_step();
-      lost_max_ = std::max(lost_max_, lost);
-      lost_sum_ += lost;
-      steps_ += 1;
+    count_lost(step);
+    return did;
+  }
+
+  /// The same for a pipelined model's stages (checkpoint/pipelined.h), synchronous (--async-save
+  /// is refused with --pp).
+  std::string after_step(int64_t step, const fsdp::DeviceMesh& mesh,
+                         const std::vector<fsdp::checkpoint::StageState>& stages,
+                         const fsdp::data::DistributedSampler& sampler, const fsdp::checkpoint::Metadata& metadata) {
+    std::string did;
+    if (due(step)) {
+      const auto res = fsdp::checkpoint::save(dir_, mesh, stages, options_for(step, sampler, metadata));
+      started_ += 1;
+      held_seconds_ += res.seconds;
+      did = said(res);
     }
+    count_lost(step);
     return did;
   }
 
@@ -154,6 +181,28 @@ class Checkpoints {
   }
 
  private:
+  bool due(int64_t step) const { return every_ > 0 && (step + 1) % every_ == 0; }
+  fsdp::checkpoint::SaveOptions options_for(int64_t step, const fsdp::data::DistributedSampler& sampler,
+                                            const fsdp::checkpoint::Metadata& metadata) const {
+    return fsdp::checkpoint::SaveOptions()
+        .step(step + 1)
+        .sampler_state(sampler.state())
+        .keep_last(keep_last_)
+        .direct_io(direct_io_)
+        .metadata(metadata);
+  }
+  static std::string said(const fsdp::checkpoint::SaveResult& res) {
+    return "saved '" + res.path + "' (" + std::to_string(res.bytes_total) + " bytes in " + std::to_string(res.seconds) +
+           " s)";
+  }
+  void count_lost(int64_t step) {
+    if (every_ == 0) return;
+    const int64_t lost = step + 1 - committed_step();
+    lost_max_ = std::max(lost_max_, lost);
+    lost_sum_ += lost;
+    steps_ += 1;
+  }
+
   std::string dir_;
   bool resume_;
   int64_t every_;

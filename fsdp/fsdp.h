@@ -10,6 +10,7 @@
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/commit.h"
 #include "checkpoint/consolidate.h"
+#include "checkpoint/pipelined.h"
 #include "data/batch_plan.h"
 #include "data/distributed_sampler.h"
 #include "data/loader_sampler.h"

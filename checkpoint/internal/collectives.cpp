@@ -58,6 +58,14 @@ Group Group::of(const FSDPModule& model) {
   return g;
 }
 
+Group Group::world(const DeviceMesh& mesh) {
+  Group g;
+  fsdp::detail::GroupInfo info;  // the world: group rank = global rank
+  info.name = "the pipeline's world";
+  g.comm_ = fsdp::detail::own_group(mesh.world(), mesh.timeout(), info);
+  return g;
+}
+
 Group Group::own(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, std::chrono::milliseconds timeout) {
   Group g;
   // Its members by global rank: the Comm finds them when fsdp::new_subgroup made `pg`.

@@ -37,6 +37,9 @@ class Group {
   /// model's step-boundary agreements (over a mesh's world, or while replicas train apart, those of
   /// the step's group first, then the checkpoint group's).
   static Group of(const FSDPModule& model);
+  /// The whole world of `mesh`, on the caller's thread between steps (a pipelined model's save or
+  /// load: its stages' models span their stages' ranks only), bounded by the mesh's timeout.
+  static Group world(const DeviceMesh& mesh);
   /// A group used by nothing else (an asynchronous saver's), bounded by `timeout`.
   static Group own(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, std::chrono::milliseconds timeout);
   int rank() const { return comm_->rank(); }

@@ -456,6 +456,11 @@ PreparedSave prepare_save(const std::string& root, const FSDPModule& model, cons
   return p;
 }
 
+void add_generators(PreparedSave& p) {
+  const std::vector<ShardSpec> none;
+  FileEntries{p, none}.add_generators();
+}
+
 SaveResult write_and_commit(PreparedSave& p, const Group& group, const std::string& who,
                             const std::function<void()>& first) {
   const auto t0 = std::chrono::steady_clock::now();

@@ -60,6 +60,10 @@ std::string checkpoint_name(const SaveOptions& options);
 PreparedSave prepare_save(const std::string& root, const FSDPModule& model, const torch::optim::Optimizer* optimizer,
                           const SaveOptions& options, int rank, int world_size);
 
+/// Adds this rank's generator states to `p`'s file, as global rank p.rank (what prepare_save does
+/// with SaveOptions::rng_states; a pipelined save adds them once for all its stages).
+void add_generators(PreparedSave& p);
+
 /// Writes this rank's file into the staging directory, agrees with every rank of `group` after
 /// each phase, gathers the parts and (rank 0) writes the manifest and commits. `first` runs in the
 /// first phase, before anything is on disk (the synchronous save prepares there, so that a rank

@@ -6,12 +6,14 @@
 #include <torch/torch.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <map>
 #include <set>
+#include <stdexcept>
 
 namespace llama::hf {
 namespace {
@@ -161,53 +163,107 @@ void write_logits(const std::string& file, const at::Tensor& logits) {
   fsdp::checkpoint::write_safetensors(file, {{"logits", logits.to(at::kFloat).cpu().contiguous()}});
 }
 
+namespace {
+
+// The whole model's tensors (Hugging Face's names, whole shapes), in the model's order: what an
+// export writes, whichever ranks and stages hold them.
+std::vector<fsdp::checkpoint::TensorRecord> whole_tensors(const Config& c) {
+  const int64_t C = c.n_embd, V = c.vocab_size, F = c.ffn(), q = c.n_head * c.hd(), kv = c.kv_heads() * c.hd();
+  std::vector<fsdp::checkpoint::TensorRecord> out{{"model.embed_tokens.weight", "F32", {V, C}}};
+  for (int64_t i = 0; i < c.n_layer; ++i) {
+    const std::string l = "model.layers." + std::to_string(i) + ".";
+    for (const auto& [name, shape] :
+         std::vector<std::pair<std::string, std::vector<int64_t>>>{{"self_attn.q_proj.weight", {q, C}},
+                                                                   {"self_attn.k_proj.weight", {kv, C}},
+                                                                   {"self_attn.v_proj.weight", {kv, C}},
+                                                                   {"self_attn.o_proj.weight", {C, q}},
+                                                                   {"mlp.gate_proj.weight", {F, C}},
+                                                                   {"mlp.up_proj.weight", {F, C}},
+                                                                   {"mlp.down_proj.weight", {C, F}},
+                                                                   {"input_layernorm.weight", {C}},
+                                                                   {"post_attention_layernorm.weight", {C}}}) {
+      out.push_back({l + name, "F32", shape});
+    }
+  }
+  out.push_back({"model.norm.weight", "F32", {C}});
+  if (!c.tie_word_embeddings) out.push_back({"lm_head.weight", "F32", {V, C}});
+  return out;
+}
+
+void write_config(const std::string& out, const Config& c) {
+  std::filesystem::create_directories(out);
+  nlohmann::json j = {{"architectures", {"LlamaForCausalLM"}},
+                      {"model_type", "llama"},
+                      {"vocab_size", c.vocab_size},
+                      {"hidden_size", c.n_embd},
+                      {"intermediate_size", c.ffn()},
+                      {"num_hidden_layers", c.n_layer},
+                      {"num_attention_heads", c.n_head},
+                      {"num_key_value_heads", c.kv_heads()},
+                      {"head_dim", c.hd()},
+                      {"hidden_act", "silu"},
+                      {"max_position_embeddings", c.block_size},
+                      {"rms_norm_eps", c.rms_norm_eps},
+                      {"rope_parameters", {{"rope_theta", c.rope_theta}, {"rope_type", "default"}}},
+                      {"attention_bias", false},
+                      {"mlp_bias", false},
+                      {"tie_word_embeddings", c.tie_word_embeddings},
+                      {"dtype", "float32"}};
+  std::ofstream(out + "/config.json") << j.dump(2) << "\n";
+}
+
+}  // namespace
+
 void export_model(const std::string& out, const fsdp::FSDPModule& model, const fsdp::DeviceMesh& mesh,
                   const Config& c) {
+  export_model(out, std::vector<fsdp::FSDPModule>{model}, {}, mesh, c);
+}
+
+void export_model(const std::string& out, const std::vector<fsdp::FSDPModule>& models,
+                  const std::vector<std::string>& copies, const fsdp::DeviceMesh& mesh, const Config& c) {
   const bool writer = mesh.rank() == 0;
-  const auto specs = model.shard_specs();
-  std::vector<fsdp::checkpoint::TensorRecord> records;
-  for (const auto& s : specs) {
-    std::vector<int64_t> full = s.global_shape;
-    if (s.tp.split()) full[s.tp.dim] *= s.tp.parts;
-    records.push_back({s.name, "F32", full});
+  const auto records = whole_tensors(c);
+  // This rank's rows of each tensor, by name (a tied head's copy of the embedding left out).
+  std::vector<std::vector<fsdp::ShardSpec>> specs;
+  std::map<std::string, const fsdp::ShardSpec*> held;
+  for (const auto& m : models) specs.push_back(m.shard_specs());
+  for (const auto& stage : specs) {
+    for (const auto& s : stage) {
+      if (std::find(copies.begin(), copies.end(), s.name) == copies.end()) held.emplace(s.name, &s);
+    }
   }
   std::unique_ptr<fsdp::checkpoint::SafetensorsWriter> file;
   if (writer) {
-    std::filesystem::create_directories(out);
-    nlohmann::json j = {{"architectures", {"LlamaForCausalLM"}},
-                        {"model_type", "llama"},
-                        {"vocab_size", c.vocab_size},
-                        {"hidden_size", c.n_embd},
-                        {"intermediate_size", c.ffn()},
-                        {"num_hidden_layers", c.n_layer},
-                        {"num_attention_heads", c.n_head},
-                        {"num_key_value_heads", c.kv_heads()},
-                        {"head_dim", c.hd()},
-                        {"hidden_act", "silu"},
-                        {"max_position_embeddings", c.block_size},
-                        {"rms_norm_eps", c.rms_norm_eps},
-                        {"rope_parameters", {{"rope_theta", c.rope_theta}, {"rope_type", "default"}}},
-                        {"attention_bias", false},
-                        {"mlp_bias", false},
-                        {"tie_word_embeddings", c.tie_word_embeddings},
-                        {"dtype", "float32"}};
-    std::ofstream(out + "/config.json") << j.dump(2) << "\n";
+    write_config(out, c);
     file = std::make_unique<fsdp::checkpoint::SafetensorsWriter>(out + "/model.safetensors", records,
                                                                  std::map<std::string, std::string>{{"format", "pt"}});
   }
   const int tp_rank = mesh.coordinate(fsdp::kTensorDim);
-  for (size_t i = 0; i < specs.size(); ++i) {
-    const fsdp::ShardSpec& s = specs[i];
-    // Every element comes from exactly one rank (the first replica's rows; a parameter tensor
-    // parallelism does not split from tp rank 0), so the sum is exact.
-    at::Tensor full = at::zeros(records[i].shape, at::kFloat);
-    if (s.replica_rank == 0 && (s.tp.split() || tp_rank == 0) && s.row_end > s.row_begin) {
-      at::Tensor part =
-          s.tp.split() ? full.narrow(s.tp.dim, s.tp.part * s.global_shape[s.tp.dim], s.global_shape[s.tp.dim]) : full;
-      part.narrow(0, s.row_begin, s.row_end - s.row_begin).copy_(s.local.detach());
+  size_t found = 0;
+  for (const auto& record : records) {
+    // Every element comes from exactly one rank (the first replica's rows of the stage that holds
+    // the tensor; a parameter tensor parallelism does not split from tp rank 0), so the sum is exact.
+    at::Tensor full = at::zeros(record.shape, at::kFloat);
+    const auto it = held.find(record.name);
+    if (it != held.end()) {
+      const fsdp::ShardSpec& s = *it->second;
+      std::vector<int64_t> shape = s.global_shape;
+      if (s.tp.split()) shape[s.tp.dim] *= s.tp.parts;
+      if (shape != record.shape) {
+        throw std::logic_error("llama::hf::export_model: '" + s.name + "' is not of the shape the config gives");
+      }
+      ++found;
+      if (s.replica_rank == 0 && (s.tp.split() || tp_rank == 0) && s.row_end > s.row_begin) {
+        at::Tensor part =
+            s.tp.split() ? full.narrow(s.tp.dim, s.tp.part * s.global_shape[s.tp.dim], s.global_shape[s.tp.dim]) : full;
+        part.narrow(0, s.row_begin, s.row_end - s.row_begin).copy_(s.local.detach());
+      }
     }
     fsdp::all_reduce(mesh.world(), full);
     if (file) file->write(full.data_ptr(), static_cast<uint64_t>(full.nbytes()));
+  }
+  if (found != held.size()) {
+    throw std::logic_error("llama::hf::export_model: the model holds tensors its config does not name");
   }
   if (file) file->finish();
 }

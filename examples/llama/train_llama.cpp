@@ -93,17 +93,17 @@ const char* const kNotes =
     "  vocabulary]) before any step; --steps 0 runs nothing else. --export-hf OUT: after training,\n"
     "  OUT/config.json and OUT/model.safetensors in Hugging Face's layout (from_pretrained loads it).\n"
     "  --save-dir DIR --save-every K: a sharded checkpoint (model, AdamW, sampler) every K steps, over the\n"
-    "  whole mesh; --resume continues from DIR's latest on any mesh (another --tp or world size).\n"
+    "  whole mesh; --resume continues from DIR's latest on any mesh (another --tp, --pp or world size).\n"
     "  --pp P: a pipeline of P stages on the mesh (pp P, dp_shard D, tp T) of P x D x T ranks; each stage is\n"
     "  FSDP over its own D x T ranks (FusedAdamW), gathered once and reduced once per step.\n"
     "  --pp-schedule gpipe|1f1b|interleaved|zero-bubble, --microbatches M (default P;\n"
     "  each data-parallel share splits into M equal microbatches), --stages-per-rank V (interleaved, default 2);\n"
     "  --pp-schedule-file F: the action lists from a CSV (one line per rank, e.g. 0F0,0SEND_F0,...);\n"
     "  --pp-schedule-dump: print the lists and their simulated bubble, and exit. The lists are validated\n"
-    "  before any step (a refusal exits 2 naming the action). With --pp, checkpoints, --from-hf, --export-hf,\n"
-    "  --prompt, --profile, --mixed-precision fp16 (bf16 works), activation checkpointing, sequence\n"
-    "  parallelism and --device cuda\n"
-    "  are not supported yet (docs/pipeline.md).\n"
+    "  before any step (a refusal exits 2 naming the action). --save-dir, --resume and --export-hf work with\n"
+    "  --pp (one checkpoint of the whole model, loaded on any mesh); --async-save, --from-hf, --prompt,\n"
+    "  --profile, --mixed-precision fp16 (bf16 works), activation checkpointing, sequence parallelism and\n"
+    "  --device cuda are not supported with --pp yet (docs/pipeline.md).\n"
     "  Other flags as train_gpt's. Exit status: 0 trained, 2 bad flags, --data or shape, 1 other errors.\n";
 
 fsdp::programs::Program g_program("train_llama");  // its name in messages, its rank once known
@@ -167,9 +167,8 @@ Args parse(int argc, char** argv) {
     usage_error("--microbatches, --stages-per-rank and --pp-schedule-file need --pp P with P > 1");
   }
   if (a.pp > 1 && !a.pp_schedule_dump) {
-    const std::pair<bool, const char*> unsupported[] = {{!a.ckpt.dir.empty(), "--save-dir"},
+    const std::pair<bool, const char*> unsupported[] = {{a.ckpt.async, "--async-save"},
                                                         {!a.from_hf.empty(), "--from-hf"},
-                                                        {!a.export_hf.empty(), "--export-hf"},
                                                         {!a.prompt.empty(), "--prompt"},
                                                         {!a.profile.empty(), "--profile"},
                                                         {a.mixed_precision == "fp16", "--mixed-precision fp16"},
@@ -257,6 +256,8 @@ int run(const Args& args) {
     run.max_data_mb = args.max_data_mb;
     run.timeout = timeout;
     run.mixed_precision = examples::mixed_precision_policy(args);
+    run.ckpt = args.ckpt;
+    run.export_hf = args.export_hf;
     if (args.pp_schedule_dump) {
       llama::dump_schedule(run);
       return 0;
@@ -341,20 +342,8 @@ int run(const Args& args) {
     const auto res = fsdp::checkpoint::load(resume_from, model, *opt,
                                             fsdp::checkpoint::LoadOptions().sampler(&sampler).in_place(true));
     first_step = res.step;
-    if (rank == 0 && args.json) {  // what the load read, over every rank, against what it needed
-      fsdp::programs::JsonRow()
-          .add("resumed", res.path)
-          .add("step", res.step)
-          .add("saved_world_size", res.saved_world_size)
-          .add("mesh", mesh.shape_text())
-          .add("bytes_needed", res.bytes_needed_total)
-          .add("bytes_read", res.bytes_read_total)
-          .add("load_seconds", res.seconds, "%.4f")
-          .print();
-    } else if (rank == 0) {
-      std::cerr << who() << ": resumed from '" << res.path << "' (saved by " << res.saved_world_size
-                << " rank(s)) at step " << first_step << " on mesh " << mesh.shape_text() << "\n";
-    }
+    // What the load read, over every rank, against what it needed.
+    if (rank == 0) examples::Checkpoints::print_resumed(res, mesh.shape_text(), args.json, who());
   }
   if (rank == 0 && !args.json) {
     std::cout << "train_llama: " << W << " rank(s) as mesh " << mesh.shape_text() << ", " << n_params << " parameters, "

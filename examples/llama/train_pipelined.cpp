@@ -1,6 +1,8 @@
 #include "examples/llama/train_pipelined.h"
 
+#include "checkpoint/pipelined.h"
 #include "examples/corpus.h"
+#include "examples/llama/hf.h"
 #include "examples/llama/pipelined.h"
 #include "fsdp/fsdp.h"
 #include "programs/flags.h"
@@ -107,16 +109,35 @@ int train_pipelined(const PipelinedRun& run, fsdp::programs::Program& program) {
     sharded.push_back(handle);
   }
   fsdp::pp::Pipeline pipe(mesh, layout, lists, M, pipeline_stages);
+  // The stages as a checkpoint holds them: one checkpoint of the whole model (checkpoint/pipelined.h).
+  std::vector<fsdp::checkpoint::StageState> checkpointed;
+  for (size_t i = 0; i < sharded.size(); ++i) checkpointed.push_back({stages.indices[i], sharded[i], opts[i].get()});
+  // --resume: the latest checkpoint's seed (the sampler's), then the stages, AdamW, the generators
+  // and the sampler's place, whatever mesh saved it (a pipelined run or one model).
+  int64_t first_step = 0;
+  uint64_t seed = run.seed;
+  examples::Checkpoints checkpoints(run.ckpt);
+  const std::string resume_from = checkpoints.resume_from(seed, rank, program.who());
   // Each data-parallel rank its share of every global batch, in the one-process order.
   fsdp::data::DistributedSampler sampler(samples, mesh.coordinate(fsdp::kDataDim), dp,
-                                         fsdp::data::SamplerOptions(run.batch_size).seed(run.seed));
+                                         fsdp::data::SamplerOptions(run.batch_size).seed(seed));
+  if (!resume_from.empty()) {
+    const auto res = fsdp::checkpoint::load(resume_from, mesh, checkpointed,
+                                            fsdp::checkpoint::LoadOptions().sampler(&sampler).in_place(true));
+    first_step = res.step;
+    if (rank == 0) examples::Checkpoints::print_resumed(res, mesh.shape_text(), run.json, program.who());
+  }
   if (rank == 0 && !run.json) {
     std::cout << "train_llama: " << W << " rank(s) as mesh " << mesh.shape_text() << ", " << cfg.n_layer
               << " layers in " << layout.stages() << " stages (" << run.schedule << ", " << M << " microbatches of "
               << rows << " rows per data-parallel rank)\n";
   }
+  // A tied head's copy of the embedding on the last stage: counted in the norm and exported from
+  // the first stage.
+  const std::vector<std::string> copies =
+      stages.tied_copy().defined() ? std::vector<std::string>{"model.embed_tokens.weight"} : std::vector<std::string>{};
   double total_ms = 0;  // the steps after the first
-  for (int64_t step = 0; step < run.steps; ++step) {
+  for (int64_t step = first_step; step < run.steps; ++step) {
     for (auto& o : opts) o->zero_grad();
     auto share = sampler.next_share();
     if (!share) share = sampler.next_share();
@@ -142,11 +163,8 @@ int train_pipelined(const PipelinedRun& run, fsdp::programs::Program& program) {
     stages.sum_tied_gradients(mesh);
     // The norm over the stages' shards (and tensor-parallel parts); a tied head's copy counted by
     // the first stage.
-    const std::vector<std::string> skip = stages.tied_copy().defined()
-                                              ? std::vector<std::string>{"model.embed_tokens.weight"}
-                                              : std::vector<std::string>{};
     const double grad_norm = fsdp::optim::clip_grad_norm(
-        sharded, mesh.group(fsdp::kPipeDim), run.clip > 0 ? run.clip : std::numeric_limits<double>::infinity(), skip);
+        sharded, mesh.group(fsdp::kPipeDim), run.clip > 0 ? run.clip : std::numeric_limits<double>::infinity(), copies);
     for (auto& o : opts) o->step();
     // The loss from the last stage to every rank, the mean over the data-parallel ranks; the
     // bubble (the largest share of the step a rank waited on transfers) and the bytes moved
@@ -165,7 +183,7 @@ int train_pipelined(const PipelinedRun& run, fsdp::programs::Program& program) {
     fsdp::all_reduce(world, counts, c10d::ReduceOp::MAX);
     auto bytes = torch::tensor({rep.p2p_bytes}, torch::kLong);
     fsdp::all_reduce(world, bytes);
-    if (step > 0) total_ms += 1000 * worst[1].item<double>();
+    if (step > first_step) total_ms += 1000 * worst[1].item<double>();
     if (rank == 0) {
       if (run.json) {
         fsdp::programs::JsonRow()
@@ -197,6 +215,14 @@ int train_pipelined(const PipelinedRun& run, fsdp::programs::Program& program) {
       throw std::runtime_error("the loss of step " + std::to_string(step) +
                                " is not finite: training diverged. Lower --lr, or clip with --clip MAX_NORM.");
     }
+    const std::string saved = checkpoints.after_step(
+        step, mesh, checkpointed, sampler,
+        {{"seed", std::to_string(seed)}, {"global_batch", std::to_string(run.batch_size)}, {"example", "train_llama"}});
+    if (rank == 0 && !saved.empty() && !run.json) std::cerr << program.who() << ": " << saved << "\n";
+  }
+  if (!run.export_hf.empty()) {
+    hf::export_model(run.export_hf, sharded, copies, mesh, cfg);
+    if (rank == 0 && !run.json) std::cout << "train_llama: exported to " << run.export_hf << "\n";
   }
   if (rank == 0 && run.json) {
     fsdp::programs::JsonRow()
@@ -207,7 +233,8 @@ int train_pipelined(const PipelinedRun& run, fsdp::programs::Program& program) {
         .add("dp", dp)
         .add("mesh", mesh.shape_text())
         .add("params", params)
-        .add("mean_step_ms", run.steps > 1 ? total_ms / static_cast<double>(run.steps - 1) : 0.0, "%.3f")
+        .add("mean_step_ms",
+             run.steps - first_step > 1 ? total_ms / static_cast<double>(run.steps - first_step - 1) : 0.0, "%.3f")
         .print();
   }
   return 0;

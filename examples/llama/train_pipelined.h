@@ -2,6 +2,7 @@
 // (pp, tp) mesh, each step one schedule of microbatches (fsdp::pp::Pipeline).
 #pragma once
 
+#include "examples/checkpoints.h"
 #include "examples/llama/llama.h"
 #include "fsdp/mixed_precision.h"
 #include "pp/action.h"
@@ -29,6 +30,9 @@ struct PipelinedRun {
   std::optional<std::chrono::milliseconds> timeout;
   /// --mixed-precision bf16: each stage's FSDP policy (fp16 needs the gradient scaler: refused).
   fsdp::MixedPrecisionPolicy mixed_precision;
+  /// --save-dir, --save-every, --resume (synchronous saves: --async-save is refused with --pp).
+  examples::CheckpointFlags ckpt;
+  std::string export_hf;  // --export-hf OUT after training
 };
 
 /// The run's stage layout (looped) and its action lists: make_schedule's, or the file's; both

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""End-to-end check of train_llama --pp (issue 44's commands but the checkpoints' resume).
+"""End-to-end check of train_llama --pp (issue 44's commands; the checkpoints' resume is
+check_pipelined_checkpoints.py's).
 
 - `--nproc-per-node 4 --n-layer 4 --pp 2 --tp 2 --microbatches 4 --pp-schedule 1f1b --steps 5 --seed 1 --json`
   gives the losses of `--n-layer 4 --steps 5 --seed 1 --json` on one rank (1e-5 relative); its rows carry
