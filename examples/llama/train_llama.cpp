@@ -101,9 +101,9 @@ const char* const kNotes =
     "  --pp-schedule-file F: the action lists from a CSV (one line per rank, e.g. 0F0,0SEND_F0,...);\n"
     "  --pp-schedule-dump: print the lists and their simulated bubble, and exit. The lists are validated\n"
     "  before any step (a refusal exits 2 naming the action). --save-dir, --resume and --export-hf work with\n"
-    "  --pp (one checkpoint of the whole model, loaded on any mesh); --async-save, --from-hf, --prompt,\n"
-    "  --profile, --mixed-precision fp16 (bf16 works), activation checkpointing, sequence parallelism and\n"
-    "  --device cuda are not supported with --pp yet (docs/pipeline.md).\n"
+    "  --pp (one checkpoint of the whole model, loaded on any mesh), so does --activation-checkpointing (not\n"
+    "  with zero-bubble); --async-save, --from-hf, --prompt, --profile, --mixed-precision fp16 (bf16 works),\n"
+    "  sequence parallelism and --device cuda are not supported with --pp yet (docs/pipeline.md).\n"
     "  Other flags as train_gpt's. Exit status: 0 trained, 2 bad flags, --data or shape, 1 other errors.\n";
 
 fsdp::programs::Program g_program("train_llama");  // its name in messages, its rank once known
@@ -172,8 +172,10 @@ Args parse(int argc, char** argv) {
                                                         {!a.prompt.empty(), "--prompt"},
                                                         {!a.profile.empty(), "--profile"},
                                                         {a.mixed_precision == "fp16", "--mixed-precision fp16"},
-                                                        {a.model.checkpoint_every > 0, "--activation-checkpointing"},
                                                         {a.sequence_parallel, "--sequence-parallel"},
+                                                        {a.model.checkpoint_every > 0 && a.pp_schedule == "zero-bubble",
+                                                         "--activation-checkpointing with --pp-schedule zero-bubble "
+                                                         "(its weight pass cannot run through a recompute)"},
                                                         {a.device != "cpu", "--device cuda"},
                                                         {a.strategy != "full", "--strategy"}};
     for (const auto& [given, flag] : unsupported) {

@@ -153,6 +153,7 @@ int train_pipelined(const PipelinedRun& run, fsdp::programs::Program& program) {
       return n;
     };
     const auto collectives_before = fsdp_collectives();
+    fsdp::memory::reset_peak();
     const auto rep =
         pipe.step([&](int64_t m) { return xy.first.narrow(0, m * rows, rows); },
                   [&](const torch::Tensor& logits, int64_t m) {
@@ -173,8 +174,10 @@ int train_pipelined(const PipelinedRun& run, fsdp::programs::Program& program) {
     fsdp::all_reduce(mesh.group(fsdp::kPipeDim), loss);
     fsdp::all_reduce(mesh.group(fsdp::kDataDim), loss);
     const double l = loss.item<double>() / dp;
-    auto worst =
-        torch::tensor({rep.bubble(), rep.step_seconds, static_cast<double>(rep.peak_in_flight)}, torch::kDouble);
+    // The step's allocator peak (this process's CPU bytes: its stages' state and activations).
+    auto worst = torch::tensor({rep.bubble(), rep.step_seconds, static_cast<double>(rep.peak_in_flight),
+                                static_cast<double>(fsdp::memory::stats().peak_bytes)},
+                               torch::kDouble);
     fsdp::all_reduce(world, worst, c10d::ReduceOp::MAX);
     const auto collectives_after = fsdp_collectives();
     auto counts = torch::tensor(
@@ -203,6 +206,7 @@ int train_pipelined(const PipelinedRun& run, fsdp::programs::Program& program) {
             .add("peak_in_flight", static_cast<int64_t>(worst[2].item<double>()))
             .add("fsdp_all_gathers", counts[0].item<int64_t>())
             .add("fsdp_reduce_scatters", counts[1].item<int64_t>())
+            .add("peak_bytes", static_cast<int64_t>(worst[3].item<double>()))
             .add("params", params)
             .print();
       } else {

@@ -16,7 +16,11 @@ check_pipelined_checkpoints.py's).
   stage gathers each of its units once per step and reduce-scatters each once (the rows'
   fsdp_all_gathers and fsdp_reduce_scatters; at --n-layer 4 --pp 2: its 2 layers and its root).
 - 3-D at 8 ranks, pp 2 x dp_shard 2 x tp 2, in bf16 (--mixed-precision bf16, activations between stages
-  in bf16: 2 bytes each) against one rank in bf16, to the mixed-precision tolerance (3e-2).
+  in bf16: 2 bytes each) with activation checkpointing, against one rank in bf16 (no recompute), to
+  the mixed-precision tolerance (3e-2).
+- 1f1b at pp 2 with and without --activation-checkpointing: both one rank's losses, the recomputing
+  run's peak (the rows' peak_bytes, max over ranks) below the other's. Zero bubble with it is refused
+  (its weight pass cannot run through a recompute).
 - `--pp 2 --microbatches 1 --pp-schedule 1f1b` on 2 ranks is refused before any step (exit 2, naming the
   microbatches); so is a hand-made list that deadlocks (--pp-schedule-file), naming the action;
   --pp-schedule-dump prints the lists in one process.
@@ -69,7 +73,9 @@ def compare(a, ranks, pipelined, reference, label, B=12, M=None, dp=1, units=Non
             sys.exit(f"FAILED: {label}: step {rn['step']}: {ag} all-gathers and {rs} reduce-scatters, want "
                      f"{units if units is not None else 'as many'} of each (one per unit)")
     print(f"{label} on {ranks} ranks (mesh {summary['mesh']}): {len(many)} losses within {worst:.2e} of one rank's, "
-          f"bubble {many[-1]['bubble']:.3f}, {many[-1]['p2p_bytes']} bytes between stages per step")
+          f"bubble {many[-1]['bubble']:.3f}, {many[-1]['p2p_bytes']} bytes between stages per step, "
+          f"peak {many[-1]['peak_bytes']} bytes")
+    return many
 
 
 def refused(a, ranks, args, text, label):
@@ -146,12 +152,28 @@ def main():
             ["--n-layer", "4", "--batch-size", "16", "--tied", "--clip", "0.5"] + base,
             "1f1b, pp 2 x dp_shard 2 (FSDP in each stage), tied, clipped", B=16, M=4, dp=2, units=3)
     compare(a, 8, ["--n-layer", "4", "--pp", "2", "--tp", "2", "--microbatches", "4", "--pp-schedule", "1f1b",
-                   "--batch-size", "16", "--mixed-precision", "bf16"] + base,
+                   "--batch-size", "16", "--mixed-precision", "bf16", "--activation-checkpointing"] + base,
             ["--n-layer", "4", "--batch-size", "16", "--mixed-precision", "bf16"] + base,
-            "1f1b, pp 2 x dp_shard 2 x tp 2, bf16", B=16, M=4, dp=2, units=3, rtol=3e-2, elt=2)
+            "1f1b, pp 2 x dp_shard 2 x tp 2, bf16, activation checkpointing", B=16, M=4, dp=2, units=3, rtol=3e-2,
+            elt=2)
+    # Activation checkpointing with several microbatches in flight (1F1B at pp 2 holds 2 on the first
+    # stage): one rank's losses, and a lower peak than the same run storing its activations.
+    plain = compare(a, 2, ["--n-layer", "4", "--pp", "2", "--microbatches", "4", "--pp-schedule", "1f1b",
+                           "--batch-size", "16"] + base,
+                    ["--n-layer", "4", "--batch-size", "16"] + base, "1f1b, pp 2", B=16, M=4)
+    ac = compare(a, 2, ["--n-layer", "4", "--pp", "2", "--microbatches", "4", "--pp-schedule", "1f1b",
+                        "--batch-size", "16", "--activation-checkpointing"] + base,
+                 ["--n-layer", "4", "--batch-size", "16"] + base, "1f1b, pp 2, activation checkpointing", B=16, M=4)
+    if not ac[-1]["peak_bytes"] < plain[-1]["peak_bytes"]:
+        sys.exit(f"FAILED: activation checkpointing under --pp: peak {ac[-1]['peak_bytes']} bytes, not below "
+                 f"{plain[-1]['peak_bytes']} without it: were the activations recomputed?")
+    print(f"activation checkpointing under --pp: peak {ac[-1]['peak_bytes'] / plain[-1]['peak_bytes']:.3f} of the "
+          f"run without")
     compare(a, 2, ["--n-layer", "3", "--pp", "2", "--microbatches", "3", "--pp-schedule", "gpipe", "--tied",
                    "--clip", "0.5"] + base,
             ["--n-layer", "3", "--tied", "--clip", "0.5"] + base, "gpipe, pp 2, tied, clipped", M=3)
+    refused(a, 2, ["--pp", "2", "--pp-schedule", "zero-bubble", "--activation-checkpointing"] + base,
+            "--activation-checkpointing with --pp-schedule zero-bubble", "zero bubble with activation checkpointing")
     refused(a, 2, ["--pp", "2", "--microbatches", "1", "--pp-schedule", "1f1b"] + base,
             "needs at least as many microbatches as pipeline ranks: 1 microbatches for 2 ranks", "too few microbatches")
     with tempfile.TemporaryDirectory() as d:
