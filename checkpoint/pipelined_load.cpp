@@ -68,7 +68,6 @@ LoadResult load(const std::string& path, const DeviceMesh& mesh, const std::vect
   bool with_optimizers = false;
   for (const auto& s : stages) with_optimizers = with_optimizers || s.optimizer != nullptr;
   const std::string call = std::string(kWho) + " of '" + path + "' into pipeline stages" +
-                           (with_optimizers ? " with their optimizers" : "") +
                            (options.sampler() != nullptr ? " with a data sampler to restore" : "") +
                            (options.strict() ? "" : " (not strict)");
   auto phase = [&](const char* what, const std::function<void()>& fn,
@@ -92,6 +91,12 @@ LoadResult load(const std::string& path, const DeviceMesh& mesh, const std::vect
                  ": give every stage its optimizer (StageState::optimizer), or none.");
     }
     m = read_manifest(resolve_checkpoint(path));
+    for (const auto& t : m.tensors) {
+      FSDP_CHECK(!with_optimizers || t.kind != "replica-optimizer", "checkpoint '", m.dir,
+                 "' was saved by replicas that trained apart (fsdp::optim::LocalSGD or DiLoCo): their optimizer "
+                 "states are each replica's own, which pipeline stages do not take. Load the stages without their "
+                 "optimizers (the global state), or load it into one model.");
+    }
     std::vector<detail::ReadTarget> targets;
     std::set<std::string> held;
     for (const StageState& s : sorted) {
@@ -116,21 +121,30 @@ LoadResult load(const std::string& path, const DeviceMesh& mesh, const std::vect
       rng = detail::plan_rng(m, rank, generators);
       for (auto& t : detail::match(m, generators, /*strict=*/false, "")) targets.push_back(std::move(t));
     }
-    // Sent by the stages' first ranks (one stage mesh for all of this rank's stages).
-    if (detail::Group::of(sorted.front().model).rank() == 0) {
+    // Whether this rank's stages load optimizers, then (from the stages' first ranks: one stage mesh
+    // for all of this rank's stages) which of the checkpoint's model tensors they hold.
+    marks = with_optimizers ? "O" : "N";
+    if (options.strict() && detail::Group::of(sorted.front().model).rank() == 0) {
       for (const auto& key : model_keys(m)) marks += held.count(key) == 1 ? '1' : '0';
     }
     reader = std::make_unique<detail::ShardReader>(m, std::move(targets), options.in_place());
     reader->open_files();
     detail::check_sampler(m, options.sampler());
   });
-  if (options.strict()) {
-    const auto all = group.all_gather(marks, "the stages' tensors for " + call);
-    phase("checking that the stages hold every tensor of the checkpoint", [&] {
-      const std::string fault = unheld(m, all);
-      FSDP_CHECK(fault.empty(), fault);
-    });
-  }
+  const auto all = group.all_gather(marks, "the stages' tensors for " + call);
+  phase("checking the stages against each other", [&] {
+    for (size_t r = 0; r < all.size(); ++r) {
+      FSDP_CHECK(all[r].at(0) == marks.at(0), "global rank ", r, "'s stages load ",
+                 all[r].at(0) == 'O' ? "their optimizers" : "no optimizer", " but this rank's ",
+                 with_optimizers ? "do" : "do not",
+                 ": give every stage its optimizer (StageState::optimizer), or none.");
+    }
+    if (!options.strict()) return;
+    std::vector<std::string> held;
+    for (const auto& r : all) held.push_back(r.substr(1));
+    const std::string fault = unheld(m, held);
+    FSDP_CHECK(fault.empty(), fault);
+  });
   try {
     phase(
         options.in_place() ? "reading and verifying this rank's rows (in place)"

@@ -7,7 +7,9 @@
 // and optimizer (rank 0 holds one stage only), and a tensor two stages hold (a tied embedding on the
 // first and last) must be written once. Each stage's first rank sends its description; every rank
 // gets them all (names and shapes, no data), so that each drops what an earlier stage writes and
-// rank 0 writes the manifest's model and optimizer from them, all before anything is on disk.
+// rank 0 writes the manifest's model and optimizer from them, all before anything is on disk. The
+// copies of such a tensor are compared first (a fingerprint of each rank's rows): the checkpoint
+// keeps one value, which must be what every stage holds.
 #include "checkpoint/pipelined.h"
 
 #include "checkpoint/internal/collectives.h"
@@ -15,14 +17,18 @@
 #include "checkpoint/internal/stage_states.h"
 #include "fsdp/internal/check.h"
 #include "fsdp/internal/core_access.h"
+#include "fsdp/util/tensor_fingerprint.h"
 
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <chrono>
 #include <map>
+#include <memory>
 #include <set>
+#include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace fsdp::checkpoint {
@@ -37,6 +43,7 @@ struct StagePart {
   int64_t index = 0;
   int stage_rank = 0;  // in the stage's checkpoint group: its rank 0 describes the stage
   detail::PreparedSave part;
+  std::vector<ShardSpec> specs;
 };
 
 // The stage's tensors (kind, dtype, shape, in the model's order), its units' strategies and its
@@ -59,13 +66,19 @@ std::string tensor_of(const std::string& key) {
 // shape, and every stage with an optimizer or none.
 struct Described {
   std::map<int64_t, json> stages;
-  // Each tensor's key with the first stage that holds it.
+  // Each tensor's key with the first stage that holds it; the keys several stages hold.
   std::map<std::string, int64_t> first_holder;
+  std::set<std::string> shared;
+  std::vector<std::tuple<int64_t, int, bool>> others;  // stage, global rank, has an optimizer
 
   explicit Described(const std::vector<std::string>& sent) {
     for (size_t r = 0; r < sent.size(); ++r) {
       for (auto& d : json::parse(sent[r])) {
         const int64_t i = d.at("index").get<int64_t>();
+        if (!d.contains("tensors")) {  // a stage's other rank: whether it has an optimizer
+          others.emplace_back(i, static_cast<int>(r), d.at("optimizer").get<bool>());
+          continue;
+        }
         FSDP_CHECK(stages.count(i) == 0, "stage ", i,
                    " is described by two ranks as its stage's first: give each rank its own stages, each stage's "
                    "model wrapped over that stage's ranks (fsdp::pp::stage_mesh).");
@@ -84,9 +97,16 @@ struct Described {
     const bool optimizer = !stages.begin()->second.at("optimizer").is_null();
     std::map<std::string, std::pair<int64_t, const json*>> seen;
     for (const auto& [i, d] : stages) {
-      FSDP_CHECK(d.at("optimizer").is_null() != optimizer, "stage ", i, optimizer ? " has no optimizer" : " has one",
-                 " but stage 0 ", optimizer ? "has one" : "has none",
+      FSDP_CHECK(d.at("optimizer").is_null() != optimizer, "stage ", i,
+                 optimizer ? " has no optimizer" : " has an optimizer", " but stage 0 ",
+                 optimizer ? "has one" : "has none",
                  ": give every stage its optimizer (StageState::optimizer), or none.");
+      for (const auto& [stage, rank, has] : others) {
+        FSDP_CHECK(stage != i || has == optimizer, "global rank ", rank, " gives stage ", i,
+                   has ? " an optimizer" : " no optimizer", " but the stage's first rank ",
+                   optimizer ? "gives one" : "gives none",
+                   ": give every rank of every stage its optimizer (StageState::optimizer), or none.");
+      }
       for (const auto& t : d.at("tensors")) {
         const std::string key = t.at(0).get<std::string>();
         const auto [it, fresh] = seen.emplace(key, std::pair{i, &t});
@@ -94,6 +114,7 @@ struct Described {
           first_holder[key] = i;
           continue;
         }
+        shared.insert(key);
         FSDP_CHECK(*it->second.second == t, "stages ", it->second.first, " and ", i, " both hold '", key, "', as ",
                    it->second.second->dump(), " and ", t.dump(),
                    ": two stages hold one tensor only as one tied weight (the same kind, dtype and shape).");
@@ -155,6 +176,44 @@ struct Described {
   }
 };
 
+// This rank's rows of each tensor several stages hold, as "<stage> <global rank> <key> rows <b>:<e>
+// part <p> <fingerprint>" lines: the ranks at one place of the stage meshes hold the same rows of a
+// tied weight, which must be one value.
+std::string tied_prints(const std::vector<StagePart>& parts, const std::set<std::string>& shared, int rank) {
+  std::string out;
+  for (const auto& s : parts) {
+    for (const auto& spec : s.specs) {
+      if (shared.count("model/" + spec.name) == 0) continue;
+      const std::string where = "model/" + spec.name + " rows " + std::to_string(spec.row_begin) + ":" +
+                                std::to_string(spec.row_end) + " part " + std::to_string(spec.tp.part);
+      out += std::to_string(s.index) + " " + std::to_string(rank) + " " +
+             fsdp::util::fingerprint_lines({{where, spec.local}});
+    }
+  }
+  return out;
+}
+
+// Every rank's tied_prints compared: the same rows of one key equal in every stage.
+void check_tied(const std::vector<std::string>& prints) {
+  std::map<std::string, std::tuple<std::string, int64_t, int>> first;  // rows -> fingerprint, stage, rank
+  for (const auto& text : prints) {
+    std::istringstream in(text);
+    int64_t stage = 0;
+    int rank = 0;
+    std::string key, rows, b_e, part, p, fp;
+    while (in >> stage >> rank >> key >> rows >> b_e >> part >> p >> fp) {
+      const std::string where = key + " rows " + b_e + " part " + p;
+      const auto [it, fresh] = first.emplace(where, std::tuple{fp, stage, rank});
+      if (fresh || std::get<0>(it->second) == fp) continue;
+      FSDP_CHECK(false, "'", key.substr(6), "' (a tensor stages ", std::get<1>(it->second), " and ", stage,
+                 " both hold: a tied weight) differs between them: rows ", b_e, " on global rank ",
+                 std::get<2>(it->second), " and on global rank ", rank,
+                 ". Keep the copies one value (sum their gradients before the optimizer's step, as one model's one "
+                 "weight gets both uses' gradients); nothing was written.");
+    }
+  }
+}
+
 // Stage `s`'s entries appended to `p`'s file, less those of tensors an earlier stage writes.
 void append(detail::PreparedSave& p, detail::PreparedSave& s, const std::set<std::string>& earlier) {
   for (size_t e = 0; e < s.keys.size(); ++e) {
@@ -194,14 +253,25 @@ SaveResult save(const std::string& root, const DeviceMesh& mesh, const std::vect
     for (const StageState& s : detail::checked_stages(stages, "save")) {
       const detail::Group stage = detail::Group::of(s.model);
       StagePart part{s.index, stage.rank(),
-                     detail::prepare_save(root, s.model, s.optimizer, per_stage, stage.rank(), stage.size())};
-      if (part.stage_rank == 0) mine.push_back(describe(part));
+                     detail::prepare_save(root, s.model, s.optimizer, per_stage, stage.rank(), stage.size()),
+                     s.model.shard_specs()};
+      mine.push_back(part.stage_rank == 0 ? describe(part)
+                                          : json{{"index", s.index}, {"optimizer", s.optimizer != nullptr}});
       parts.push_back(std::move(part));
     }
   });
   const std::vector<std::string> sent = group.all_gather(mine.dump(), "the pipeline stages' descriptions for " + call);
-  SaveResult r = detail::write_and_commit(p, group, kWho, [&] {
-    const Described described(sent);
+  // Every rank reads them (the same checks, so every rank fails alike), then says what it holds of
+  // a tensor several stages hold.
+  std::unique_ptr<Described> described;
+  std::string prints;
+  detail::agree(group, call, caller, "checking the stages' descriptions", "nothing was written", [&] {
+    described = std::make_unique<Described>(sent);
+    prints = tied_prints(parts, described->shared, group.rank());
+  });
+  const std::vector<std::string> tied = group.all_gather(prints, "the stages' tied weights for " + call);
+  detail::agree(group, call, caller, "comparing the stages' copies of a tied weight", "nothing was written", [&] {
+    check_tied(tied);
     detail::PreparedSave merged;
     merged.root = root;
     merged.name = p.name;
@@ -211,15 +281,16 @@ SaveResult save(const std::string& root, const DeviceMesh& mesh, const std::vect
     merged.tp_ranks = parts.front().part.tp_ranks;  // one stage mesh for all of this rank's stages
     for (StagePart& s : parts) {
       std::set<std::string> earlier;  // what an earlier stage writes
-      for (const auto& [key, first] : described.first_holder) {
+      for (const auto& [key, first] : described->first_holder) {
         if (first < s.index) earlier.insert(key.substr(6));
       }
       append(merged, s.part, earlier);
     }
     if (options.rng_states()) detail::add_generators(merged);
-    if (merged.rank == 0) described.describe_model(merged);
+    described->describe_model(merged);  // on every rank, so that every rank's error says why (rank 0's is written)
     p = std::move(merged);
   });
+  SaveResult r = detail::write_and_commit(p, group, kWho);
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return r;
 }

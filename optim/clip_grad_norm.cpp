@@ -142,10 +142,12 @@ double clip_grad_norm(const std::vector<FSDPModule>& models, const c10::intrusiv
   for (const auto& g : grads) all.insert(all.end(), g.begin(), g.end());
   const double total = norm_of(t, models.front(), norm_type, error_if_nonfinite, caller, all);
   const double coef = max_norm / (total + 1e-6);
-  if (coef < 1.0) {
+  if (coef < 1.0)
     for (auto& g : all) g.grad.mul_(coef);
-    for (const auto& m : models) fsdp::detail::gradients_rescaled(m);
-  }
+  // The gradients as this call found them, and its clipping, are the pipeline's: a tied weight's
+  // copies summed in place before it (on the first and the last stage), not the per-rank habit
+  // FSDP's check warns about.
+  for (const auto& m : models) fsdp::detail::gradients_rescaled(m);
   return total;
 }
 

@@ -30,7 +30,10 @@ double clip_grad_norm(const FSDPModule& model, double max_norm, double norm_type
 /// summed over `pipeline` (the mesh's pp group): the whole model's norm, the same on every rank;
 /// every gradient then scaled as above. A parameter named in `skip` (its name in its model) is
 /// scaled but left out of the norm: a tied head's copy of the embedding, which the first stage
-/// counts. Every rank calls it; one all-reduce per model over its ranks, then one over `pipeline`.
+/// counts. The gradients as this call finds them count as the pipeline's own (a tied weight's
+/// copies summed in place before it, on the first and the last stage), not as a per-rank rescale
+/// for FSDP's check to warn about. Every rank calls it; one all-reduce per model over its ranks,
+/// then one over `pipeline`.
 double clip_grad_norm(const std::vector<FSDPModule>& models, const c10::intrusive_ptr<c10d::ProcessGroup>& pipeline,
                       double max_norm, const std::vector<std::string>& skip = {}, double norm_type = 2.0,
                       bool error_if_nonfinite = false);

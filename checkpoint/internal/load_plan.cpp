@@ -157,13 +157,15 @@ OptimizerPlan plan_optimizer(const Manifest& m, const std::vector<ShardSpec>& sp
                  "' but no step for it: the manifest was edited or written by another program.");
       plan.params.push_back(std::move(p));
     }
-    // A stage's part of each saved group: the saved order, less what other stages hold.
+    // A stage's part of each saved group: the saved names, less what other stages hold. Compared as
+    // sets: the state goes by name, and a group's order follows how the model registers its
+    // parameters, which a pipeline's split changes (a module's own before its children's).
     std::vector<std::string> want;
     for (const auto& n : m.optimizer.param_groups[g].params) {
       if (within == nullptr || within->count(n) == 1) want.push_back(n);
     }
-    if (names != want) {
-      const std::set<std::string> have(names.begin(), names.end()), saved_set(want.begin(), want.end());
+    const std::set<std::string> have(names.begin(), names.end()), saved_set(want.begin(), want.end());
+    if (have != saved_set || names.size() != want.size()) {
       std::string missing, extra;
       for (const auto& n : want) {
         if (have.count(n) == 0) missing += (missing.empty() ? "" : ", ") + n;
@@ -175,7 +177,7 @@ OptimizerPlan plan_optimizer(const Manifest& m, const std::vector<ShardSpec>& sp
                  names.size(), " now, ", want.size(), " saved",
                  missing.empty() ? std::string() : "; saved, not in the group: " + missing,
                  extra.empty() ? std::string() : "; in the group, not saved: " + extra,
-                 missing.empty() && extra.empty() ? "; the same parameters in another order" : "",
+                 missing.empty() && extra.empty() ? "; a parameter listed twice" : "",
                  "): build the optimizer with the param groups it was saved with.");
     }
   }

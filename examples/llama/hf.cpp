@@ -216,20 +216,21 @@ void write_config(const std::string& out, const Config& c) {
 
 void export_model(const std::string& out, const fsdp::FSDPModule& model, const fsdp::DeviceMesh& mesh,
                   const Config& c) {
-  export_model(out, std::vector<fsdp::FSDPModule>{model}, {}, mesh, c);
+  export_model(out, std::vector<fsdp::FSDPModule>{model}, {{}}, mesh, c);
 }
 
 void export_model(const std::string& out, const std::vector<fsdp::FSDPModule>& models,
-                  const std::vector<std::string>& copies, const fsdp::DeviceMesh& mesh, const Config& c) {
+                  const std::vector<std::vector<std::string>>& copies, const fsdp::DeviceMesh& mesh, const Config& c) {
   const bool writer = mesh.rank() == 0;
   const auto records = whole_tensors(c);
   // This rank's rows of each tensor, by name (a tied head's copy of the embedding left out).
   std::vector<std::vector<fsdp::ShardSpec>> specs;
   std::map<std::string, const fsdp::ShardSpec*> held;
   for (const auto& m : models) specs.push_back(m.shard_specs());
-  for (const auto& stage : specs) {
-    for (const auto& s : stage) {
-      if (std::find(copies.begin(), copies.end(), s.name) == copies.end()) held.emplace(s.name, &s);
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const auto& skip = copies.at(i);
+    for (const auto& s : specs[i]) {
+      if (std::find(skip.begin(), skip.end(), s.name) == skip.end()) held.emplace(s.name, &s);
     }
   }
   std::unique_ptr<fsdp::checkpoint::SafetensorsWriter> file;

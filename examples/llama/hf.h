@@ -35,10 +35,12 @@ void write_logits(const std::string& file, const at::Tensor& logits);
 /// per parameter), written by rank 0 as it arrives: one tensor in memory at a time. Collective.
 void export_model(const std::string& out, const fsdp::FSDPModule& model, const fsdp::DeviceMesh& mesh,
                   const Config& config);
-/// The same from a pipelined model: this rank's stages' models, `copies` the names of tensors they
-/// hold as copies of an earlier stage's (a tied head's embedding, written from the first stage).
-/// Every tensor of the whole model assembled over the mesh's world, one all-reduce each.
+/// The same from a pipelined model: this rank's stages' models, `copies[i]` the names of tensors
+/// model i holds as copies of an earlier stage's (a tied head's embedding on the last stage,
+/// written from the first). Every tensor of the whole model assembled over the mesh's world, one
+/// all-reduce each.
 void export_model(const std::string& out, const std::vector<fsdp::FSDPModule>& models,
-                  const std::vector<std::string>& copies, const fsdp::DeviceMesh& mesh, const Config& config);
+                  const std::vector<std::vector<std::string>>& copies, const fsdp::DeviceMesh& mesh,
+                  const Config& config);
 
 }  // namespace llama::hf

@@ -39,6 +39,17 @@ std::pair<fsdp::pp::StageLayout, fsdp::pp::ActionLists> pipelined_schedule(const
       lists = fsdp::pp::parse_lists(text.str());
     }
     fsdp::pp::validate(lists, layout, run.microbatches);
+    if (run.cfg.checkpoint_every > 0) {  // the weight pass of a split backward cannot run through a recompute
+      for (const auto& list : lists) {
+        for (const auto& a : list) {
+          if (a.kind == fsdp::pp::ActionKind::kBackwardInput || a.kind == fsdp::pp::ActionKind::kBackwardWeight) {
+            usage_error("--activation-checkpointing with a split backward (" + a.text() +
+                        "): zero bubble's weight pass cannot run through a recompute; use 1f1b, gpipe or "
+                        "interleaved, or drop --activation-checkpointing");
+          }
+        }
+      }
+    }
     return {layout, lists};
   } catch (const std::invalid_argument& e) {
     usage_error(std::string(e.what()) + " (--pp " + std::to_string(run.pp) + ", --microbatches " +
@@ -225,7 +236,13 @@ int train_pipelined(const PipelinedRun& run, fsdp::programs::Program& program) {
     if (rank == 0 && !saved.empty() && !run.json) std::cerr << program.who() << ": " << saved << "\n";
   }
   if (!run.export_hf.empty()) {
-    hf::export_model(run.export_hf, sharded, copies, mesh, cfg);
+    // A tied head's copy of the embedding is the last stage's (not also the first): written from the first.
+    std::vector<std::vector<std::string>> copies_of;
+    for (const auto& m : stages.models) {
+      const bool copy = cfg.tie_word_embeddings && m->model->range.last() && !m->model->range.first();
+      copies_of.push_back(copy ? std::vector<std::string>{"model.embed_tokens.weight"} : std::vector<std::string>{});
+    }
+    hf::export_model(run.export_hf, sharded, copies_of, mesh, cfg);
     if (rank == 0 && !run.json) std::cout << "train_llama: exported to " << run.export_hf << "\n";
   }
   if (rank == 0 && run.json) {

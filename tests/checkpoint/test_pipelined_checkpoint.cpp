@@ -7,7 +7,8 @@
 //     tensors byte for byte (the optimizer's state and steps went through the load);
 //   - stages that hold less than the checkpoint (a 4-layer pipeline) are refused on every rank
 //     naming what no stage holds, unless not strict; a save whose stages' optimizers disagree (one
-//     stage without) is refused on every rank, nothing committed.
+//     stage without), or whose stages' copies of the tied weight differ, is refused on every rank,
+//     nothing committed.
 #include "checkpoint/commit.h"
 #include "checkpoint/pipelined.h"
 #include "examples/llama/pipelined.h"
@@ -166,6 +167,19 @@ TEST(PipelinedCheckpoint, OneModelSavedLoadsOnAnyMeshAndIntoAPlainModule) {
     const std::string unlike =
         error_of([&] { checkpoint::save(dir, two.mesh, two.state(first_stage), checkpoint::SaveOptions().step(3)); });
     EXPECT_NE(unlike.find("has no optimizer"), std::string::npos) << unlike;
+    EXPECT_EQ(checkpoint::latest_checkpoint(dir), path);
+
+    // The last stage's copy of the tied embedding no longer the first stage's (its gradients not
+    // summed): refused on every rank, naming the weight, nothing committed.
+    if (!first_stage) {
+      torch::NoGradGuard no_grad;
+      two.stages.tied_copy().add_(1e-3);
+    }
+    const std::string diverged =
+        error_of([&] { checkpoint::save(dir, two.mesh, two.state(), checkpoint::SaveOptions().step(4)); });
+    EXPECT_NE(diverged.find("'model.embed_tokens.weight' (a tensor stages 0 and 1 both hold: a tied weight) differs"),
+              std::string::npos)
+        << diverged;
     EXPECT_EQ(checkpoint::latest_checkpoint(dir), path);
   });
 }
