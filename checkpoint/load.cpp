@@ -42,9 +42,8 @@ LoadResult load_checkpoint(const std::string& path, FSDPModule& model, torch::op
                            (options.sampler() != nullptr ? " with a data sampler to restore" : "");
   // Every phase ends with every rank agreeing that it went well, so that a fault on one rank
   // leaves the model untouched on all: nothing is written before the last agreement.
-  auto phase = [&](const char* what, const std::function<void()>& fn,
-                   const char* consequence = "the model was left as it was") {
-    detail::agree(group, call, caller, what, consequence, fn);
+  auto phase = [&](const char* what, const std::function<void()>& fn) {
+    detail::agree(group, call, caller, what, "the model was left as it was", fn);
   };
 
   Manifest m;
@@ -90,26 +89,14 @@ LoadResult load_checkpoint(const std::string& path, FSDPModule& model, torch::op
     reader->open_files();
     detail::check_sampler(m, options.sampler());
   });
-  // In place, the reads go into the shards: a failure anywhere leaves this rank's a mix (when it
-  // read any in place), so the model is then marked unusable. The phase's name, compared across
-  // ranks, says whether the load is in place; what this rank's error says of its shards is its own.
-  try {
-    phase(
-        options.in_place() ? "reading and verifying this rank's rows (in place)"
-                           : "reading and verifying this rank's rows",
-        [&] { reader->read(options.io_threads()); },
-        reader->reads_in_place() ? "this rank's shards were partly overwritten (LoadOptions::in_place), so the "
-                                   "model is now unusable: build it again and load a good checkpoint"
-                                 : "the model was left as it was");
-  } catch (...) {
-    if (reader->reads_in_place()) {
-      fsdp::detail::mark_broken(
-          model, error_text(std::current_exception()),
-          "a load with LoadOptions::in_place failed after reading into this model's shards, so they hold a mix of "
-          "values: build the model again and load a good checkpoint (docs/usage.md, 'Loading in place')");
-    }
-    throw;
-  }
+  detail::read_rows(
+      group, call, caller, *reader, options, {model},
+      {"the model was left as it was",
+       "this rank's shards were partly overwritten (LoadOptions::in_place), so the model is now unusable: "
+       "build it again and load a good checkpoint",
+       "a load with LoadOptions::in_place failed after reading into this model's shards, so they hold a "
+       "mix of values: build the model again and load a good checkpoint (docs/usage.md, 'Loading in "
+       "place')"});
   // Every rank has its bytes, verified: now the model (and the optimizer) change.
   reader->apply();
   model.mark_shards_written();  // ZeRO-1: the full parameters are gathered again from the rows

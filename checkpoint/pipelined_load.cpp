@@ -70,9 +70,8 @@ LoadResult load(const std::string& path, const DeviceMesh& mesh, const std::vect
   const std::string call = std::string(kWho) + " of '" + path + "' into pipeline stages" +
                            (options.sampler() != nullptr ? " with a data sampler to restore" : "") +
                            (options.strict() ? "" : " (not strict)");
-  auto phase = [&](const char* what, const std::function<void()>& fn,
-                   const char* consequence = "the stages were left as they were") {
-    detail::agree(group, call, caller, what, consequence, fn);
+  auto phase = [&](const char* what, const std::function<void()>& fn) {
+    detail::agree(group, call, caller, what, "the stages were left as they were", fn);
   };
 
   Manifest m;
@@ -145,25 +144,15 @@ LoadResult load(const std::string& path, const DeviceMesh& mesh, const std::vect
     const std::string fault = unheld(m, held);
     FSDP_CHECK(fault.empty(), fault);
   });
-  try {
-    phase(
-        options.in_place() ? "reading and verifying this rank's rows (in place)"
-                           : "reading and verifying this rank's rows",
-        [&] { reader->read(options.io_threads()); },
-        reader->reads_in_place() ? "this rank's shards were partly overwritten (LoadOptions::in_place), so the "
-                                   "stages are now unusable: build them again and load a good checkpoint"
-                                 : "the stages were left as they were");
-  } catch (...) {
-    if (reader->reads_in_place()) {
-      for (const auto& s : sorted) {
-        fsdp::detail::mark_broken(
-            s.model, error_text(std::current_exception()),
-            "a load with LoadOptions::in_place failed after reading into the stages' shards, so they hold a mix of "
-            "values: build the stages again and load a good checkpoint (docs/usage.md, 'Loading in place')");
-      }
-    }
-    throw;
-  }
+  std::vector<FSDPModule> models;
+  for (const auto& s : sorted) models.push_back(s.model);
+  detail::read_rows(group, call, caller, *reader, options, models,
+                    {"the stages were left as they were",
+                     "this rank's shards were partly overwritten (LoadOptions::in_place), so the stages are now "
+                     "unusable: build them again and load a good checkpoint",
+                     "a load with LoadOptions::in_place failed after reading into the stages' shards, so they hold a "
+                     "mix of values: build the stages again and load a good checkpoint (docs/usage.md, 'Loading in "
+                     "place')"});
   // Every rank has its bytes, verified: now the stages (and their optimizers) change.
   reader->apply();
   size_t next = 0;

@@ -6,6 +6,7 @@
 #include "checkpoint/plan.h"
 #include "checkpoint/safetensors.h"
 #include "fsdp/internal/check.h"
+#include "fsdp/internal/core_access.h"
 
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
@@ -255,6 +256,21 @@ void check_sampler(const Manifest& m, const data::DistributedSampler* sampler) {
   data::DistributedSampler trial = *sampler;  // load_state's checks, on a copy
   trial.load_state(*m.data);
 }
+void read_rows(const Group& group, const std::string& call, const ErrorContext& caller, ShardReader& reader,
+               const LoadOptions& options, const std::vector<FSDPModule>& models, const ReadFailure& failure) {
+  try {
+    agree(group, call, caller,
+          options.in_place() ? "reading and verifying this rank's rows (in place)"
+                             : "reading and verifying this rank's rows",
+          reader.reads_in_place() ? failure.overwritten : failure.left, [&] { reader.read(options.io_threads()); });
+  } catch (...) {
+    if (reader.reads_in_place()) {
+      for (const auto& m : models) fsdp::detail::mark_broken(m, error_text(std::current_exception()), failure.remedy);
+    }
+    throw;
+  }
+}
+
 Wanted wanted_buffer(const std::string& name, const at::Tensor& b) {
   return {"model/" + name, "buffer", b.scalar_type(), b.sizes().vec(), 0, b.dim() == 0 ? 1 : b.size(0), b};
 }

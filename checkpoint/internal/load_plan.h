@@ -6,6 +6,7 @@
 #pragma once
 
 #include "checkpoint/checkpoint.h"
+#include "checkpoint/internal/collectives.h"
 #include "checkpoint/internal/reader.h"
 #include "checkpoint/internal/replicas.h"
 #include "checkpoint/manifest.h"
@@ -87,6 +88,22 @@ struct RngPlan {
 RngPlan plan_rng(const Manifest& m, int rank, std::vector<Wanted>& wanted);
 /// Restores them (or derives a new rank's): "restored", "derived" or "not saved".
 std::string apply_rng(const RngPlan& plan, int rank);
+
+/// What a failed read phase says of the models it read into: the consequence when the shards were
+/// left as they were, when they were partly overwritten, and the remedy their next use gives.
+struct ReadFailure {
+  const char* left;
+  const char* overwritten;
+  const char* remedy;
+};
+
+/// A load's second phase, "reading and verifying this rank's rows", agreed by every rank of
+/// `group`. In place (LoadOptions::in_place), the reads go into the shards: a failure anywhere
+/// leaves this rank's a mix (when it read any in place), so `models` are then marked unusable,
+/// with `failure`'s remedy. The phase's name, compared across ranks, says whether the load is in
+/// place; what this rank's error says of its shards is its own.
+void read_rows(const Group& group, const std::string& call, const ErrorContext& caller, ShardReader& reader,
+               const LoadOptions& options, const std::vector<FSDPModule>& models, const ReadFailure& failure);
 
 /// Checks that `sampler` (when given) can resume at the checkpoint's state, leaving it unchanged.
 void check_sampler(const Manifest& m, const data::DistributedSampler* sampler);

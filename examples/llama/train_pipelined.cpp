@@ -143,10 +143,15 @@ int train_pipelined(const PipelinedRun& run, fsdp::programs::Program& program) {
               << " layers in " << layout.stages() << " stages (" << run.schedule << ", " << M << " microbatches of "
               << rows << " rows per data-parallel rank)\n";
   }
-  // A tied head's copy of the embedding on the last stage: counted in the norm and exported from
-  // the first stage.
-  const std::vector<std::string> copies =
-      stages.tied_copy().defined() ? std::vector<std::string>{"model.embed_tokens.weight"} : std::vector<std::string>{};
+  // A tied head's copy of the embedding, per stage: the last stage's (when not also the first),
+  // counted in the norm and exported by the first stage.
+  std::vector<std::vector<std::string>> copies_of;
+  std::vector<std::string> copies;
+  for (const auto& m : stages.models) {
+    const bool copy = cfg.tie_word_embeddings && m->model->range.last() && !m->model->range.first();
+    copies_of.push_back(copy ? std::vector<std::string>{"model.embed_tokens.weight"} : std::vector<std::string>{});
+    if (copy) copies = copies_of.back();
+  }
   double total_ms = 0;  // the steps after the first
   for (int64_t step = first_step; step < run.steps; ++step) {
     for (auto& o : opts) o->zero_grad();
@@ -236,12 +241,6 @@ int train_pipelined(const PipelinedRun& run, fsdp::programs::Program& program) {
     if (rank == 0 && !saved.empty() && !run.json) std::cerr << program.who() << ": " << saved << "\n";
   }
   if (!run.export_hf.empty()) {
-    // A tied head's copy of the embedding is the last stage's (not also the first): written from the first.
-    std::vector<std::vector<std::string>> copies_of;
-    for (const auto& m : stages.models) {
-      const bool copy = cfg.tie_word_embeddings && m->model->range.last() && !m->model->range.first();
-      copies_of.push_back(copy ? std::vector<std::string>{"model.embed_tokens.weight"} : std::vector<std::string>{});
-    }
     hf::export_model(run.export_hf, sharded, copies_of, mesh, cfg);
     if (rank == 0 && !run.json) std::cout << "train_llama: exported to " << run.export_hf << "\n";
   }

@@ -100,16 +100,6 @@ void expect_stage_is(const FSDPModule& model, const torch::nn::Module& plain, co
   }
 }
 
-// The message of what `fn` threw ("" when nothing).
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
-
 TEST(PipelinedCheckpoint, OneModelSavedLoadsOnAnyMeshAndIntoAPlainModule) {
   run_ranks(4, [](Rank& r) {
     const std::string dir = shared_dir() + "/ckpt", again = shared_dir() + "/again";
