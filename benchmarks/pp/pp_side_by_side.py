@@ -6,11 +6,15 @@ run, interleaved, Gloo on CPU.
   python3 benchmarks/pp/pp_side_by_side.py --train-llama build/examples/train_llama \\
       --torchrun $VENV/bin/torchrun --out benchmarks/results/pp_side_by_side
 
-Per case (pp 2 and 4, GPipe and 1F1B): the mean step of each (the pipeline's step, the largest over ranks,
-the optimizer step apart; steps after the first; the median over --repeat interleaved runs) and their
-ratio, and our measured bubble (the largest share of the step a rank waited on transfers) against the
-schedule's formula (p-1)/(m+p-1). More ranks than this machine's cores measure core sharing more than
-the schedule: the bubble means something at pp 2 only.
+Per case (pp 2: GPipe, 1F1B, interleaved 1F1B with 2 stages per rank, zero bubble; pp 4: GPipe and 1F1B;
+3-D at 8 ranks: pp 2 x dp_shard 2 x tp 2, 1F1B, FSDP2 and DTensor inside PyTorch's stages): the mean step
+of each (the pipeline's step, the largest over ranks, the optimizer step apart; steps after the first; the
+median over --repeat interleaved runs) and their ratio; the peak of each (the most CPU allocator bytes live
+at once from a step's zero_grad to the end of its optimizer step, the largest over ranks and over the steps
+after the first: ours train_llama's peak_bytes, from the timed runs; PyTorch's from its profiler's
+allocation records, in runs of --peak-steps steps of their own) and their ratio; our measured bubble (the
+largest share of the step a rank waited on transfers) against the schedule's formula. More ranks than this
+machine's cores measure core sharing more than the schedule: the bubble means something at pp 2 only.
 """
 import argparse
 import json
@@ -22,8 +26,30 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "programs"))
 from torchrun_runs import run  # noqa: E402  (one process's JSON rows and summary, or exit with its output)
 
-CASES = [  # (pp, schedule, microbatches, layers)
-    (2, "gpipe", 4, 4), (2, "1f1b", 4, 4), (4, "gpipe", 8, 8), (4, "1f1b", 8, 8)]
+CASES = [  # (pp, tp, schedule, microbatches, layers, stages per rank); world = pp x dp x tp, dp = 2 at tp 2
+    (2, 1, "gpipe", 4, 4, 1), (2, 1, "1f1b", 4, 4, 1), (2, 1, "interleaved", 4, 4, 2), (2, 1, "zero-bubble", 4, 4, 1),
+    (4, 1, "gpipe", 8, 8, 1), (4, 1, "1f1b", 8, 8, 1), (2, 2, "1f1b", 4, 4, 1)]
+
+
+def world(case):
+    pp, tp = case[0], case[1]
+    return pp * tp * (2 if tp > 1 else 1)
+
+
+def formula(case):
+    """The schedule's bubble, as a share of the step: (p-1)/(m+p-1) for GPipe and 1F1B; interleaved's
+    (p-1)/(v m) of the ideal step, so (p-1)/(v m + p-1) of the step; ZB-H1's step 3m + p-1 with forward,
+    input and weight passes of one unit each (pp/simulate.h), so (p-1)/(3m + p-1)."""
+    pp, _, schedule, m, _, v = case
+    if schedule == "zero-bubble":
+        return (pp - 1) / (3 * m + pp - 1)
+    return (pp - 1) / (v * m + pp - 1) if schedule == "interleaved" else (pp - 1) / (m + pp - 1)
+
+
+def name(case):
+    pp, tp, schedule, m, layers, v = case
+    mesh = f"pp {pp} x dp_shard 2 x tp {tp}" if tp > 1 else f"pp {pp}"
+    return f"{mesh} {schedule}{f' v {v}' if v > 1 else ''} m {m} ({layers} layers)"
 
 
 def main():
@@ -33,40 +59,56 @@ def main():
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--peak-steps", type=int, default=4)
     ap.add_argument("--timeout", type=int, default=900)
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     times = {(c, side): [] for c in CASES for side in ("ours", "torch")}
-    bubbles = {c: [] for c in CASES}
+    bubbles, peaks = {c: [] for c in CASES}, {c: [] for c in CASES}
+
+    def shape(c, steps):
+        pp, tp, schedule, m, layers, v = c
+        return ["--n-layer", str(layers), "--batch-size", str(a.batch_size), "--steps", str(steps),
+                "--microbatches", str(m), "--pp", str(pp), "--tp", str(tp), "--stages-per-rank", str(v), "--json"]
+
+    def torch_side(c, steps, extra=()):
+        return run([a.torchrun, "--standalone", "--nproc-per-node", str(world(c)),
+                    os.path.join(HERE, "llama_pipelining.py"), "--schedule", c[2]] + shape(c, steps) + list(extra),
+                   a.timeout)
+
     for _ in range(a.repeat):
         for c in CASES:
-            pp, schedule, m, layers = c
-            shape = ["--n-layer", str(layers), "--batch-size", str(a.batch_size), "--steps", str(a.steps),
-                     "--microbatches", str(m), "--json"]
-            ours = run([a.torchrun, "--standalone", "--no-python", "--nproc-per-node", str(pp), a.train_llama,
-                        "--pp", str(pp), "--pp-schedule", schedule] + shape, a.timeout)
-            theirs = run([a.torchrun, "--standalone", "--nproc-per-node", str(pp),
-                          os.path.join(HERE, "llama_pipelining.py"), "--schedule", schedule] + shape, a.timeout)
+            ours = run([a.torchrun, "--standalone", "--no-python", "--nproc-per-node", str(world(c)), a.train_llama,
+                        "--pp-schedule", c[2]] + shape(c, a.steps), a.timeout)
+            theirs = torch_side(c, a.steps)
             times[(c, "ours")].append(ours[1]["mean_step_ms"])
             times[(c, "torch")].append(theirs[1]["mean_step_ms"])
             bubbles[c].append(statistics.median(r["bubble"] for r in ours[0][1:]))
+            peaks[c].append(max(r["peak_bytes"] for r in ours[0][1:]))
+    # PyTorch's peaks from runs of their own: the profiler's allocation records slow its steps.
+    torch_peaks = {c: torch_side(c, a.peak_steps, ["--peak"])[1]["peak_bytes"] for c in CASES}
     results, lines = [], []
     for c in CASES:
-        pp, schedule, m, layers = c
+        pp, tp, schedule, m, layers, v = c
         ms, tms = statistics.median(times[(c, "ours")]), statistics.median(times[(c, "torch")])
-        bubble, formula = statistics.median(bubbles[c]), (pp - 1) / (m + pp - 1)
-        results.append({"pp": pp, "schedule": schedule, "microbatches": m, "n_layer": layers, "step_ms": ms,
-                        "torch_step_ms": tms, "time_ratio": ms / tms, "bubble": bubble, "bubble_formula": formula,
-                        "step_ms_runs": times[(c, "ours")], "torch_step_ms_runs": times[(c, "torch")],
-                        "bubble_runs": bubbles[c]})
-        lines.append(f"pp {pp} {schedule:5s} m {m} ({layers} layers): step {ms:.1f} ms vs torch.distributed.pipelining "
-                     f"{tms:.1f} ms (x{ms / tms:.3f}); our bubble {bubble:.3f}, formula (p-1)/(m+p-1) {formula:.3f}")
+        bubble, peak, tpeak = statistics.median(bubbles[c]), max(peaks[c]), torch_peaks[c]
+        results.append({"pp": pp, "tp": tp, "world": world(c), "schedule": schedule, "microbatches": m,
+                        "stages_per_rank": v, "n_layer": layers, "step_ms": ms, "torch_step_ms": tms,
+                        "time_ratio": ms / tms, "peak_bytes": peak, "torch_peak_bytes": tpeak,
+                        "peak_ratio": peak / tpeak,
+                        "bubble": bubble, "bubble_formula": formula(c), "step_ms_runs": times[(c, "ours")],
+                        "torch_step_ms_runs": times[(c, "torch")], "bubble_runs": bubbles[c], "peak_runs": peaks[c]})
+        lines.append(f"{name(c)}: step {ms:.1f} ms vs torch.distributed.pipelining {tms:.1f} ms (x{ms / tms:.3f}); "
+                     f"peak {peak} B vs {tpeak} B (x{peak / tpeak:.3f}); our bubble {bubble:.3f}, "
+                     f"the schedule's {formula(c):.3f}")
     text = (f"train_llama's Llama (C 128, 4 heads, T 64, vocabulary 256), batch {a.batch_size}, {a.steps} steps, "
-            f"median of {a.repeat} interleaved runs\n" + "\n".join(lines) + "\n")
+            f"median of {a.repeat} interleaved runs; PyTorch's peaks from {a.peak_steps}-step runs under its "
+            f"profiler's memory records\n" + "\n".join(lines) + "\n")
     print(text, end="")
     if a.out:
         with open(a.out + ".json", "w") as f:
-            json.dump({"steps": a.steps, "repeat": a.repeat, "batch_size": a.batch_size, "results": results}, f,
+            json.dump({"steps": a.steps, "repeat": a.repeat, "batch_size": a.batch_size, "peak_steps": a.peak_steps,
+                       "results": results}, f,
                       indent=1)
         with open(a.out + ".txt", "w") as f:
             f.write(text)
