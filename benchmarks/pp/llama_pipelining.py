@@ -22,8 +22,9 @@ torchtitan's parallelize_llama: tensor parallelism inside each stage (q, k, v, g
 down RowwiseParallel; the embedding RowwiseParallel over the vocabulary; the head ColwiseParallel with its
 output left split over the vocabulary and the loss under loss_parallel), then FSDP2's fully_shard over the
 data-parallel dimension, each decoder layer and the stage, with reshard_after_forward=False (weights
-gathered once per step, not per microbatch). Each data-parallel rank's schedule takes its rows of the
-global batch. AdamW.
+gathered once per step, not per microbatch); at dp 1 the stages are plain modules, unless --fsdp-one-rank
+(FSDP2 over the stage's one rank, as train_llama wraps every stage). Each data-parallel rank's schedule
+takes its rows of the global batch. AdamW.
 
 Prints one JSON row per step (rank 0): the pipeline's step (schedule.step, the largest over ranks; the
 optimizer step apart, as train_llama's step_ms). With --peak, the whole run under torch.profiler's memory
@@ -89,8 +90,9 @@ class Stage(nn.Module):
         return h
 
 
-def parallelize(stage, mesh, tp, dp):
-    """torchtitan's order: tensor parallelism over mesh["tp"], then FSDP2 over mesh["dp"]."""
+def parallelize(stage, mesh, tp, dp, fsdp_one_rank):
+    """torchtitan's order: tensor parallelism over mesh["tp"], then FSDP2 over mesh["dp"] (at dp 1 only
+    with fsdp_one_rank, as train_llama wraps every stage)."""
     if tp > 1:
         for layer in stage.layers:
             parallelize_module(layer, mesh["tp"], {
@@ -106,7 +108,7 @@ def parallelize(stage, mesh, tp, dp):
             plan["head"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
         if plan:
             parallelize_module(stage, mesh["tp"], plan)
-    if dp > 1:
+    if dp > 1 or fsdp_one_rank:
         for layer in stage.layers:
             fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=False)
         fully_shard(stage, mesh=mesh["dp"], reshard_after_forward=False)
@@ -157,6 +159,8 @@ def main():
     ap.add_argument("--n-embd", type=int, default=128)
     ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--fsdp-one-rank", action="store_true",
+                    help="FSDP2 in the stages at dp 1 too, over the stage's one rank, as train_llama wraps every stage")
     ap.add_argument("--peak", action="store_true", help="measure each step's allocator peak (slower steps)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
@@ -187,7 +191,7 @@ def main():
         begin, end = cuts[index]
         layers = [i - 1 for i in range(begin, end) if 1 <= i <= a.n_layer]  # item 0 the embedding, n + 1 the head
         module = Stage(model, layers, index == 0, index == n - 1)
-        parallelize(module, mesh, a.tp, dp)
+        parallelize(module, mesh, a.tp, dp, a.fsdp_one_rank)
         modules.append(module)
         stages.append(PipelineStage(module, index, n, torch.device("cpu"), group=mesh["pp"].get_group()))
     del model

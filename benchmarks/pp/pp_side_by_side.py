@@ -15,6 +15,10 @@ after the first: ours train_llama's peak_bytes, from the timed runs; PyTorch's f
 allocation records, in runs of --peak-steps steps of their own) and their ratio; our measured bubble (the
 largest share of the step a rank waited on transfers) against the schedule's formula. More ranks than this
 machine's cores measure core sharing more than the schedule: the bubble means something at pp 2 only.
+
+train_llama wraps every stage with FSDP, over the stage's one rank at dp 1; PyTorch's stages at dp 1 are
+plain modules unless --fsdp-one-rank (FSDP2 over one rank, like for like). --schedules and --worlds pick
+cases (comma-separated: "1f1b,interleaved", "2,4").
 """
 import argparse
 import json
@@ -60,11 +64,20 @@ def main():
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--peak-steps", type=int, default=4)
+    ap.add_argument("--schedules", default="", help="only these cases' schedules (comma-separated)")
+    ap.add_argument("--worlds", default="", help="only the cases of these world sizes (comma-separated)")
+    ap.add_argument("--fsdp-one-rank", action="store_true",
+                    help="PyTorch's stages under FSDP2 at dp 1 too (over one rank), as train_llama wraps every stage")
     ap.add_argument("--timeout", type=int, default=900)
     ap.add_argument("--out", default="")
     a = ap.parse_args()
-    times = {(c, side): [] for c in CASES for side in ("ours", "torch")}
-    bubbles, peaks = {c: [] for c in CASES}, {c: [] for c in CASES}
+    cases = [c for c in CASES if (not a.schedules or c[2] in a.schedules.split(","))
+             and (not a.worlds or str(world(c)) in a.worlds.split(","))]
+    if not cases:
+        sys.exit(f"no case has --schedules {a.schedules!r} and --worlds {a.worlds!r}: the cases are "
+                 + "; ".join(f"{name(c)} at world {world(c)}" for c in CASES))
+    times = {(c, side): [] for c in cases for side in ("ours", "torch")}
+    bubbles, peaks = {c: [] for c in cases}, {c: [] for c in cases}
 
     def shape(c, steps):
         pp, tp, schedule, m, layers, v = c
@@ -73,11 +86,12 @@ def main():
 
     def torch_side(c, steps, extra=()):
         return run([a.torchrun, "--standalone", "--nproc-per-node", str(world(c)),
-                    os.path.join(HERE, "llama_pipelining.py"), "--schedule", c[2]] + shape(c, steps) + list(extra),
+                    os.path.join(HERE, "llama_pipelining.py"), "--schedule", c[2]] + shape(c, steps) + list(extra)
+                   + (["--fsdp-one-rank"] if a.fsdp_one_rank else []),
                    a.timeout)
 
     for _ in range(a.repeat):
-        for c in CASES:
+        for c in cases:
             ours = run([a.torchrun, "--standalone", "--no-python", "--nproc-per-node", str(world(c)), a.train_llama,
                         "--pp-schedule", c[2]] + shape(c, a.steps), a.timeout)
             theirs = torch_side(c, a.steps)
@@ -86,9 +100,9 @@ def main():
             bubbles[c].append(statistics.median(r["bubble"] for r in ours[0][1:]))
             peaks[c].append(max(r["peak_bytes"] for r in ours[0][1:]))
     # PyTorch's peaks from runs of their own: the profiler's allocation records slow its steps.
-    torch_peaks = {c: torch_side(c, a.peak_steps, ["--peak"])[1]["peak_bytes"] for c in CASES}
+    torch_peaks = {c: torch_side(c, a.peak_steps, ["--peak"])[1]["peak_bytes"] for c in cases}
     results, lines = [], []
-    for c in CASES:
+    for c in cases:
         pp, tp, schedule, m, layers, v = c
         ms, tms = statistics.median(times[(c, "ours")]), statistics.median(times[(c, "torch")])
         bubble, peak, tpeak = statistics.median(bubbles[c]), max(peaks[c]), torch_peaks[c]
@@ -103,7 +117,8 @@ def main():
                      f"the schedule's {formula(c):.3f}")
     text = (f"train_llama's Llama (C 128, 4 heads, T 64, vocabulary 256), batch {a.batch_size}, {a.steps} steps, "
             f"median of {a.repeat} interleaved runs; PyTorch's peaks from {a.peak_steps}-step runs under its "
-            f"profiler's memory records\n" + "\n".join(lines) + "\n")
+            f"profiler's memory records" + ("; PyTorch's stages under FSDP2 at dp 1 too" if a.fsdp_one_rank else "")
+            + "\n" + "\n".join(lines) + "\n")
     print(text, end="")
     if a.out:
         with open(a.out + ".json", "w") as f:
