@@ -86,10 +86,18 @@ class Checkpoints {
 
   /// With --resume, the checkpoint to resume from (its sampler's seed into `seed`); "" without
   /// --resume, or when the directory holds none yet, which rank 0 says on stderr (after `who`).
+  /// The run continues with the checkpoint's seed (its weights and data order came from it): a
+  /// --seed that differs is said on stderr, not silently replaced.
   std::string resume_from(uint64_t& seed, int rank, const std::string& who) const {
     if (!resume_) return "";
+    const uint64_t requested = seed;
     const std::string path = latest(seed);
     if (path.empty() && rank == 0) std::cerr << who << ": no checkpoint under '" << dir_ << "'; starting at step 0\n";
+    if (!path.empty() && seed != requested && rank == 0) {
+      std::cerr << who << ": warning: --seed " << requested << " ignored: resuming '" << path
+                << "' continues with the checkpoint's seed " << seed
+                << " (its data order); to train with another seed, start a new --save-dir\n";
+    }
     return path;
   }
 

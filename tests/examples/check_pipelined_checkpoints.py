@@ -5,7 +5,9 @@ whole model, resumed on any mesh, training continuing as uninterrupted.
 - The issue's command: `--nproc-per-node 4 --n-layer 4 --pp 2 --tp 2 --microbatches 4 --pp-schedule
   1f1b --steps 5 --seed 1 --json --save-dir D --save-every 3`, then `--n-layer 4 --steps 8 --seed 1
   --json --save-dir D --resume` at one rank continues the uninterrupted 8-step losses of one rank
-  (1e-5 relative); the same checkpoint resumed at (pp 4) on 4 ranks too.
+  (1e-5 relative); the same checkpoint resumed at (pp 4) on 4 ranks too, given --seed 2: the
+  checkpoint's seed continues (the same losses), and the program says on stderr that --seed 2 is
+  ignored.
 - Saved at (pp 2, dp_shard 2) with a tied embedding and head, clipped, 5 layers (uneven stages):
   resumed at one rank and at (pp 4, 4 ranks) continuing one rank's uninterrupted losses (1e-5).
 - `--export-hf` from that pipelined run, bit for bit the export of its checkpoint loaded at one
@@ -33,8 +35,8 @@ from torchrun_runs import Agent, agent_env, command, run, torchrun_cmd, wait_for
 PROMPT = [1, 5, 9, 200, 3, 77, 12, 255, 0, 31]
 
 
-def losses(a, ranks, args):
-    rows, _ = run(command(a.train_llama, a.torchrun, ranks, args), a.timeout)
+def losses(a, ranks, args, stderr=None):
+    rows, _ = run(command(a.train_llama, a.torchrun, ranks, args), a.timeout, stderr_out=stderr)
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
@@ -108,9 +110,14 @@ def main():
             sys.exit(f"FAILED: no checkpoint step-000003 under {d}: {os.listdir(d)}")
         continues("saved at (pp 2, tp 2), resumed at one rank",
                   losses(a, 1, base + ["--steps", "8", "--save-dir", d, "--resume"]), whole, 3, 8)
-        continues("saved at (pp 2, tp 2), resumed at (pp 4)",
-                  losses(a, 4, base + ["--pp", "4", "--microbatches", "4", "--steps", "8", "--save-dir", d,
-                                       "--resume"]), whole, 3, 8)
+        # With another --seed: the checkpoint's seed continues, and the program says so.
+        said = []
+        reseeded = [x if x != "1" else "2" for x in base]
+        continues("saved at (pp 2, tp 2), resumed at (pp 4) with --seed 2",
+                  losses(a, 4, reseeded + ["--pp", "4", "--microbatches", "4", "--steps", "8", "--save-dir", d,
+                                           "--resume"], said), whole, 3, 8)
+        if "--seed 2 ignored" not in said[0] or "the checkpoint's seed 1" not in said[0]:
+            sys.exit(f"FAILED: --resume with --seed 2 over a seed-1 checkpoint said nothing of it:\n{said[0]}")
 
         # (pp 2, dp_shard 2), tied, clipped, 5 layers: resumed at one rank and at (pp 4); its export.
         e, x1, x2 = (os.path.join(tmp, n) for n in ("dp", "exported-pp", "exported-one"))
