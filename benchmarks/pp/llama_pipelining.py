@@ -10,10 +10,10 @@ Run under torchrun (one process per rank, Gloo on CPU):
 The model is transformers' LlamaForCausalLM with train_llama's shape flags (random weights: this measures
 time and memory, not values), cut as torchtitan cuts it: each rank keeps its stages' decoder layers (the
 first stage the embedding too, the last the final norm and the head) and drops the rest. The split is
-train_llama's (fsdp::pp::StageSplit::uniform): the embedding and the head weigh as layers, the n_layer + 2
-of them cut into pp x stages-per-rank stages of equal size, the earlier stages the lighter where they cannot
-all be equal; with several stages per rank the layout is looped (rank r holds stages r, r + pp, ...), as
-train_llama's. Schedules: ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, and
+train_llama's (fsdp::pp::StageSplit::uniform, ported in split()): every stage holds at least one decoder
+layer, the embedding and the head weigh as layers on the first and last stage, the heaviest stage as light
+as it can be, the earlier stages the lighter; with several stages per rank the layout is looped (rank r
+holds stages r, r + pp, ...), as train_llama's. Schedules: ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, and
 ScheduleInterleavedZeroBubble with one stage per rank (ZB1P, the zero-bubble schedule train_llama's
 zero-bubble is: its backward split into input and weight passes).
 
@@ -27,14 +27,15 @@ gathered once per step, not per microbatch); at dp 1 the stages are plain module
 takes its rows of the global batch. AdamW.
 
 Prints one JSON row per step (rank 0): the pipeline's step (schedule.step, the largest over ranks; the
-optimizer step apart, as train_llama's step_ms). With --peak, the whole run under torch.profiler's memory
-records (profile_memory: every allocation and free of the CPU allocator, the bytes train_llama's counting
-allocator sees): each row adds peak_bytes, the most bytes live at once from the step's zero_grad to the end
-of its optimizer step, as train_llama's peak_bytes, the largest over ranks. The profiler slows the steps: time
-and peak come from separate runs.
+optimizer step apart, as train_llama's step_ms). With --counting-lib build/fsdp/libtorch_fsdp.so, the
+library's counting CPU allocator, loaded with ctypes and enabled before the model is built (as
+benchmarks/fsdp/fsdp2_gpt.py measures FSDP2), counts every allocation of every thread as in train_llama:
+each row adds peak_bytes, the most bytes live at once from the step's zero_grad to the end of its
+optimizer step, as train_llama's peak_bytes, the largest over ranks.
 """
 import argparse
 import contextlib
+import ctypes
 import json
 import os
 import sys
@@ -44,7 +45,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch._C._profiler import _EventType
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
@@ -54,15 +54,34 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from transformers import LlamaConfig, LlamaForCausalLM
 
 
-def split(n_layer, stages):
-    """Each stage's (first, end) over the items embedding, layers 0..n-1, head (train_llama's uniform split)."""
-    items = n_layer + 2
-    base, extra = divmod(items, stages)
-    sizes = [base + (1 if s >= stages - extra else 0) for s in range(stages)]
-    out, at = [], 0
-    for s in sizes:
-        out.append((at, at + s))
-        at += s
+def split(n_layer, stages, first=1.0, last=1.0):
+    """Each stage's decoder layers (first, end): train_llama's split (fsdp::pp::StageSplit::uniform, its
+    pp/stage_split.cpp ported): every stage holds at least one layer, a layer weighs 1 and the embedding
+    and the head `first` and `last` on the first and last stage; the heaviest stage as light as it can
+    be, and within that each stage from the first takes as few layers as it may."""
+    L = n_layer
+    if L < stages:
+        sys.exit(f"{L} layers cannot fill {stages} stages (each holds at least one layer)")
+
+    def cost(s, b, e):
+        return (e - b) + (first if s == 0 else 0.0) + (last if s == stages - 1 else 0.0)
+
+    inf = float("inf")
+    best = [[inf] * (L + 1) for _ in range(stages + 1)]
+    best[stages][L] = 0.0
+    for s in range(stages - 1, -1, -1):
+        for b in range(s, L - (stages - s) + 1):
+            for e in range(b + 1, L - (stages - s - 1) + 1):
+                best[s][b] = min(best[s][b], max(cost(s, b, e), best[s + 1][e]))
+    top = best[0][0]
+    slack = 1e-9 * max(1.0, top)
+    out, b = [], 0
+    for s in range(stages):
+        e = b + 1
+        while (e < L) if s == stages - 1 else not (cost(s, b, e) <= top + slack and best[s + 1][e] <= top + slack):
+            e += 1
+        out.append((b, e))
+        b = e
     return out
 
 
@@ -118,22 +137,6 @@ def local(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def step_peaks(prof, steps):
-    """Each step's most bytes live at once over its window (its record_function span): the CPU allocator's
-    count of live bytes at each of the profiler's allocation records (total_allocated: every allocation since
-    the profiler began, before the model was built, less those freed)."""
-    spans, live = {}, []
-    todo = list(prof.profiler.kineto_results.experimental_event_tree())
-    while todo:
-        e = todo.pop()
-        todo.extend(e.children)
-        if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":
-            live.append((e.start_time_ns, e.extra_fields.total_allocated))
-        elif e.name.startswith("pp_step_"):
-            spans[int(e.name[len("pp_step_"):])] = (e.start_time_ns, e.end_time_ns)
-    return [max((b for at, b in live if spans[s][0] <= at <= spans[s][1]), default=0) for s in range(steps)]
-
-
 def run_schedule(schedule, stages, last, ids, losses):
     """One step: the first stage's rank gives the inputs, the last stage's the targets."""
     if stages[0].is_first:
@@ -161,7 +164,8 @@ def main():
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--fsdp-one-rank", action="store_true",
                     help="FSDP2 in the stages at dp 1 too, over the stage's one rank, as train_llama wraps every stage")
-    ap.add_argument("--peak", action="store_true", help="measure each step's allocator peak (slower steps)")
+    ap.add_argument("--counting-lib", default="",
+                    help="libtorch_fsdp.so: count the CPU allocator's bytes with it (each row's peak_bytes)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     torch.set_num_threads(1)
@@ -173,12 +177,17 @@ def main():
         sys.exit(f"--pp {P} x --tp {a.tp} does not divide the world of {world}")
     V = a.stages_per_rank or (2 if a.schedule == "interleaved" else 1)
     M = a.microbatches or P
+    if V > 1 and a.schedule in ("gpipe", "1f1b"):
+        sys.exit(f"--stages-per-rank {V}: {a.schedule} runs one stage per rank (interleaved runs several)")
+    if a.batch_size % dp or (a.batch_size // dp) % M:
+        sys.exit(f"--batch-size {a.batch_size} does not split over {dp} data-parallel ranks into {M} microbatches")
     mesh = init_device_mesh("cpu", (P, dp, a.tp), mesh_dim_names=("pp", "dp", "tp"))
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
-    prof = None
-    if a.peak:
-        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
-        prof.__enter__()
+    lib = None
+    if a.counting_lib:
+        lib = ctypes.CDLL(a.counting_lib)
+        lib.fsdp_memory_cpu_peak_bytes.restype = ctypes.c_int64
+        lib.fsdp_memory_enable_cpu_counting()
     cfg = LlamaConfig(vocab_size=a.vocab, hidden_size=a.n_embd, intermediate_size=4 * a.n_embd,
                       num_hidden_layers=a.n_layer, num_attention_heads=a.n_head, num_key_value_heads=a.n_head,
                       max_position_embeddings=a.block_size, tie_word_embeddings=False, attn_implementation="sdpa")
@@ -189,7 +198,7 @@ def main():
     stages, modules = [], []
     for index in range(pp_rank, n, P):  # looped: rank r holds stages r, r + P, ...
         begin, end = cuts[index]
-        layers = [i - 1 for i in range(begin, end) if 1 <= i <= a.n_layer]  # item 0 the embedding, n + 1 the head
+        layers = list(range(begin, end))
         module = Stage(model, layers, index == 0, index == n - 1)
         parallelize(module, mesh, a.tp, dp, a.fsdp_one_rank)
         modules.append(module)
@@ -207,16 +216,15 @@ def main():
         kind = {"interleaved": ScheduleInterleaved1F1B, "zero-bubble": ScheduleInterleavedZeroBubble}[a.schedule]
         schedule = kind(stages, n_microbatches=M, loss_fn=loss_fn)
     params = [p for m in modules for p in m.parameters()]
-    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
+    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, fused=True)  # train_llama's is FusedAdamW
     g = torch.Generator().manual_seed(a.seed)
     rows = a.batch_size // dp
-    total = 0.0
+    total, peaks = 0.0, []
     for step in range(a.steps):
         ids = torch.randint(a.vocab, (a.batch_size, a.block_size + 1), generator=g)[dp_rank * rows:(dp_rank + 1) * rows]
-        span = torch.profiler.record_function(f"pp_step_{step}") if prof else None
-        if span:
-            span.__enter__()
         opt.zero_grad()
+        if lib:
+            lib.fsdp_memory_reset_cpu_peak()
         t0 = time.perf_counter()
         losses = []
         # The head's output split over the vocabulary: its loss and that loss's backward (inside the
@@ -225,30 +233,22 @@ def main():
             run_schedule(schedule, stages, last, ids, losses)
         ms = torch.tensor([(time.perf_counter() - t0) * 1000], dtype=torch.double)
         opt.step()
-        if span:
-            span.__exit__(None, None, None)
+        peak = torch.tensor([lib.fsdp_memory_cpu_peak_bytes() if lib else 0], dtype=torch.long)
         dist.all_reduce(ms, op=dist.ReduceOp.MAX)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         loss = torch.tensor([sum(local(l).item() for l in losses) / M if losses else 0.0], dtype=torch.double)
         dist.all_reduce(loss)
         if step > 0:
             total += ms.item()
-        if rank == 0 and a.json and not prof:
-            print(json.dumps({"step": step, "loss": loss.item() / (dp * a.tp), "step_ms": ms.item(), "pp": P,
-                              "dp": dp, "tp": a.tp, "microbatches": M, "stages_per_rank": V}), flush=True)
-    peaks = None
-    if prof:
-        prof.__exit__(None, None, None)
-        peaks = torch.tensor(step_peaks(prof, a.steps), dtype=torch.long)
-        dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+            peaks.append(peak.item())
         if rank == 0 and a.json:
-            for step in range(a.steps):
-                print(json.dumps({"step": step, "peak_bytes": peaks[step].item(), "pp": P, "dp": dp, "tp": a.tp}),
-                      flush=True)
+            print(json.dumps({"step": step, "loss": loss.item() / (dp * a.tp), "step_ms": ms.item(),
+                              "peak_bytes": peak.item() if lib else None, "pp": P, "dp": dp, "tp": a.tp,
+                              "microbatches": M, "stages_per_rank": V}), flush=True)
     if rank == 0 and a.json:
         print(json.dumps({"summary": True, "mean_step_ms": total / max(1, a.steps - 1), "pp": P, "dp": dp,
                           "tp": a.tp, "schedule": a.schedule, "microbatches": M, "stages_per_rank": V,
-                          "peak_bytes": max(peaks[1:].tolist()) if peaks is not None and a.steps > 1 else None}),
-              flush=True)
+                          "peak_bytes": max(peaks) if lib and peaks else None}), flush=True)
     dist.barrier()
     dist.destroy_process_group()
     # As benchmarks/tp/llama_dtensor.py: Gloo's threads torn down at the interpreter's exit sometimes end

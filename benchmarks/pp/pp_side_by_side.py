@@ -11,8 +11,9 @@ Per case (pp 2: GPipe, 1F1B, interleaved 1F1B with 2 stages per rank, zero bubbl
 of each (the pipeline's step, the largest over ranks, the optimizer step apart; steps after the first; the
 median over --repeat interleaved runs) and their ratio; the peak of each (the most CPU allocator bytes live
 at once from a step's zero_grad to the end of its optimizer step, the largest over ranks and over the steps
-after the first: ours train_llama's peak_bytes, from the timed runs; PyTorch's from its profiler's
-allocation records, in runs of --peak-steps steps of their own) and their ratio; our measured bubble (the
+after the first, the most over the runs; both counted by the library's counting CPU allocator, train_llama's
+peak_bytes and, loaded into PyTorch's ranks with ctypes (--counting-lib), llama_pipelining.py's) and their
+ratio; our measured bubble (the
 largest share of the step a rank waited on transfers) against the schedule's formula. More ranks than this
 machine's cores measure core sharing more than the schedule: the bubble means something at pp 2 only.
 
@@ -63,7 +64,9 @@ def main():
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--peak-steps", type=int, default=4)
+    ap.add_argument("--counting-lib", default="",
+                    help="libtorch_fsdp.so, whose counting allocator measures PyTorch's peaks (default: the one "
+                         "beside --train-llama's build, build/fsdp/libtorch_fsdp.so)")
     ap.add_argument("--schedules", default="", help="only these cases' schedules (comma-separated)")
     ap.add_argument("--worlds", default="", help="only the cases of these world sizes (comma-separated)")
     ap.add_argument("--fsdp-one-rank", action="store_true",
@@ -71,23 +74,27 @@ def main():
     ap.add_argument("--timeout", type=int, default=900)
     ap.add_argument("--out", default="")
     a = ap.parse_args()
+    lib = a.counting_lib or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(a.train_llama))), "fsdp",
+                                         "libtorch_fsdp.so")
+    if not os.path.isfile(lib):
+        sys.exit(f"no counting allocator library at {lib}: pass --counting-lib build/fsdp/libtorch_fsdp.so")
     cases = [c for c in CASES if (not a.schedules or c[2] in a.schedules.split(","))
              and (not a.worlds or str(world(c)) in a.worlds.split(","))]
     if not cases:
         sys.exit(f"no case has --schedules {a.schedules!r} and --worlds {a.worlds!r}: the cases are "
                  + "; ".join(f"{name(c)} at world {world(c)}" for c in CASES))
     times = {(c, side): [] for c in cases for side in ("ours", "torch")}
-    bubbles, peaks = {c: [] for c in cases}, {c: [] for c in cases}
+    bubbles, peaks, torch_peaks = {c: [] for c in cases}, {c: [] for c in cases}, {c: [] for c in cases}
 
     def shape(c, steps):
         pp, tp, schedule, m, layers, v = c
         return ["--n-layer", str(layers), "--batch-size", str(a.batch_size), "--steps", str(steps),
                 "--microbatches", str(m), "--pp", str(pp), "--tp", str(tp), "--stages-per-rank", str(v), "--json"]
 
-    def torch_side(c, steps, extra=()):
+    def torch_side(c, steps):
         return run([a.torchrun, "--standalone", "--nproc-per-node", str(world(c)),
-                    os.path.join(HERE, "llama_pipelining.py"), "--schedule", c[2]] + shape(c, steps) + list(extra)
-                   + (["--fsdp-one-rank"] if a.fsdp_one_rank else []),
+                    os.path.join(HERE, "llama_pipelining.py"), "--schedule", c[2], "--counting-lib", lib]
+                   + shape(c, steps) + (["--fsdp-one-rank"] if a.fsdp_one_rank else []),
                    a.timeout)
 
     for _ in range(a.repeat):
@@ -99,31 +106,31 @@ def main():
             times[(c, "torch")].append(theirs[1]["mean_step_ms"])
             bubbles[c].append(statistics.median(r["bubble"] for r in ours[0][1:]))
             peaks[c].append(max(r["peak_bytes"] for r in ours[0][1:]))
-    # PyTorch's peaks from runs of their own: the profiler's allocation records slow its steps.
-    torch_peaks = {c: torch_side(c, a.peak_steps, ["--peak"])[1]["peak_bytes"] for c in cases}
+            torch_peaks[c].append(theirs[1]["peak_bytes"])
     results, lines = [], []
     for c in cases:
         pp, tp, schedule, m, layers, v = c
         ms, tms = statistics.median(times[(c, "ours")]), statistics.median(times[(c, "torch")])
-        bubble, peak, tpeak = statistics.median(bubbles[c]), max(peaks[c]), torch_peaks[c]
+        bubble, peak, tpeak = statistics.median(bubbles[c]), max(peaks[c]), max(torch_peaks[c])
         results.append({"pp": pp, "tp": tp, "world": world(c), "schedule": schedule, "microbatches": m,
                         "stages_per_rank": v, "n_layer": layers, "step_ms": ms, "torch_step_ms": tms,
                         "time_ratio": ms / tms, "peak_bytes": peak, "torch_peak_bytes": tpeak,
                         "peak_ratio": peak / tpeak,
                         "bubble": bubble, "bubble_formula": formula(c), "step_ms_runs": times[(c, "ours")],
-                        "torch_step_ms_runs": times[(c, "torch")], "bubble_runs": bubbles[c], "peak_runs": peaks[c]})
+                        "torch_step_ms_runs": times[(c, "torch")], "bubble_runs": bubbles[c], "peak_runs": peaks[c],
+                        "torch_peak_runs": torch_peaks[c]})
         lines.append(f"{name(c)}: step {ms:.1f} ms vs torch.distributed.pipelining {tms:.1f} ms (x{ms / tms:.3f}); "
                      f"peak {peak} B vs {tpeak} B (x{peak / tpeak:.3f}); our bubble {bubble:.3f}, "
                      f"the schedule's {formula(c):.3f}")
     text = (f"train_llama's Llama (C 128, 4 heads, T 64, vocabulary 256), batch {a.batch_size}, {a.steps} steps, "
-            f"median of {a.repeat} interleaved runs; PyTorch's peaks from {a.peak_steps}-step runs under its "
-            f"profiler's memory records" + ("; PyTorch's stages under FSDP2 at dp 1 too" if a.fsdp_one_rank else "")
+            f"median of {a.repeat} interleaved runs; peaks the most over the runs, both from the library's "
+            f"counting allocator" + ("; PyTorch's stages under FSDP2 at dp 1 too" if a.fsdp_one_rank else "")
             + "\n" + "\n".join(lines) + "\n")
     print(text, end="")
     if a.out:
         with open(a.out + ".json", "w") as f:
-            json.dump({"steps": a.steps, "repeat": a.repeat, "batch_size": a.batch_size, "peak_steps": a.peak_steps,
-                       "results": results}, f,
+            json.dump({"steps": a.steps, "repeat": a.repeat, "batch_size": a.batch_size,
+                       "fsdp_one_rank": a.fsdp_one_rank, "results": results}, f,
                       indent=1)
         with open(a.out + ".txt", "w") as f:
             f.write(text)

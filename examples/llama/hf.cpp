@@ -233,6 +233,28 @@ void export_model(const std::string& out, const std::vector<fsdp::FSDPModule>& m
       if (std::find(skip.begin(), skip.end(), s.name) == skip.end()) held.emplace(s.name, &s);
     }
   }
+  // The stages against the config, on every rank before anything is written or exchanged: a rank
+  // that threw here alone would leave the others waiting in the first all-reduce below.
+  std::string wrong;
+  size_t found = 0;
+  for (const auto& record : records) {
+    const auto it = held.find(record.name);
+    if (it == held.end()) continue;
+    ++found;
+    const fsdp::ShardSpec& s = *it->second;
+    std::vector<int64_t> shape = s.global_shape;
+    if (s.tp.split()) shape[s.tp.dim] *= s.tp.parts;
+    if (shape != record.shape && wrong.empty()) wrong = "'" + s.name + "' is not of the shape the config gives";
+  }
+  if (found != held.size() && wrong.empty()) wrong = "the model holds tensors its config does not name";
+  at::Tensor bad = at::full({1}, wrong.empty() ? 0 : 1, at::kInt);
+  fsdp::all_reduce(mesh.world(), bad, c10d::ReduceOp::MAX);
+  if (bad.item<int>() != 0) {
+    throw std::logic_error("llama::hf::export_model on global rank " + std::to_string(mesh.rank()) + ": " +
+                           (wrong.empty() ? std::string("another rank's stages do not match the config")
+                                          : wrong) +
+                           "; nothing was written");
+  }
   std::unique_ptr<fsdp::checkpoint::SafetensorsWriter> file;
   if (writer) {
     write_config(out, c);
@@ -240,7 +262,6 @@ void export_model(const std::string& out, const std::vector<fsdp::FSDPModule>& m
                                                                  std::map<std::string, std::string>{{"format", "pt"}});
   }
   const int tp_rank = mesh.coordinate(fsdp::kTensorDim);
-  size_t found = 0;
   for (const auto& record : records) {
     // Every element comes from exactly one rank (the first replica's rows of the stage that holds
     // the tensor; a parameter tensor parallelism does not split from tp rank 0), so the sum is exact.
@@ -248,12 +269,6 @@ void export_model(const std::string& out, const std::vector<fsdp::FSDPModule>& m
     const auto it = held.find(record.name);
     if (it != held.end()) {
       const fsdp::ShardSpec& s = *it->second;
-      std::vector<int64_t> shape = s.global_shape;
-      if (s.tp.split()) shape[s.tp.dim] *= s.tp.parts;
-      if (shape != record.shape) {
-        throw std::logic_error("llama::hf::export_model: '" + s.name + "' is not of the shape the config gives");
-      }
-      ++found;
       if (s.replica_rank == 0 && (s.tp.split() || tp_rank == 0) && s.row_end > s.row_begin) {
         at::Tensor part =
             s.tp.split() ? full.narrow(s.tp.dim, s.tp.part * s.global_shape[s.tp.dim], s.global_shape[s.tp.dim]) : full;
@@ -262,9 +277,6 @@ void export_model(const std::string& out, const std::vector<fsdp::FSDPModule>& m
     }
     fsdp::all_reduce(mesh.world(), full);
     if (file) file->write(full.data_ptr(), static_cast<uint64_t>(full.nbytes()));
-  }
-  if (found != held.size()) {
-    throw std::logic_error("llama::hf::export_model: the model holds tensors its config does not name");
   }
   if (file) file->finish();
 }

@@ -38,7 +38,8 @@ void export_model(const std::string& out, const fsdp::FSDPModule& model, const f
 /// The same from a pipelined model: this rank's stages' models, `copies[i]` the names of tensors
 /// model i holds as copies of an earlier stage's (a tied head's embedding on the last stage,
 /// written from the first). Every tensor of the whole model assembled over the mesh's world, one
-/// all-reduce each.
+/// all-reduce each. Stages that do not match `config` (a shape, a tensor it does not name) throw
+/// std::logic_error on every rank, before anything is written.
 void export_model(const std::string& out, const std::vector<fsdp::FSDPModule>& models,
                   const std::vector<std::vector<std::string>>& copies, const fsdp::DeviceMesh& mesh,
                   const Config& config);
