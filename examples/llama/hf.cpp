@@ -251,8 +251,7 @@ void export_model(const std::string& out, const std::vector<fsdp::FSDPModule>& m
   fsdp::all_reduce(mesh.world(), bad, c10d::ReduceOp::MAX);
   if (bad.item<int>() != 0) {
     throw std::logic_error("llama::hf::export_model on global rank " + std::to_string(mesh.rank()) + ": " +
-                           (wrong.empty() ? std::string("another rank's stages do not match the config")
-                                          : wrong) +
+                           (wrong.empty() ? std::string("another rank's stages do not match the config") : wrong) +
                            "; nothing was written");
   }
   std::unique_ptr<fsdp::checkpoint::SafetensorsWriter> file;
