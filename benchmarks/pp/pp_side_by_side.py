@@ -86,22 +86,22 @@ def main():
     times = {(c, side): [] for c in cases for side in ("ours", "torch")}
     bubbles, peaks, torch_peaks = {c: [] for c in cases}, {c: [] for c in cases}, {c: [] for c in cases}
 
-    def shape(c, steps):
+    def shape(c):
         pp, tp, schedule, m, layers, v = c
-        return ["--n-layer", str(layers), "--batch-size", str(a.batch_size), "--steps", str(steps),
+        return ["--n-layer", str(layers), "--batch-size", str(a.batch_size), "--steps", str(a.steps),
                 "--microbatches", str(m), "--pp", str(pp), "--tp", str(tp), "--stages-per-rank", str(v), "--json"]
 
-    def torch_side(c, steps):
+    def torch_side(c):
         return run([a.torchrun, "--standalone", "--nproc-per-node", str(world(c)),
                     os.path.join(HERE, "llama_pipelining.py"), "--schedule", c[2], "--counting-lib", lib]
-                   + shape(c, steps) + (["--fsdp-one-rank"] if a.fsdp_one_rank else []),
+                   + shape(c) + (["--fsdp-one-rank"] if a.fsdp_one_rank else []),
                    a.timeout)
 
     for _ in range(a.repeat):
         for c in cases:
             ours = run([a.torchrun, "--standalone", "--no-python", "--nproc-per-node", str(world(c)), a.train_llama,
-                        "--pp-schedule", c[2]] + shape(c, a.steps), a.timeout)
-            theirs = torch_side(c, a.steps)
+                        "--pp-schedule", c[2]] + shape(c), a.timeout)
+            theirs = torch_side(c)
             times[(c, "ours")].append(ours[1]["mean_step_ms"])
             times[(c, "torch")].append(theirs[1]["mean_step_ms"])
             bubbles[c].append(statistics.median(r["bubble"] for r in ours[0][1:]))
