@@ -10,7 +10,9 @@
 // 7 is model.layers.7 on whichever rank holds it), the embedding on the first stage and the final
 // norm and head on the last (a tied head: the embedding's weight, on the last stage too). Every
 // weight is drawn from a generator seeded by (seed, its name) (fsdp::pp::parameter_generator), so
-// a stage's weights are those of the same layers in the whole model.
+// a stage's weights are those of the same layers in the whole model. Each layer initializes itself
+// as it is built, so inside an fsdp::ShardingScope (train_llama --build-sharded) each is sharded
+// with its weights drawn, and the model, or a stage, never exists whole on a rank.
 //
 // Per decoder layer the tensor-parallel collectives are Megatron's four: one all-reduce forward
 // after o_proj and one after down_proj, and backward one for the attention's input gradient (q, k
@@ -144,6 +146,28 @@ inline std::vector<SplitParameter> split_parameters(const torch::nn::Module& mod
   add("", model);  // the model itself, without named_modules' include_self (it may not be held yet)
   for (const auto& item : model.named_modules("", /*include_self=*/false)) add(item.key(), *item.value());
   return out;
+}
+
+/// transformers' initialization (LlamaPreTrainedModel._init_weights) of `module`'s parameters
+/// whose full names (`prefix` + their names in `module`) do not start with `skip`: every linear
+/// and embedding weight drawn from N(0, 0.02), the norms' ones. Each weight is drawn in full from
+/// its own generator (fsdp::pp::parameter_generator(seed, its full name)) and this rank keeps its
+/// part (fsdp::SplitModule): the same model at every tensor-parallel and pipeline size, whichever
+/// module initializes it and whenever. (The layers' own initialization is torch::nn's, N(0, 1)
+/// for the embedding: as a tied head's logits, far too large to train from.)
+inline void init_weights(const torch::nn::Module& module, const std::string& prefix, uint64_t seed,
+                         const std::string& skip = "") {
+  torch::NoGradGuard no_grad;
+  for (auto& sp : split_parameters(module)) {
+    const std::string name = prefix + sp.name;
+    if (!sp.split || (!skip.empty() && name.rfind(skip, 0) == 0)) continue;  // a norm: its ones
+    const fsdp::TensorSplit how = *sp.split;
+    std::vector<int64_t> full = sp.param.sizes().vec();
+    if (how.split()) full[how.dim] *= how.parts;
+    auto w = torch::randn(full, fsdp::pp::parameter_generator(seed, name)) * 0.02;
+    if (how.split()) w = w.narrow(how.dim, how.part * sp.param.size(how.dim), sp.param.size(how.dim));
+    sp.param.copy_(w);
+  }
 }
 
 struct RMSNormImpl : torch::nn::Module {
@@ -297,12 +321,18 @@ struct MLPImpl : torch::nn::Module {
 };
 TORCH_MODULE(MLP);
 
+/// Decoder layer `index` initializes its own weights (init_weights, from `init_seed` and its full
+/// names model.layers.N.…) in its constructor: inside an fsdp::ShardingScope the fsdp::Sharded
+/// layer is sharded as soon as this constructor returns, so nothing after it could.
 struct DecoderLayerImpl : torch::nn::Module {
-  DecoderLayerImpl(const Config& c, const fsdp::tp::Group& g, std::shared_ptr<RotaryTables> rope)
+  DecoderLayerImpl(const Config& c, const fsdp::tp::Group& g, std::shared_ptr<RotaryTables> rope, int64_t index,
+                   uint64_t init_seed)
       : self_attn(register_module("self_attn", Attention(c, g, std::move(rope)))),
         mlp(register_module("mlp", MLP(c, g))),
         input_layernorm(register_module("input_layernorm", norm(c, g))),
-        post_attention_layernorm(register_module("post_attention_layernorm", norm(c, g))) {}
+        post_attention_layernorm(register_module("post_attention_layernorm", norm(c, g))) {
+    init_weights(*this, "model.layers." + std::to_string(index) + ".", init_seed);
+  }
   static RMSNorm norm(const Config& c, const fsdp::tp::Group& g) {
     return RMSNorm(c.n_embd, c.rms_norm_eps, sp_group(c, g), c.reference_path);
   }
@@ -323,7 +353,7 @@ struct DecoderLayerImpl : torch::nn::Module {
 /// would renumber them from 0), the final norm if it is the last.
 struct LlamaModelImpl : torch::nn::Module {
   LlamaModelImpl(const Config& c, const fsdp::tp::Group& blocks, const fsdp::tp::Group& vocab,
-                 const fsdp::pp::LayerRange& range)
+                 const fsdp::pp::LayerRange& range, uint64_t init_seed)
       : range(range), rope(std::make_shared<RotaryTables>(c.hd(), c.rope_theta)) {
     if (range.first() || (range.last() && c.tie_word_embeddings)) {
       embed_tokens = register_module(
@@ -334,7 +364,7 @@ struct LlamaModelImpl : torch::nn::Module {
     }
     std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> by_index;
     for (int64_t i = range.begin; i < range.end; ++i) {
-      fsdp::Sharded<DecoderLayerImpl> layer(c, blocks, rope);
+      fsdp::Sharded<DecoderLayerImpl> layer(c, blocks, rope, i, init_seed);
       if (c.checkpoint_every > 0 && (i + 1) % c.checkpoint_every == 0) layer->set_activation_checkpointing(true);
       by_index.emplace_back(std::to_string(i), layer.ptr());
       unit.push_back(layer);
@@ -370,33 +400,16 @@ struct LlamaForCausalLMImpl : torch::nn::Module {
       : config(checked(c, blocks.size(), range)),
         init_seed(fsdp::pp::draw_seed()),
         vocab(vocab),
-        model(
-            register_module("model", LlamaModel(c, blocks, vocab, range.value_or(fsdp::pp::whole_model(c.n_layer))))) {
+        model(register_module(
+            "model", LlamaModel(c, blocks, vocab, range.value_or(fsdp::pp::whole_model(c.n_layer)), init_seed))) {
     if (!c.tie_word_embeddings && model->range.last()) {
       lm_head = register_module(
           "lm_head", fsdp::tp::ColumnParallelLinear(vocab, fsdp::tp::ColumnParallelLinearOptions(c.n_embd, c.vocab_size)
                                                                .bias(false)
                                                                .sequence_parallel(c.sequence_parallel)));
     }
-    init_weights();
-  }
-  /// transformers' initialization (LlamaPreTrainedModel._init_weights): every linear and embedding
-  /// weight drawn from N(0, 0.02), the norms' ones. Each weight is drawn in full from its own
-  /// generator (fsdp::pp::parameter_generator(init_seed, its name)) and this rank keeps its part
-  /// (fsdp::SplitModule): the same model at every tensor-parallel and pipeline size. (The layers'
-  /// own initialization is torch::nn's, N(0, 1) for the embedding: as a tied head's logits, far
-  /// too large to train from.)
-  void init_weights() {
-    torch::NoGradGuard no_grad;
-    for (auto& sp : split_parameters(*this)) {
-      if (!sp.split) continue;  // a norm: its ones
-      const fsdp::TensorSplit how = *sp.split;
-      std::vector<int64_t> full = sp.param.sizes().vec();
-      if (how.split()) full[how.dim] *= how.parts;
-      auto w = torch::randn(full, fsdp::pp::parameter_generator(init_seed, sp.name)) * 0.02;
-      if (how.split()) w = w.narrow(how.dim, how.part * sp.param.size(how.dim), sp.param.size(how.dim));
-      sp.param.copy_(w);
-    }
+    // The embedding, the head (the layers initialized themselves, each as it was built).
+    init_weights(*this, "", init_seed, /*skip=*/"model.layers.");
   }
   /// `c`, or std::invalid_argument with shape_error's message (or a range outside the layers):
   /// before any layer is built.

@@ -6,7 +6,9 @@
 
 #include "examples/llama/llama.h"
 #include "fsdp/device_mesh.h"
+#include "fsdp/fully_shard.h"
 #include "fsdp/process_group.h"
+#include "fsdp/sharding_scope.h"
 #include "pp/pipeline.h"
 #include "pp/stage_layout.h"
 #include "pp/stage_split.h"
@@ -14,26 +16,44 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <optional>
 #include <string>
 #include <vector>
 
 namespace llama {
+
+/// How PipelinedLlama builds each stage sharded: inside an fsdp::ShardingScope over the stage's
+/// own ranks (fsdp::pp::stage_mesh), with these options, so that each decoder layer is sharded as
+/// soon as it is built, then the stage wrapped by fsdp::fully_shard(model, scope).
+struct ShardAsBuilt {
+  fsdp::DeviceMesh stage_mesh;
+  fsdp::FullyShardOptions options;
+};
 
 /// This pipeline rank's stages of one Llama.
 struct PipelinedLlama {
   /// Builds the stages `layout` gives pipeline rank `pp_rank`, the layers split uniformly (the
   /// embedding and the head weighed as layers). torch::manual_seed(seed) before each, so that each
   /// stage draws the whole model's seed (fsdp::pp::draw_seed) and its weights are the whole
-  /// model's.
+  /// model's. With `shard_as_built` each stage is built sharded (`sharded`: their handles): a
+  /// stage's layers never exist whole on a rank together, only its root's embedding, final norm
+  /// and head do until it is wrapped.
   PipelinedLlama(const Config& c, const fsdp::tp::Group& blocks, const fsdp::tp::Group& vocab,
-                 const fsdp::pp::StageLayout& layout, int64_t pp_rank, uint64_t seed)
+                 const fsdp::pp::StageLayout& layout, int64_t pp_rank, uint64_t seed,
+                 const std::optional<ShardAsBuilt>& shard_as_built = std::nullopt)
       : config(c),
         vocab(vocab),
         instance(next_instance()),
         ranges(fsdp::pp::StageSplit::uniform(c.n_layer).split(layout.stages())) {
     for (const int64_t s : layout.stages_of(pp_rank)) {
       torch::manual_seed(seed);
-      models.emplace_back(c, blocks, vocab, ranges[static_cast<size_t>(s)]);
+      if (shard_as_built) {
+        fsdp::ShardingScope scope(shard_as_built->stage_mesh, shard_as_built->options);
+        models.emplace_back(c, blocks, vocab, ranges[static_cast<size_t>(s)]);
+        sharded.push_back(fsdp::fully_shard(models.back(), scope));
+      } else {
+        models.emplace_back(c, blocks, vocab, ranges[static_cast<size_t>(s)]);
+      }
       indices.push_back(s);
     }
   }
@@ -47,13 +67,25 @@ struct PipelinedLlama {
   }
 
   /// The whole model's parameters these stages hold: a tensor-parallel part counted as its whole
-  /// tensor, a tied head's copy of the embedding not again.
+  /// tensor, a tied head's copy of the embedding not again. Before the stages are wrapped, or
+  /// built sharded (whose parameters are this rank's shards: their shard specs give the shapes).
   int64_t whole_parameters() const {
     int64_t n = 0;
     const torch::Tensor skip = tied_copy();
-    for (const auto& m : models) {
-      for (const auto& sp : split_parameters(*m)) {
-        if (!(skip.defined() && sp.param.is_same(skip))) n += sp.param.numel() * sp.parts();
+    for (size_t i = 0; i < models.size(); ++i) {
+      if (sharded.empty()) {
+        for (const auto& sp : split_parameters(*models[i])) {
+          if (!(skip.defined() && sp.param.is_same(skip))) n += sp.param.numel() * sp.parts();
+        }
+        continue;
+      }
+      const auto& range = models[i]->model->range;
+      const bool copy = config.tie_word_embeddings && range.last() && !range.first();
+      for (const auto& s : sharded[i].shard_specs()) {
+        if (copy && s.name == "model.embed_tokens.weight") continue;
+        int64_t e = s.tp.split() ? s.tp.parts : 1;
+        for (const int64_t d : s.global_shape) e *= d;
+        n += e;
       }
     }
     return n;
@@ -154,7 +186,9 @@ struct PipelinedLlama {
   c10::intrusive_ptr<c10d::ProcessGroup> tied_group;  // the first and last stage's ranks at one place
   std::vector<fsdp::pp::LayerRange> ranges;           // every stage's
   std::vector<LlamaForCausalLM> models;               // this rank's, in increasing stage order
-  std::vector<int64_t> indices;                       // their stage indices
+  /// The same stages wrapped, when built with ShardAsBuilt (empty otherwise).
+  std::vector<fsdp::FullyShardedModule<LlamaForCausalLMImpl>> sharded;
+  std::vector<int64_t> indices;  // their stage indices
 };
 
 }  // namespace llama

@@ -89,6 +89,8 @@ const char* const kNotes =
     "  --batch-size is the global batch: each data-parallel rank takes B/(N/T) rows of it.\n"
     "  --from-hf DIR: the shape from DIR/config.json (LlamaForCausalLM; it overrides the shape flags) and the\n"
     "  weights from DIR/model.safetensors or its index, each rank reading only its parts.\n"
+    "  --build-sharded: each decoder layer sharded as soon as it is built (fsdp::ShardingScope), with --pp\n"
+    "  too (over each stage's ranks): the model never exists whole on a rank (not with --from-hf).\n"
     "  --prompt with --logits-out: rank 0 writes the prompt's logits (one fp32 tensor 'logits', [length,\n"
     "  vocabulary]) before any step; --steps 0 runs nothing else. --export-hf OUT: after training,\n"
     "  OUT/config.json and OUT/model.safetensors in Hugging Face's layout (from_pretrained loads it).\n"
@@ -159,7 +161,11 @@ Args parse(int argc, char** argv) {
   flags.notes(kNotes).parse(argc, argv);
   examples::check_run_flags(a);
   a.ckpt.check();
-  if (a.build_sharded) usage_error("--build-sharded is not supported by train_llama (a ShardingScope over a mesh)");
+  if (a.build_sharded && !a.from_hf.empty()) {
+    usage_error(
+        "--build-sharded with --from-hf: the Hugging Face weights are read into the whole model, which "
+        "--build-sharded never builds; drop --build-sharded to load them");
+  }
   if (!a.wrap.empty()) usage_error("--wrap is train_gpt's; train_llama's units are its decoder layers");
   if (a.prompt.empty() != a.logits_out.empty()) usage_error("--prompt and --logits-out go together");
   if (a.pp == 1 && !a.pp_schedule_dump &&
@@ -260,6 +266,7 @@ int run(const Args& args) {
     run.mixed_precision = examples::mixed_precision_policy(args);
     run.ckpt = args.ckpt;
     run.export_hf = args.export_hf;
+    run.build_sharded = args.build_sharded;
     if (args.pp_schedule_dump) {
       llama::dump_schedule(run);
       return 0;
@@ -313,10 +320,20 @@ int run(const Args& args) {
 
   fsdp::tp::Group blocks(mesh), vocab(mesh);  // one set of ranks, counted apart
   torch::manual_seed(args.seed);
-  llama::LlamaForCausalLM net(cfg, blocks, vocab);
-  if (!args.from_hf.empty()) llama::hf::load_weights(args.from_hf, *net);  // this rank's parts only
-  net->to(device);
-  auto model = fsdp::fully_shard(net, mesh, options);
+  // With --build-sharded each decoder layer is sharded (its tensor-parallel part over the
+  // data-parallel ranks) as soon as it is built, and moves to the device then: the model never
+  // exists whole on a rank. The weights are the same either way (each drawn from its own name).
+  auto model = args.build_sharded ? [&] {
+    fsdp::ShardingScope scope(mesh, fsdp::FullyShardOptions(options).device(device));
+    llama::LlamaForCausalLM net(cfg, blocks, vocab);
+    return fsdp::fully_shard(net, scope);
+  }()
+                                  : [&] {
+                                      llama::LlamaForCausalLM net(cfg, blocks, vocab);
+                                      if (!args.from_hf.empty()) llama::hf::load_weights(args.from_hf, *net);
+                                      net->to(device);
+                                      return fsdp::fully_shard(net, mesh, options);
+                                    }();
   // Ψ: the full model's parameters (every tensor-parallel part once), of which those tensor
   // parallelism splits (the rest, the norms, every tp rank holds whole).
   int64_t n_params = 0, n_split = 0;

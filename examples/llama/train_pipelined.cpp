@@ -96,23 +96,26 @@ int train_pipelined(const PipelinedRun& run, fsdp::programs::Program& program) {
   // The stage's own ranks: its FSDP and tensor-parallel layers never span pp.
   const fsdp::DeviceMesh stage_mesh = fsdp::pp::stage_mesh(mesh);
   fsdp::tp::Group blocks(stage_mesh), vocab(stage_mesh);
-  PipelinedLlama stages(cfg, blocks, vocab, layout, mesh.coordinate(fsdp::kPipeDim), run.seed);
-  // The whole model's parameters, over the stages (counted before any is sharded).
+  // Each stage's model wrapped by FSDP over the stage's ranks (one data-parallel rank: FSDP over
+  // one, still the mixed-precision policy and FusedAdamW), driven by the pipeline: gathered once
+  // and reduced once per step (pp/pipeline.h). With --build-sharded each layer is sharded as it
+  // is built, then its stage wrapped.
+  fsdp::FullyShardOptions options;
+  options.mixed_precision(run.mixed_precision);
+  if (run.timeout) options.timeout(*run.timeout);
+  std::optional<ShardAsBuilt> as_built;
+  if (run.build_sharded) as_built = ShardAsBuilt{stage_mesh, options};
+  PipelinedLlama stages(cfg, blocks, vocab, layout, mesh.coordinate(fsdp::kPipeDim), run.seed, as_built);
+  // The whole model's parameters, over the stages (a sharded parameter keeps its full shape).
   auto count = torch::tensor({stages.whole_parameters()}, torch::kLong);
   fsdp::all_reduce(mesh.group(fsdp::kPipeDim), count);
   const int64_t params = count.item<int64_t>();
-  // Each stage's model wrapped by FSDP over the stage's ranks (one data-parallel rank: FSDP over
-  // one, still the mixed-precision policy and FusedAdamW), driven by the pipeline: gathered once
-  // and reduced once per step (pp/pipeline.h).
   std::vector<fsdp::pp::Stage> pipeline_stages;
   std::vector<std::unique_ptr<torch::optim::Optimizer>> opts;
   std::vector<fsdp::FSDPModule> sharded;  // this rank's stages, wrapped
   const auto adamw = torch::optim::AdamWOptions(run.lr).weight_decay(run.weight_decay);
-  fsdp::FullyShardOptions options;
-  options.mixed_precision(run.mixed_precision);
-  if (run.timeout) options.timeout(*run.timeout);
   for (size_t i = 0; i < stages.models.size(); ++i) {
-    auto handle = fsdp::fully_shard(stages.models[i], stage_mesh, options);
+    auto handle = run.build_sharded ? stages.sharded[i] : fsdp::fully_shard(stages.models[i], stage_mesh, options);
     fsdp::pp::Stage stage{stages.indices[i], [handle](const torch::Tensor& x) mutable { return handle(x); }};
     stage.module = handle;  // the pipeline takes its parameters and drives its FSDP
     pipeline_stages.push_back(std::move(stage));

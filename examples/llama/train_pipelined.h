@@ -33,6 +33,8 @@ struct PipelinedRun {
   /// --save-dir, --save-every, --resume (synchronous saves: --async-save is refused with --pp).
   examples::CheckpointFlags ckpt;
   std::string export_hf;  // --export-hf OUT after training
+  /// --build-sharded: each stage's layers sharded as they are built (llama::ShardAsBuilt).
+  bool build_sharded = false;
 };
 
 /// The run's stage layout (looped) and its action lists: make_schedule's, or the file's; both

@@ -12,7 +12,8 @@ check_pipelined_checkpoints.py's).
 - `--nproc-per-node 4 --n-layer 4 --pp 2 --microbatches 4 --pp-schedule zero-bubble --batch-size 16` (FSDP
   over 2 data-parallel ranks inside each stage) against one rank with `--n-layer 4 --batch-size 16`; the
   same at 2 ranks (plain stages); 1f1b with FSDP in the stages, tied and clipped; gpipe at 2 ranks, tied
-  and clipped. Every stage is FSDP over its ranks (over one where the mesh's dp_shard is 1): each rank's
+  and clipped, and the same built sharded (--build-sharded: each layer sharded as it is built, over the
+  stage's ranks): the same losses bit for bit and the same parameter count. Every stage is FSDP over its ranks (over one where the mesh's dp_shard is 1): each rank's
   stage gathers each of its units once per step and reduce-scatters each once (the rows'
   fsdp_all_gathers and fsdp_reduce_scatters; at --n-layer 4 --pp 2: its 2 layers and its root).
 - 3-D at 8 ranks, pp 2 x dp_shard 2 x tp 2, in bf16 (--mixed-precision bf16, activations between stages
@@ -147,10 +148,15 @@ def main():
                    "--batch-size", "16"] + base,
             ["--n-layer", "4", "--batch-size", "16"] + base, "zero-bubble, pp 2 x dp_shard 2 (FSDP in each stage)",
             B=16, M=4, dp=2, units=3)
-    compare(a, 4, ["--n-layer", "4", "--pp", "2", "--microbatches", "4", "--pp-schedule", "1f1b", "--batch-size", "16",
-                   "--tied", "--clip", "0.5"] + base,
-            ["--n-layer", "4", "--batch-size", "16", "--tied", "--clip", "0.5"] + base,
-            "1f1b, pp 2 x dp_shard 2 (FSDP in each stage), tied, clipped", B=16, M=4, dp=2, units=3)
+    tied = ["--n-layer", "4", "--pp", "2", "--microbatches", "4", "--pp-schedule", "1f1b", "--batch-size", "16",
+            "--tied", "--clip", "0.5"] + base
+    whole = compare(a, 4, tied, ["--n-layer", "4", "--batch-size", "16", "--tied", "--clip", "0.5"] + base,
+                    "1f1b, pp 2 x dp_shard 2 (FSDP in each stage), tied, clipped", B=16, M=4, dp=2, units=3)
+    built, _ = run(command(a.train_llama, a.torchrun, 4, tied + ["--build-sharded"]), a.timeout)
+    if [(r["loss"], r["grad_norm"], r["params"]) for r in built] != [(r["loss"], r["grad_norm"], r["params"]) for r in whole]:
+        sys.exit(f"FAILED: --build-sharded at (pp 2, dp_shard 2): rows {built}\nagainst the stages built whole: {whole}")
+    print(f"--build-sharded at (pp 2, dp_shard 2), tied, clipped: {len(built)} losses and norms those of the stages "
+          f"built whole, bit for bit ({built[-1]['params']} parameters)")
     compare(a, 8, ["--n-layer", "4", "--pp", "2", "--tp", "2", "--microbatches", "4", "--pp-schedule", "1f1b",
                    "--batch-size", "16", "--mixed-precision", "bf16", "--activation-checkpointing"] + base,
             ["--n-layer", "4", "--batch-size", "16", "--mixed-precision", "bf16"] + base,

@@ -6,7 +6,8 @@
 decoder layer (2 all-reduces forward, 2 backward, each of B/dp x T x C elements: tp_elements from
 shapes); grouped-query attention (--n-kv-head 2) and sequence parallelism (10 collectives per
 layer: 4 all-gathers, 4 reduce-scatters, the 2 norms' weight gradients) at --tp 2 too, and bf16
-compute at --tp 2 within 3e-2 of one rank's bf16 run; and a shape the tensor-parallel
+compute at --tp 2 within 3e-2 of one rank's bf16 run; --build-sharded (each decoder layer sharded as it is
+built) at --tp 2 against one rank built whole (1e-5); and a shape the tensor-parallel
 size cannot split (--n-embd 96 --n-head 6 --n-kv-head 3) runs at --tp 1 but is refused at --tp 2.
 Checkpoints of any mesh: saved at --tp 2 on 4 ranks after step 3 (--save-every 3), resumed at --tp 4
 and on one rank, the remaining steps give the uninterrupted one-rank losses (1e-5); the load at --tp 4
@@ -28,8 +29,8 @@ def check_case(a, base, extra, tp, rtol, ckpt):
     `ckpt`, the run on 4 ranks also saves a checkpoint there after step 3."""
     L, B, T, C = 2, 12, 64, 128  # --n-layer, train_llama's default --batch-size, --block-size, --n-embd
     sp = "--sequence-parallel" in extra
-    one, _ = run(command(a.train_llama, a.torchrun, 1, base + [e for e in extra if e != "--sequence-parallel"]),
-                 a.timeout)
+    one, _ = run(command(a.train_llama, a.torchrun, 1,
+                         base + [e for e in extra if e not in ("--sequence-parallel", "--build-sharded")]), a.timeout)
     saves = ["--save-dir", ckpt, "--save-every", "3"] if ckpt else []
     many, summary = run(command(a.train_llama, a.torchrun, 4, base + extra + ["--tp", str(tp)] + saves), a.timeout)
     assert len(one) == len(many) == 5, (len(one), len(many))
@@ -86,7 +87,7 @@ def main():
     # bf16: the ranks' partial sums round differently than one rank's whole ones (train_gpt's bf16
     # check allows 3e-2 as well); fp32 to 1e-5.
     cases = (([], 2, 1e-5), ([], 4, 1e-5), (["--n-kv-head", "2"], 2, 1e-5), (["--sequence-parallel"], 2, 1e-5),
-             (["--mixed-precision", "bf16"], 2, 3e-2))
+             (["--mixed-precision", "bf16"], 2, 3e-2), (["--build-sharded"], 2, 1e-5))
     with tempfile.TemporaryDirectory() as ckpt:
         for extra, tp, rtol in cases:
             check_case(a, base, extra, tp, rtol, ckpt if (extra, tp) == ([], 2) else None)

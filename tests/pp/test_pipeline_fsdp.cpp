@@ -6,7 +6,10 @@
 //     forward) and reducing its gradients;
 //   - 1F1B and zero bubble (ZB-H1: its split backward) driven by the pipeline (Stage::module): each
 //     unit gathered once and reduce-scattered once per step, counted;
-//   - 1F1B with Stage::reshard_between_microbatches: gathered per forward and backward, reduced once.
+//   - 1F1B with Stage::reshard_between_microbatches: gathered per forward and backward, reduced once;
+//   - stages built sharded (llama::ShardAsBuilt, a ShardingScope over the stage's ranks): the
+//     shards of the stages built whole and then wrapped, bit for bit, and each layer whole on the
+//     rank only while it is built (the peak from the shapes).
 #include "examples/llama/pipelined.h"
 #include "fsdp/fsdp.h"
 #include "tests/harness.h"
@@ -152,6 +155,64 @@ void zero_bubble_under_mixed_precision(Rank& r) {
   }
 }
 
+// Each stage built inside a ShardingScope over its own ranks: its decoder layers sharded as each is
+// built. The shards are those of the same stage built whole and wrapped; the peak while building is
+// exactly, from the shapes, the root's embedding (built first), the shards of the layers before,
+// and one layer whole beside its new shard (its initialization's temporaries, two of its largest
+// weight, are smaller), or at the end the root whole beside every shard: never the whole stage.
+void built_sharded(Rank& r) {
+  auto cfg = fsdp_config();
+  cfg.n_layer = 7;                 // 4 and 3 layers: at 2 ranks a stage of 2 would peak at its whole size
+  cfg.tie_word_embeddings = true;  // the embedding on both stages: root parameters, built before the layers
+  memory::enable_cpu_counting();
+  DeviceMesh mesh(r.pg, {{kPipeDim, 2}, {kShardDim, static_cast<int>(kDp)}});
+  const int64_t stage_coord = mesh.coordinate(kPipeDim);
+  const DeviceMesh stage_mesh = pp::stage_mesh(mesh);
+  const tp::Group g(stage_mesh);
+  const pp::StageLayout layout(2);
+  const int64_t base = memory::stats().current_bytes;
+  memory::reset_peak();
+  llama::PipelinedLlama built(cfg, g, g, layout, stage_coord, 7, llama::ShardAsBuilt{stage_mesh, {}});
+  const int64_t peak = memory::stats().peak_bytes - base, left = memory::stats().current_bytes - base;
+  ASSERT_EQ(built.sharded.size(), 1u);
+  llama::PipelinedLlama whole(cfg, g, g, layout, stage_coord, 7);
+  int64_t whole_bytes = 0;
+  std::map<std::string, int64_t> bytes;  // of each parameter, whole (before fully_shard makes them shards)
+  for (const auto& p : whole.models[0]->named_parameters()) {
+    bytes[p.key()] = p.value().numel() * 4;
+    whole_bytes += bytes[p.key()];
+  }
+  EXPECT_EQ(built.whole_parameters(), whole.whole_parameters()) << "counted from the built stage's shard specs";
+  auto wrapped = fully_shard(whole.models[0], stage_mesh);
+  const auto a = built.sharded[0].units(), b = wrapped.units();
+  ASSERT_EQ(a.size(), b.size());
+  // The bound from the shapes, in build order: the embedding (built first), then each layer.
+  int64_t shards = 0, bound = 0, root = 0, root_largest = 0;
+  for (const auto& [name, n] : bytes) {
+    if (name.rfind("model.layers.", 0) == 0) continue;
+    root += n;
+    root_largest = std::max(root_largest, n);
+  }
+  const int64_t embedding = bytes.at("model.embed_tokens.weight");
+  for (size_t u = 0; u < a.size(); ++u) {
+    EXPECT_EQ(a[u].name, b[u].name);
+    EXPECT_TRUE(torch::equal(a[u].flat_shard, b[u].flat_shard)) << "unit '" << a[u].name << "' on rank " << r.rank;
+    if (u == 0) continue;  // the root: sharded by fully_shard, after the layers
+    int64_t layer = 0;
+    for (const auto& name : a[u].params) layer += bytes.at(name);
+    bound = std::max(bound, embedding + shards + layer + a[u].shard_numel * 4);
+    shards += a[u].shard_numel * 4;
+  }
+  // Then the root initialized (two temporaries of its largest weight), and sharded by fully_shard.
+  bound = std::max({bound, root + shards + 2 * root_largest, root + shards + a[0].shard_numel * 4});
+  std::cout << "rank " << r.rank << ", stage " << stage_coord << " built sharded: peak " << peak << " bytes (bound "
+            << bound << "), the stage whole " << whole_bytes << ", left " << left << " (shards "
+            << shards + a[0].shard_numel * 4 << ")" << std::endl;
+  EXPECT_EQ(peak, bound) << "exactly: one layer whole at a time, beside the shards before it and its own";
+  EXPECT_LT(peak, whole_bytes) << "the stage existed whole on rank " << r.rank;
+  EXPECT_EQ(left, shards + a[0].shard_numel * 4) << "only the shards are left once the stage is wrapped";
+}
+
 TEST(PipelineFSDP, StagesShardedOverTheirOwnRanks) {
   run_ranks(4, [](Rank& r) {
     check(r, pp::ScheduleKind::kGPipe, Drive::kLeft);
@@ -159,6 +220,7 @@ TEST(PipelineFSDP, StagesShardedOverTheirOwnRanks) {
     check(r, pp::ScheduleKind::kZeroBubble, Drive::kOncePerStep);
     check(r, pp::ScheduleKind::k1F1B, Drive::kPerMicrobatch);
     zero_bubble_under_mixed_precision(r);
+    built_sharded(r);
   });
 }
 
