@@ -3,7 +3,9 @@
 // off, M microbatches' forwards and backwards in a pipeline's order (two forwards before their
 // backwards) gather each unit once and reduce-scatter it once, and give the gradients of the
 // model's ordinary accumulation; unshard and reshard gather and free on demand; a call inside a
-// backward is refused naming it.
+// backward is refused naming it. The same accumulation under every strategy: sync off reduces
+// nothing, reduce_gradients then reduces each unit once and gives the ordinary accumulation's
+// gradients (ZeRO-2, ZeRO-1, replicated and hybrid, at 4 ranks).
 #include "tests/parity.h"
 
 namespace fsdp::testing {
@@ -76,6 +78,56 @@ TEST(PipelineControls, GatherOnceReduceOnceAsAccumulationDoes) {
                        " of 2): called inside the model's forward or backward"),
               std::string::npos)
         << msg;
+  });
+}
+
+TEST(PipelineControls, ReduceGradientsUnderEveryStrategy) {
+  run_ranks(4, [](Rank& r) {
+    for (const auto strategy : {ShardingStrategy::kShardGradOp, ShardingStrategy::kShardOptimizerState,
+                                ShardingStrategy::kNoShard, ShardingStrategy::kHybridShard}) {
+      const std::string label = to_string(strategy);
+      const auto options = test_options().strategy(strategy).shard_group_size(2);
+      torch::manual_seed(0);
+      auto plain = fsdp::fully_shard(gpt::make_gpt<true>(kCfg), r.pg, options);
+      torch::manual_seed(0);
+      auto piped = fsdp::fully_shard(gpt::make_gpt<true>(kCfg), r.pg, options);
+      auto [x, y] = gpt_batch(kCfg, /*seed=*/8, /*rows=*/4 * kMicro);
+      x = local_rows(x, r.rank, r.world_size);
+      y = local_rows(y, r.rank, r.world_size);
+      auto micro = [&](const torch::Tensor& t, int64_t m) { return t.narrow(0, m, 1); };
+      for (int64_t m = 0; m < kMicro; ++m) (gpt_loss(plain(micro(x, m)), micro(y, m)) / kMicro).backward();
+      int64_t units = 0;
+      for (const auto& u : piped.units()) units += u.shard_numel > 0 ? 1 : 0;
+      piped.set_reshard_after_forward(false);
+      piped.set_reshard_after_backward(false);
+      piped.set_requires_gradient_sync(false);
+      const CommStats before = piped.comm_stats();
+      auto reductions = [&] {
+        const CommStats& s = piped.comm_stats();
+        return s.reduce_scatters - before.reduce_scatters + s.all_reduces - before.all_reduces;
+      };
+      for (int64_t m = 0; m < kMicro; m += 2) {
+        auto l0 = gpt_loss(piped(micro(x, m)), micro(y, m)) / kMicro;
+        auto l1 = gpt_loss(piped(micro(x, m + 1)), micro(y, m + 1)) / kMicro;
+        l0.backward();
+        l1.backward();
+      }
+      EXPECT_EQ(reductions(), 0) << label << ": sync off, nothing reduced";
+      piped.reduce_gradients();
+      // One reduction per unit: a reduce-scatter, or the replicated strategies' all-reduce (hybrid:
+      // a reduce-scatter inside the group and an all-reduce across the groups).
+      const int64_t per_unit = strategy == ShardingStrategy::kHybridShard ? 2 : 1;
+      EXPECT_EQ(reductions(), per_unit * units) << label;
+      EXPECT_FALSE(piped.step_in_progress()) << label;
+      const auto want = plain->named_parameters();
+      for (const auto& p : piped->named_parameters()) {
+        ASSERT_TRUE(p.value().grad().defined()) << label << ": " << p.key();
+        EXPECT_TRUE(torch::allclose(p.value().grad(), want[p.key()].grad(), 1e-5, 1e-7)) << label << ": " << p.key();
+      }
+      piped.set_requires_gradient_sync(true);
+      piped.set_reshard_after_forward(true);
+      piped.set_reshard_after_backward(true);
+    }
   });
 }
 
