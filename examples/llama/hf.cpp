@@ -89,7 +89,11 @@ Config read_config(const std::string& dir, int64_t block_size) {
   return c;
 }
 
-void load_weights(const std::string& dir, torch::nn::Module& model) {
+namespace {
+std::vector<fsdp::checkpoint::TensorRecord> whole_tensors(const Config& c);
+}  // namespace
+
+void load_weights(const std::string& dir, torch::nn::Module& model, const Config* stage_of) {
   namespace ck = fsdp::checkpoint;
   // Which file holds each tensor: the index's weight map, or the one file.
   std::map<std::string, std::string> file_of;
@@ -149,6 +153,10 @@ void load_weights(const std::string& dir, torch::nn::Module& model) {
   }
   // Tensors the model has no parameter for (more layers than config.json says, another model's
   // file): loaded nothing from them, said so. A tied head's lm_head.weight, if stored, is one.
+  // A stage: the other stages' tensors are theirs, not unused.
+  if (stage_of != nullptr) {
+    for (const auto& t : whole_tensors(*stage_of)) used.insert(t.name);
+  }
   std::vector<std::string> unused;
   for (const auto& [name, file] : file_of) {
     if (used.count(name) == 0U) unused.push_back(name);

@@ -24,8 +24,10 @@ Config read_config(const std::string& dir, int64_t block_size);
 
 /// Reads DIR's model.safetensors (or the files model.safetensors.index.json names) into `model`
 /// before it is wrapped: each parameter's part along its split (fsdp::SplitModule), converted to
-/// fp32; a tensor missing or of another shape is an error naming it and the file.
-void load_weights(const std::string& dir, torch::nn::Module& model);
+/// fp32; a tensor missing or of another shape is an error naming it and the file. Rank 0 warns of
+/// the file's tensors the model has no parameter for; with `stage_of` (`model` one pipeline stage
+/// of that whole model), only of those the whole model has none for.
+void load_weights(const std::string& dir, torch::nn::Module& model, const Config* stage_of = nullptr);
 
 /// Writes `logits` ([T, V], converted to fp32) as FILE, one tensor named "logits".
 void write_logits(const std::string& file, const at::Tensor& logits);

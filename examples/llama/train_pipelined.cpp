@@ -106,6 +106,11 @@ int train_pipelined(const PipelinedRun& run, fsdp::programs::Program& program) {
   std::optional<ShardAsBuilt> as_built;
   if (run.build_sharded) as_built = ShardAsBuilt{stage_mesh, options};
   PipelinedLlama stages(cfg, blocks, vocab, layout, mesh.coordinate(fsdp::kPipeDim), run.seed, as_built);
+  // --from-hf: each stage reads its own tensors (a tied head's embedding on the last stage too, the
+  // same bytes as the first stage's, so the two start as one value).
+  for (auto& m : stages.models) {
+    if (!run.from_hf.empty()) hf::load_weights(run.from_hf, *m, &cfg);
+  }
   // The whole model's parameters, over the stages (a sharded parameter keeps its full shape).
   auto count = torch::tensor({stages.whole_parameters()}, torch::kLong);
   fsdp::all_reduce(mesh.group(fsdp::kPipeDim), count);

@@ -35,6 +35,8 @@ struct PipelinedRun {
   std::string export_hf;  // --export-hf OUT after training
   /// --build-sharded: each stage's layers sharded as they are built (llama::ShardAsBuilt).
   bool build_sharded = false;
+  /// --from-hf DIR: each stage's weights read from DIR (`cfg` is DIR's config.json).
+  std::string from_hf;
 };
 
 /// The run's stage layout (looped) and its action lists: make_schedule's, or the file's; both

@@ -7,7 +7,9 @@ hidden size every tensor-parallel size divides, a non-default rope_theta) loads 
 logits (`--logits-out`, before any step) equal transformers' (1e-5, fp32); with sequence
 parallelism and with a tied head too. After
 3 training steps at (2, 2), `--export-hf` output loads with from_pretrained and its logits equal
-the C++ model's on the same files. Configurations the C++ model does not implement are refused by
+the C++ model's on the same files. A fine-tune from the files as a pipeline (`--pp 2`, each stage
+reading its own tensors; at (pp 2, dp_shard 2) with the tied head, whose embedding both stages
+read) gives one rank's losses (1e-5). Configurations the C++ model does not implement are refused by
 name (exit 2).
 """
 import argparse
@@ -117,6 +119,19 @@ def check(a, tmp):
     launch(a, 1, ["--from-hf", exported, "--logits-out", out] + prompt)
     print(f"after 3 steps at (tp 2, dp 2): the export loads with from_pretrained, its logits equal the C++ "
           f"model's (max difference {compare(out, trained, 'exported'):.2e}; they moved {moved:.2e} in training)")
+
+    # A pipelined fine-tune: each stage reads only its tensors, a tied head's embedding on both.
+    for name, d, ranks in (("untied", src, 2), ("tied", tied, 4)):
+        train = ["--from-hf", d, "--steps", "3", "--json", "--batch-size", "16"]
+        one = [json.loads(l) for l in launch(a, 1, train).stdout.splitlines() if l.startswith('{"step"')]
+        p = launch(a, ranks, train + ["--pp", "2", "--microbatches", "4"])
+        piped = [json.loads(l) for l in p.stdout.splitlines() if l.startswith('{"step"')]
+        if len(one) != 3 or len(piped) != 3 or "warning" in p.stderr:
+            sys.exit(f"FAILED: --from-hf {name} --pp 2: rows {piped} against {one}\n{p.stderr}")
+        worst = max(abs(x["loss"] - y["loss"]) / y["loss"] for x, y in zip(piped, one))
+        if worst > 1e-5:
+            sys.exit(f"FAILED: --from-hf {name} --pp 2 on {ranks} ranks: losses {piped} against one rank's {one}")
+        print(f"--from-hf ({name}) --pp 2 on {ranks} ranks: 3 losses within {worst:.2e} of one rank's")
 
     # Refused by name, before anything runs.
     def refused(name, edit, want_text):
