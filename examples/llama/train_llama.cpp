@@ -103,8 +103,8 @@ const char* const kNotes =
     "  --pp-schedule-file F: the action lists from a CSV (one line per rank, e.g. 0F0,0SEND_F0,...);\n"
     "  --pp-schedule-dump: print the lists and their simulated bubble, and exit. The lists are validated\n"
     "  before any step (a refusal exits 2 naming the action). --save-dir, --resume and --export-hf work with\n"
-    "  --pp (one checkpoint of the whole model, loaded on any mesh), so do --from-hf and --activation-checkpointing\n"
-    "  (not with zero-bubble); --async-save, --prompt, --profile, --mixed-precision fp16 (bf16 works),\n"
+    "  --pp (one checkpoint of the whole model, loaded on any mesh), so do --from-hf, --prompt and\n"
+    "  --activation-checkpointing (not with zero-bubble); --async-save, --profile, --mixed-precision fp16,\n"
     "  sequence parallelism and --device cuda are not supported with --pp yet (docs/pipeline.md).\n"
     "  Other flags as train_gpt's. Exit status: 0 trained, 2 bad flags, --data or shape, 1 other errors.\n";
 
@@ -174,7 +174,6 @@ Args parse(int argc, char** argv) {
   }
   if (a.pp > 1 && !a.pp_schedule_dump) {
     const std::pair<bool, const char*> unsupported[] = {{a.ckpt.async, "--async-save"},
-                                                        {!a.prompt.empty(), "--prompt"},
                                                         {!a.profile.empty(), "--profile"},
                                                         {a.mixed_precision == "fp16", "--mixed-precision fp16"},
                                                         {a.sequence_parallel, "--sequence-parallel"},
@@ -267,6 +266,8 @@ int run(const Args& args) {
     run.export_hf = args.export_hf;
     run.build_sharded = args.build_sharded;
     run.from_hf = args.from_hf;
+    run.prompt = args.prompt;
+    run.logits_out = args.logits_out;
     if (args.pp_schedule_dump) {
       llama::dump_schedule(run);
       return 0;

@@ -66,6 +66,44 @@ void dump_schedule(const PipelinedRun& run) {
             << fsdp::pp::format_lists(lists);
 }
 
+namespace {
+
+// --prompt: the prompt's logits through the stages in order, without gradients, before any step:
+// each stage's forward on the one before's output (received from its rank, or handed over when
+// this rank holds both), the last stage's vocabulary columns gathered over the tensor-parallel
+// ranks, then to global rank 0 by one all-reduce over the world (from the last stage's first
+// rank; zeros elsewhere). Every rank of every stage takes part. Returns [length, vocabulary].
+at::Tensor prompt_logits(const std::vector<int64_t>& prompt, int64_t vocabulary, const fsdp::pp::StageLayout& layout,
+                         const fsdp::DeviceMesh& mesh, const fsdp::DeviceMesh& stage_mesh,
+                         const std::vector<fsdp::pp::Stage>& stages, const fsdp::tp::Group& vocab) {
+  torch::NoGradGuard no_grad;
+  const int64_t S = layout.stages(), me = mesh.coordinate(fsdp::kPipeDim);
+  fsdp::pp::PointToPoint p2p(mesh);
+  at::Tensor h;
+  at::Tensor logits = torch::zeros({static_cast<int64_t>(prompt.size()), vocabulary}, torch::kFloat);
+  for (const auto& stage : stages) {  // in increasing stage order
+    const int64_t s = stage.index;
+    if (s == 0) {
+      h = torch::tensor(prompt, torch::kLong).unsqueeze(0);
+    } else if (layout.rank_of(s - 1) != me) {
+      h = p2p.recv(layout.rank_of(s - 1), {fsdp::pp::Payload::kActivation, s - 1, s, 0});
+    }
+    h = stage.forward(h);
+    if (s < S - 1 && layout.rank_of(s + 1) != me) {
+      auto sent = p2p.send(h, layout.rank_of(s + 1), {fsdp::pp::Payload::kActivation, s, s + 1, 0});
+      p2p.wait(sent);
+    }
+    if (s == S - 1) {
+      const at::Tensor full = fsdp::tp::gather_from_region(h, vocab).squeeze(0).to(torch::kFloat);
+      if (stage_mesh.rank() == 0) logits.copy_(full);
+    }
+  }
+  fsdp::all_reduce(mesh.world(), logits);
+  return logits;
+}
+
+}  // namespace
+
 int train_pipelined(const PipelinedRun& run, fsdp::programs::Program& program) {
   const auto [layout, lists] = pipelined_schedule(run);
   const llama::Config& cfg = run.cfg;
@@ -145,6 +183,11 @@ int train_pipelined(const PipelinedRun& run, fsdp::programs::Program& program) {
                                             fsdp::checkpoint::LoadOptions().sampler(&sampler).in_place(true));
     first_step = res.step;
     if (rank == 0) examples::Checkpoints::print_resumed(res, mesh.shape_text(), run.json, program.who());
+  }
+  if (!run.prompt.empty()) {
+    const at::Tensor logits =
+        prompt_logits(run.prompt, cfg.vocab_size, layout, mesh, stage_mesh, pipeline_stages, vocab);
+    if (rank == 0) hf::write_logits(run.logits_out, logits);
   }
   if (rank == 0 && !run.json) {
     std::cout << "train_llama: " << W << " rank(s) as mesh " << mesh.shape_text() << ", " << cfg.n_layer

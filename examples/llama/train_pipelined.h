@@ -12,6 +12,7 @@
 #include <chrono>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace llama {
 
@@ -37,6 +38,9 @@ struct PipelinedRun {
   bool build_sharded = false;
   /// --from-hf DIR: each stage's weights read from DIR (`cfg` is DIR's config.json).
   std::string from_hf;
+  /// --prompt with --logits-out: the prompt's logits through the stages before any step.
+  std::vector<int64_t> prompt;
+  std::string logits_out;
 };
 
 /// The run's stage layout (looped) and its action lists: make_schedule's, or the file's; both

@@ -9,7 +9,8 @@ parallelism and with a tied head too. After
 3 training steps at (2, 2), `--export-hf` output loads with from_pretrained and its logits equal
 the C++ model's on the same files. A fine-tune from the files as a pipeline (`--pp 2`, each stage
 reading its own tensors; at (pp 2, dp_shard 2) with the tied head, whose embedding both stages
-read) gives one rank's losses (1e-5). Configurations the C++ model does not implement are refused by
+read) gives one rank's losses (1e-5), and a prompt's logits through the stages (pp 2; pp 2 x tp 2
+tied) equal transformers'. Configurations the C++ model does not implement are refused by
 name (exit 2).
 """
 import argparse
@@ -108,6 +109,14 @@ def check(a, tmp):
     out = os.path.join(tmp, "logits-tied.safetensors")
     launch(a, 4, ["--from-hf", tied, "--tp", "2", "--logits-out", out] + prompt)
     print(f"tied head, (tp 2, dp 2): max difference {compare(out, reference_logits(tied), 'tied head'):.2e}")
+
+    # Through a pipeline: the stages in turn, the last one's logits to rank 0.
+    for name, d, ranks, extra in (("untied", src, 2, []), ("tied", tied, 4, ["--tp", "2"])):
+        out = os.path.join(tmp, f"logits-pp-{name}.safetensors")
+        launch(a, ranks, ["--from-hf", d, "--pp", "2", "--logits-out", out] + extra + prompt)
+        err = compare(out, want if d == src else reference_logits(tied), f"--pp 2 ({name})")
+        print(f"--pp 2{''.join(' ' + e for e in extra)} ({name} head) on {ranks} ranks: logits equal transformers' "
+              f"(max difference {err:.2e})")
 
     exported = os.path.join(tmp, "exported")
     launch(a, 4, ["--from-hf", src, "--tp", "2", "--steps", "3", "--json", "--export-hf", exported])
