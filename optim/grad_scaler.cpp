@@ -1,6 +1,7 @@
 #include "optim/grad_scaler.h"
 #include "fsdp/internal/check.h"
 #include "fsdp/internal/core_access.h"
+#include "fsdp/process_group.h"
 
 #include <ATen/ops/_amp_foreach_non_finite_check_and_unscale.h>
 #include <ATen/ops/_amp_update_scale.h>
@@ -15,6 +16,7 @@
 #include <limits>
 #include <map>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -30,7 +32,16 @@ ErrorContext in_call(const FSDPModule& model, const char* api) {
 }  // namespace
 
 ShardedGradScaler::ShardedGradScaler(FSDPModule model, const GradScalerOptions& options)
-    : model_(std::move(model)), options_(options) {
+    : ShardedGradScaler(std::vector<FSDPModule>{std::move(model)}, nullptr, options) {}
+
+ShardedGradScaler::ShardedGradScaler(std::vector<FSDPModule> models, c10::intrusive_ptr<c10d::ProcessGroup> pipeline,
+                                     const GradScalerOptions& options)
+    : model_(models.empty() ? throw std::invalid_argument(
+                                  "fsdp::optim::ShardedGradScaler: no models (give this rank's pipeline stages)")
+                            : models.front()),
+      models_(std::move(models)),
+      pipeline_(std::move(pipeline)),
+      options_(options) {
   FSDP_CHECK_IN(in_call(model_, "fsdp::optim::ShardedGradScaler"),
                 options.init_scale() > 0 && std::isfinite(options.init_scale()), "init_scale is ", options.init_scale(),
                 "; it must be positive and finite.");
@@ -54,21 +65,27 @@ at::Tensor ShardedGradScaler::scale(const at::Tensor& loss) const {
 }
 
 void ShardedGradScaler::unscale_(torch::optim::Optimizer& optimizer) {
+  unscale_(std::vector<torch::optim::Optimizer*>{&optimizer});
+}
+
+void ShardedGradScaler::unscale_(const std::vector<torch::optim::Optimizer*>& optimizers) {
   if (!options_.enabled()) return;
   FSDP_CHECK_IN(in_call(model_, "fsdp::optim::ShardedGradScaler::unscale_"), !stepped_,
                 "called after step(), which unscales; call unscale_() before step() (for clipping), or not at all, "
                 "and update() after step().");
   FSDP_CHECK_IN(in_call(model_, "fsdp::optim::ShardedGradScaler::unscale_"), !unscaled_,
                 "called twice since the last update(); unscale once per step (step() unscales when you did not).");
-  fsdp::detail::check_gradients_reduced(model_, "ShardedGradScaler::unscale_");
+  for (const auto& m : models_) fsdp::detail::check_gradients_reduced(m, "ShardedGradScaler::unscale_");
   // PyTorch's own kernel, per device and dtype: multiplies by 1/scale (in fp32) and flags
   // anything not finite.
   const at::Tensor inv_scale = scale_.to(at::kDouble).reciprocal().to(at::kFloat);
   std::map<std::pair<std::string, int>, std::vector<at::Tensor>> grads;  // by device and dtype
-  for (auto& group : optimizer.param_groups()) {
-    for (auto& p : group.params()) {
-      if (p.grad().defined() && p.grad().numel() > 0) {
-        grads[{p.grad().device().str(), static_cast<int>(p.grad().scalar_type())}].push_back(p.grad());
+  for (auto* optimizer : optimizers) {
+    for (auto& group : optimizer->param_groups()) {
+      for (auto& p : group.params()) {
+        if (p.grad().defined() && p.grad().numel() > 0) {
+          grads[{p.grad().device().str(), static_cast<int>(p.grad().scalar_type())}].push_back(p.grad());
+        }
       }
     }
   }
@@ -82,23 +99,30 @@ void ShardedGradScaler::unscale_(torch::optim::Optimizer& optimizer) {
     found.narrow(0, 0, 1).add_(found_here.cpu());
   }
   // Each rank holds its own rows only: an overflow on any rank skips the step everywhere.
+  // A pipeline's stages on this rank share their ranks (the stage's mesh): one all-reduce over
+  // them, then one over the pipeline.
   fsdp::detail::all_reduce(model_, found, c10d::ReduceOp::MAX,
                            "ShardedGradScaler: inf/NaN found in any rank's gradients");
+  if (pipeline_) fsdp::all_reduce(pipeline_, found, c10d::ReduceOp::MAX);
   found_inf_ = found[0].item<float>() > 0;
   any_grads_ = found[1].item<float>() > 0;
   unscaled_ = true;
-  fsdp::detail::gradients_rescaled(model_);
+  for (const auto& m : models_) fsdp::detail::gradients_rescaled(m);
 }
 
 bool ShardedGradScaler::step(torch::optim::Optimizer& optimizer) {
+  return step(std::vector<torch::optim::Optimizer*>{&optimizer});
+}
+
+bool ShardedGradScaler::step(const std::vector<torch::optim::Optimizer*>& optimizers) {
   if (!options_.enabled()) {
-    optimizer.step();
+    for (auto* o : optimizers) o->step();
     return true;
   }
   FSDP_CHECK_IN(in_call(model_, "fsdp::optim::ShardedGradScaler::step"), !stepped_,
                 "step() was called already since the last update() (PyTorch refuses it too); call update() after "
                 "each step().");
-  if (!unscaled_) unscale_(optimizer);
+  if (!unscaled_) unscale_(optimizers);
   if (!any_grads_) unscaled_ = false;  // nothing was unscaled: the next backward's step may unscale
   FSDP_CHECK_IN(in_call(model_, "fsdp::optim::ShardedGradScaler::step"), any_grads_,
                 "no parameter of the optimizer has a gradient on any rank, so no inf/NaN check was made (PyTorch: "
@@ -106,7 +130,7 @@ bool ShardedGradScaler::step(torch::optim::Optimizer& optimizer) {
                 "scaler.step(optimizer), and zero_grad() after the step, not between.");
   stepped_ = true;
   if (found_inf_) return false;
-  optimizer.step();
+  for (auto* o : optimizers) o->step();
   return true;
 }
 

@@ -10,6 +10,12 @@
 //   scaler.step(opt);                                  // skipped on every rank after an overflow
 //   scaler.update();
 //
+// Over a pipeline's stages (fsdp::pp), one scaler for this rank's stages and their optimizers: an
+// overflow in any stage skips the step on every rank of every stage.
+//   fsdp::optim::ShardedGradScaler scaler(stages, mesh.group("pp"));
+//   ... the last stage's loss function returns scaler.scale(loss) ...
+//   scaler.unscale_({&opt0, &opt1});  scaler.step({&opt0, &opt1});  scaler.update();
+//
 // Its state goes into a checkpoint with the user's metadata, and comes back from it:
 //   auto meta = scaler.state_dict();             // "grad_scaler.scale", ...
 //   fsdp::checkpoint::save(root, model, opt, fsdp::checkpoint::SaveOptions().metadata(meta));
@@ -23,10 +29,12 @@
 
 #include <torch/arg.h>
 #include <torch/optim/optimizer.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <cstdint>
 #include <map>
 #include <string>
+#include <vector>
 
 FSDP_PUBLIC_BEGIN
 
@@ -46,6 +54,12 @@ struct GradScalerOptions {
 class ShardedGradScaler {
  public:
   explicit ShardedGradScaler(FSDPModule model, const GradScalerOptions& options = {});
+  /// Over a pipeline: `models` are this rank's stages (each wrapped over its stage's ranks), and
+  /// `pipeline` the mesh's pp group (mesh.group("pp")). The inf/NaN finding is all-reduced over the
+  /// stages' ranks, then over `pipeline`: every rank of every stage skips the same steps. Give
+  /// unscale_ and step this rank's optimizers, one per model. Every rank builds it.
+  ShardedGradScaler(std::vector<FSDPModule> models, c10::intrusive_ptr<c10d::ProcessGroup> pipeline,
+                    const GradScalerOptions& options = {});
 
   /// loss * scale, as torch.amp.GradScaler computes it (the scale is a one-element fp32 tensor).
   at::Tensor scale(const at::Tensor& loss) const;
@@ -57,6 +71,9 @@ class ShardedGradScaler {
   /// Throws on every rank when no rank had a gradient to check (no backward since zero_grad), as
   /// PyTorch's GradScaler does.
   bool step(torch::optim::Optimizer& optimizer);
+  /// The same over several optimizers (a pipeline's stages': every one steps, or none).
+  void unscale_(const std::vector<torch::optim::Optimizer*>& optimizers);
+  bool step(const std::vector<torch::optim::Optimizer*>& optimizers);
   /// Backs the scale off after an overflow, grows it after growth_interval clean steps; ends the
   /// step (the next unscale_ is the next step's).
   void update();
@@ -78,7 +95,9 @@ class ShardedGradScaler {
   void load_state_dict(const std::map<std::string, std::string>& state);
 
  private:
-  FSDPModule model_;
+  FSDPModule model_;                                 // the first of models_, which errors name
+  std::vector<FSDPModule> models_;                   // one, or this rank's pipeline stages
+  c10::intrusive_ptr<c10d::ProcessGroup> pipeline_;  // null without a pipeline
   GradScalerOptions options_;
   at::Tensor scale_;           // [1] fp32, as PyTorch keeps it
   at::Tensor growth_tracker_;  // [1] int32

@@ -114,6 +114,26 @@ void load_weights(const std::string& dir, torch::nn::Module& model, const Config
   }
   torch::NoGradGuard no_grad;
   std::set<std::string> used;
+  // A stage: the whole model's tensors checked first, so that every stage's ranks refuse the same
+  // files alike (one stage refusing alone would leave the others waiting in their first transfer).
+  if (stage_of != nullptr) {
+    for (const auto& want : whole_tensors(*stage_of)) {
+      const auto f = file_of.find(want.name);
+      if (f == file_of.end())
+        refuse(dir, "no tensor '" + want.name + "' in its weights (is config.json this model's?)");
+      const ck::FileRecord& rec = header(f->second);
+      const auto t = std::find_if(rec.tensors.begin(), rec.tensors.end(),
+                                  [&](const ck::TensorRecord& r) { return r.name == want.name; });
+      if (t == rec.tensors.end()) {
+        refuse(dir, f->second + " has no tensor '" + want.name + "', which the index says it holds");
+      }
+      if (t->shape != want.shape) {
+        refuse(dir, "tensor '" + want.name + "' in " + f->second + " has shape " +
+                        c10::str(c10::IntArrayRef(t->shape)) + ", the model's is " +
+                        c10::str(c10::IntArrayRef(want.shape)) + " (is config.json this file's?)");
+      }
+    }
+  }
   for (auto& sp : split_parameters(model)) {
     const std::string& name = sp.name;
     const auto f = file_of.find(name);

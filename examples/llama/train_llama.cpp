@@ -103,9 +103,10 @@ const char* const kNotes =
     "  --pp-schedule-file F: the action lists from a CSV (one line per rank, e.g. 0F0,0SEND_F0,...);\n"
     "  --pp-schedule-dump: print the lists and their simulated bubble, and exit. The lists are validated\n"
     "  before any step (a refusal exits 2 naming the action). --save-dir, --resume and --export-hf work with\n"
-    "  --pp (one checkpoint of the whole model, loaded on any mesh), so do --from-hf, --prompt and\n"
-    "  --activation-checkpointing (not with zero-bubble); --async-save, --profile, --mixed-precision fp16,\n"
-    "  sequence parallelism and --device cuda are not supported with --pp yet (docs/pipeline.md).\n"
+    "  --pp (one checkpoint of the whole model, loaded on any mesh), so do --from-hf, --prompt,\n"
+    "  --build-sharded, --mixed-precision (fp16: one loss scaler over the stages) and, except with zero-bubble,\n"
+    "  --activation-checkpointing. --async-save, --profile, --sequence-parallel, --strategy and --device cuda\n"
+    "  are not supported with --pp yet (docs/pipeline.md).\n"
     "  Other flags as train_gpt's. Exit status: 0 trained, 2 bad flags, --data or shape, 1 other errors.\n";
 
 fsdp::programs::Program g_program("train_llama");  // its name in messages, its rank once known
@@ -175,7 +176,6 @@ Args parse(int argc, char** argv) {
   if (a.pp > 1 && !a.pp_schedule_dump) {
     const std::pair<bool, const char*> unsupported[] = {{a.ckpt.async, "--async-save"},
                                                         {!a.profile.empty(), "--profile"},
-                                                        {a.mixed_precision == "fp16", "--mixed-precision fp16"},
                                                         {a.sequence_parallel, "--sequence-parallel"},
                                                         {a.model.checkpoint_every > 0 && a.pp_schedule == "zero-bubble",
                                                          "--activation-checkpointing with --pp-schedule zero-bubble "
@@ -262,6 +262,7 @@ int run(const Args& args) {
     run.max_data_mb = args.max_data_mb;
     run.timeout = timeout;
     run.mixed_precision = examples::mixed_precision_policy(args);
+    run.fp16 = args.mixed_precision == "fp16";
     run.ckpt = args.ckpt;
     run.export_hf = args.export_hf;
     run.build_sharded = args.build_sharded;

@@ -9,6 +9,7 @@
 #include "programs/json_row.h"
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -166,6 +167,11 @@ int train_pipelined(const PipelinedRun& run, fsdp::programs::Program& program) {
     sharded.push_back(handle);
   }
   fsdp::pp::Pipeline pipe(mesh, layout, lists, M, pipeline_stages);
+  // fp16: one loss scale over the stages, a step skipped on every rank when any stage overflowed.
+  fsdp::optim::ShardedGradScaler scaler(sharded, mesh.group(fsdp::kPipeDim),
+                                        fsdp::optim::GradScalerOptions().enabled(run.fp16));
+  std::vector<torch::optim::Optimizer*> optimizers;
+  for (auto& o : opts) optimizers.push_back(o.get());
   // The stages as a checkpoint holds them: one checkpoint of the whole model (checkpoint/pipelined.h).
   std::vector<fsdp::checkpoint::StageState> checkpointed;
   for (size_t i = 0; i < sharded.size(); ++i) checkpointed.push_back({stages.indices[i], sharded[i], opts[i].get()});
@@ -221,23 +227,29 @@ int train_pipelined(const PipelinedRun& run, fsdp::programs::Program& program) {
     };
     const auto collectives_before = fsdp_collectives();
     fsdp::memory::reset_peak();
-    const auto rep =
-        pipe.step([&](int64_t m) { return xy.first.narrow(0, m * rows, rows); },
-                  [&](const torch::Tensor& logits, int64_t m) {
-                    // Equal microbatches: each loss weighs 1/M of the share's mean.
-                    return fsdp::tp::vocab_parallel_cross_entropy(logits, xy.second.narrow(0, m * rows, rows), vocab) /
-                           static_cast<double>(M);
-                  });
+    const auto rep = pipe.step([&](int64_t m) { return xy.first.narrow(0, m * rows, rows); },
+                               [&](const torch::Tensor& logits, int64_t m) {
+                                 // Equal microbatches: each loss weighs 1/M of the share's mean (scaled for fp16).
+                                 return scaler.scale(fsdp::tp::vocab_parallel_cross_entropy(
+                                                         logits, xy.second.narrow(0, m * rows, rows), vocab) /
+                                                     static_cast<double>(M));
+                               });
+    const double loss_scale = scaler.get_scale();  // the scale this step's losses carry
     stages.sum_tied_gradients(mesh);
+    scaler.unscale_(optimizers);
     // The norm over the stages' shards (and tensor-parallel parts); a tied head's copy counted by
-    // the first stage.
-    const double grad_norm = fsdp::optim::clip_grad_norm(
-        sharded, mesh.group(fsdp::kPipeDim), run.clip > 0 ? run.clip : std::numeric_limits<double>::infinity(), copies);
-    for (auto& o : opts) o->step();
+    // the first stage. NaN on a step fp16 overflowed (skipped on every rank).
+    const double grad_norm =
+        scaler.found_inf()
+            ? std::nan("")
+            : fsdp::optim::clip_grad_norm(sharded, mesh.group(fsdp::kPipeDim),
+                                          run.clip > 0 ? run.clip : std::numeric_limits<double>::infinity(), copies);
+    scaler.step(optimizers);
+    scaler.update();
     // The loss from the last stage to every rank, the mean over the data-parallel ranks; the
     // bubble (the largest share of the step a rank waited on transfers) and the bytes moved
     // between stages (each transfer once).
-    auto loss = torch::tensor({rep.loss}, torch::kDouble);
+    auto loss = torch::tensor({rep.loss / loss_scale}, torch::kDouble);
     fsdp::all_reduce(mesh.group(fsdp::kPipeDim), loss);
     fsdp::all_reduce(mesh.group(fsdp::kDataDim), loss);
     const double l = loss.item<double>() / dp;

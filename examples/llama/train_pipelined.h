@@ -29,8 +29,10 @@ struct PipelinedRun {
   std::string data;
   double max_data_mb = 64;
   std::optional<std::chrono::milliseconds> timeout;
-  /// --mixed-precision bf16: each stage's FSDP policy (fp16 needs the gradient scaler: refused).
+  /// --mixed-precision bf16 or fp16: each stage's FSDP policy; fp16 with the loss scaled (one
+  /// fsdp::optim::ShardedGradScaler over the stages).
   fsdp::MixedPrecisionPolicy mixed_precision;
+  bool fp16 = false;
   /// --save-dir, --save-every, --resume (synchronous saves: --async-save is refused with --pp).
   examples::CheckpointFlags ckpt;
   std::string export_hf;  // --export-hf OUT after training

@@ -156,6 +156,10 @@ def check(a, tmp):
             sys.exit(f"FAILED: {name}: exit {p.returncode}, expected 2 with '{want_text}'\n{p.stderr}")
         print(f"{name}: refused: {p.stderr.strip().splitlines()[0]}")
 
+    p = launch(a, 1, ["--from-hf", src, "--build-sharded", "--steps", "1"], expect_ok=False)
+    if p.returncode != 2 or "--build-sharded with --from-hf" not in p.stderr:
+        sys.exit(f"FAILED: --build-sharded with --from-hf: exit {p.returncode}, expected 2 naming both\n{p.stderr}")
+    print(f"--build-sharded with --from-hf: refused: {p.stderr.strip().splitlines()[0][:120]}")
     refused("mistral", lambda c: c.update(architectures=["MistralForCausalLM"], model_type="mistral"),
             "the example implements LlamaForCausalLM only")
     refused("rope-scaling", lambda c: c["rope_parameters"].update(rope_type="llama3", factor=8.0),

@@ -19,6 +19,9 @@ check_pipelined_checkpoints.py's).
 - 3-D at 8 ranks, pp 2 x dp_shard 2 x tp 2, in bf16 (--mixed-precision bf16, activations between stages
   in bf16: 2 bytes each) with activation checkpointing, against one rank in bf16 (no recompute), to
   the mixed-precision tolerance (3e-2).
+- fp16 at (pp 2, dp_shard 2) (--mixed-precision fp16: one loss scaler over the stages), against one rank
+  in fp16, to the mixed-precision tolerance (3e-2): the first step overflows at the initial scale on
+  both and is skipped (grad_norm null), the steps after train alike.
 - 1f1b at pp 2 with and without --activation-checkpointing: both one rank's losses, the recomputing
   run's peak (the rows' peak_bytes, max over ranks) below the other's. Zero bubble with it is refused
   (its weight pass cannot run through a recompute).
@@ -162,6 +165,13 @@ def main():
             ["--n-layer", "4", "--batch-size", "16", "--mixed-precision", "bf16"] + base,
             "1f1b, pp 2 x dp_shard 2 x tp 2, bf16, activation checkpointing", B=16, M=4, dp=2, units=3, rtol=3e-2,
             elt=2)
+    fp16 = compare(a, 4, ["--n-layer", "4", "--pp", "2", "--microbatches", "4", "--pp-schedule", "1f1b",
+                          "--batch-size", "16", "--mixed-precision", "fp16", "--clip", "1.0"] + base,
+                   ["--n-layer", "4", "--batch-size", "16", "--mixed-precision", "fp16", "--clip", "1.0"] + base,
+                   "1f1b, pp 2 x dp_shard 2, fp16", B=16, M=4, dp=2, units=3, rtol=3e-2, elt=2)
+    if fp16[0]["grad_norm"] is not None or any(r["grad_norm"] is None for r in fp16[1:]):
+        sys.exit(f"FAILED: fp16 under --pp: want the first step skipped (an overflow at the initial scale) and "
+                 f"the rest stepped: grad norms {[r['grad_norm'] for r in fp16]}")
     # Activation checkpointing with several microbatches in flight (1F1B at pp 2 holds 2 on the first
     # stage): one rank's losses, and a lower peak than the same run storing its activations.
     plain = compare(a, 2, ["--n-layer", "4", "--pp", "2", "--microbatches", "4", "--pp-schedule", "1f1b",

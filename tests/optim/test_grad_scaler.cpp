@@ -1,7 +1,9 @@
 // fp16 with fsdp::optim::ShardedGradScaler (optim/grad_scaler.h): against plain LibTorch scaling by
-// hand with PyTorch's kernels; an overflow on one rank skips the step on all; its state through a
+// hand with PyTorch's kernels; an overflow on one rank skips the step on all, and over a pipeline's
+// stages an overflow in one stage skips the step on every rank of every stage; its state through a
 // checkpoint's metadata, exact; what it refuses.
 #include "checkpoint/checkpoint.h"
+#include "pp/stage_mesh.h"
 #include "tests/mixed_reference.h"
 
 #include <ATen/ops/_amp_foreach_non_finite_check_and_unscale.h>
@@ -107,6 +109,47 @@ TEST(GradScaler, AnOverflowOnOneRankSkipsTheStepOnAll) {
     loss = gpt_loss(model(local_rows(x, r.rank, 2)), local_rows(y, r.rank, 2));
     scaler.scale(loss).backward();
     EXPECT_TRUE(scaler.step(opt));
+    scaler.update();
+  });
+}
+
+// Over a pipeline (pp 2, dp_shard 2): each stage a model over its own two ranks, one scaler over the
+// stages. An inf in one rank of the second stage skips the step on all four; the next clean step
+// steps all.
+TEST(GradScaler, AnOverflowInOneStageSkipsTheStepOnEveryStage) {
+  run_ranks(4, [&](Rank& r) {
+    DeviceMesh mesh(r.pg, {{kPipeDim, 2}, {kShardDim, 2}});
+    const DeviceMesh stage = pp::stage_mesh(mesh);
+    torch::manual_seed(static_cast<uint64_t>(mesh.coordinate(kPipeDim)));  // the stages differ
+    auto model = fsdp::fully_shard(gpt::make_gpt<true>(kCfg), stage, fp16_options());
+    fsdp::optim::ShardedGradScaler scaler({model}, mesh.group(kPipeDim),
+                                          fsdp::optim::GradScalerOptions().init_scale(1024));
+    torch::optim::AdamW opt(model.parameters(), torch::optim::AdamWOptions(1e-2));
+    auto [x, y] = gpt_batch(kCfg, 4100);
+    const int d = mesh.coordinate(kShardDim);
+    auto backward = [&] {
+      opt.zero_grad();
+      scaler.scale(gpt_loss(model(local_rows(x, d, 2)), local_rows(y, d, 2))).backward();
+    };
+    backward();
+    std::vector<torch::Tensor> before;
+    for (const auto& p : model.parameters()) before.push_back(p.detach().clone());
+    if (r.rank == 3) {  // stage 1's second rank
+      for (const auto& p : model.parameters()) {
+        if (p.grad().defined() && p.grad().numel() > 0) {
+          p.grad().view({-1})[0] = std::numeric_limits<float>::infinity();
+          break;
+        }
+      }
+    }
+    EXPECT_FALSE(scaler.step({&opt})) << "rank " << r.rank << " must skip: a rank of stage 1 overflowed";
+    EXPECT_TRUE(scaler.found_inf());
+    scaler.update();
+    EXPECT_EQ(scaler.get_scale(), 512.0);
+    auto params = model.parameters();
+    for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(torch::equal(params[i], before[i])) << "parameter " << i;
+    backward();
+    EXPECT_TRUE(scaler.step({&opt})) << "rank " << r.rank;
     scaler.update();
   });
 }

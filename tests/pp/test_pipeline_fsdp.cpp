@@ -158,8 +158,9 @@ void zero_bubble_under_mixed_precision(Rank& r) {
 // Each stage built inside a ShardingScope over its own ranks: its decoder layers sharded as each is
 // built. The shards are those of the same stage built whole and wrapped; the peak while building is
 // exactly, from the shapes, the root's embedding (built first), the shards of the layers before,
-// and one layer whole beside its new shard (its initialization's temporaries, two of its largest
-// weight, are smaller), or at the end the root whole beside every shard: never the whole stage.
+// and one layer whole beside its new shard or its initialization's two temporaries (of its largest
+// weight), whichever is larger, or at the end the root whole beside every shard: never the whole
+// stage.
 void built_sharded(Rank& r) {
   auto cfg = fsdp_config();
   cfg.n_layer = 7;                 // 4 and 3 layers: at 2 ranks a stage of 2 would peak at its whole size
@@ -198,9 +199,13 @@ void built_sharded(Rank& r) {
     EXPECT_EQ(a[u].name, b[u].name);
     EXPECT_TRUE(torch::equal(a[u].flat_shard, b[u].flat_shard)) << "unit '" << a[u].name << "' on rank " << r.rank;
     if (u == 0) continue;  // the root: sharded by fully_shard, after the layers
-    int64_t layer = 0;
-    for (const auto& name : a[u].params) layer += bytes.at(name);
-    bound = std::max(bound, embedding + shards + layer + a[u].shard_numel * 4);
+    int64_t layer = 0, largest = 0;
+    for (const auto& name : a[u].params) {
+      layer += bytes.at(name);
+      largest = std::max(largest, bytes.at(name));
+    }
+    // The layer whole beside its initialization's two temporaries, then beside its new shard.
+    bound = std::max(bound, embedding + shards + layer + std::max(2 * largest, a[u].shard_numel * 4));
     shards += a[u].shard_numel * 4;
   }
   // Then the root initialized (two temporaries of its largest weight), and sharded by fully_shard.
