@@ -11,6 +11,7 @@
 #include "checkpoint/manifest.h"
 #include "checkpoint/pipelined.h"
 #include "data/distributed_sampler.h"
+#include "optim/grad_scaler.h"
 #include "programs/flags.h"
 #include "programs/json_row.h"
 
@@ -99,6 +100,21 @@ class Checkpoints {
                 << " (its data order); to train with another seed, start a new --save-dir\n";
     }
     return path;
+  }
+
+  /// fp16 resumed: the checkpoint's loss scale and growth count (saved from scaler.state_dict() in
+  /// its metadata; a fresh scale would overflow and skip steps the uninterrupted run took). A
+  /// checkpoint without them (saved in fp32 or bf16) leaves the initial scale, said on rank 0's
+  /// stderr. Nothing when the scaler is off.
+  static void restore_loss_scale(fsdp::optim::ShardedGradScaler& scaler, const fsdp::checkpoint::Metadata& metadata,
+                                 int rank, const std::string& who) {
+    if (!scaler.options().enabled()) return;
+    if (metadata.count("grad_scaler.scale") != 0U) {
+      scaler.load_state_dict(metadata);
+    } else if (rank == 0) {
+      std::cerr << who << ": the checkpoint holds no fp16 loss scale (saved without --mixed-precision fp16): "
+                << "starting from the initial scale " << scaler.get_scale() << "\n";
+    }
   }
 
   /// What a resume read, on rank 0: a JSON row (with --json) of the bytes it needed and read over

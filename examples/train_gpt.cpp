@@ -255,6 +255,7 @@ int run(const Args& args) {
     const auto res = fsdp::checkpoint::load(resume_from, model, *opt,
                                             fsdp::checkpoint::LoadOptions().sampler(&sampler).in_place(true));
     first_step = res.step;
+    examples::Checkpoints::restore_loss_scale(scaler, res.metadata, rank, who());
     const auto batch = res.metadata.find("global_batch");
     if (rank == 0) {
       std::cerr << who() << ": resumed from '" << res.path << "' (saved by " << res.saved_world_size
@@ -426,9 +427,11 @@ int run(const Args& args) {
           << "), check --data, or clip with --clip MAX_NORM.";
       throw std::runtime_error(msg.str());
     }
-    const std::string saved = checkpoints.after_step(
-        step, model, *opt, sampler,
+    // fp16: the loss scale and its growth count go with the checkpoint (grad_scaler.*).
+    fsdp::checkpoint::Metadata meta = scaler.state_dict();
+    meta.insert(
         {{"seed", std::to_string(seed)}, {"global_batch", std::to_string(args.batch_size)}, {"example", "train_gpt"}});
+    const std::string saved = checkpoints.after_step(step, model, *opt, sampler, meta);
     if (rank == 0 && !saved.empty()) std::cerr << who() << ": " << saved << "\n";
   }
   outer.flush();  // --overlap: the last outer exchange, still in flight

@@ -365,6 +365,7 @@ int run(const Args& args) {
     first_step = res.step;
     // What the load read, over every rank, against what it needed.
     if (rank == 0) examples::Checkpoints::print_resumed(res, mesh.shape_text(), args.json, who());
+    examples::Checkpoints::restore_loss_scale(scaler, res.metadata, rank, who());
   }
   if (rank == 0 && !args.json) {
     std::cout << "train_llama: " << W << " rank(s) as mesh " << mesh.shape_text() << ", " << n_params << " parameters, "
@@ -460,10 +461,12 @@ int run(const Args& args) {
       throw std::runtime_error("the loss of step " + std::to_string(step) +
                                " is not finite: training diverged. Lower --lr, or clip with --clip MAX_NORM.");
     }
-    const std::string saved = checkpoints.after_step(step, model, *opt, sampler,
-                                                     {{"seed", std::to_string(seed)},
-                                                      {"global_batch", std::to_string(args.batch_size)},
-                                                      {"example", "train_llama"}});
+    // fp16: the loss scale and its growth count go with the checkpoint (grad_scaler.*).
+    fsdp::checkpoint::Metadata meta = scaler.state_dict();
+    meta.insert({{"seed", std::to_string(seed)},
+                 {"global_batch", std::to_string(args.batch_size)},
+                 {"example", "train_llama"}});
+    const std::string saved = checkpoints.after_step(step, model, *opt, sampler, meta);
     if (rank == 0 && !saved.empty() && !args.json) std::cerr << who() << ": " << saved << "\n";
   }
   checkpoints.finish();

@@ -189,6 +189,7 @@ int train_pipelined(const PipelinedRun& run, fsdp::programs::Program& program) {
                                             fsdp::checkpoint::LoadOptions().sampler(&sampler).in_place(true));
     first_step = res.step;
     if (rank == 0) examples::Checkpoints::print_resumed(res, mesh.shape_text(), run.json, program.who());
+    examples::Checkpoints::restore_loss_scale(scaler, res.metadata, rank, program.who());
   }
   if (!run.prompt.empty()) {
     const at::Tensor logits =
@@ -298,9 +299,11 @@ int train_pipelined(const PipelinedRun& run, fsdp::programs::Program& program) {
       throw std::runtime_error("the loss of step " + std::to_string(step) +
                                " is not finite: training diverged. Lower --lr, or clip with --clip MAX_NORM.");
     }
-    const std::string saved = checkpoints.after_step(
-        step, mesh, checkpointed, sampler,
+    // fp16: the loss scale and its growth count go with the checkpoint (grad_scaler.*).
+    fsdp::checkpoint::Metadata meta = scaler.state_dict();
+    meta.insert(
         {{"seed", std::to_string(seed)}, {"global_batch", std::to_string(run.batch_size)}, {"example", "train_llama"}});
+    const std::string saved = checkpoints.after_step(step, mesh, checkpointed, sampler, meta);
     if (rank == 0 && !saved.empty() && !run.json) std::cerr << program.who() << ": " << saved << "\n";
   }
   if (!run.export_hf.empty()) {

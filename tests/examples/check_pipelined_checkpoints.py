@@ -17,6 +17,10 @@ whole model, resumed on any mesh, training continuing as uninterrupted.
   steps; the second stage's worker SIGKILLed mid-run: the agent restarts both once, they resume from
   the latest checkpoint, and every step is logged with the uninterrupted losses (1e-5), the job
   ending with exit 0.
+- fp16 at pp 2 (one loss scaler over the stages): saved after step 3, resumed on the same mesh and at
+  one rank, the remaining steps give the uninterrupted fp16 run's losses exactly (the loss scale and its
+  growth count travel in the checkpoint's metadata; without them the resumed run would start again
+  from the initial scale, overflow and skip a step).
 - `--async-save` with --pp is refused before any step (exit 2).
 """
 import argparse
@@ -159,6 +163,16 @@ def main():
         print(f"--export-hf at (pp 2, dp_shard 2): {len(got)} tensors, bit for bit its checkpoint's export at one "
               f"rank; from_pretrained's logits within {err:.2e} of the C++ model's")
 
+        # fp16: the loss scale continues from the checkpoint.
+        f = os.path.join(tmp, "fp16")
+        fp16 = ["--n-layer", "4", "--batch-size", "16", "--mixed-precision", "fp16", "--seed", "1", "--json"]
+        piped = ["--pp", "2", "--microbatches", "4"]
+        whole = losses(a, 2, fp16 + piped + ["--steps", "6"])
+        losses(a, 2, fp16 + piped + ["--steps", "3", "--save-dir", f, "--save-every", "3"])
+        continues("fp16 at pp 2, resumed at pp 2", losses(a, 2, fp16 + piped + ["--steps", "6", "--save-dir", f,
+                                                                                "--resume"]), whole, 3, 6, rtol=0)
+        continues("fp16 saved at pp 2, resumed at one rank",
+                  losses(a, 1, fp16 + ["--steps", "6", "--save-dir", f, "--resume"]), whole, 3, 6, rtol=3e-3)
         elastic(a, tmp)
 
         # --async-save with --pp: refused before any step.
