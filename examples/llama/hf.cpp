@@ -114,28 +114,10 @@ void load_weights(const std::string& dir, torch::nn::Module& model, const Config
   }
   torch::NoGradGuard no_grad;
   std::set<std::string> used;
-  // A stage: the whole model's tensors checked first, so that every stage's ranks refuse the same
-  // files alike (one stage refusing alone would leave the others waiting in their first transfer).
-  if (stage_of != nullptr) {
-    for (const auto& want : whole_tensors(*stage_of)) {
-      const auto f = file_of.find(want.name);
-      if (f == file_of.end())
-        refuse(dir, "no tensor '" + want.name + "' in its weights (is config.json this model's?)");
-      const ck::FileRecord& rec = header(f->second);
-      const auto t = std::find_if(rec.tensors.begin(), rec.tensors.end(),
-                                  [&](const ck::TensorRecord& r) { return r.name == want.name; });
-      if (t == rec.tensors.end()) {
-        refuse(dir, f->second + " has no tensor '" + want.name + "', which the index says it holds");
-      }
-      if (t->shape != want.shape) {
-        refuse(dir, "tensor '" + want.name + "' in " + f->second + " has shape " +
-                        c10::str(c10::IntArrayRef(t->shape)) + ", the model's is " +
-                        c10::str(c10::IntArrayRef(want.shape)) + " (is config.json this file's?)");
-      }
-    }
-  }
-  for (auto& sp : split_parameters(model)) {
-    const std::string& name = sp.name;
+  // Tensor `name` in the files, of the whole shape `full`: its file's header and its record, or a
+  // refusal naming it and the file.
+  auto stored = [&](const std::string& name,
+                    const std::vector<int64_t>& full) -> std::pair<const ck::FileRecord*, const ck::TensorRecord*> {
     const auto f = file_of.find(name);
     if (f == file_of.end()) refuse(dir, "no tensor '" + name + "' in its weights (is config.json this model's?)");
     used.insert(name);
@@ -145,17 +127,28 @@ void load_weights(const std::string& dir, torch::nn::Module& model, const Config
     if (t == rec.tensors.end()) {
       refuse(dir, f->second + " has no tensor '" + name + "', which the index says it holds");
     }
-    at::Tensor& local = sp.param;
-    const fsdp::TensorSplit how = sp.split.value_or(fsdp::TensorSplit{});
-    std::vector<int64_t> full = local.sizes().vec();
-    if (how.split()) full[how.dim] *= how.parts;
     if (t->shape != full) {
       refuse(dir, "tensor '" + name + "' in " + f->second + " has shape " + c10::str(c10::IntArrayRef(t->shape)) +
                       ", the model's is " + c10::str(c10::IntArrayRef(full)) + " (is config.json this file's?)");
     }
+    return {&rec, &*t};
+  };
+  // A stage: the whole model's tensors checked first, so that every stage's ranks refuse the same
+  // files alike (one stage refusing alone would leave the others waiting in their first transfer);
+  // the other stages' tensors are theirs, not unused.
+  if (stage_of != nullptr) {
+    for (const auto& want : whole_tensors(*stage_of)) stored(want.name, want.shape);
+  }
+  for (auto& sp : split_parameters(model)) {
+    const std::string& name = sp.name;
+    at::Tensor& local = sp.param;
+    const fsdp::TensorSplit how = sp.split.value_or(fsdp::TensorSplit{});
+    std::vector<int64_t> full = local.sizes().vec();
+    if (how.split()) full[how.dim] *= how.parts;
+    const auto [rec, t] = stored(name, full);
     // This rank's part: for each index over the dimensions before the split one, one run of
     // part-size x (the elements after it); a tensor not split is one run.
-    const at::ScalarType type = ck::scalar_type_of(t->dtype, rec.path);
+    const at::ScalarType type = ck::scalar_type_of(t->dtype, rec->path);
     const int64_t es = static_cast<int64_t>(c10::elementSize(type));
     const int64_t d = how.split() ? how.dim : 0;
     int64_t outer = 1, inner = 1;
@@ -167,16 +160,12 @@ void load_weights(const std::string& dir, torch::nn::Module& model, const Config
     auto* dst = static_cast<char*>(buf.data_ptr());
     for (int64_t o = 0; o < outer; ++o) {
       const uint64_t at = t->begin + static_cast<uint64_t>(((o * n_full) + first) * inner * es);
-      ck::read_bytes(rec.path, at, static_cast<uint64_t>(n * inner * es), dst + o * n * inner * es);
+      ck::read_bytes(rec->path, at, static_cast<uint64_t>(n * inner * es), dst + o * n * inner * es);
     }
     local.copy_(buf);
   }
   // Tensors the model has no parameter for (more layers than config.json says, another model's
   // file): loaded nothing from them, said so. A tied head's lm_head.weight, if stored, is one.
-  // A stage: the other stages' tensors are theirs, not unused.
-  if (stage_of != nullptr) {
-    for (const auto& t : whole_tensors(*stage_of)) used.insert(t.name);
-  }
   std::vector<std::string> unused;
   for (const auto& [name, file] : file_of) {
     if (used.count(name) == 0U) unused.push_back(name);

@@ -47,13 +47,10 @@ struct PipelinedLlama {
         ranges(fsdp::pp::StageSplit::uniform(c.n_layer).split(layout.stages())) {
     for (const int64_t s : layout.stages_of(pp_rank)) {
       torch::manual_seed(seed);
-      if (shard_as_built) {
-        fsdp::ShardingScope scope(shard_as_built->stage_mesh, shard_as_built->options);
-        models.emplace_back(c, blocks, vocab, ranges[static_cast<size_t>(s)]);
-        sharded.push_back(fsdp::fully_shard(models.back(), scope));
-      } else {
-        models.emplace_back(c, blocks, vocab, ranges[static_cast<size_t>(s)]);
-      }
+      std::optional<fsdp::ShardingScope> scope;
+      if (shard_as_built) scope.emplace(shard_as_built->stage_mesh, shard_as_built->options);
+      models.emplace_back(c, blocks, vocab, ranges[static_cast<size_t>(s)]);
+      if (scope) sharded.push_back(fsdp::fully_shard(models.back(), *scope));
       indices.push_back(s);
     }
   }

@@ -147,8 +147,8 @@ int train_pipelined(const PipelinedRun& run, fsdp::programs::Program& program) {
   PipelinedLlama stages(cfg, blocks, vocab, layout, mesh.coordinate(fsdp::kPipeDim), run.seed, as_built);
   // --from-hf: each stage reads its own tensors (a tied head's embedding on the last stage too, the
   // same bytes as the first stage's, so the two start as one value).
-  for (auto& m : stages.models) {
-    if (!run.from_hf.empty()) hf::load_weights(run.from_hf, *m, &cfg);
+  if (!run.from_hf.empty()) {
+    for (auto& m : stages.models) hf::load_weights(run.from_hf, *m, &cfg);
   }
   // The whole model's parameters, over the stages (a sharded parameter keeps its full shape).
   auto count = torch::tensor({stages.whole_parameters()}, torch::kLong);
